@@ -1,0 +1,5 @@
+"""Triton kernels of tpsample (installed as tpsample.kernels). No torch.distributed here."""
+from .fused_sample import RECORD_FIELDS, fused_sample_records_kernel, gumbel_noise
+from .reduce_records import reduce_records_kernel
+
+__all__ = ["RECORD_FIELDS", "fused_sample_records_kernel", "gumbel_noise", "reduce_records_kernel"]

@@ -1,0 +1,107 @@
+"""Stage 1 of the fused sampler: LM-head tile + transforms + Gumbel noise → candidate records.
+
+One program owns a [BLOCK_V, BLOCK_B] tile of logits (vocabulary × batch: the vocabulary
+is the MMA's M side, so B = 1 still fills the tensor core), accumulates it in fp32 over
+D, applies bias / temperature / padded-vocabulary mask, and writes one record per
+(sample, row, tile):
+
+    rec[s, b, t] = (best perturbed score, its global token id, its transformed logit,
+                    logsumexp of the tile's transformed logits)
+
+Token ids are stored as float32 (exact below 2**24; the API checks vocab_size). The
+[B, V] logits never leave registers. See tpsample/merge.py for why the records suffice.
+"""
+import triton
+import triton.language as tl
+
+RECORD_FIELDS = 4  # score, token, logit, lse
+TWO_POW_M23: tl.constexpr = 1.0 / 8388608.0
+
+
+@triton.jit
+def gumbel_noise(seed, off_lo, off_hi, c1, gid):
+    """Gumbel noise for global ids `gid` [BV, 1]; seed/off_* per row [1, BB] (see noise.py)."""
+    zero = tl.zeros_like(gid + seed).to(tl.uint32)
+    c0 = (gid >> 2).to(tl.uint32) + zero
+    r0, r1, r2, r3 = tl.philox(seed + zero.to(tl.int64), c0, c1 + zero, off_lo + zero,
+                               off_hi + zero)
+    lane = (gid & 3) + zero.to(gid.dtype)
+    x = tl.where(lane == 0, r0, r1)
+    x = tl.where(lane == 2, r2, x)
+    x = tl.where(lane == 3, r3, x)
+    u = ((x >> 9).to(tl.float32) + 0.5) * TWO_POW_M23
+    return -tl.log(-tl.log(u))
+
+
+@triton.jit
+def fused_sample_records_kernel(
+    h_ptr, w_ptr, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr,
+    B, D, V_rows, n_real, vocab_start, num_samples,
+    stride_hb, stride_wv, rec_stride_s, rec_stride_b,
+    HAS_BIAS: tl.constexpr, EVEN_D: tl.constexpr, FP32_DOT: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    # inv_temp[b] == 0 marks a greedy row: logits at T = 1, no noise.
+    pid_b = tl.program_id(0)  # batch tiles vary fastest: neighbours share the W tile in L2
+    pid_v = tl.program_id(1)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    offs_b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_v = offs_v < V_rows
+    mask_b = offs_b < B
+
+    w_ptrs = w_ptr + offs_v[:, None].to(tl.int64) * stride_wv + offs_d[None, :]
+    h_ptrs = h_ptr + offs_b[None, :].to(tl.int64) * stride_hb + offs_d[:, None]
+    acc = tl.zeros((BLOCK_V, BLOCK_B), dtype=tl.float32)
+    for k in tl.range(0, D, BLOCK_D, num_stages=NUM_STAGES):
+        if EVEN_D:
+            w = tl.load(w_ptrs, mask=mask_v[:, None], other=0.0)
+            h = tl.load(h_ptrs, mask=mask_b[None, :], other=0.0)
+        else:
+            w = tl.load(w_ptrs, mask=mask_v[:, None] & (offs_d[None, :] + k < D), other=0.0)
+            h = tl.load(h_ptrs, mask=mask_b[None, :] & (offs_d[:, None] + k < D), other=0.0)
+        if FP32_DOT:
+            acc = tl.dot(w, h, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, h, acc)
+        w_ptrs += BLOCK_D
+        h_ptrs += BLOCK_D
+
+    # Transforms: l = (h.w + bias) * (1 / T); rows beyond the real vocabulary are -inf.
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_v, mask=mask_v, other=0.0)
+        acc += bias[:, None]
+    inv_t = tl.load(inv_temp_ptr + offs_b, mask=mask_b, other=1.0)
+    greedy = inv_t == 0.0
+    scale = tl.where(greedy, 1.0, inv_t)
+    l = acc * scale[None, :]
+    l = tl.where((offs_v < n_real)[:, None], l, float("-inf"))
+    is_nan = l != l
+    l = tl.where(is_nan, float("-inf"), l)
+
+    # The tile's log-mass (NaN if any logit of the row in this tile was NaN).
+    m = tl.max(l, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    lse = m_safe + tl.log(tl.sum(tl.exp(l - m_safe[None, :]), axis=0))
+    lse = tl.where(tl.max(is_nan.to(tl.int32), axis=0) > 0, float("nan"), lse)
+
+    seed = tl.load(seed_ptr + offs_b, mask=mask_b, other=0)[None, :]
+    off = tl.load(offset_ptr + offs_b, mask=mask_b, other=0)
+    off_lo = (off & 0xFFFFFFFF).to(tl.uint32)[None, :]
+    off_hi = ((off >> 32) & 0xFFFFFFFF).to(tl.uint32)[None, :]
+    gid = (vocab_start + offs_v)[:, None]
+    local = tl.arange(0, BLOCK_V)[:, None]
+
+    rec = rec_ptr + offs_b.to(tl.int64) * rec_stride_b + pid_v * 4
+    for s in range(num_samples):
+        g = gumbel_noise(seed, off_lo, off_hi, tl.cast(s, tl.uint32), gid)
+        z = tl.where(greedy[None, :], l, l + g)
+        best, idx = tl.max(z, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        logit = tl.sum(tl.where(local == idx[None, :], l, 0.0), axis=0)
+        token = (vocab_start + pid_v * BLOCK_V + idx).to(tl.float32)
+        tl.store(rec + 0, best, mask=mask_b)
+        tl.store(rec + 1, token, mask=mask_b)
+        tl.store(rec + 2, logit, mask=mask_b)
+        tl.store(rec + 3, lse, mask=mask_b)
+        rec += rec_stride_s

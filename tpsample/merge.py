@@ -1,0 +1,96 @@
+"""The exactness math: how candidate records become exact samples.
+
+Setting. Row b has transformed logits l_i over the real vocabulary, p = softmax(l),
+and log Z = logsumexp(l). The vocabulary is partitioned into groups (kernel tiles,
+tensor-parallel shards × tiles, or streamed chunks). Group k reports a record
+(best perturbed score z*_k, its token i*_k, its logit l_{i*_k}, its log-mass L_k =
+logsumexp(l over k)).
+
+1. Gumbel-max. With g_i i.i.d. Gumbel(0, 1), argmax_i (l_i + g_i) ~ p.
+2. Pathwise max ("max" merge). max_i = max_k max_{i in k}, so the token of the record
+   with the largest z*_k IS the full-row argmax, path by path, for any partition.
+   Since g_i depends only on (seed, offset, sample, global id i), the token is the
+   same for every tiling, batch layout and TP degree (up to fp32 rounding of l).
+3. Max-stability ("logmass" merge). max_{i in k}(l_i + g_i) ~ Gumbel(L_k, 1),
+   independent across disjoint groups, and independent of which i attains it. So
+   choose group k with fresh Gumbels h_k: argmax_k (L_k + h_k) ~ softmax(L), then
+   take that group's within-group winner i*_k ~ softmax(l over k). The product is
+   P(k) P(i | k) = (Z_k / Z) (p_i Z / Z_k) = p_i: exact in distribution. It depends on
+   the partition (the fresh h_k are per group), so tokens are not TP-invariant.
+4. Binary merge (streaming, OnlineSampler). State (L_A, i_A) and a new group
+   (L_B, i_B): L = logaddexp(L_A, L_B); keep i_B with probability exp(L_B - L) =
+   1 / (1 + exp(L_A - L_B)). By induction the state after the last group is an exact
+   sample from p and L = log Z.
+5. log Z = logsumexp_k L_k in every mode, and log p(token) = l_token - log Z.
+
+Degenerate rows (log Z not finite: every logit -inf, a NaN, or +inf) return token 0,
+logprob NaN and their non-finite log Z, so callers detect them with isfinite(logz)
+without a host sync; an index outside [0, vocab_size) is never returned.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import noise
+
+NO_TOKEN = float(1 << 24)  # above every valid token id (ids are stored as float32)
+
+
+def pathwise_max(score: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """Index (along the last dim) of the largest score; ties go to the smallest token id."""
+    best = score.amax(dim=-1, keepdim=True)
+    cand = torch.where(score == best, token, torch.full_like(token, NO_TOKEN))
+    return cand.argmin(dim=-1)
+
+
+def group_gumbel_choice(log_mass: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor,
+                        sample: int) -> torch.Tensor:
+    """argmax_k (L_k + h_k), h_k fresh Gumbels keyed by the group's record index k.
+
+    log_mass [B, N] float32, seed/offset [B] int64 → index [B] (fact 3).
+    """
+    index = torch.arange(log_mass.shape[-1], device=log_mass.device)[None, :]
+    h = noise.gumbel(seed[:, None], offset[:, None], sample, index, stream=noise.GROUP_STREAM)
+    return (log_mass + h).nan_to_num(nan=float("-inf")).argmax(dim=-1)
+
+
+def binary_merge(log_mass_a: torch.Tensor, log_mass_b: torch.Tensor,
+                 u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fact 4: (take_b, merged log-mass) given a uniform u in (0, 1) per row."""
+    merged = torch.logaddexp(log_mass_a, log_mass_b)
+    p_take_b = torch.sigmoid(log_mass_b - log_mass_a)  # 1 / (1 + exp(L_A - L_B))
+    p_take_b = torch.where(log_mass_a == float("-inf"),
+                           (log_mass_b > float("-inf")).to(p_take_b.dtype), p_take_b)
+    return u < p_take_b, merged
+
+
+def finish(token: torch.Tensor, logit: torch.Tensor, logz: torch.Tensor):
+    """Fact 5 and the degenerate-row rule. token/logit [B, S] float32, logz [B]."""
+    ok = torch.isfinite(logz)[:, None]
+    tokens = torch.where(ok, token, torch.zeros_like(token)).to(torch.int64)
+    logprobs = torch.where(ok, logit - logz[:, None], torch.full_like(logit, float("nan")))
+    return tokens, logprobs
+
+
+def reduce_records(records: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor,
+                   greedy: torch.Tensor, merge: str):
+    """Records [slots, S, B, T, 4] (score, token, logit, lse) → tokens int64 [B, S],
+    logprobs float32 [B, S], logz float32 [B].
+
+    The N = slots × T records of a row are every group of the partition (all tiles of all
+    shards); group n is slot n // T, tile n % T. seed/offset [B] int64; greedy [B] bool
+    rows always use the pathwise max (their score has no noise).
+    """
+    slots, S, B, T, _ = records.shape
+    records = records.permute(1, 2, 0, 3, 4).reshape(S, B, slots * T, 4)
+    score, token, logit, lse = records.unbind(dim=-1)
+    logz = torch.logsumexp(lse[0], dim=-1)
+    pick = pathwise_max(score, token)  # [S, B]
+    if merge == "logmass":
+        by_mass = torch.stack([group_gumbel_choice(lse[s], seed, offset, s)
+                               for s in range(S)])
+        pick = torch.where(greedy[None, :], pick, by_mass)
+    pick = pick[..., None]
+    tok = token.gather(-1, pick)[..., 0].T
+    lg = logit.gather(-1, pick)[..., 0].T
+    return (*finish(tok, lg, logz), logz)
