@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 RECORD_FIELDS = 4  # score, token, logit, lse
-TWO_POW_M23: tl.constexpr = 1.0 / 8388608.0
+TWO_POW_M23 = tl.constexpr(1.0 / 8388608.0)
 
 
 @triton.jit
@@ -29,8 +29,76 @@ def gumbel_noise(seed, off_lo, off_hi, c1, gid):
     x = tl.where(lane == 0, r0, r1)
     x = tl.where(lane == 2, r2, x)
     x = tl.where(lane == 3, r3, x)
+    return bits_to_gumbel(x)
+
+
+@triton.jit
+def bits_to_gumbel(x):
     u = ((x >> 9).to(tl.float32) + 0.5) * TWO_POW_M23
     return -tl.log(-tl.log(u))
+
+
+@triton.jit
+def gumbel_noise_tile(seed, off_lo, off_hi, c1, gid0, BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr):
+    """gumbel_noise for the BLOCK_V consecutive ids gid0 + [0, BLOCK_V), gid0 % 4 == 0:
+    one Philox call per four ids (its four words are the four lanes). [BLOCK_V, BLOCK_B]."""
+    q = (gid0 >> 2) + tl.arange(0, BLOCK_V // 4)
+    zero = tl.zeros((BLOCK_V // 4, BLOCK_B), dtype=tl.uint32)
+    r0, r1, r2, r3 = tl.philox(seed + zero.to(tl.int64), q.to(tl.uint32)[:, None] + zero,
+                               c1 + zero, off_lo + zero, off_hi + zero)
+    x = tl.join(tl.join(r0, r2), tl.join(r1, r3))  # [V/4, B, k, a] holds word 2k + a
+    x = tl.reshape(tl.permute(x, (0, 2, 3, 1)), (BLOCK_V, BLOCK_B))  # id 4q + 2k + a
+    return bits_to_gumbel(x)
+
+
+@triton.jit
+def tile_records_epilogue(
+    acc, pid_v, offs_b, mask_b, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr,
+    V_rows, n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b,
+    HAS_BIAS: tl.constexpr, ALIGNED4: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    """acc [BLOCK_V, BLOCK_B] raw fp32 logits of tile pid_v → one record per (sample, row).
+
+    inv_temp[b] == 0 marks a greedy row: logits at T = 1, no noise."""
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    # Transforms: l = (h.w + bias) * (1 / T); rows beyond the real vocabulary are -inf.
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_v, mask=offs_v < V_rows, other=0.0)[:, None]
+    inv_t = tl.load(inv_temp_ptr + offs_b, mask=mask_b, other=1.0)
+    greedy = inv_t == 0.0
+    l = acc * tl.where(greedy, 1.0, inv_t)[None, :]
+    l = tl.where((offs_v < n_real)[:, None], l, float("-inf"))
+    is_nan = l != l
+    l = tl.where(is_nan, float("-inf"), l)
+
+    # The tile's log-mass (NaN if any logit of the row in this tile was NaN).
+    m = tl.max(l, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    lse = m_safe + tl.log(tl.sum(tl.exp(l - m_safe[None, :]), axis=0))
+    lse = tl.where(tl.max(is_nan.to(tl.int32), axis=0) > 0, float("nan"), lse)
+
+    seed = tl.load(seed_ptr + offs_b, mask=mask_b, other=0)[None, :]
+    off = tl.load(offset_ptr + offs_b, mask=mask_b, other=0)
+    off_lo = (off & 0xFFFFFFFF).to(tl.uint32)[None, :]
+    off_hi = ((off >> 32) & 0xFFFFFFFF).to(tl.uint32)[None, :]
+    tile_start = vocab_start + pid_v * BLOCK_V
+    local = tl.arange(0, BLOCK_V)[:, None]
+
+    rec = rec_ptr + offs_b.to(tl.int64) * rec_stride_b + pid_v * 4
+    for s in range(num_samples):
+        if ALIGNED4:
+            g = gumbel_noise_tile(seed, off_lo, off_hi, tl.cast(s, tl.uint32), tile_start,
+                                  BLOCK_V, BLOCK_B)
+        else:
+            g = gumbel_noise(seed, off_lo, off_hi, tl.cast(s, tl.uint32), tile_start + local)
+        z = tl.where(greedy[None, :], l, l + g)
+        best, idx = tl.max(z, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        logit = tl.sum(tl.where(local == idx[None, :], l, 0.0), axis=0)
+        tl.store(rec + 0, best, mask=mask_b)
+        tl.store(rec + 1, (tile_start + idx).to(tl.float32), mask=mask_b)
+        tl.store(rec + 2, logit, mask=mask_b)
+        tl.store(rec + 3, lse, mask=mask_b)
+        rec += rec_stride_s
 
 
 @triton.jit
@@ -38,11 +106,10 @@ def fused_sample_records_kernel(
     h_ptr, w_ptr, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr,
     B, D, V_rows, n_real, vocab_start, num_samples,
     stride_hb, stride_wv, rec_stride_s, rec_stride_b,
-    HAS_BIAS: tl.constexpr, EVEN_D: tl.constexpr, FP32_DOT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_D: tl.constexpr, FP32_DOT: tl.constexpr, ALIGNED4: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
-    # inv_temp[b] == 0 marks a greedy row: logits at T = 1, no noise.
     pid_b = tl.program_id(0)  # batch tiles vary fastest: neighbours share the W tile in L2
     pid_v = tl.program_id(1)
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -67,41 +134,25 @@ def fused_sample_records_kernel(
             acc = tl.dot(w, h, acc)
         w_ptrs += BLOCK_D
         h_ptrs += BLOCK_D
+    tile_records_epilogue(acc, pid_v, offs_b, mask_b, bias_ptr, inv_temp_ptr, seed_ptr,
+                          offset_ptr, rec_ptr, V_rows, n_real, vocab_start, num_samples,
+                          rec_stride_s, rec_stride_b, HAS_BIAS, ALIGNED4, BLOCK_V, BLOCK_B)
 
-    # Transforms: l = (h.w + bias) * (1 / T); rows beyond the real vocabulary are -inf.
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_v, mask=mask_v, other=0.0)
-        acc += bias[:, None]
-    inv_t = tl.load(inv_temp_ptr + offs_b, mask=mask_b, other=1.0)
-    greedy = inv_t == 0.0
-    scale = tl.where(greedy, 1.0, inv_t)
-    l = acc * scale[None, :]
-    l = tl.where((offs_v < n_real)[:, None], l, float("-inf"))
-    is_nan = l != l
-    l = tl.where(is_nan, float("-inf"), l)
 
-    # The tile's log-mass (NaN if any logit of the row in this tile was NaN).
-    m = tl.max(l, axis=0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    lse = m_safe + tl.log(tl.sum(tl.exp(l - m_safe[None, :]), axis=0))
-    lse = tl.where(tl.max(is_nan.to(tl.int32), axis=0) > 0, float("nan"), lse)
-
-    seed = tl.load(seed_ptr + offs_b, mask=mask_b, other=0)[None, :]
-    off = tl.load(offset_ptr + offs_b, mask=mask_b, other=0)
-    off_lo = (off & 0xFFFFFFFF).to(tl.uint32)[None, :]
-    off_hi = ((off >> 32) & 0xFFFFFFFF).to(tl.uint32)[None, :]
-    gid = (vocab_start + offs_v)[:, None]
-    local = tl.arange(0, BLOCK_V)[:, None]
-
-    rec = rec_ptr + offs_b.to(tl.int64) * rec_stride_b + pid_v * 4
-    for s in range(num_samples):
-        g = gumbel_noise(seed, off_lo, off_hi, tl.cast(s, tl.uint32), gid)
-        z = tl.where(greedy[None, :], l, l + g)
-        best, idx = tl.max(z, axis=0, return_indices=True, return_indices_tie_break_left=True)
-        logit = tl.sum(tl.where(local == idx[None, :], l, 0.0), axis=0)
-        token = (vocab_start + pid_v * BLOCK_V + idx).to(tl.float32)
-        tl.store(rec + 0, best, mask=mask_b)
-        tl.store(rec + 1, token, mask=mask_b)
-        tl.store(rec + 2, logit, mask=mask_b)
-        tl.store(rec + 3, lse, mask=mask_b)
-        rec += rec_stride_s
+@triton.jit
+def logits_records_kernel(
+    logits_ptr, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr,
+    B, V_rows, n_real, vocab_start, num_samples, stride_lb, rec_stride_s, rec_stride_b,
+    HAS_BIAS: tl.constexpr, ALIGNED4: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    """The same records from fp32 logits [B, V_rows] computed elsewhere (cuBLAS, large B)."""
+    pid_b = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    offs_b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
+    mask_b = offs_b < B
+    ptrs = logits_ptr + offs_b[None, :].to(tl.int64) * stride_lb + offs_v[:, None]
+    acc = tl.load(ptrs, mask=mask_b[None, :] & (offs_v < V_rows)[:, None], other=0.0)
+    tile_records_epilogue(acc, pid_v, offs_b, mask_b, bias_ptr, inv_temp_ptr, seed_ptr,
+                          offset_ptr, rec_ptr, V_rows, n_real, vocab_start, num_samples,
+                          rec_stride_s, rec_stride_b, HAS_BIAS, ALIGNED4, BLOCK_V, BLOCK_B)

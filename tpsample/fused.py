@@ -1,28 +1,75 @@
 """Launchers for the Triton kernels: stage 1 (records) and stage 2 (reduce)."""
 from __future__ import annotations
 
+import functools
+import json
+from pathlib import Path
+
 import torch
 import triton
 
-from .kernels import fused_sample_records_kernel, reduce_records_kernel
+from .kernels import fused_sample_records_kernel, logits_records_kernel, reduce_records_kernel
 from .torch_records import DEFAULT_TILE
 
 BLOCK_V = DEFAULT_TILE  # one record per 128 tokens everywhere: logmass partitions agree
 
 
-def kernel_config(B: int, D: int, dtype: torch.dtype) -> dict:
-    """Block sizes for stage 1 (see docs/perf-notes.md for how they were chosen)."""
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+@functools.lru_cache(maxsize=None)
+def tuned_buckets(device_index: int) -> dict[int, dict]:
+    """Configs written by `python -m tpsample.tune` for this GPU model, keyed by batch bucket."""
+    name = torch.cuda.get_device_name(device_index)
+    key = "h200" if "H200" in name else "h100" if "H100" in name else None
+    path = CONFIG_DIR / f"{key}.json"
+    if key is None or not path.exists():
+        return {}
+    return {int(b): cfg for b, cfg in json.loads(path.read_text())["buckets"].items()}
+
+
+def kernel_config(B: int, D: int, dtype: torch.dtype, device_type: str = "cuda",
+                  device_index: int = 0) -> dict:
+    """Stage-1 strategy and block sizes (docs/perf-notes.md says how they were chosen).
+
+    strategy "fused": the matmul runs inside the kernel (logits never leave registers);
+    "logits": cuBLAS writes fp32 logits and one Triton pass turns them into records.
+    Shipped tables (tpsample/configs/*.json) are used for bf16/fp16; otherwise a default."""
+    if device_type != "cuda":  # the interpreter pays per program: few, large tiles
+        return dict(strategy="fused", BLOCK_B=min(max(16, triton.next_power_of_2(B)), 256),
+                    BLOCK_D=64, NUM_STAGES=1, num_warps=4)
+    table = tuned_buckets(device_index) if dtype != torch.float32 else {}
+    if table:
+        bucket = min((b for b in table if b >= B), default=max(table))
+        return dict(table[bucket])
     block_b = min(max(16, triton.next_power_of_2(B)), 64)
     block_d = 64 if dtype == torch.float32 else 128
-    return dict(BLOCK_V=BLOCK_V, BLOCK_B=block_b, BLOCK_D=block_d, NUM_STAGES=4, num_warps=4)
+    return dict(strategy="fused", BLOCK_B=block_b, BLOCK_D=block_d, NUM_STAGES=4,
+                num_warps=4 if block_b <= 32 else 8)
 
 
 def num_tiles(rows: int) -> int:
     return triton.cdiv(rows, BLOCK_V)
 
 
+@functools.lru_cache(maxsize=None)
+def _mm_out_fp32_supported() -> bool:
+    try:
+        a = torch.ones(16, 16, dtype=torch.bfloat16, device="cuda")
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError):
+        return False
+
+
+def logits_fp32(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """[B, V] fp32 logits with fp32 accumulation (cuBLAS on CUDA)."""
+    if hidden.is_cuda and hidden.dtype != torch.float32 and _mm_out_fp32_supported():
+        return torch.mm(hidden, weight.T, out_dtype=torch.float32)
+    return hidden.float() @ weight.float().T
+
+
 def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, n_real,
-                  vocab_start=0, out=None, tiles=None) -> torch.Tensor:
+                  vocab_start=0, out=None, tiles=None, config=None) -> torch.Tensor:
     """Stage 1 on (a shard of) the LM head → records [S, B, T, 4] fp32 (or into `out`,
     any tensor of that shape whose last two dims are contiguous: e.g. this rank's slot
     of a [S, B, world, T, 4] exchange buffer)."""
@@ -32,15 +79,25 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
     if out is None:
         out = torch.empty(num_samples, B, T, 4, dtype=torch.float32, device=hidden.device)
     assert out.shape == (num_samples, B, T, 4) and out.stride(3) == 1 and out.stride(2) == 4
-    cfg = kernel_config(B, D, hidden.dtype)
-    nw = cfg.pop("num_warps")
+    cfg = dict(config or kernel_config(B, D, hidden.dtype, hidden.device.type,
+                                        hidden.device.index or 0))
+    strategy, nw = cfg.pop("strategy"), cfg.pop("num_warps")
     grid = (triton.cdiv(B, cfg["BLOCK_B"]), T)
+    common = dict(HAS_BIAS=bias is not None, ALIGNED4=vocab_start % 4 == 0, BLOCK_V=BLOCK_V,
+                  BLOCK_B=cfg["BLOCK_B"], num_warps=nw)
+    bias_arg = bias if bias is not None else inv_temp  # never read when HAS_BIAS is False
+    if strategy == "logits":
+        logits = logits_fp32(hidden, weight)
+        logits_records_kernel[grid](
+            logits, bias_arg, inv_temp, seed, offset, out, B, V_rows, n_real, vocab_start,
+            num_samples, logits.stride(0), out.stride(0), out.stride(1), **common)
+        return out
     fused_sample_records_kernel[grid](
-        hidden, weight, bias if bias is not None else inv_temp, inv_temp, seed, offset, out,
+        hidden, weight, bias_arg, inv_temp, seed, offset, out,
         B, D, V_rows, n_real, vocab_start, num_samples,
         hidden.stride(0), weight.stride(0), out.stride(0), out.stride(1),
-        HAS_BIAS=bias is not None, EVEN_D=D % cfg["BLOCK_D"] == 0,
-        FP32_DOT=hidden.dtype == torch.float32, num_warps=nw, **cfg)
+        EVEN_D=D % cfg["BLOCK_D"] == 0, FP32_DOT=hidden.dtype == torch.float32,
+        BLOCK_D=cfg["BLOCK_D"], NUM_STAGES=cfg["NUM_STAGES"], **common)
     return out
 
 
@@ -54,8 +111,13 @@ def reduce_records(records: torch.Tensor, inv_temp, seed, offset, merge: str):
     logprobs = torch.empty(B, S, dtype=torch.float32, device=dev)
     logz = torch.empty(B, dtype=torch.float32, device=dev)
     N = slots * T
-    reduce_records_kernel[(B, S)](
+    if dev.type == "cuda":
+        block_r, block_n = 4, min(1024, triton.next_power_of_2(N))
+    else:  # the interpreter pays per program, not per element
+        block_n = min(1024, triton.next_power_of_2(N))
+        block_r = min(max(16384 // block_n, 1), triton.next_power_of_2(B * S))
+    reduce_records_kernel[(triton.cdiv(B * S, block_r),)](
         records, inv_temp, seed, offset, tokens, logprobs, logz,
-        B, N, T, records.stride(0), records.stride(1), records.stride(2),
-        LOGMASS=merge == "logmass", BLOCK_N=min(1024, triton.next_power_of_2(N)), num_warps=4)
+        B, S, N, T, records.stride(0), records.stride(1), records.stride(2),
+        LOGMASS=merge == "logmass", BLOCK_R=block_r, BLOCK_N=block_n, num_warps=4)
     return tokens, logprobs, logz

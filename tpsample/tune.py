@@ -1,0 +1,118 @@
+"""Offline tuning of the stage-1 kernel: `python -m tpsample.tune [--shapes ...] [--batches ...]`.
+
+For every (D, V) shape and batch size it times every candidate configuration of
+tpsample.fused (strategy, BLOCK_B, BLOCK_D, NUM_STAGES, num_warps) with
+triton.testing.do_bench (median), checks that every configuration returns the SAME tokens
+(pathwise max merge: tokens may not depend on tiling), and writes the fastest per batch
+bucket to tpsample/configs/<device>.json, which tpsample.fused.kernel_config reads at
+import. Nothing is tuned at call time: this is the explicit offline step.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+from . import fused
+from .api import row_params
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+def candidates(B: int):
+    bb_max = min(max(16, triton.next_power_of_2(B)), 256)
+    for bb in sorted({bb_max, max(16, bb_max // 2)}):
+        warps = (4,) if bb <= 32 else (4, 8)
+        for bd, st, nw in itertools.product((64, 128, 256), (3, 4, 5), warps):
+            if bb * bd * st * 2 + 128 * bd * st * 2 > 200_000:  # shared memory of the pipeline
+                continue
+            yield dict(strategy="fused", BLOCK_B=bb, BLOCK_D=bd, NUM_STAGES=st, num_warps=nw)
+    for bb, nw in ((32, 4), (64, 8)):
+        yield dict(strategy="logits", BLOCK_B=bb, BLOCK_D=0, NUM_STAGES=0, num_warps=nw)
+
+
+def device_key() -> str:
+    name = torch.cuda.get_device_name()
+    return "h200" if "H200" in name else "h100" if "H100" in name else name.lower().replace(" ", "_")
+
+
+def tune_shape(D: int, V: int, batches, reps_ms: int, log) -> dict:
+    w = torch.randn(V, D, device="cuda", dtype=torch.bfloat16) * 0.02
+    out = {}
+    for B in batches:
+        h = torch.randn(B, D, device="cuda", dtype=torch.bfloat16)
+        p = row_params(h, 1.0, torch.arange(B, device="cuda") + 7, 3)
+
+        def run(cfg):
+            rec = fused.fused_records(h, w, bias=None, inv_temp=p.inv_temp, seed=p.seed,
+                                      offset=p.offset, num_samples=1, n_real=V, config=cfg)
+            return fused.reduce_records(rec[None], p.inv_temp, p.seed, p.offset, "max")[0]
+
+        ref_tokens, results = None, []
+        for cfg in candidates(B):
+            try:
+                tokens = run(cfg)
+                ms = triton.testing.do_bench(lambda: run(cfg), warmup=10, rep=reps_ms,
+                                             return_mode="median")
+            except Exception as e:  # e.g. out of shared memory for this tile shape
+                log(f"  B={B} {cfg}: skipped ({type(e).__name__}: {str(e).splitlines()[0][:80]})")
+                continue
+            if ref_tokens is None:
+                ref_tokens = tokens
+            mismatch = int((tokens != ref_tokens).sum())
+            results.append((ms, cfg, mismatch))
+            log(f"  B={B} {cfg}: {ms:.4f} ms, token mismatches vs first config: {mismatch}")
+        results.sort(key=lambda r: r[0])
+        best_ms, best_cfg, _ = results[0]
+        out[B] = dict(ms=best_ms, config=best_cfg,
+                      max_mismatch=max(r[2] for r in results),
+                      runner_up=[dict(ms=r[0], config=r[1]) for r in results[1:4]])
+        log(f"D={D} V={V} B={B}: best {best_ms:.4f} ms {best_cfg}")
+    del w
+    torch.cuda.empty_cache()
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="4096x151936,8192x128256")
+    ap.add_argument("--batches", default="1,2,4,8,16,32,64,128,256")
+    ap.add_argument("--rep-ms", type=int, default=40)
+    ap.add_argument("--out", default=None, help="JSON path (default tpsample/configs/<device>.json)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("tpsample.tune needs a CUDA device")
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    batches = [int(b) for b in args.batches.split(",")]
+    table = {}
+    for shape in args.shapes.split(","):
+        D, V = (int(x) for x in shape.split("x"))
+        table[shape] = tune_shape(D, V, batches, args.rep_ms, log)
+    # one config per batch bucket: the one with the lowest summed time over the shapes
+    buckets = {}
+    for B in batches:
+        scores = {}
+        for shape in table:
+            for r in [table[shape][B]] + table[shape][B]["runner_up"]:
+                key = json.dumps(r["config"], sort_keys=True)
+                scores.setdefault(key, []).append(r["ms"] / table[shape][B]["ms"])
+        full = {k: sum(v) for k, v in scores.items() if len(v) == len(table)}
+        buckets[B] = json.loads(min(full, key=full.get)) if full else table[next(iter(table))][B]["config"]
+    path = Path(args.out) if args.out else CONFIG_DIR / f"{device_key()}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), buckets=buckets,
+                                    per_shape=table), indent=1))
+    print(f"{'shape':>14} {'B':>4} {'best ms':>8}  config")
+    for shape, rows in table.items():
+        for B, r in rows.items():
+            print(f"{shape:>14} {B:>4} {r['ms']:8.4f}  {r['config']}  mismatches={r['max_mismatch']}")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
