@@ -54,12 +54,15 @@ def gumbel_noise_tile(seed, off_lo, off_hi, c1, gid0, BLOCK_V: tl.constexpr, BLO
 @triton.jit
 def tile_records_epilogue(
     acc, pid_v, offs_b, mask_b, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr,
-    V_rows, n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b,
+    V_rows, n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b, peer_ptrs,
     HAS_BIAS: tl.constexpr, ALIGNED4: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr,
+    NUM_PEERS: tl.constexpr,
 ):
     """acc [BLOCK_V, BLOCK_B] raw fp32 logits of tile pid_v → one record per (sample, row).
 
-    inv_temp[b] == 0 marks a greedy row: logits at T = 1, no noise."""
+    inv_temp[b] == 0 marks a greedy row: logits at T = 1, no noise. With NUM_PEERS == 0 the
+    records go to rec_ptr; otherwise peer_ptrs[p] (int64) is the address of this rank's slot
+    in peer p's exchange buffer and every record is stored to all of them (P2P fan-out)."""
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     # Transforms: l = (h.w + bias) * (1 / T); rows beyond the real vocabulary are -inf.
     if HAS_BIAS:
@@ -84,7 +87,7 @@ def tile_records_epilogue(
     tile_start = vocab_start + pid_v * BLOCK_V
     local = tl.arange(0, BLOCK_V)[:, None]
 
-    rec = rec_ptr + offs_b.to(tl.int64) * rec_stride_b + pid_v * 4
+    rec = offs_b.to(tl.int64) * rec_stride_b + pid_v * 4
     for s in range(num_samples):
         if ALIGNED4:
             g = gumbel_noise_tile(seed, off_lo, off_hi, tl.cast(s, tl.uint32), tile_start,
@@ -94,21 +97,32 @@ def tile_records_epilogue(
         z = tl.where(greedy[None, :], l, l + g)
         best, idx = tl.max(z, axis=0, return_indices=True, return_indices_tie_break_left=True)
         logit = tl.sum(tl.where(local == idx[None, :], l, 0.0), axis=0)
-        tl.store(rec + 0, best, mask=mask_b)
-        tl.store(rec + 1, (tile_start + idx).to(tl.float32), mask=mask_b)
-        tl.store(rec + 2, logit, mask=mask_b)
-        tl.store(rec + 3, lse, mask=mask_b)
+        token = (tile_start + idx).to(tl.float32)
+        if NUM_PEERS == 0:
+            store_record(rec_ptr + rec, best, token, logit, lse, mask_b)
+        else:
+            for p in tl.static_range(NUM_PEERS):
+                dst = tl.load(peer_ptrs + p).to(tl.pointer_type(tl.float32))
+                store_record(dst + rec, best, token, logit, lse, mask_b)
         rec += rec_stride_s
+
+
+@triton.jit
+def store_record(dst, best, token, logit, lse, mask):
+    tl.store(dst + 0, best, mask=mask)
+    tl.store(dst + 1, token, mask=mask)
+    tl.store(dst + 2, logit, mask=mask)
+    tl.store(dst + 3, lse, mask=mask)
 
 
 @triton.jit
 def fused_sample_records_kernel(
     h_ptr, w_ptr, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr,
     B, D, V_rows, n_real, vocab_start, num_samples,
-    stride_hb, stride_wv, rec_stride_s, rec_stride_b,
+    stride_hb, stride_wv, rec_stride_s, rec_stride_b, peer_ptrs,
     HAS_BIAS: tl.constexpr, EVEN_D: tl.constexpr, FP32_DOT: tl.constexpr, ALIGNED4: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, NUM_PEERS: tl.constexpr,
 ):
     pid_b = tl.program_id(0)  # batch tiles vary fastest: neighbours share the W tile in L2
     pid_v = tl.program_id(1)
@@ -128,22 +142,24 @@ def fused_sample_records_kernel(
         else:
             w = tl.load(w_ptrs, mask=mask_v[:, None] & (offs_d[None, :] + k < D), other=0.0)
             h = tl.load(h_ptrs, mask=mask_b[None, :] & (offs_d[:, None] + k < D), other=0.0)
-        if FP32_DOT:
-            acc = tl.dot(w, h, acc, input_precision="ieee")
+        if FP32_DOT:  # fp32 inputs, or the interpreter (whose bf16 dot is wrong)
+            acc = tl.dot(w.to(tl.float32), h.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(w, h, acc)
         w_ptrs += BLOCK_D
         h_ptrs += BLOCK_D
     tile_records_epilogue(acc, pid_v, offs_b, mask_b, bias_ptr, inv_temp_ptr, seed_ptr,
                           offset_ptr, rec_ptr, V_rows, n_real, vocab_start, num_samples,
-                          rec_stride_s, rec_stride_b, HAS_BIAS, ALIGNED4, BLOCK_V, BLOCK_B)
+                          rec_stride_s, rec_stride_b, peer_ptrs, HAS_BIAS, ALIGNED4, BLOCK_V,
+                          BLOCK_B, NUM_PEERS)
 
 
 @triton.jit
 def logits_records_kernel(
     logits_ptr, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr,
-    B, V_rows, n_real, vocab_start, num_samples, stride_lb, rec_stride_s, rec_stride_b,
+    B, V_rows, n_real, vocab_start, num_samples, stride_lb, rec_stride_s, rec_stride_b, peer_ptrs,
     HAS_BIAS: tl.constexpr, ALIGNED4: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr,
+    NUM_PEERS: tl.constexpr,
 ):
     """The same records from fp32 logits [B, V_rows] computed elsewhere (cuBLAS, large B)."""
     pid_b = tl.program_id(0)
@@ -155,4 +171,5 @@ def logits_records_kernel(
     acc = tl.load(ptrs, mask=mask_b[None, :] & (offs_v < V_rows)[:, None], other=0.0)
     tile_records_epilogue(acc, pid_v, offs_b, mask_b, bias_ptr, inv_temp_ptr, seed_ptr,
                           offset_ptr, rec_ptr, V_rows, n_real, vocab_start, num_samples,
-                          rec_stride_s, rec_stride_b, HAS_BIAS, ALIGNED4, BLOCK_V, BLOCK_B)
+                          rec_stride_s, rec_stride_b, peer_ptrs, HAS_BIAS, ALIGNED4, BLOCK_V,
+                          BLOCK_B, NUM_PEERS)

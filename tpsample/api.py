@@ -196,17 +196,34 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, *, temperature=1.0, seed=
         return empty_result(hidden.device, num_samples, return_logprobs)
     hidden = hidden.contiguous()
 
-    if resolve_backend(backend, hidden.device) == "triton":
-        from . import fused
-        rec = fused.fused_records(hidden, weight, bias=bias, inv_temp=params.inv_temp,
-                                  seed=params.seed, offset=params.offset,
-                                  num_samples=num_samples, n_real=vocab_size)
-        tokens, logprobs, logz = fused.reduce_records(rec[None], params.inv_temp, params.seed,
-                                                      params.offset, merge)
-    else:
-        rec = records_torch(hidden, weight, bias=bias, inv_temp=params.inv_temp,
-                            seed=params.seed, offset=params.offset, num_samples=num_samples,
-                            n_real=vocab_size)
-        tokens, logprobs, logz = merge_math.reduce_records(rec[None], params.seed, params.offset,
-                                                           params.inv_temp == 0, merge)
+    backend = resolve_backend(backend, hidden.device)
+    rec = compute_records(backend, hidden, weight, bias=bias, params=params, num_samples=num_samples,
+                          n_real=vocab_size)
+    tokens, logprobs, logz = reduce_records(backend, rec[None], params, merge)
     return package(tokens, logprobs, logz, num_samples, return_logprobs)
+
+
+def compute_records(backend: str, hidden, weight, *, bias, params: RowParams, num_samples: int,
+                    n_real: int, vocab_start: int = 0, tiles=None, out=None, peer_ptrs=None):
+    """Stage 1 with the chosen backend → records [S, B, T, 4] (written into `out` if given)."""
+    if backend == "triton":
+        from . import fused
+        return fused.fused_records(hidden, weight, bias=bias, inv_temp=params.inv_temp,
+                                   seed=params.seed, offset=params.offset, num_samples=num_samples,
+                                   n_real=n_real, vocab_start=vocab_start, tiles=tiles, out=out,
+                                   peer_ptrs=peer_ptrs)
+    rec = records_torch(hidden, weight, bias=bias, inv_temp=params.inv_temp, seed=params.seed,
+                        offset=params.offset, num_samples=num_samples, n_real=n_real,
+                        vocab_start=vocab_start, num_tiles=tiles)
+    if out is not None:
+        out.copy_(rec)
+        return out
+    return rec
+
+
+def reduce_records(backend: str, records, params: RowParams, merge: str):
+    """Stage 2: records [slots, S, B, T, 4] → tokens [B, S], logprobs [B, S], logz [B]."""
+    if backend == "triton":
+        from . import fused
+        return fused.reduce_records(records, params.inv_temp, params.seed, params.offset, merge)
+    return merge_math.reduce_records(records, params.seed, params.offset, params.inv_temp == 0, merge)

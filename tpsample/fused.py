@@ -69,10 +69,12 @@ def logits_fp32(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, n_real,
-                  vocab_start=0, out=None, tiles=None, config=None) -> torch.Tensor:
-    """Stage 1 on (a shard of) the LM head → records [S, B, T, 4] fp32 (or into `out`,
-    any tensor of that shape whose last two dims are contiguous: e.g. this rank's slot
-    of a [S, B, world, T, 4] exchange buffer)."""
+                  vocab_start=0, out=None, tiles=None, config=None, peer_ptrs=None) -> torch.Tensor:
+    """Stage 1 on (a shard of) the LM head → records [S, B, T, 4] fp32, written into `out`
+    if given (any tensor of that shape whose last two dims are contiguous: e.g. this rank's
+    slot of an exchange buffer). peer_ptrs: int64 CUDA tensor [P] of the addresses of this
+    rank's slot in every peer's buffer (same strides as `out`); the kernel then stores each
+    record to all P of them instead of `out`."""
     B, D = hidden.shape
     V_rows = weight.shape[0]
     T = tiles if tiles is not None else num_tiles(V_rows)
@@ -84,19 +86,21 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
     strategy, nw = cfg.pop("strategy"), cfg.pop("num_warps")
     grid = (triton.cdiv(B, cfg["BLOCK_B"]), T)
     common = dict(HAS_BIAS=bias is not None, ALIGNED4=vocab_start % 4 == 0, BLOCK_V=BLOCK_V,
-                  BLOCK_B=cfg["BLOCK_B"], num_warps=nw)
+                  BLOCK_B=cfg["BLOCK_B"], num_warps=nw,
+                  NUM_PEERS=0 if peer_ptrs is None else peer_ptrs.numel())
+    peers = peer_ptrs if peer_ptrs is not None else seed  # never read when NUM_PEERS == 0
     bias_arg = bias if bias is not None else inv_temp  # never read when HAS_BIAS is False
     if strategy == "logits":
         logits = logits_fp32(hidden, weight)
         logits_records_kernel[grid](
             logits, bias_arg, inv_temp, seed, offset, out, B, V_rows, n_real, vocab_start,
-            num_samples, logits.stride(0), out.stride(0), out.stride(1), **common)
+            num_samples, logits.stride(0), out.stride(0), out.stride(1), peers, **common)
         return out
     fused_sample_records_kernel[grid](
         hidden, weight, bias_arg, inv_temp, seed, offset, out,
         B, D, V_rows, n_real, vocab_start, num_samples,
-        hidden.stride(0), weight.stride(0), out.stride(0), out.stride(1),
-        EVEN_D=D % cfg["BLOCK_D"] == 0, FP32_DOT=hidden.dtype == torch.float32,
+        hidden.stride(0), weight.stride(0), out.stride(0), out.stride(1), peers,
+        EVEN_D=D % cfg["BLOCK_D"] == 0, FP32_DOT=hidden.dtype == torch.float32 or not hidden.is_cuda,
         BLOCK_D=cfg["BLOCK_D"], NUM_STAGES=cfg["NUM_STAGES"], **common)
     return out
 

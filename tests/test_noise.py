@@ -1,0 +1,54 @@
+import pytest
+import torch
+
+from tpsample import noise
+
+# Known-answer vectors of Philox4x32-10 from the Random123 distribution (kat_vectors).
+KAT = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+
+
+@pytest.mark.parametrize("ctr,key,expected", KAT)
+def test_philox_known_answers(ctr, key, expected):
+    t = lambda v: torch.tensor([v], dtype=torch.int64)  # noqa: E731
+    out = noise.philox4x32(*map(t, ctr), *map(t, key))
+    assert tuple(int(x) for x in out) == expected
+
+
+def test_uniform_is_open_interval_and_exact_at_extremes():
+    x = torch.tensor([0, 0xFFFFFFFF, 511, 512], dtype=torch.int64)
+    u = noise.bits_to_uniform(x)
+    assert u[0] == 2.0 ** -24 and u[1] == 1 - 2.0 ** -24
+    assert (u > 0).all() and (u < 1).all()
+    assert torch.isfinite(-torch.log(-torch.log(u))).all()
+
+
+def test_noise_depends_only_on_seed_offset_sample_id():
+    seed = torch.tensor([[5], [5], [6]])
+    off = torch.tensor([[0], [0], [0]])
+    ids = torch.arange(64)[None, :]
+    g = noise.gumbel(seed, off, 0, ids)
+    assert torch.equal(g[0], g[1]) and not torch.equal(g[0], g[2])
+    assert not torch.equal(g[0], noise.gumbel(seed, off + 1, 0, ids)[0])
+    assert not torch.equal(g[0], noise.gumbel(seed, off, 1, ids)[0])
+    assert not torch.equal(g[0], noise.gumbel(seed, off, 0, ids, stream=noise.GROUP_STREAM)[0])
+    # a slice of ids sees the same values as the full range (no dependence on layout)
+    assert torch.equal(g[:, 13:29], noise.gumbel(seed, off, 0, ids[:, 13:29]))
+
+
+def test_negative_seeds_and_offsets_use_the_int64_bit_pattern():
+    s = torch.tensor([[-1]])
+    lo, hi = noise.split64(s)
+    assert int(lo) == 0xFFFFFFFF and int(hi) == 0xFFFFFFFF
+    g = noise.gumbel(s, torch.tensor([[-(2 ** 63)]]), 0, torch.arange(8)[None, :])
+    assert torch.isfinite(g).all()
+
+
+def test_uniforms_look_uniform():
+    from scipy import stats
+    u = noise.uniform(torch.tensor([[123]]), torch.tensor([[0]]), 0, torch.arange(200_000)[None, :])
+    assert stats.kstest(u[0].double().numpy(), "uniform").pvalue > 1e-4
