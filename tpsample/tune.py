@@ -25,14 +25,17 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 
 
 def candidates(B: int):
-    bb_max = min(max(16, triton.next_power_of_2(B)), 256)
-    for bb in sorted({bb_max, max(16, bb_max // 2)}):
-        warps = (4,) if bb <= 32 else (4, 8)
-        for bd, st, nw in itertools.product((64, 128, 256), (3, 4, 5), warps):
+    bb_max = min(max(16, triton.next_power_of_2(B)), 128)  # 256: ~2x slower than 128
+    # BLOCK_B = 64 is also tried at large B (acc [128, 128+] fp32 spills); NUM_STAGES = 2
+    # halves the pipeline's shared memory so two programs share an SM and one's epilogue
+    # (Philox, log, exp) overlaps the other's loads.
+    for bb in sorted({bb_max, max(16, bb_max // 2), min(64, bb_max)}):
+        warps = (4,) if bb <= 16 else (4, 8)
+        for bd, st, nw in itertools.product((64, 128, 256), (2, 3, 4, 5), warps):
             if bb * bd * st * 2 + 128 * bd * st * 2 > 200_000:  # shared memory of the pipeline
                 continue
             yield dict(strategy="fused", BLOCK_B=bb, BLOCK_D=bd, NUM_STAGES=st, num_warps=nw)
-    for bb, nw in ((32, 4), (64, 8)):
+    for bb, nw in ((32, 4), (64, 8), (64, 4), (128, 8)):
         yield dict(strategy="logits", BLOCK_B=bb, BLOCK_D=0, NUM_STAGES=0, num_warps=nw)
 
 

@@ -1,0 +1,69 @@
+"""Vocabulary-parallel sampling over NCCL and symmetric memory (device: nvidia-h200-x2/x4)."""
+import pytest
+import torch
+
+import tpsample
+
+from dist_utils import run_world
+
+pytestmark = pytest.mark.multigpu
+
+D, V, VOCAB, B = 2048, 50000, 49999, 16
+
+
+def inputs():
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(B, D, generator=g).bfloat16()
+    w = (torch.randn(V, D, generator=g) * 0.03).bfloat16()
+    temp = torch.full((B,), 0.8)
+    temp[::3] = 0.0
+    return h, w, temp, torch.arange(B, dtype=torch.int64) * 5 + 1
+
+
+def gpu_rank(rank, world, transport, merge):
+    h, w, temp, seeds = inputs()
+    dev = torch.device("cuda", rank)
+    base, extra = divmod(V, world)
+    lo = rank * base + min(rank, extra)
+    hi = lo + base + (rank < extra)
+    sampler = tpsample.VocabParallelSampler(w[lo:hi].contiguous().to(dev), vocab_size=VOCAB,
+                                            transport=transport, merge=merge, check_inputs=False)
+    h, temp, seeds = h.to(dev), temp.to(dev), seeds.to(dev)
+    offset = torch.zeros(B, dtype=torch.int64, device=dev)
+    eager = [sampler(h, temperature=temp, seed=seeds, offset=offset + k, return_logprobs=True)
+             for k in range(3)]
+    # CUDA graph: capture one call, replay with the offset advanced in place
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        sampler(h, temperature=temp, seed=seeds, offset=offset)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = sampler(h, temperature=temp, seed=seeds, offset=offset)
+    replays = []
+    for k in range(3):
+        offset.fill_(k)
+        graph.replay()
+        replays.append(out.clone())
+    torch.cuda.synchronize()
+    return dict(transport=sampler.transport.name, eager=[e.tokens for e in eager],
+                logz=eager[0].logz, replay=replays)
+
+
+@pytest.mark.parametrize("transport", ["symm_mem", "nccl"])
+@pytest.mark.parametrize("merge", ["max", "logmass"])
+def test_tp_gpu_transports(transport, merge):
+    world = min(torch.cuda.device_count(), 4)
+    outs = run_world(world, gpu_rank, transport, merge, backend="nccl")
+    for o in outs:
+        assert not ("error" in o and "eager" not in o), o
+        assert o["transport"] == transport
+        for k in range(3):
+            assert torch.equal(o["eager"][k], outs[0]["eager"][k])
+            assert torch.equal(o["replay"][k], o["eager"][k]), "graph replay differs from eager"
+    if merge == "max":
+        h, w, temp, seeds = inputs()
+        single = tpsample.sample(h.cuda(), w.cuda(), temperature=temp.cuda(), seed=seeds.cuda(),
+                                 offset=0, vocab_size=VOCAB)
+        assert torch.equal(outs[0]["eager"][0], single.cpu())

@@ -1,0 +1,141 @@
+"""VocabParallelSampler over gloo in real local processes (world sizes 2, 3, 4)."""
+import time
+
+import pytest
+import torch
+
+import tpsample
+from tpsample import VocabParallelSampler
+
+from cases import exact_probs, lm_head_case, random_inputs
+from dist_utils import run_world
+from stats import ALPHA, chi2_pvalue
+
+B, D, V, VOCAB = 6, 32, 1000, 990
+
+
+def shard_bounds(rank, world, V):
+    """Uneven contiguous split: the first V % world ranks get one extra row."""
+    base, extra = divmod(V, world)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (rank < extra)
+
+
+def common_inputs():
+    h, w = random_inputs(B, D, V, torch.float32, seed=21)
+    bias = torch.randn(V, generator=torch.Generator().manual_seed(1))
+    temp = torch.tensor([1.0, 0.0, 0.5, 2.0, 1.0, 0.7])
+    seeds = torch.tensor([5, 6, 7, 8, 9, -10], dtype=torch.int64)
+    offsets = torch.arange(B, dtype=torch.int64) * 3
+    return h, w, bias, temp, seeds, offsets
+
+
+def tp_sample(rank, world, merge, backend, explicit_start):
+    h, w, bias, temp, seeds, offsets = common_inputs()
+    lo, hi = shard_bounds(rank, world, V)
+    if explicit_start:  # reversed placement: rank r holds the shard of rank world-1-r
+        lo, hi = shard_bounds(world - 1 - rank, world, V)
+    sampler = VocabParallelSampler(w[lo:hi].contiguous(), vocab_size=VOCAB,
+                                   vocab_start=lo if explicit_start else None, merge=merge,
+                                   backend=backend)
+    return sampler(h, temperature=temp, seed=seeds, offset=offsets, bias=bias[lo:hi],
+                   num_samples=2, return_logprobs=True)
+
+
+@pytest.mark.parametrize("world,backend,explicit", [(2, "auto", False), (3, "torch", False),
+                                                    (4, "torch", True), (3, "auto", True)])
+def test_tp_tokens_equal_single_device_and_identical_on_ranks(world, backend, explicit):
+    outs = run_world(world, tp_sample, "max", backend, explicit)
+    for o in outs:
+        assert not isinstance(o, dict), o
+    h, w, bias, temp, seeds, offsets = common_inputs()
+    single = tpsample.sample(h, w, temperature=temp, seed=seeds, offset=offsets, bias=bias,
+                             vocab_size=VOCAB, num_samples=2, return_logprobs=True, backend="torch")
+    for o in outs:
+        assert torch.equal(o.tokens, outs[0].tokens)
+        assert torch.equal(o.logprobs, outs[0].logprobs) and torch.equal(o.logz, outs[0].logz)
+    assert torch.equal(outs[0].tokens, single.tokens)  # TP invariance of the max merge
+    assert torch.allclose(outs[0].logprobs, single.logprobs, atol=1e-5)
+    assert torch.allclose(outs[0].logz, single.logz, atol=1e-5)
+
+
+def tp_chi2(rank, world, rows, samples):
+    h, w = lm_head_case("zipf", V=300, seed=12)
+    bias = torch.linspace(-1, 1, 300)
+    lo, hi = shard_bounds(rank, world, 300)
+    sampler = VocabParallelSampler(w[lo:hi].contiguous(), vocab_size=290, merge="logmass", backend="torch")
+    seeds = torch.arange(rows, dtype=torch.int64) * 31
+    return sampler(h.expand(rows, -1).contiguous(), temperature=0.8, seed=seeds, bias=bias[lo:hi],
+                   num_samples=samples)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_tp_logmass_chi2(world):
+    outs = run_world(world, tp_chi2, 400, 25)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    h, w = lm_head_case("zipf", V=300, seed=12)
+    p = exact_probs(h, w, temperature=0.8, bias=torch.linspace(-1, 1, 300), vocab_size=290)
+    assert outs[0].max() < 290
+    assert chi2_pvalue(outs[0], p[:290]) > ALPHA
+
+
+def tp_seed_none(rank, world):
+    h, w, *_ = common_inputs()
+    lo, hi = shard_bounds(rank, world, V)
+    torch.manual_seed(1234 + rank * (rank != 0))  # only rank 0's generator matters
+    sampler = VocabParallelSampler(w[lo:hi].contiguous(), vocab_size=V, backend="torch")
+    return torch.stack([sampler(h, num_samples=3) for _ in range(2)])
+
+
+def test_tp_seed_none_agrees_across_ranks_and_follows_rank0_manual_seed():
+    a = run_world(2, tp_seed_none)
+    b = run_world(2, tp_seed_none)
+    assert torch.equal(a[0], a[1]) and torch.equal(a[0], b[0])
+    assert not torch.equal(a[0][0], a[0][1])  # two calls draw different seeds
+
+
+def tp_bad(rank, world, case):
+    h, w, *_ = common_inputs()
+    lo, hi = shard_bounds(rank, world, V)
+    shard = w[lo:hi].contiguous()
+    kw = dict(vocab_size=V, backend="torch")
+    if case == "D":
+        shard = torch.randn(hi - lo, D + rank)
+    elif case == "vocab_size":
+        kw["vocab_size"] = V + 1
+    elif case == "vocab_start":
+        kw["vocab_start"] = [0, 600][rank]  # gap between the shards
+    sampler = VocabParallelSampler(shard, **kw)
+    if case == "B":
+        sampler(h[: B - rank], seed=1)
+    return "no error"
+
+
+@pytest.mark.parametrize("case,exc,words", [("D", "ValueError", "D"), ("vocab_size", "ValueError", "vocab_size"),
+                                            ("vocab_start", "ValueError", "vocab_start"),
+                                            ("B", "ValueError", "disagree on B")])
+def test_tp_bad_input_raises_on_every_rank(case, exc, words):
+    outs = run_world(2, tp_bad, case)
+    for o in outs:
+        assert isinstance(o, dict) and o["error"] == exc and words in o["message"], o
+
+
+def tp_timeout(rank, world):
+    h, w, *_ = common_inputs()
+    lo, hi = shard_bounds(rank, world, V)
+    sampler = VocabParallelSampler(w[lo:hi].contiguous(), vocab_size=V, timeout_s=2.0, backend="torch")
+    if rank == 1:
+        time.sleep(6)  # never calls; stays alive past rank 0's timeout
+        return "skipped"
+    t0 = time.time()
+    try:
+        sampler(h, seed=1)
+    except tpsample.ExchangeTimeout as e:
+        return {"error": "ExchangeTimeout", "message": str(e), "elapsed": time.time() - t0}
+    return "no error"
+
+
+def test_tp_missing_rank_times_out_with_clear_message():
+    outs = run_world(2, tp_timeout)
+    assert outs[0]["error"] == "ExchangeTimeout", outs[0]
+    assert "never made the same call" in outs[0]["message"] and outs[0]["elapsed"] < 5.5

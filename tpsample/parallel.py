@@ -1,0 +1,181 @@
+"""VocabParallelSampler: exact sampling from a vocabulary-sharded LM head.
+
+Each rank runs stage 1 on its shard [V_r, D] (records keyed by GLOBAL token ids), the
+records of all ranks meet in every rank's exchange buffer (tpsample.transport), and every
+rank reduces all [world × tiles] records locally: the same tokens on every rank, with
+O(B × tiles × world) bytes exchanged instead of an all-gather of [B, V] logits.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import api
+from .fused import num_tiles
+from .transport import ExchangeTimeout, all_gather_flat, make_transport
+
+MERGE_IDS = {m: i for i, m in enumerate(api.MERGES)}
+
+
+class VocabParallelSampler:
+    """Sampler over a vocabulary-parallel LM head (Megatron layout).
+
+    Args:
+        weight_shard: [V_r, D] this rank's rows of the LM head (bf16 / fp16 / fp32, rows
+            contiguous), global ids [vocab_start, vocab_start + V_r).
+        vocab_size: global number of real tokens; rows at or beyond it are padding and are
+            never sampled. Must not exceed the rows the shards cover.
+        vocab_start: first global id of this shard; None = shards are contiguous in rank
+            order (rank r starts after the rows of ranks < r). Shards must tile [0, total)
+            without gaps or overlaps.
+        group: process group (None = WORLD).
+        max_batch: the exchange buffer is sized once for this many rows (× num_samples);
+            larger calls grow it (a collective re-allocation on every rank).
+        transport: "auto" | "symm_mem" | "nccl" | "gloo" (see tpsample.transport).
+        merge: "max" (pathwise; tokens identical to tpsample.sample on the full weight, for
+            any world size) or "logmass" (exact, but tokens depend on the partition).
+        timeout_s: how long an exchange may wait for peers before ExchangeTimeout.
+        check_inputs: every call, all ranks compare (B, D, num_samples, merge, dtypes) and
+            raise on disagreement. On CUDA this costs a tiny all-gather and a host sync per
+            call; turn it off in production once the integration is tested.
+        backend: stage-1/2 implementation, as in tpsample.sample ("auto", "triton", "torch").
+
+    Call: sampler(hidden [B, D], temperature=1.0, seed=None, offset=0, bias=None,
+    num_samples=1, return_logprobs=False) → exactly what tpsample.sample returns, with global
+    token ids, identical on every rank. hidden, temperature, seed and offset must be equal on
+    all ranks; bias is this rank's slice [V_r].
+
+    seed=None: a generator seeded identically on every rank at construction (rank 0 draws
+    the base seed from torch's default generator and broadcasts it once) draws the row
+    seeds; since all ranks make the same calls with the same B, their draws agree without
+    any per-call communication or host sync.
+    """
+
+    def __init__(self, weight_shard: torch.Tensor, *, vocab_size: int, vocab_start: int | None = None,
+                 group=None, max_batch: int = 256, transport: str = "auto", merge: str = "max",
+                 timeout_s: float = 300.0, check_inputs: bool = True, backend: str = "auto"):
+        if not dist.is_initialized():
+            raise RuntimeError("VocabParallelSampler needs torch.distributed to be initialised "
+                               "(torchrun + dist.init_process_group)")
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world = dist.get_world_size(self.group)
+        api._check_matrix("weight_shard", weight_shard)
+        if weight_shard.stride(1) != 1:
+            raise ValueError("weight_shard rows must be contiguous (stride(1) == 1)")
+        api.check_options(1, merge, backend)
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
+        if vocab_start is not None and (not isinstance(vocab_start, int) or vocab_start < 0):
+            raise ValueError(f"vocab_start must be None or an int >= 0, got {vocab_start!r}")
+        self.weight = weight_shard
+        self.device = weight_shard.device
+        self.merge = merge
+        self.check_inputs = check_inputs
+        self.backend = api.resolve_backend(backend, self.device)
+        self.transport = make_transport(transport, self.group, self.device, timeout_s)
+
+        V_r, D = weight_shard.shape
+        layouts = self._all_gather_object((V_r, D, str(weight_shard.dtype), vocab_start))
+        self._check_layout(layouts, vocab_size)
+        starts = [s for (_, _, _, s) in layouts]
+        if vocab_start is None:
+            vocab_start = sum(v for (v, _, _, _) in layouts[: self.rank])
+            starts = [sum(v for (v, _, _, _) in layouts[:r]) for r in range(self.world)]
+        self.vocab_start = vocab_start
+        self.vocab_size = vocab_size
+        self.shard_starts = starts
+        self.n_real = max(0, min(V_r, vocab_size - vocab_start))
+        self.tiles = max(num_tiles(v) for (v, _, _, _) in layouts)
+        self.transport._ensure(max_batch * self.tiles * 4)
+
+        base = torch.randint(0, api.SEED_HIGH, (1,), dtype=torch.int64)
+        base = self._broadcast_cpu(base)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(int(base))
+
+    # -- construction helpers ------------------------------------------------------------
+    def _all_gather_object(self, obj):
+        out = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def _broadcast_cpu(self, t: torch.Tensor) -> torch.Tensor:
+        src = dist.get_global_rank(self.group, 0)
+        if self.device.type == "cuda":
+            t = t.to(self.device)
+            dist.broadcast(t, src=src, group=self.group)
+            return t.cpu()
+        dist.broadcast(t, src=src, group=self.group)
+        return t
+
+    def _check_layout(self, layouts, vocab_size):
+        Ds = {d for (_, d, _, _) in layouts}
+        if len(Ds) != 1:
+            raise ValueError(f"weight_shard D differs across ranks: {[d for (_, d, _, _) in layouts]}")
+        dtypes = {t for (_, _, t, _) in layouts}
+        if len(dtypes) != 1:
+            raise TypeError(f"weight_shard dtype differs across ranks: {[t for (_, _, t, _) in layouts]}")
+        given = [s is not None for (_, _, _, s) in layouts]
+        if any(given) and not all(given):
+            raise ValueError("vocab_start must be given on every rank or on none")
+        sizes = [v for (v, _, _, _) in layouts]
+        if all(given):
+            order = sorted(range(self.world), key=lambda r: layouts[r][3])
+            pos = 0
+            for r in order:
+                if layouts[r][3] != pos:
+                    raise ValueError(
+                        "vocab_start layout is inconsistent: shards must tile [0, total) without gaps "
+                        f"or overlaps; got (start, rows) per rank {[(l[3], l[0]) for l in layouts]}")
+                pos += sizes[r]
+        total = sum(sizes)
+        if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or not 1 <= vocab_size <= total:
+            raise ValueError(f"vocab_size must be an int in [1, {total}] (the rows all shards cover), "
+                             f"got {vocab_size!r}")
+        if vocab_size > api.MAX_VOCAB:
+            raise ValueError(f"vocab_size must be <= 2**24, got {vocab_size}")
+
+    # -- the call ----------------------------------------------------------------------------
+    def _check_call(self, hidden, num_samples):
+        meta = torch.tensor([hidden.shape[0], hidden.shape[1], num_samples, MERGE_IDS[self.merge],
+                             api.FLOAT_DTYPES.index(hidden.dtype)], dtype=torch.int64, device=self.device)
+        allm = torch.empty(self.world, meta.numel(), dtype=torch.int64, device=self.device)
+        work = all_gather_flat(allm.view(-1), meta, group=self.group, async_op=True)
+        self.transport._wait(work, "the per-call input check")
+        allm = allm.cpu()
+        if not (allm == allm[0]).all():
+            names = ["B", "D", "num_samples", "merge", "dtype"]
+            bad = [n for i, n in enumerate(names) if not (allm[:, i] == allm[0, i]).all()]
+            raise ValueError(f"ranks disagree on {', '.join(bad)}: per-rank (B, D, num_samples, merge, dtype) = "
+                             f"{allm.tolist()}; every rank must call the sampler with the same batch")
+
+    def __call__(self, hidden: torch.Tensor, temperature=1.0, seed=None, offset=0, bias=None,
+                 num_samples: int = 1, return_logprobs: bool = False):
+        api.check_hidden_weight(hidden, self.weight, "weight_shard")
+        api.check_options(num_samples, self.merge, "auto")
+        bias = api.check_bias(bias, self.weight.shape[0], hidden.device)
+        if self.check_inputs:
+            self._check_call(hidden, num_samples)
+        B = hidden.shape[0]
+        if seed is None:
+            seed = torch.randint(0, api.SEED_HIGH, (B,), dtype=torch.int64, device=self.device,
+                                 generator=self.generator)
+        params = api.row_params(hidden, temperature, seed, offset)
+        if B == 0:
+            return api.empty_result(hidden.device, num_samples, return_logprobs)
+        hidden = hidden.contiguous()
+
+        per_slot = num_samples * B * self.tiles * 4
+        mine, full = self.transport.slots(per_slot)
+        shape = (num_samples, B, self.tiles, 4)
+        api.compute_records(self.backend, hidden, self.weight, bias=bias, params=params,
+                            num_samples=num_samples, n_real=self.n_real, vocab_start=self.vocab_start,
+                            tiles=self.tiles, out=mine.view(shape), peer_ptrs=self.transport.peer_ptrs())
+        self.transport.exchange(mine, full)
+        tokens, logprobs, logz = api.reduce_records(self.backend, full.view(self.world, *shape), params,
+                                                    self.merge)
+        return api.package(tokens, logprobs, logz, num_samples, return_logprobs)
+
+
+__all__ = ["VocabParallelSampler", "ExchangeTimeout"]

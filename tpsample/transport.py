@@ -1,0 +1,181 @@
+"""How candidate records travel between tensor-parallel ranks: one small interface.
+
+A transport owns an exchange buffer laid out as [world, capacity] float32: rank r's
+records live in slot r. Per call, `slots(numel)` hands out the slot views of the buffer
+for this call, the kernel (or torch) writes this rank's records, and `exchange()` makes
+every slot valid on every rank. Only records travel, never logits.
+
+  symm_mem  CUDA + P2P: the buffer is torch symmetric memory; the kernel stores its records
+            straight into every peer's slot (fan-out from the epilogue) and `exchange` is
+            the symmetric-memory barrier. Two buffers alternate between calls, so a fast
+            rank's next call never overwrites records a slow rank is still reducing (passing
+            the barrier of call k+1 implies every peer finished reducing call k).
+  nccl      CUDA: the records are all-gathered with NCCL.
+  gloo      CPU tensors: all-gather with gloo (what CI runs).
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("tpsample")
+
+
+# torch >= 2.13 renamed all_gather_into_tensor; the device machines run 2.11
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class ExchangeTimeout(TimeoutError):
+    """A peer rank did not join an exchange in time."""
+
+
+class Transport:
+    name = "base"
+
+    def __init__(self, group, device: torch.device, timeout_s: float):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.device = device
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.capacity = 0
+
+    def _ensure(self, numel: int) -> None:
+        if numel > self.capacity:
+            self._allocate(max(numel, 2 * self.capacity))
+
+    def slots(self, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this rank's slot [numel], all slots [world, numel]) for the current call."""
+        raise NotImplementedError
+
+    def peer_ptrs(self):
+        """int64 tensor of this rank's slot address in each peer's buffer, or None."""
+        return None
+
+    def exchange(self, mine: torch.Tensor, full: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _wait(self, work, what: str) -> None:
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as e:
+            raise ExchangeTimeout(
+                f"tpsample rank {self.rank}/{self.world} ({self.name}): {what} did not complete "
+                f"within {self.timeout.total_seconds():g} s; a peer rank probably never made the "
+                f"same call (every rank must call the sampler with the same batch). Cause: {e}"
+            ) from e
+
+
+class CollectiveTransport(Transport):
+    """all_gather_into_tensor over a process group (nccl on CUDA, gloo on CPU)."""
+
+    def _allocate(self, numel):
+        self.send = torch.empty(numel, dtype=torch.float32, device=self.device)
+        self.buf = torch.empty(self.world, numel, dtype=torch.float32, device=self.device)
+        self.capacity = numel
+
+    def slots(self, numel):
+        self._ensure(numel)
+        return self.send[:numel], self.buf.view(-1)[: self.world * numel].view(self.world, numel)
+
+    def exchange(self, mine, full):
+        work = all_gather_flat(full.view(-1), mine, group=self.group, async_op=True)
+        if self.name == "gloo":
+            self._wait(work, "the record all-gather")
+        else:
+            work.wait()  # NCCL: orders the current stream after the collective; no host sync
+
+
+class GlooTransport(CollectiveTransport):
+    name = "gloo"
+
+
+class NcclTransport(CollectiveTransport):
+    name = "nccl"
+
+
+class SymmMemTransport(Transport):
+    name = "symm_mem"
+
+    def __init__(self, group, device, timeout_s):
+        super().__init__(group, device, timeout_s)
+        self.parity = 0
+
+    def _allocate(self, numel):
+        import torch.distributed._symmetric_memory as symm_mem
+        group_name = self.group.group_name
+        self.buffers, self.handles, self.ptrs = [], [], []
+        for _ in range(2):
+            buf = symm_mem.empty(self.world * numel, dtype=torch.float32, device=self.device)
+            hdl = symm_mem.rendezvous(buf, group_name)
+            peers = [hdl.get_buffer(p, (self.world * numel,), torch.float32, 0) for p in range(self.world)]
+            slot_bytes = numel * 4
+            ptrs = [t.data_ptr() + self.rank * slot_bytes for t in peers]
+            self.buffers.append(buf)
+            self.handles.append(hdl)
+            self.ptrs.append(torch.tensor(ptrs, dtype=torch.int64, device=self.device))
+        self.capacity = numel
+
+    def slots(self, numel):
+        self._ensure(numel)
+        self.parity ^= 1
+        full = self.buffers[self.parity][: self.world * self.capacity].view(self.world, self.capacity)
+        return full[self.rank, :numel], full[:, :numel]
+
+    def peer_ptrs(self):
+        return self.ptrs[self.parity]
+
+    def exchange(self, mine, full):
+        # release/acquire across the group: every peer's fan-out stores are visible after it
+        self.handles[self.parity].barrier(channel=0, timeout_ms=int(self.timeout.total_seconds() * 1000))
+
+
+def symm_mem_usable(group, device) -> tuple[bool, str]:
+    if device.type != "cuda":
+        return False, "tensors are on the CPU"
+    if os.environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST") != "1":
+        # never touch NVLink multicast on shared hosts: require the opt-out to be explicit
+        return False, "TORCH_SYMM_MEM_DISABLE_MULTICAST=1 is not set"
+    try:
+        import torch.distributed._symmetric_memory as symm_mem  # noqa: F401
+    except ImportError as e:
+        return False, f"torch symmetric memory unavailable ({e})"
+    world = dist.get_world_size(group)
+    ranks = dist.get_process_group_ranks(group)
+    local = torch.cuda.device_count()
+    if max(ranks) >= local and world > local:
+        return False, "ranks span several hosts"
+    for peer in range(local):
+        if peer != device.index and not torch.cuda.can_device_access_peer(device.index, peer):
+            return False, f"GPU {device.index} cannot reach GPU {peer} over P2P"
+    return True, "CUDA tensors, all peers reachable over P2P"
+
+
+def make_transport(name: str, group, device: torch.device, timeout_s: float) -> Transport:
+    """Pick a transport ("auto" | "symm_mem" | "nccl" | "gloo") and log which and why."""
+    backend = dist.get_backend(group)
+    if name == "auto":
+        if device.type == "cpu":
+            name, why = "gloo", "tensors are on the CPU"
+        else:
+            ok, why = symm_mem_usable(group, device)
+            name = "symm_mem" if ok else "nccl"
+        log.info("tpsample: transport %s (%s)", name, why)
+    if name == "gloo":
+        if device.type != "cpu" or backend != "gloo":
+            raise ValueError(f"transport='gloo' needs CPU tensors and a gloo group (got {device}, {backend})")
+        return GlooTransport(group, device, timeout_s)
+    if name == "nccl":
+        if device.type != "cuda" or "nccl" not in backend:
+            raise ValueError(f"transport='nccl' needs CUDA tensors and an nccl group (got {device}, {backend})")
+        return NcclTransport(group, device, timeout_s)
+    if name == "symm_mem":
+        ok, why = symm_mem_usable(group, device)
+        if not ok:
+            raise ValueError(f"transport='symm_mem' is not usable here: {why}")
+        return SymmMemTransport(group, device, timeout_s)
+    raise ValueError(f"transport must be 'auto', 'symm_mem', 'nccl' or 'gloo', got {name!r}")
