@@ -48,7 +48,8 @@ class VocabParallelSampler:
     seed=None: a generator seeded identically on every rank at construction (rank 0 draws
     the base seed from torch's default generator and broadcasts it once) draws the row
     seeds; since all ranks make the same calls with the same B, their draws agree without
-    any per-call communication or host sync.
+    any per-call communication or host sync. When capturing a CUDA graph pass explicit
+    seed/offset tensors (update them in place between replays).
     """
 
     def __init__(self, weight_shard: torch.Tensor, *, vocab_size: int, vocab_start: int | None = None,
@@ -155,7 +156,8 @@ class VocabParallelSampler:
         api.check_hidden_weight(hidden, self.weight, "weight_shard")
         api.check_options(num_samples, self.merge, "auto")
         bias = api.check_bias(bias, self.weight.shape[0], hidden.device)
-        if self.check_inputs:
+        capturing = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
+        if self.check_inputs and not capturing:  # a host sync cannot be captured
             self._check_call(hidden, num_samples)
         B = hidden.shape[0]
         if seed is None:
