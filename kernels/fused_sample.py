@@ -54,15 +54,17 @@ def gumbel_noise_tile(seed, off_lo, off_hi, c1, gid0, BLOCK_V: tl.constexpr, BLO
 @triton.jit
 def tile_records_epilogue(
     acc, pid_v, offs_b, mask_b, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr,
-    V_rows, n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b, peer_ptrs,
+    V_rows, n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b, peer_ptrs, parity_ptr,
     HAS_BIAS: tl.constexpr, ALIGNED4: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr,
     NUM_PEERS: tl.constexpr,
 ):
     """acc [BLOCK_V, BLOCK_B] raw fp32 logits of tile pid_v → one record per (sample, row).
 
     inv_temp[b] == 0 marks a greedy row: logits at T = 1, no noise. With NUM_PEERS == 0 the
-    records go to rec_ptr; otherwise peer_ptrs[p] (int64) is the address of this rank's slot
-    in peer p's exchange buffer and every record is stored to all of them (P2P fan-out)."""
+    records go to rec_ptr; otherwise peer_ptrs [2, NUM_PEERS] (int64) holds the address of this
+    rank's slot in each peer's exchange buffer, for each of two alternating buffers, and every
+    record is stored to all peers of buffer parity_ptr[0] (P2P fan-out). The parity lives on
+    the device so a captured CUDA graph alternates buffers too."""
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     # Transforms: l = (h.w + bias) * (1 / T); rows beyond the real vocabulary are -inf.
     if HAS_BIAS:
@@ -101,8 +103,9 @@ def tile_records_epilogue(
         if NUM_PEERS == 0:
             store_record(rec_ptr + rec, best, token, logit, lse, mask_b)
         else:
+            row = tl.load(parity_ptr) * NUM_PEERS
             for p in tl.static_range(NUM_PEERS):
-                dst = tl.load(peer_ptrs + p).to(tl.pointer_type(tl.float32))
+                dst = tl.load(peer_ptrs + row + p).to(tl.pointer_type(tl.float32))
                 store_record(dst + rec, best, token, logit, lse, mask_b)
         rec += rec_stride_s
 
@@ -119,7 +122,7 @@ def store_record(dst, best, token, logit, lse, mask):
 def fused_sample_records_kernel(
     h_ptr, w_ptr, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr,
     B, D, V_rows, n_real, vocab_start, num_samples,
-    stride_hb, stride_wv, rec_stride_s, rec_stride_b, peer_ptrs,
+    stride_hb, stride_wv, rec_stride_s, rec_stride_b, peer_ptrs, parity_ptr,
     HAS_BIAS: tl.constexpr, EVEN_D: tl.constexpr, FP32_DOT: tl.constexpr, ALIGNED4: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_STAGES: tl.constexpr, NUM_PEERS: tl.constexpr,
@@ -150,14 +153,14 @@ def fused_sample_records_kernel(
         h_ptrs += BLOCK_D
     tile_records_epilogue(acc, pid_v, offs_b, mask_b, bias_ptr, inv_temp_ptr, seed_ptr,
                           offset_ptr, rec_ptr, V_rows, n_real, vocab_start, num_samples,
-                          rec_stride_s, rec_stride_b, peer_ptrs, HAS_BIAS, ALIGNED4, BLOCK_V,
+                          rec_stride_s, rec_stride_b, peer_ptrs, parity_ptr, HAS_BIAS, ALIGNED4, BLOCK_V,
                           BLOCK_B, NUM_PEERS)
 
 
 @triton.jit
 def logits_records_kernel(
     logits_ptr, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr,
-    B, V_rows, n_real, vocab_start, num_samples, stride_lb, rec_stride_s, rec_stride_b, peer_ptrs,
+    B, V_rows, n_real, vocab_start, num_samples, stride_lb, rec_stride_s, rec_stride_b, peer_ptrs, parity_ptr,
     HAS_BIAS: tl.constexpr, ALIGNED4: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr,
     NUM_PEERS: tl.constexpr,
 ):
@@ -171,5 +174,5 @@ def logits_records_kernel(
     acc = tl.load(ptrs, mask=mask_b[None, :] & (offs_v < V_rows)[:, None], other=0.0)
     tile_records_epilogue(acc, pid_v, offs_b, mask_b, bias_ptr, inv_temp_ptr, seed_ptr,
                           offset_ptr, rec_ptr, V_rows, n_real, vocab_start, num_samples,
-                          rec_stride_s, rec_stride_b, peer_ptrs, HAS_BIAS, ALIGNED4, BLOCK_V,
+                          rec_stride_s, rec_stride_b, peer_ptrs, parity_ptr, HAS_BIAS, ALIGNED4, BLOCK_V,
                           BLOCK_B, NUM_PEERS)

@@ -25,9 +25,10 @@ def _better(score_a, tok_a, score_b, tok_b):
 @triton.jit
 def reduce_records_kernel(
     rec_ptr, inv_temp_ptr, seed_ptr, offset_ptr, tokens_ptr, logprobs_ptr, logz_ptr,
-    B, S, N, tiles_per_slot, rec_stride_slot, rec_stride_s, rec_stride_b,
-    LOGMASS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    B, S, N, tiles_per_slot, rec_stride_slot, rec_stride_s, rec_stride_b, parity_ptr, parity_stride,
+    LOGMASS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, USE_PARITY: tl.constexpr,
 ):
+    # USE_PARITY: the records are in buffer parity_ptr[0] of two, parity_stride elements apart
     # A program reduces BLOCK_R (sample, row) pairs; pair r is sample r // B of row r % B.
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < S * B
@@ -40,6 +41,8 @@ def reduce_records_kernel(
     off_hi = ((off >> 32) & 0xFFFFFFFF).to(tl.uint32)[:, None]
     c1 = s.to(tl.uint32)[:, None] | GROUP_STREAM
 
+    if USE_PARITY:
+        rec_ptr += tl.load(parity_ptr).to(tl.int64) * parity_stride
     row = rec_ptr + (s.to(tl.int64) * rec_stride_s + b.to(tl.int64) * rec_stride_b)[:, None]
     inf = float("inf")
     best_s = tl.full((BLOCK_R,), -inf, tl.float32)

@@ -180,3 +180,32 @@ def test_reduce_kernel_equals_merge_module(merge_mode, device):
     assert torch.allclose(got[1].cpu(), want[1], atol=1e-5, equal_nan=True)
     assert torch.allclose(got[2].cpu(), want[2], atol=1e-5, equal_nan=True)
     assert torch.isnan(got[2][2]) and (got[0][2] == 0).all()
+
+
+@pytest.mark.parametrize("parity_value", [0, 1])
+def test_fanout_stores_into_every_peer_buffer_of_the_selected_parity(parity_value, device):
+    """The symm_mem store path, with ordinary local buffers standing in for peer buffers."""
+    B, D, V, world, rank = 5, 32, 300, 3, 1
+    h, w = random_inputs(B, D, V, torch.float32, device, seed=8)
+    p = row_params(h, 1.0, torch.arange(B, device=device), 0)
+    T = fused.num_tiles(V)
+    numel = 2 * B * T * 4  # S = 2
+    half = world * numel
+    peers = [torch.full((2 * half,), -7.0, device=device) for _ in range(world)]
+    ptrs = torch.tensor([[t.data_ptr() + (k * half + rank * numel) * 4 for t in peers] for k in range(2)],
+                        dtype=torch.int64, device=device)
+    parity = torch.full((1,), parity_value, dtype=torch.int32, device=device)
+    kw = dict(bias=None, inv_temp=p.inv_temp, seed=p.seed, offset=p.offset, num_samples=2, n_real=V)
+    want = fused.fused_records(h, w, **kw)
+    fused.fused_records(h, w, out=torch.empty_like(want), peer_ptrs=ptrs, parity=parity, **kw)
+    for t in peers:
+        got = t.view(2, world, numel)[parity_value, rank].view_as(want)
+        assert torch.equal(got, want)
+        assert (t.view(2, world, numel)[1 - parity_value] == -7.0).all()  # other buffer untouched
+        assert (t.view(2, world, numel)[parity_value, 0] == -7.0).all()  # other ranks' slots too
+    full = peers[0].view(2, world, numel)[0].view(world, 2, B, T, 4)
+    peers[0].view(2, world, numel)[parity_value, :] = want.reshape(1, -1)  # every slot valid
+    got = fused.reduce_records(full, p.inv_temp, p.seed, p.offset, "max", parity=parity, parity_stride=half)
+    ref = merge.reduce_records(want[None].expand(world, *want.shape).cpu(), p.seed.cpu(), p.offset.cpu(),
+                               p.inv_temp.cpu() == 0, "max")
+    assert torch.equal(got[0].cpu(), ref[0])

@@ -204,14 +204,18 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, *, temperature=1.0, seed=
 
 
 def compute_records(backend: str, hidden, weight, *, bias, params: RowParams, num_samples: int,
-                    n_real: int, vocab_start: int = 0, tiles=None, out=None, peer_ptrs=None):
-    """Stage 1 with the chosen backend → records [S, B, T, 4] (written into `out` if given)."""
+                    n_real: int, vocab_start: int = 0, tiles=None, out=None, fanout=None):
+    """Stage 1 with the chosen backend → records [S, B, T, 4] (written into `out` if given;
+    with `fanout` = (peer_ptrs, parity, _) stored into every peer's buffer instead)."""
     if backend == "triton":
         from . import fused
+        peer_ptrs, parity = fanout[:2] if fanout is not None else (None, None)
         return fused.fused_records(hidden, weight, bias=bias, inv_temp=params.inv_temp,
                                    seed=params.seed, offset=params.offset, num_samples=num_samples,
                                    n_real=n_real, vocab_start=vocab_start, tiles=tiles, out=out,
-                                   peer_ptrs=peer_ptrs)
+                                   peer_ptrs=peer_ptrs, parity=parity)
+    if fanout is not None:
+        raise ValueError("P2P fan-out needs the Triton backend on CUDA")
     rec = records_torch(hidden, weight, bias=bias, inv_temp=params.inv_temp, seed=params.seed,
                         offset=params.offset, num_samples=num_samples, n_real=n_real,
                         vocab_start=vocab_start, num_tiles=tiles)
@@ -221,9 +225,12 @@ def compute_records(backend: str, hidden, weight, *, bias, params: RowParams, nu
     return rec
 
 
-def reduce_records(backend: str, records, params: RowParams, merge: str):
-    """Stage 2: records [slots, S, B, T, 4] → tokens [B, S], logprobs [B, S], logz [B]."""
+def reduce_records(backend: str, records, params: RowParams, merge: str, fanout=None):
+    """Stage 2: records [slots, S, B, T, 4] → tokens [B, S], logprobs [B, S], logz [B]
+    (with `fanout`, from the buffer its device-side parity selects)."""
     if backend == "triton":
         from . import fused
-        return fused.reduce_records(records, params.inv_temp, params.seed, params.offset, merge)
+        parity, stride = fanout[1:] if fanout is not None else (None, 0)
+        return fused.reduce_records(records, params.inv_temp, params.seed, params.offset, merge,
+                                    parity=parity, parity_stride=stride)
     return merge_math.reduce_records(records, params.seed, params.offset, params.inv_temp == 0, merge)

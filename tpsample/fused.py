@@ -70,12 +70,14 @@ def logits_fp32(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, n_real,
-                  vocab_start=0, out=None, tiles=None, config=None, peer_ptrs=None) -> torch.Tensor:
+                  vocab_start=0, out=None, tiles=None, config=None, peer_ptrs=None,
+                  parity=None) -> torch.Tensor:
     """Stage 1 on (a shard of) the LM head → records [S, B, T, 4] fp32, written into `out`
     if given (any tensor of that shape whose last two dims are contiguous: e.g. this rank's
-    slot of an exchange buffer). peer_ptrs: int64 CUDA tensor [P] of the addresses of this
-    rank's slot in every peer's buffer (same strides as `out`); the kernel then stores each
-    record to all P of them instead of `out`."""
+    slot of an exchange buffer). peer_ptrs: int64 CUDA tensor [2, P] of the addresses of this
+    rank's slot in every peer's buffer (same strides as `out`) for two alternating buffers, and
+    parity an int32 CUDA tensor [1] selecting the buffer; the kernel then stores each record
+    to all P peers of that buffer instead of `out`."""
     B, D = hidden.shape
     V_rows = weight.shape[0]
     T = tiles if tiles is not None else num_tiles(V_rows)
@@ -88,27 +90,30 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
     grid = (triton.cdiv(B, cfg["BLOCK_B"]), T)
     common = dict(HAS_BIAS=bias is not None, ALIGNED4=vocab_start % 4 == 0, BLOCK_V=BLOCK_V,
                   BLOCK_B=cfg["BLOCK_B"], num_warps=nw,
-                  NUM_PEERS=0 if peer_ptrs is None else peer_ptrs.numel())
+                  NUM_PEERS=0 if peer_ptrs is None else peer_ptrs.shape[-1])
     peers = peer_ptrs if peer_ptrs is not None else seed  # never read when NUM_PEERS == 0
+    parity = parity if parity is not None else seed
     bias_arg = bias if bias is not None else inv_temp  # never read when HAS_BIAS is False
     if strategy == "logits":
         logits = logits_fp32(hidden, weight)
         logits_records_kernel[grid](
             logits, bias_arg, inv_temp, seed, offset, out, B, V_rows, n_real, vocab_start,
-            num_samples, logits.stride(0), out.stride(0), out.stride(1), peers, **common)
+            num_samples, logits.stride(0), out.stride(0), out.stride(1), peers, parity, **common)
         return out
     fused_sample_records_kernel[grid](
         hidden, weight, bias_arg, inv_temp, seed, offset, out,
         B, D, V_rows, n_real, vocab_start, num_samples,
-        hidden.stride(0), weight.stride(0), out.stride(0), out.stride(1), peers,
+        hidden.stride(0), weight.stride(0), out.stride(0), out.stride(1), peers, parity,
         EVEN_D=D % cfg["BLOCK_D"] == 0, FP32_DOT=hidden.dtype == torch.float32 or not hidden.is_cuda,
         BLOCK_D=cfg["BLOCK_D"], NUM_STAGES=cfg["NUM_STAGES"], **common)
     return out
 
 
-def reduce_records(records: torch.Tensor, inv_temp, seed, offset, merge: str):
+def reduce_records(records: torch.Tensor, inv_temp, seed, offset, merge: str, parity=None,
+                   parity_stride: int = 0):
     """Stage 2. records [slots, S, B, T, 4] (any strides with the last two dims contiguous)
-    → tokens int64 [B, S], logprobs fp32 [B, S], logz fp32 [B]."""
+    → tokens int64 [B, S], logprobs fp32 [B, S], logz fp32 [B]. With `parity` (int32 CUDA
+    tensor [1]) the records are read parity[0] * parity_stride elements past `records`."""
     slots, S, B, T, _ = records.shape
     assert records.stride(4) == 1 and records.stride(3) == 4
     dev = records.device
@@ -124,5 +129,7 @@ def reduce_records(records: torch.Tensor, inv_temp, seed, offset, merge: str):
     reduce_records_kernel[(triton.cdiv(B * S, block_r),)](
         records, inv_temp, seed, offset, tokens, logprobs, logz,
         B, S, N, T, records.stride(0), records.stride(1), records.stride(2),
-        LOGMASS=merge == "logmass", BLOCK_R=block_r, BLOCK_N=block_n, num_warps=4)
+        parity if parity is not None else seed, parity_stride,
+        LOGMASS=merge == "logmass", BLOCK_R=block_r, BLOCK_N=block_n,
+        USE_PARITY=parity is not None, num_warps=4)
     return tokens, logprobs, logz

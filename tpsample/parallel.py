@@ -171,12 +171,14 @@ class VocabParallelSampler:
         per_slot = num_samples * B * self.tiles * 4
         mine, full = self.transport.slots(per_slot)
         shape = (num_samples, B, self.tiles, 4)
+        fanout = self.transport.fanout()
         api.compute_records(self.backend, hidden, self.weight, bias=bias, params=params,
                             num_samples=num_samples, n_real=self.n_real, vocab_start=self.vocab_start,
-                            tiles=self.tiles, out=mine.view(shape), peer_ptrs=self.transport.peer_ptrs())
+                            tiles=self.tiles, out=mine.view(shape), fanout=fanout)
         self.transport.exchange(mine, full)
         tokens, logprobs, logz = api.reduce_records(self.backend, full.view(self.world, *shape), params,
-                                                    self.merge)
+                                                    self.merge, fanout=fanout)
+        self.transport.finish()
         return api.package(tokens, logprobs, logz, num_samples, return_logprobs)
 
 

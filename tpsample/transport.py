@@ -9,7 +9,8 @@ every slot valid on every rank. Only records travel, never logits.
             straight into every peer's slot (fan-out from the epilogue) and `exchange` is
             the symmetric-memory barrier. Two buffers alternate between calls, so a fast
             rank's next call never overwrites records a slow rank is still reducing (passing
-            the barrier of call k+1 implies every peer finished reducing call k).
+            the barrier of call k+1 implies every peer finished reducing call k). The parity
+            is a device tensor flipped after each reduce, so CUDA-graph replays alternate too.
   nccl      CUDA: the records are all-gathered with NCCL.
   gloo      CPU tensors: all-gather with gloo (what CI runs).
 """
@@ -52,9 +53,13 @@ class Transport:
         """(this rank's slot [numel], all slots [world, numel]) for the current call."""
         raise NotImplementedError
 
-    def peer_ptrs(self):
-        """int64 tensor of this rank's slot address in each peer's buffer, or None."""
+    def fanout(self):
+        """(peer_ptrs int64 [2, world], parity int32 [1], parity_stride) for kernels that
+        store into peers directly, or None when records are written locally and exchanged."""
         return None
+
+    def finish(self) -> None:
+        """Called after the local reduce of a call."""
 
     def exchange(self, mine: torch.Tensor, full: torch.Tensor) -> None:
         raise NotImplementedError
@@ -101,37 +106,33 @@ class NcclTransport(CollectiveTransport):
 class SymmMemTransport(Transport):
     name = "symm_mem"
 
-    def __init__(self, group, device, timeout_s):
-        super().__init__(group, device, timeout_s)
-        self.parity = 0
-
     def _allocate(self, numel):
         import torch.distributed._symmetric_memory as symm_mem
-        group_name = self.group.group_name
-        self.buffers, self.handles, self.ptrs = [], [], []
-        for _ in range(2):
-            buf = symm_mem.empty(self.world * numel, dtype=torch.float32, device=self.device)
-            hdl = symm_mem.rendezvous(buf, group_name)
-            peers = [hdl.get_buffer(p, (self.world * numel,), torch.float32, 0) for p in range(self.world)]
-            slot_bytes = numel * 4
-            ptrs = [t.data_ptr() + self.rank * slot_bytes for t in peers]
-            self.buffers.append(buf)
-            self.handles.append(hdl)
-            self.ptrs.append(torch.tensor(ptrs, dtype=torch.int64, device=self.device))
+        half = self.world * numel  # one buffer; two alternate halves
+        self.buf = symm_mem.empty(2 * half, dtype=torch.float32, device=self.device)
+        self.handle = symm_mem.rendezvous(self.buf, self.group.group_name)
+        bases = [self.handle.get_buffer(p, (2 * half,), torch.float32, 0).data_ptr()
+                 for p in range(self.world)]
+        mine = self.rank * numel * 4
+        self.ptrs = torch.tensor([[b + mine + k * half * 4 for b in bases] for k in range(2)],
+                                 dtype=torch.int64, device=self.device)
+        self.parity = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.capacity = numel
 
     def slots(self, numel):
         self._ensure(numel)
-        self.parity ^= 1
-        full = self.buffers[self.parity][: self.world * self.capacity].view(self.world, self.capacity)
-        return full[self.rank, :numel], full[:, :numel]
+        full = self.buf[: self.world * self.capacity].view(self.world, self.capacity)
+        return full[self.rank, :numel], full[:, :numel]  # buffer 0; kernels add the parity
 
-    def peer_ptrs(self):
-        return self.ptrs[self.parity]
+    def fanout(self):
+        return self.ptrs, self.parity, self.world * self.capacity
 
     def exchange(self, mine, full):
         # release/acquire across the group: every peer's fan-out stores are visible after it
-        self.handles[self.parity].barrier(channel=0, timeout_ms=int(self.timeout.total_seconds() * 1000))
+        self.handle.barrier(channel=0, timeout_ms=int(self.timeout.total_seconds() * 1000))
+
+    def finish(self):
+        self.parity.bitwise_xor_(1)
 
 
 def symm_mem_usable(group, device) -> tuple[bool, str]:
