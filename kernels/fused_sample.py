@@ -56,7 +56,7 @@ def tile_records_epilogue(
     acc, pid_v, offs_b, mask_b, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr,
     V_rows, n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b, peer_ptrs, parity_ptr,
     HAS_BIAS: tl.constexpr, ALIGNED4: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr,
-    NUM_PEERS: tl.constexpr,
+    NUM_PEERS: tl.constexpr, SAMPLES: tl.constexpr = 0,
 ):
     """acc [BLOCK_V, BLOCK_B] raw fp32 logits of tile pid_v → one record per (sample, row).
 
@@ -90,24 +90,39 @@ def tile_records_epilogue(
     local = tl.arange(0, BLOCK_V)[:, None]
 
     rec = offs_b.to(tl.int64) * rec_stride_b + pid_v * 4
-    for s in range(num_samples):
-        if ALIGNED4:
-            g = gumbel_noise_tile(seed, off_lo, off_hi, tl.cast(s, tl.uint32), tile_start,
-                                  BLOCK_V, BLOCK_B)
-        else:
-            g = gumbel_noise(seed, off_lo, off_hi, tl.cast(s, tl.uint32), tile_start + local)
-        z = tl.where(greedy[None, :], l, l + g)
-        best, idx = tl.max(z, axis=0, return_indices=True, return_indices_tie_break_left=True)
-        logit = tl.sum(tl.where(local == idx[None, :], l, 0.0), axis=0)
-        token = (tile_start + idx).to(tl.float32)
-        if NUM_PEERS == 0:
-            store_record(rec_ptr + rec, best, token, logit, lse, mask_b)
-        else:
-            row = tl.load(parity_ptr) * NUM_PEERS
-            for p in tl.static_range(NUM_PEERS):
-                dst = tl.load(peer_ptrs + row + p).to(tl.pointer_type(tl.float32))
-                store_record(dst + rec, best, token, logit, lse, mask_b)
-        rec += rec_stride_s
+    if SAMPLES > 0:  # compile-time count: the persistent kernel needs a loop-free epilogue
+        for s in tl.static_range(SAMPLES):
+            sample_and_store(s, l, greedy, seed, off_lo, off_hi, tile_start, local, mask_b, lse,
+                             rec_ptr, rec + s * rec_stride_s, peer_ptrs, parity_ptr, ALIGNED4,
+                             BLOCK_V, BLOCK_B, NUM_PEERS)
+    else:
+        for s in range(num_samples):
+            sample_and_store(s, l, greedy, seed, off_lo, off_hi, tile_start, local, mask_b, lse,
+                             rec_ptr, rec + s * rec_stride_s, peer_ptrs, parity_ptr, ALIGNED4,
+                             BLOCK_V, BLOCK_B, NUM_PEERS)
+
+
+@triton.jit
+def sample_and_store(s, l, greedy, seed, off_lo, off_hi, tile_start, local, mask_b, lse, rec_ptr,
+                     rec, peer_ptrs, parity_ptr, ALIGNED4: tl.constexpr, BLOCK_V: tl.constexpr,
+                     BLOCK_B: tl.constexpr, NUM_PEERS: tl.constexpr):
+    """Sample s of one tile: Gumbel-max over the tile and its record (see the epilogue)."""
+    if ALIGNED4:
+        g = gumbel_noise_tile(seed, off_lo, off_hi, tl.cast(s, tl.uint32), tile_start,
+                              BLOCK_V, BLOCK_B)
+    else:
+        g = gumbel_noise(seed, off_lo, off_hi, tl.cast(s, tl.uint32), tile_start + local)
+    z = tl.where(greedy[None, :], l, l + g)
+    best, idx = tl.max(z, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    logit = tl.sum(tl.where(local == idx[None, :], l, 0.0), axis=0)
+    token = (tile_start + idx).to(tl.float32)
+    if NUM_PEERS == 0:
+        store_record(rec_ptr + rec, best, token, logit, lse, mask_b)
+    else:
+        row = tl.load(parity_ptr) * NUM_PEERS
+        for p in tl.static_range(NUM_PEERS):
+            dst = tl.load(peer_ptrs + row + p).to(tl.pointer_type(tl.float32))
+            store_record(dst + rec, best, token, logit, lse, mask_b)
 
 
 @triton.jit
@@ -119,22 +134,15 @@ def store_record(dst, best, token, logit, lse, mask):
 
 
 @triton.jit
-def fused_sample_records_kernel(
-    h_ptr, w_ptr, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr,
-    B, D, V_rows, n_real, vocab_start, num_samples,
-    stride_hb, stride_wv, rec_stride_s, rec_stride_b, peer_ptrs, parity_ptr,
-    HAS_BIAS: tl.constexpr, EVEN_D: tl.constexpr, FP32_DOT: tl.constexpr, ALIGNED4: tl.constexpr,
-    BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_STAGES: tl.constexpr, NUM_PEERS: tl.constexpr,
-):
-    pid_b = tl.program_id(0)  # batch tiles vary fastest: neighbours share the W tile in L2
-    pid_v = tl.program_id(1)
+def tile_logits(h_ptr, w_ptr, pid_v, pid_b, B, D, V_rows, stride_hb, stride_wv,
+                EVEN_D: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_V: tl.constexpr,
+                BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """fp32 logits of one [BLOCK_V, BLOCK_B] tile (vocab × batch) = W_tile · h_tileᵀ."""
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     offs_b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
     offs_d = tl.arange(0, BLOCK_D)
     mask_v = offs_v < V_rows
     mask_b = offs_b < B
-
     w_ptrs = w_ptr + offs_v[:, None].to(tl.int64) * stride_wv + offs_d[None, :]
     h_ptrs = h_ptr + offs_b[None, :].to(tl.int64) * stride_hb + offs_d[:, None]
     acc = tl.zeros((BLOCK_V, BLOCK_B), dtype=tl.float32)
@@ -151,10 +159,49 @@ def fused_sample_records_kernel(
             acc = tl.dot(w, h, acc)
         w_ptrs += BLOCK_D
         h_ptrs += BLOCK_D
+    return acc, offs_b, mask_b
+
+
+@triton.jit
+def fused_sample_records_kernel(
+    h_ptr, w_ptr, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr,
+    B, D, V_rows, n_real, vocab_start, num_samples,
+    stride_hb, stride_wv, rec_stride_s, rec_stride_b, peer_ptrs, parity_ptr,
+    HAS_BIAS: tl.constexpr, EVEN_D: tl.constexpr, FP32_DOT: tl.constexpr, ALIGNED4: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_STAGES: tl.constexpr, NUM_PEERS: tl.constexpr,
+):
+    pid_b = tl.program_id(0)  # batch tiles vary fastest: neighbours share the W tile in L2
+    pid_v = tl.program_id(1)
+    acc, offs_b, mask_b = tile_logits(h_ptr, w_ptr, pid_v, pid_b, B, D, V_rows, stride_hb, stride_wv,
+                                      EVEN_D, FP32_DOT, BLOCK_V, BLOCK_B, BLOCK_D, NUM_STAGES)
     tile_records_epilogue(acc, pid_v, offs_b, mask_b, bias_ptr, inv_temp_ptr, seed_ptr,
                           offset_ptr, rec_ptr, V_rows, n_real, vocab_start, num_samples,
                           rec_stride_s, rec_stride_b, peer_ptrs, parity_ptr, HAS_BIAS, ALIGNED4, BLOCK_V,
                           BLOCK_B, NUM_PEERS)
+
+
+@triton.jit
+def fused_sample_records_persistent_kernel(
+    h_ptr, w_ptr, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr,
+    B, D, V_rows, n_real, vocab_start, num_v_tiles,
+    stride_hb, stride_wv, rec_stride_s, rec_stride_b, peer_ptrs, parity_ptr,
+    HAS_BIAS: tl.constexpr, EVEN_D: tl.constexpr, FP32_DOT: tl.constexpr, ALIGNED4: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr, SAMPLES: tl.constexpr, NUM_PEERS: tl.constexpr,
+):
+    """Same records; a fixed grid of programs walks the tiles, and the (tile, D-step) loop
+    nest is flattened so the loads of the next tile are in flight during this epilogue."""
+    num_b_tiles = tl.cdiv(B, BLOCK_B)
+    for tile in tl.range(tl.program_id(0), num_v_tiles * num_b_tiles, NUM_PROGRAMS, flatten=True):
+        pid_b = tile % num_b_tiles
+        pid_v = tile // num_b_tiles
+        acc, offs_b, mask_b = tile_logits(h_ptr, w_ptr, pid_v, pid_b, B, D, V_rows, stride_hb,
+                                          stride_wv, EVEN_D, FP32_DOT, BLOCK_V, BLOCK_B, BLOCK_D, None)
+        tile_records_epilogue(acc, pid_v, offs_b, mask_b, bias_ptr, inv_temp_ptr, seed_ptr,
+                              offset_ptr, rec_ptr, V_rows, n_real, vocab_start, SAMPLES,
+                              rec_stride_s, rec_stride_b, peer_ptrs, parity_ptr, HAS_BIAS, ALIGNED4,
+                              BLOCK_V, BLOCK_B, NUM_PEERS, SAMPLES)
 
 
 @triton.jit

@@ -209,3 +209,16 @@ def test_fanout_stores_into_every_peer_buffer_of_the_selected_parity(parity_valu
     ref = merge.reduce_records(want[None].expand(world, *want.shape).cpu(), p.seed.cpu(), p.offset.cpu(),
                                p.inv_temp.cpu() == 0, "max")
     assert torch.equal(got[0].cpu(), ref[0])
+
+
+def test_persistent_strategy_matches_tiled(device):
+    B, D, V = 20, 64, 700
+    h, w = random_inputs(B, D, V, torch.float32, device, seed=12)
+    p = row_params(h, 0.9, torch.arange(B, device=device), 2)
+    kw = dict(bias=torch.randn(V, device=device), inv_temp=p.inv_temp, seed=p.seed, offset=p.offset,
+              num_samples=2, n_real=650)
+    want = fused.fused_records(h, w, **kw)
+    got = fused.fused_records(h, w, config=dict(strategy="persistent", BLOCK_B=16, BLOCK_D=32,
+                                                NUM_STAGES=2, num_warps=4, PROGRAMS_PER_SM=3), **kw)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-6)
+    assert torch.equal(got[..., 1], want[..., 1])

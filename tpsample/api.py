@@ -55,6 +55,24 @@ def check_hidden_weight(hidden, weight, weight_name: str = "weight"):
                          "a copy of an LM head is too large to make silently")
 
 
+_FILLED: dict = {}
+
+
+def _filled(B: int, value, dtype: torch.dtype, device) -> torch.Tensor:
+    """torch.full((B,), value) on device, cached for reuse across calls (kernels only read it).
+    Saves a launch and ~7 µs of host time per parameter; never cached during graph capture
+    (a tensor filled inside a capture holds nothing until the first replay)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.full((B,), value, dtype=dtype, device=device)
+    key = (B, value, dtype, device)
+    t = _FILLED.get(key)
+    if t is None:
+        if len(_FILLED) >= 256:
+            _FILLED.clear()
+        t = _FILLED[key] = torch.full((B,), value, dtype=dtype, device=device)
+    return t
+
+
 def _per_row_tensor(name: str, value, B: int, device, dtypes: tuple[torch.dtype, ...]):
     if value.ndim != 1 or value.shape[0] != B:
         raise ValueError(f"{name} tensor must have shape [{B}], got {tuple(value.shape)}")
@@ -81,7 +99,7 @@ def row_params(hidden: torch.Tensor, temperature, seed, offset) -> RowParams:
         if not math.isfinite(temperature) or temperature < 0:
             raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {temperature}")
         inv = 0.0 if temperature == 0 else 1.0 / temperature
-        inv_temp = torch.full((B,), inv, dtype=torch.float32, device=dev)
+        inv_temp = _filled(B, inv, torch.float32, dev)
     else:
         raise TypeError(f"temperature must be a float or a Tensor[B], got {type(temperature).__name__}")
 
@@ -92,7 +110,7 @@ def row_params(hidden: torch.Tensor, temperature, seed, offset) -> RowParams:
     elif isinstance(seed, int) and not isinstance(seed, bool):
         if not -(1 << 63) <= seed < (1 << 63):
             raise ValueError(f"seed must fit in int64, got {seed}")
-        seed_t = torch.full((B,), seed, dtype=torch.int64, device=dev)
+        seed_t = _filled(B, seed, torch.int64, dev)
     else:
         raise TypeError(f"seed must be None, an int or a Tensor[B] int64, got {type(seed).__name__}")
 
@@ -101,7 +119,7 @@ def row_params(hidden: torch.Tensor, temperature, seed, offset) -> RowParams:
     elif isinstance(offset, int) and not isinstance(offset, bool):
         if not -(1 << 63) <= offset < (1 << 63):
             raise ValueError(f"offset must fit in int64, got {offset}")
-        offset_t = torch.full((B,), offset, dtype=torch.int64, device=dev)
+        offset_t = _filled(B, offset, torch.int64, dev)
     else:
         raise TypeError(f"offset must be an int or a Tensor[B] int64, got {type(offset).__name__}")
     return RowParams(inv_temp, seed_t, offset_t)

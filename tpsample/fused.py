@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 import triton
 
-from .kernels import fused_sample_records_kernel, logits_records_kernel, reduce_records_kernel
+from .kernels import (fused_sample_records_kernel, fused_sample_records_persistent_kernel,
+                      logits_records_kernel, reduce_records_kernel)
 from .torch_records import DEFAULT_TILE
 
 BLOCK_V = DEFAULT_TILE  # one record per 128 tokens everywhere: logmass partitions agree
@@ -33,6 +34,8 @@ def kernel_config(B: int, D: int, dtype: torch.dtype, device_type: str = "cuda",
     """Stage-1 strategy and block sizes (docs/perf-notes.md says how they were chosen).
 
     strategy "fused": the matmul runs inside the kernel (logits never leave registers);
+    "persistent": the same with a fixed grid of PROGRAMS_PER_SM × SMs programs walking the
+    tiles (epilogue overlapped with the next tile's loads);
     "logits": cuBLAS writes fp32 logits and one Triton pass turns them into records.
     Shipped tables (tpsample/configs/*.json) are used for bf16/fp16; otherwise a default."""
     if device_type != "cuda":  # the interpreter pays per program: few, large tiles
@@ -47,6 +50,15 @@ def kernel_config(B: int, D: int, dtype: torch.dtype, device_type: str = "cuda",
     block_b = min(max(16, triton.next_power_of_2(B)), 64)
     return dict(strategy="fused", BLOCK_B=block_b, BLOCK_D=64 if dtype == torch.float32 else 128,
                 NUM_STAGES=4, num_warps=4 if block_b <= 16 else 8)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def num_tiles(rows: int) -> int:
@@ -94,6 +106,16 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
     peers = peer_ptrs if peer_ptrs is not None else seed  # never read when NUM_PEERS == 0
     parity = parity if parity is not None else seed
     bias_arg = bias if bias is not None else inv_temp  # never read when HAS_BIAS is False
+    if strategy == "persistent":
+        n_prog = cfg["PROGRAMS_PER_SM"] * (_num_sms(hidden.device) if hidden.is_cuda else 1)
+        fused_sample_records_persistent_kernel[(n_prog,)](
+            hidden, weight, bias_arg, inv_temp, seed, offset, out,
+            B, D, V_rows, n_real, vocab_start, T,
+            hidden.stride(0), weight.stride(0), out.stride(0), out.stride(1), peers, parity,
+            EVEN_D=D % cfg["BLOCK_D"] == 0, FP32_DOT=hidden.dtype == torch.float32 or not hidden.is_cuda,
+            BLOCK_D=cfg["BLOCK_D"], NUM_PROGRAMS=n_prog, SAMPLES=num_samples,
+            num_stages=cfg["NUM_STAGES"], **common)
+        return out
     if strategy == "logits":
         logits = logits_fp32(hidden, weight)
         logits_records_kernel[grid](

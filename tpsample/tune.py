@@ -24,7 +24,7 @@ from .api import row_params
 CONFIG_DIR = Path(__file__).parent / "configs"
 
 
-def candidates(B: int):
+def candidates(B: int, strategies=("fused", "persistent", "logits")):
     bb_max = min(max(16, triton.next_power_of_2(B)), 128)  # 256: ~2x slower than 128
     # BLOCK_B = 64 is also tried at large B (acc [128, 128+] fp32 spills); NUM_STAGES = 2
     # halves the pipeline's shared memory so two programs share an SM and one's epilogue
@@ -34,9 +34,18 @@ def candidates(B: int):
         for bd, st, nw in itertools.product((64, 128, 256), (2, 3, 4, 5), warps):
             if bb * bd * st * 2 + 128 * bd * st * 2 > 200_000:  # shared memory of the pipeline
                 continue
-            yield dict(strategy="fused", BLOCK_B=bb, BLOCK_D=bd, NUM_STAGES=st, num_warps=nw)
-    for bb, nw in ((32, 4), (64, 8), (64, 4), (128, 8)):
-        yield dict(strategy="logits", BLOCK_B=bb, BLOCK_D=0, NUM_STAGES=0, num_warps=nw)
+            if "fused" in strategies:
+                yield dict(strategy="fused", BLOCK_B=bb, BLOCK_D=bd, NUM_STAGES=st, num_warps=nw)
+    if "persistent" in strategies and B <= 128:
+        bb = min(bb_max, 64)
+        for bd, st, nw, per_sm in itertools.product((64, 128), (3, 4), (4, 8), (1, 2)):
+            if per_sm * (bb * bd * st * 2 + 128 * bd * st * 2) > 220_000:
+                continue
+            yield dict(strategy="persistent", BLOCK_B=bb, BLOCK_D=bd, NUM_STAGES=st, num_warps=nw,
+                       PROGRAMS_PER_SM=per_sm)
+    if "logits" in strategies:
+        for bb, nw in ((32, 4), (64, 8), (64, 4), (128, 8)):
+            yield dict(strategy="logits", BLOCK_B=bb, BLOCK_D=0, NUM_STAGES=0, num_warps=nw)
 
 
 def device_key() -> str:
@@ -44,7 +53,7 @@ def device_key() -> str:
     return "h200" if "H200" in name else "h100" if "H100" in name else name.lower().replace(" ", "_")
 
 
-def tune_shape(D: int, V: int, batches, reps_ms: int, log) -> dict:
+def tune_shape(D: int, V: int, batches, reps_ms: int, log, strategies) -> dict:
     w = torch.randn(V, D, device="cuda", dtype=torch.bfloat16) * 0.02
     out = {}
     for B in batches:
@@ -57,7 +66,7 @@ def tune_shape(D: int, V: int, batches, reps_ms: int, log) -> dict:
             return fused.reduce_records(rec[None], p.inv_temp, p.seed, p.offset, "max")[0]
 
         ref_tokens, results = None, []
-        for cfg in candidates(B):
+        for cfg in candidates(B, strategies):
             try:
                 tokens = run(cfg)
                 ms = triton.testing.do_bench(lambda: run(cfg), warmup=10, rep=reps_ms,
@@ -86,6 +95,7 @@ def main(argv=None):
     ap.add_argument("--shapes", default="4096x151936,8192x128256")
     ap.add_argument("--batches", default="1,2,4,8,16,32,64,128,256")
     ap.add_argument("--rep-ms", type=int, default=40)
+    ap.add_argument("--strategies", default="fused,persistent,logits")
     ap.add_argument("--out", default=None, help="JSON path (default tpsample/configs/<device>.json)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -95,7 +105,7 @@ def main(argv=None):
     table = {}
     for shape in args.shapes.split(","):
         D, V = (int(x) for x in shape.split("x"))
-        table[shape] = tune_shape(D, V, batches, args.rep_ms, log)
+        table[shape] = tune_shape(D, V, batches, args.rep_ms, log, args.strategies.split(","))
     # one config per batch bucket: the one with the lowest summed time over the shapes
     buckets = {}
     for B in batches:
@@ -108,6 +118,12 @@ def main(argv=None):
         buckets[B] = json.loads(min(full, key=full.get)) if full else table[next(iter(table))][B]["config"]
     path = Path(args.out) if args.out else CONFIG_DIR / f"{device_key()}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists():  # re-tuning some batch sizes keeps the other buckets
+        old = json.loads(path.read_text())
+        buckets = {**{int(b): c for b, c in old["buckets"].items()}, **buckets}
+        for shape, rows in old.get("per_shape", {}).items():
+            table[shape] = {**{int(b): r for b, r in rows.items()}, **table.get(shape, {})}
+    buckets = dict(sorted(buckets.items()))
     path.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), buckets=buckets,
                                     per_shape=table), indent=1))
     print(f"{'shape':>14} {'B':>4} {'best ms':>8}  config")
