@@ -88,7 +88,7 @@ class VocabParallelSampler:
         self.shard_starts = starts
         self.n_real = max(0, min(V_r, vocab_size - vocab_start))
         self.tiles = max(num_tiles(v) for (v, _, _, _) in layouts)
-        self.transport._ensure(max_batch * self.tiles * 4)
+        self.transport.reserve(max_batch * self.tiles * 4)
 
         base = torch.randint(0, api.SEED_HIGH, (1,), dtype=torch.int64)
         base = self._broadcast_cpu(base)

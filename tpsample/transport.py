@@ -45,7 +45,8 @@ class Transport:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.capacity = 0
 
-    def _ensure(self, numel: int) -> None:
+    def reserve(self, numel: int) -> None:
+        """Make every slot hold at least numel floats (collective for symm_mem: all ranks call it)."""
         if numel > self.capacity:
             self._allocate(max(numel, 2 * self.capacity))
 
@@ -84,7 +85,7 @@ class CollectiveTransport(Transport):
         self.capacity = numel
 
     def slots(self, numel):
-        self._ensure(numel)
+        self.reserve(numel)
         return self.send[:numel], self.buf.view(-1)[: self.world * numel].view(self.world, numel)
 
     def exchange(self, mine, full):
@@ -120,7 +121,7 @@ class SymmMemTransport(Transport):
         self.capacity = numel
 
     def slots(self, numel):
-        self._ensure(numel)
+        self.reserve(numel)
         full = self.buf[: self.world * self.capacity].view(self.world, self.capacity)
         return full[self.rank, :numel], full[:, :numel]  # buffer 0; kernels add the parity
 
