@@ -99,9 +99,10 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
     cfg = dict(config or kernel_config(B, D, hidden.dtype, hidden.device.type,
                                         hidden.device.index or 0))
     strategy, nw = cfg.pop("strategy"), cfg.pop("num_warps")
+    maxnreg = cfg.pop("MAXNREG", None)  # register cap: lets two programs share an SM
     grid = (triton.cdiv(B, cfg["BLOCK_B"]), T)
     common = dict(HAS_BIAS=bias is not None, ALIGNED4=vocab_start % 4 == 0, BLOCK_V=BLOCK_V,
-                  BLOCK_B=cfg["BLOCK_B"], num_warps=nw,
+                  BLOCK_B=cfg["BLOCK_B"], num_warps=nw, **({"maxnreg": maxnreg} if maxnreg else {}),
                   NUM_PEERS=0 if peer_ptrs is None else peer_ptrs.shape[-1])
     peers = peer_ptrs if peer_ptrs is not None else seed  # never read when NUM_PEERS == 0
     parity = parity if parity is not None else seed

@@ -36,6 +36,13 @@ def candidates(B: int, strategies=("fused", "persistent", "logits")):
                 continue
             if "fused" in strategies:
                 yield dict(strategy="fused", BLOCK_B=bb, BLOCK_D=bd, NUM_STAGES=st, num_warps=nw)
+    if "fused" in strategies and 32 <= B <= 64:
+        # capped registers + a lighter pipeline: two programs per SM, so one's epilogue
+        # (Philox, logs) overlaps the other's loads
+        for bd, st, cap in itertools.product((64, 128), (2, 3, 4), (96, 128)):
+            if 2 * (bb_max * bd * st * 2 + 128 * bd * st * 2) <= 225_000:
+                yield dict(strategy="fused", BLOCK_B=min(bb_max, 64), BLOCK_D=bd, NUM_STAGES=st,
+                           num_warps=8, MAXNREG=cap)
     if "persistent" in strategies and B <= 128:
         bb = min(bb_max, 64)
         for bd, st, nw, per_sm in itertools.product((64, 128), (3, 4), (4, 8), (1, 2)):
