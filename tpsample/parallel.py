@@ -143,7 +143,7 @@ class VocabParallelSampler:
                              api.FLOAT_DTYPES.index(hidden.dtype)], dtype=torch.int64, device=self.device)
         allm = torch.empty(self.world, meta.numel(), dtype=torch.int64, device=self.device)
         work = all_gather_flat(allm.view(-1), meta, group=self.group, async_op=True)
-        self.transport._wait(work, "the per-call input check")
+        self.transport.wait(work, "the per-call input check")
         allm = allm.cpu()
         if not (allm == allm[0]).all():
             names = ["B", "D", "num_samples", "merge", "dtype"]

@@ -1,13 +1,22 @@
-"""Where the time of one call goes (CUDA): `python -m tpsample.probe [--shape 4096x151936]`.
+"""Where the time of one call goes (CUDA only). Three modes:
 
-Times with triton.testing.do_bench (median ms), for a few batch sizes: stage 1 with
-num_samples = 0 (matmul + log-mass, no noise), 1 and 2 (each sample adds one noise pass),
-the per-token noise path (vocab_start % 4 != 0) against the 4-lane one, stage 2 alone, and
-the whole tpsample.sample call (API overhead = call - stage 1 - stage 2).
+    python -m tpsample.probe [--shape 4096x151936] [--batches 1,64,256] [--out probe.json]
+        device time (do_bench median ms) of the parts: stage 1 with num_samples = 0
+        (matmul + log-mass, no noise), 1 and 2 (each sample adds a noise pass), the
+        per-token Philox path (vocab_start % 4 != 0) against the 4-lane one, stage 2, the
+        whole tpsample.sample call, and for the "logits" strategy the fp32 cuBLAS GEMM alone
+    python -m tpsample.probe --host
+        host (Python) time per call of each piece of the call path, at tiny shapes so the GPU
+        never becomes the bottleneck (µs, no synchronisation inside the timed loop)
+    ncu --clock-control none -k regex:records --launch-skip 2 --launch-count 1 \\
+        python -m tpsample.probe --ncu --batches 64
+        three plain stage-1 launches for Nsight Compute
 """
 import argparse
 import json
 import os
+import statistics
+import time
 
 import torch
 import triton
@@ -16,35 +25,86 @@ from . import fused
 from .api import row_params, sample
 
 
+def setup(D, V, B):
+    w = torch.randn(V, D, device="cuda", dtype=torch.bfloat16) * 0.02
+    h = torch.randn(B, D, device="cuda", dtype=torch.bfloat16)
+    p = row_params(h, 1.0, torch.arange(B, device="cuda"), 0)
+
+    def stage1(S=1, start=0, config=None):
+        return fused.fused_records(h, w, bias=None, inv_temp=p.inv_temp, seed=p.seed, offset=p.offset,
+                                   num_samples=S, n_real=V, vocab_start=start, config=config)
+    return h, w, p, stage1
+
+
+def device_parts(D, V, B) -> dict:
+    bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=50, return_mode="median")  # noqa: E731
+    h, w, p, stage1 = setup(D, V, B)
+    cfg = fused.kernel_config(B, D, h.dtype)
+    rec = stage1()
+    r = dict(B=B, config=cfg, s0=bench(lambda: stage1(0)), s1=bench(stage1), s2=bench(lambda: stage1(2)),
+             s1_per_token_noise=bench(lambda: stage1(1, start=2)),
+             reduce=bench(lambda: fused.reduce_records(rec[None], p.inv_temp, p.seed, p.offset, "max")),
+             call=bench(lambda: sample(h, w, seed=1, offset=0)))
+    if cfg["strategy"] == "logits":
+        r["mm_fp32"] = bench(lambda: fused.logits_fp32(h, w))
+    r["api_overhead"] = r["call"] - r["s1"] - r["reduce"]
+    return r
+
+
+def host_us(fn, n=300) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(ts) * 1e6
+
+
+def host_parts():
+    h, w, p, stage1 = setup(256, 4096, 1)
+    rec = stage1()
+    seeds = p.seed
+    parts = {
+        "torch.full": lambda: torch.full((1,), 1.0, device="cuda"),
+        "torch.empty": lambda: torch.empty(1, device="cuda"),
+        "row_params(float T, int seed, int offset)": lambda: row_params(h, 1.0, 1, 0),
+        "row_params(float T, tensor seed, int offset)": lambda: row_params(h, 1.0, seeds, 0),
+        "fused_records": stage1,
+        "reduce_records": lambda: fused.reduce_records(rec[None], p.inv_temp, p.seed, p.offset, "max"),
+        "sample()": lambda: sample(h, w, seed=seeds, offset=0),
+    }
+    for name, fn in parts.items():
+        print(f"{host_us(fn):8.1f} us  {name}", flush=True)
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="4096x151936")
     ap.add_argument("--batches", default="1,16,32,64,128,256")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--host", action="store_true")
+    ap.add_argument("--ncu", action="store_true")
     args = ap.parse_args(argv)
+    if args.host:
+        return host_parts()
     D, V = (int(x) for x in args.shape.split("x"))
-    w = torch.randn(V, D, device="cuda", dtype=torch.bfloat16) * 0.02
-    bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=50, return_mode="median")  # noqa: E731
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.ncu:
+        for B in batches:
+            stage1 = setup(D, V, B)[3]
+            for _ in range(3):
+                stage1()
+        torch.cuda.synchronize()
+        return None
     rows = []
-    for B in (int(b) for b in args.batches.split(",")):
-        h = torch.randn(B, D, device="cuda", dtype=torch.bfloat16)
-        p = row_params(h, 1.0, torch.arange(B, device="cuda"), 0)
-        cfg = fused.kernel_config(B, D, h.dtype)
-
-        def stage1(S, start=0, config=cfg):
-            return fused.fused_records(h, w, bias=None, inv_temp=p.inv_temp, seed=p.seed,
-                                       offset=p.offset, num_samples=S, n_real=V, vocab_start=start,
-                                       config=config)
-        rec = stage1(1)
-        r = dict(B=B, config=cfg, s0=bench(lambda: stage1(0)), s1=bench(lambda: stage1(1)),
-                 s2=bench(lambda: stage1(2)), s1_per_token_noise=bench(lambda: stage1(1, start=2)),
-                 reduce=bench(lambda: fused.reduce_records(rec[None], p.inv_temp, p.seed, p.offset, "max")),
-                 call=bench(lambda: sample(h, w, seed=1, offset=0)))
-        if cfg["strategy"] == "logits":
-            r["mm_fp32"] = bench(lambda: fused.logits_fp32(h, w))
-        r["api_overhead"] = r["call"] - r["s1"] - r["reduce"]
-        rows.append(r)
-        print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()), flush=True)
+    for B in batches:
+        rows.append(device_parts(D, V, B))
+        print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in rows[-1].items()),
+              flush=True)
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:

@@ -65,7 +65,8 @@ class Transport:
     def exchange(self, mine: torch.Tensor, full: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def _wait(self, work, what: str) -> None:
+    def wait(self, work, what: str) -> None:
+        """Wait for an async collective; a peer that never joins raises ExchangeTimeout."""
         try:
             work.wait(self.timeout)
         except RuntimeError as e:
@@ -91,7 +92,7 @@ class CollectiveTransport(Transport):
     def exchange(self, mine, full):
         work = all_gather_flat(full.view(-1), mine, group=self.group, async_op=True)
         if self.name == "gloo":
-            self._wait(work, "the record all-gather")
+            self.wait(work, "the record all-gather")
         else:
             work.wait()  # NCCL: orders the current stream after the collective; no host sync
 
