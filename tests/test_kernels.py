@@ -66,7 +66,7 @@ def test_logmass_matches_reference(backend, device):
     assert out.max() < 590
 
 
-@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-3)])
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-3), (torch.float16, 1e-3)])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_logprobs_and_logz_vs_float64(dtype, atol, backend, device):
     B, D, V = 9, 96, 900
