@@ -133,10 +133,11 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
 
 
 def reduce_records(records: torch.Tensor, inv_temp, seed, offset, merge: str, parity=None,
-                   parity_stride: int = 0):
+                   parity_stride: int = 0, launch: tuple[int, int, int] | None = None):
     """Stage 2. records [slots, S, B, T, 4] (any strides with the last two dims contiguous)
     → tokens int64 [B, S], logprobs fp32 [B, S], logz fp32 [B]. With `parity` (int32 CUDA
-    tensor [1]) the records are read parity[0] * parity_stride elements past `records`."""
+    tensor [1]) the records are read parity[0] * parity_stride elements past `records`.
+    launch: (BLOCK_R, BLOCK_N, num_warps) override, for tuning."""
     slots, S, B, T, _ = records.shape
     assert records.stride(4) == 1 and records.stride(3) == 4
     dev = records.device
@@ -144,7 +145,10 @@ def reduce_records(records: torch.Tensor, inv_temp, seed, offset, merge: str, pa
     logprobs = torch.empty(B, S, dtype=torch.float32, device=dev)
     logz = torch.empty(B, dtype=torch.float32, device=dev)
     N = slots * T
-    if dev.type == "cuda":
+    num_warps = 4
+    if launch is not None:
+        block_r, block_n, num_warps = launch
+    elif dev.type == "cuda":
         block_r, block_n = 4, min(1024, triton.next_power_of_2(N))
     else:  # the interpreter pays per program, not per element
         block_n = min(1024, triton.next_power_of_2(N))
@@ -154,5 +158,5 @@ def reduce_records(records: torch.Tensor, inv_temp, seed, offset, merge: str, pa
         B, S, N, T, records.stride(0), records.stride(1), records.stride(2),
         parity if parity is not None else seed, parity_stride,
         LOGMASS=merge == "logmass", BLOCK_R=block_r, BLOCK_N=block_n,
-        USE_PARITY=parity is not None, num_warps=4)
+        USE_PARITY=parity is not None, num_warps=num_warps)
     return tokens, logprobs, logz
