@@ -148,8 +148,8 @@ def reduce_records(records: torch.Tensor, inv_temp, seed, offset, merge: str, pa
     num_warps = 4
     if launch is not None:
         block_r, block_n, num_warps = launch
-    elif dev.type == "cuda":
-        block_r, block_n = 4, min(1024, triton.next_power_of_2(N))
+    elif dev.type == "cuda":  # one (sample, row) per program, all its records in one pass
+        block_r, block_n = 1, min(4096, triton.next_power_of_2(N))
     else:  # the interpreter pays per program, not per element
         block_n = min(1024, triton.next_power_of_2(N))
         block_r = min(max(16384 // block_n, 1), triton.next_power_of_2(B * S))
