@@ -166,8 +166,9 @@ def random_records(slots, S, B, T, seed=0):
     return torch.stack([score, token, logit, lse], dim=-1).contiguous()
 
 
+@pytest.mark.parametrize("launch", [None, (1, 128, 4), (1, 64, 4)])  # one pass / several chunks
 @pytest.mark.parametrize("merge_mode", ["max", "logmass"])
-def test_reduce_kernel_equals_merge_module(merge_mode, device):
+def test_reduce_kernel_equals_merge_module(merge_mode, launch, device):
     slots, S, B, T = 3, 2, 6, 37
     rec = random_records(slots, S, B, T)
     inv_temp = torch.tensor([1.0, 0.0, 1.0, 0.5, 0.0, 2.0])
@@ -175,7 +176,7 @@ def test_reduce_kernel_equals_merge_module(merge_mode, device):
     off = torch.arange(B)
     want = merge.reduce_records(rec, seed, off, inv_temp == 0, merge_mode)
     got = fused.reduce_records(rec.to(device), inv_temp.to(device), seed.to(device), off.to(device),
-                               merge_mode)
+                               merge_mode, launch=launch)
     assert torch.equal(got[0].cpu(), want[0])
     assert torch.allclose(got[1].cpu(), want[1], atol=1e-5, equal_nan=True)
     assert torch.allclose(got[2].cpu(), want[2], atol=1e-5, equal_nan=True)
