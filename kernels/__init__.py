@@ -1,8 +1,8 @@
 """Triton kernels of tpsample (installed as tpsample.kernels). No torch.distributed here."""
-from .fused_sample import (RECORD_FIELDS, fused_sample_records_kernel,
+from .fused_sample import (fused_sample_records_kernel,
                            fused_sample_records_persistent_kernel, gumbel_noise,
                            logits_records_kernel)
 from .reduce_records import reduce_records_kernel
 
-__all__ = ["RECORD_FIELDS", "fused_sample_records_kernel", "fused_sample_records_persistent_kernel",
+__all__ = ["fused_sample_records_kernel", "fused_sample_records_persistent_kernel",
            "gumbel_noise", "logits_records_kernel", "reduce_records_kernel"]

@@ -14,7 +14,6 @@ Token ids are stored as float32 (exact below 2**24; the API checks vocab_size). 
 import triton
 import triton.language as tl
 
-RECORD_FIELDS = 4  # score, token, logit, lse
 TWO_POW_M23 = tl.constexpr(1.0 / 8388608.0)
 
 

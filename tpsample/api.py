@@ -163,12 +163,12 @@ def package(tokens, logprobs, logz, num_samples: int, return_logprobs: bool):
     return SampleOutput(tokens, logprobs, logz) if return_logprobs else tokens
 
 
-def empty_result(B_dev, num_samples, return_logprobs):
+def empty_result(device, num_samples, return_logprobs):
     shape = (0,) if num_samples == 1 else (0, num_samples)
-    tokens = torch.empty(shape, dtype=torch.int64, device=B_dev)
+    tokens = torch.empty(shape, dtype=torch.int64, device=device)
     if not return_logprobs:
         return tokens
-    return SampleOutput(tokens, torch.empty(shape, device=B_dev), torch.empty(0, device=B_dev))
+    return SampleOutput(tokens, torch.empty(shape, device=device), torch.empty(0, device=device))
 
 
 def sample(hidden: torch.Tensor, weight: torch.Tensor, *, temperature=1.0, seed=None, offset=0,

@@ -52,13 +52,13 @@ class OnlineSampler:
         l = l.masked_fill(nan, float("-inf"))
         mass = torch.logsumexp(l, dim=1)
         ids = vocab_offset + torch.arange(l.shape[1], device=l.device)[None, :]
-        merged = torch.logaddexp(self.log_mass, mass)
+        merged = self.log_mass
         for s in range(self.num_samples):
             z = l + noise.gumbel(self.seed, self.offset, s, ids)
             idx = z.argmax(dim=1)
             u = noise.uniform(self.seed, self.offset, s, torch.tensor([[vocab_offset]], device=l.device),
                               stream=noise.GROUP_STREAM)[:, 0]
-            take, _ = merge_math.binary_merge(self.log_mass, mass, u)
+            take, merged = merge_math.binary_merge(self.log_mass, mass, u)
             self.tokens[:, s] = torch.where(take, vocab_offset + idx, self.tokens[:, s])
             self.logits[:, s] = torch.where(take, l.gather(1, idx[:, None])[:, 0], self.logits[:, s])
         self.log_mass = merged
