@@ -51,11 +51,23 @@ def gumbel_noise_tile(seed, off_lo, off_hi, c1, gid0, BLOCK_V: tl.constexpr, BLO
 
 
 @triton.jit
+def leading_columns(x, BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr, HALVINGS: tl.constexpr):
+    """x[:, :BLOCK_B >> HALVINGS] of x [BLOCK_V, BLOCK_B], by repeated halving (no slicing in
+    Triton): the noise of padding columns is otherwise computed and thrown away (B = 1 uses
+    one column of 16)."""
+    for i in tl.static_range(HALVINGS):
+        x = tl.permute(tl.reshape(x, (BLOCK_V, 2, BLOCK_B >> (i + 1))), (0, 2, 1))
+        x, _unused = tl.split(x)
+    return x
+
+
+@triton.jit
 def tile_records_epilogue(
-    acc, pid_v, offs_b, mask_b, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr,
+    acc, pid_v, offs_b, mask_b, B, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr,
     V_rows, n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b, peer_ptrs, parity_ptr,
     HAS_BIAS: tl.constexpr, ALIGNED4: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr,
-    NUM_PEERS: tl.constexpr, SAMPLES: tl.constexpr = 0,
+    NUM_PEERS: tl.constexpr, HALVINGS: tl.constexpr, TILE_MASS: tl.constexpr,
+    SAMPLES: tl.constexpr = 0,
 ):
     """acc [BLOCK_V, BLOCK_B] raw fp32 logits of tile pid_v → one record per (sample, row).
 
@@ -65,6 +77,10 @@ def tile_records_epilogue(
     record is stored to all peers of buffer parity_ptr[0] (P2P fan-out). The parity lives on
     the device so a captured CUDA graph alternates buffers too."""
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    if HALVINGS > 0:  # B <= BLOCK_B >> HALVINGS: drop padding columns before the noise
+        acc = leading_columns(acc, BLOCK_V, BLOCK_B, HALVINGS)
+        offs_b = tl.arange(0, BLOCK_B >> HALVINGS)
+        mask_b = offs_b < B
     # Transforms: l = (h.w + bias) * (1 / T); rows beyond the real vocabulary are -inf.
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_v, mask=offs_v < V_rows, other=0.0)[:, None]
@@ -75,10 +91,15 @@ def tile_records_epilogue(
     is_nan = l != l
     l = tl.where(is_nan, float("-inf"), l)
 
-    # The tile's log-mass (NaN if any logit of the row in this tile was NaN).
+    # The tile's log-mass (NaN if any logit of the row in this tile was NaN). Without
+    # TILE_MASS (no log-probs, max merge) the tile max stands in: log Z is then wrong but
+    # unused, and it is still finite exactly when the true one is (degenerate rows agree).
     m = tl.max(l, axis=0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    lse = m_safe + tl.log(tl.sum(tl.exp(l - m_safe[None, :]), axis=0))
+    if TILE_MASS:
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        lse = m_safe + tl.log(tl.sum(tl.exp(l - m_safe[None, :]), axis=0))
+    else:
+        lse = m
     lse = tl.where(tl.max(is_nan.to(tl.int32), axis=0) > 0, float("nan"), lse)
 
     seed = tl.load(seed_ptr + offs_b, mask=mask_b, other=0)[None, :]
@@ -93,12 +114,12 @@ def tile_records_epilogue(
         for s in tl.static_range(SAMPLES):
             sample_and_store(s, l, greedy, seed, off_lo, off_hi, tile_start, local, mask_b, lse,
                              rec_ptr, rec + s * rec_stride_s, peer_ptrs, parity_ptr, ALIGNED4,
-                             BLOCK_V, BLOCK_B, NUM_PEERS)
+                             BLOCK_V, BLOCK_B >> HALVINGS, NUM_PEERS)
     else:
         for s in range(num_samples):
             sample_and_store(s, l, greedy, seed, off_lo, off_hi, tile_start, local, mask_b, lse,
                              rec_ptr, rec + s * rec_stride_s, peer_ptrs, parity_ptr, ALIGNED4,
-                             BLOCK_V, BLOCK_B, NUM_PEERS)
+                             BLOCK_V, BLOCK_B >> HALVINGS, NUM_PEERS)
 
 
 @triton.jit
@@ -168,16 +189,19 @@ def fused_sample_records_kernel(
     stride_hb, stride_wv, rec_stride_s, rec_stride_b, peer_ptrs, parity_ptr,
     HAS_BIAS: tl.constexpr, EVEN_D: tl.constexpr, FP32_DOT: tl.constexpr, ALIGNED4: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_STAGES: tl.constexpr, NUM_PEERS: tl.constexpr,
+    NUM_STAGES: tl.constexpr, NUM_PEERS: tl.constexpr, HALVINGS: tl.constexpr,
+    TILE_MASS: tl.constexpr, PDL: tl.constexpr,
 ):
     pid_b = tl.program_id(0)  # batch tiles vary fastest: neighbours share the W tile in L2
     pid_v = tl.program_id(1)
+    if PDL:  # stage 2 may be scheduled now; its gdc_wait holds it until this grid is done
+        tl.extra.cuda.gdc_launch_dependents()
     acc, offs_b, mask_b = tile_logits(h_ptr, w_ptr, pid_v, pid_b, B, D, V_rows, stride_hb, stride_wv,
                                       EVEN_D, FP32_DOT, BLOCK_V, BLOCK_B, BLOCK_D, NUM_STAGES)
-    tile_records_epilogue(acc, pid_v, offs_b, mask_b, bias_ptr, inv_temp_ptr, seed_ptr,
+    tile_records_epilogue(acc, pid_v, offs_b, mask_b, B, bias_ptr, inv_temp_ptr, seed_ptr,
                           offset_ptr, rec_ptr, V_rows, n_real, vocab_start, num_samples,
                           rec_stride_s, rec_stride_b, peer_ptrs, parity_ptr, HAS_BIAS, ALIGNED4, BLOCK_V,
-                          BLOCK_B, NUM_PEERS)
+                          BLOCK_B, NUM_PEERS, HALVINGS, TILE_MASS)
 
 
 @triton.jit
@@ -188,19 +212,22 @@ def fused_sample_records_persistent_kernel(
     HAS_BIAS: tl.constexpr, EVEN_D: tl.constexpr, FP32_DOT: tl.constexpr, ALIGNED4: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, SAMPLES: tl.constexpr, NUM_PEERS: tl.constexpr,
+    HALVINGS: tl.constexpr, TILE_MASS: tl.constexpr, PDL: tl.constexpr,
 ):
     """Same records; a fixed grid of programs walks the tiles, and the (tile, D-step) loop
     nest is flattened so the loads of the next tile are in flight during this epilogue."""
     num_b_tiles = tl.cdiv(B, BLOCK_B)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     for tile in tl.range(tl.program_id(0), num_v_tiles * num_b_tiles, NUM_PROGRAMS, flatten=True):
         pid_b = tile % num_b_tiles
         pid_v = tile // num_b_tiles
         acc, offs_b, mask_b = tile_logits(h_ptr, w_ptr, pid_v, pid_b, B, D, V_rows, stride_hb,
                                           stride_wv, EVEN_D, FP32_DOT, BLOCK_V, BLOCK_B, BLOCK_D, None)
-        tile_records_epilogue(acc, pid_v, offs_b, mask_b, bias_ptr, inv_temp_ptr, seed_ptr,
+        tile_records_epilogue(acc, pid_v, offs_b, mask_b, B, bias_ptr, inv_temp_ptr, seed_ptr,
                               offset_ptr, rec_ptr, V_rows, n_real, vocab_start, SAMPLES,
                               rec_stride_s, rec_stride_b, peer_ptrs, parity_ptr, HAS_BIAS, ALIGNED4,
-                              BLOCK_V, BLOCK_B, NUM_PEERS, SAMPLES)
+                              BLOCK_V, BLOCK_B, NUM_PEERS, HALVINGS, TILE_MASS, SAMPLES)
 
 
 @triton.jit
@@ -208,17 +235,19 @@ def logits_records_kernel(
     logits_ptr, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr,
     B, V_rows, n_real, vocab_start, num_samples, stride_lb, rec_stride_s, rec_stride_b, peer_ptrs, parity_ptr,
     HAS_BIAS: tl.constexpr, ALIGNED4: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr,
-    NUM_PEERS: tl.constexpr,
+    NUM_PEERS: tl.constexpr, HALVINGS: tl.constexpr, TILE_MASS: tl.constexpr, PDL: tl.constexpr,
 ):
     """The same records from fp32 logits [B, V_rows] computed elsewhere (cuBLAS, large B)."""
     pid_b = tl.program_id(0)
     pid_v = tl.program_id(1)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     offs_b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
     mask_b = offs_b < B
     ptrs = logits_ptr + offs_b[None, :].to(tl.int64) * stride_lb + offs_v[:, None]
     acc = tl.load(ptrs, mask=mask_b[None, :] & (offs_v < V_rows)[:, None], other=0.0)
-    tile_records_epilogue(acc, pid_v, offs_b, mask_b, bias_ptr, inv_temp_ptr, seed_ptr,
+    tile_records_epilogue(acc, pid_v, offs_b, mask_b, B, bias_ptr, inv_temp_ptr, seed_ptr,
                           offset_ptr, rec_ptr, V_rows, n_real, vocab_start, num_samples,
                           rec_stride_s, rec_stride_b, peer_ptrs, parity_ptr, HAS_BIAS, ALIGNED4, BLOCK_V,
-                          BLOCK_B, NUM_PEERS)
+                          BLOCK_B, NUM_PEERS, HALVINGS, TILE_MASS)

@@ -27,9 +27,13 @@ def reduce_records_kernel(
     rec_ptr, inv_temp_ptr, seed_ptr, offset_ptr, tokens_ptr, logprobs_ptr, logz_ptr,
     B, S, N, tiles_per_slot, rec_stride_slot, rec_stride_s, rec_stride_b, parity_ptr, parity_stride,
     LOGMASS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, USE_PARITY: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     # USE_PARITY: the records are in buffer parity_ptr[0] of two, parity_stride elements apart
     # A program reduces BLOCK_R (sample, row) pairs; pair r is sample r // B of row r % B.
+    # PDL: launched as a programmatic dependent of stage 1; wait until its records are visible.
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < S * B
     s = r // B

@@ -123,6 +123,43 @@ def test_tokens_invariant_to_tile_sizes_and_backend(device):
         assert torch.equal(r, results[0])
 
 
+@pytest.mark.parametrize("B", [1, 3, 8])
+def test_padding_column_trim_is_invisible(B, device):
+    """B < BLOCK_B: the epilogue drops padding columns before the noise (HALVINGS > 0); the
+    records must equal those of the untrimmed tile bit for bit, incl. unaligned shards."""
+    D, V = 32, 300
+    h, w = random_inputs(B, D, V, torch.float32, device, seed=11)
+    temp, seeds, offsets = params(B, device, seed=2)
+    p = row_params(h, temp, seeds, offsets)
+    kw = dict(bias=torch.randn(V, device=device), inv_temp=p.inv_temp, seed=p.seed,
+              offset=p.offset, num_samples=2, n_real=V - 7)
+    cfg = dict(strategy="fused", BLOCK_B=16, BLOCK_D=32, NUM_STAGES=1, num_warps=4)
+    for start in (0, 5):
+        trimmed = fused.fused_records(h, w, vocab_start=start, config=cfg, **kw)
+        full = fused.fused_records(h, w, vocab_start=start, config=dict(cfg, TRIM=False), **kw)
+        assert torch.equal(trimmed, full)
+
+
+def test_skipping_tile_mass_keeps_tokens_and_degenerate_rows(device):
+    """need_mass=False (max merge, no log-probs) stores tile maxima: same tokens, and rows
+    whose log Z is not finite (NaN logit, all -inf) still come back as token 0."""
+    B, D, V = 6, 32, 300
+    h, w = random_inputs(B, D, V, torch.float32, device, seed=12)
+    h[1, 0] = float("nan")
+    bias = torch.zeros(V, device=device)
+    p = row_params(h, 1.0, torch.arange(B, device=device), 3)
+    kw = dict(bias=bias, inv_temp=p.inv_temp, seed=p.seed, offset=p.offset, num_samples=2, n_real=V)
+    with_mass = fused.fused_records(h, w, **kw)
+    without = fused.fused_records(h, w, need_mass=False, **kw)
+    assert torch.equal(with_mass[..., :3], without[..., :3])
+    t_with = fused.reduce_records(with_mass[None], p.inv_temp, p.seed, p.offset, "max")[0]
+    t_without = fused.reduce_records(without[None], p.inv_temp, p.seed, p.offset, "max")[0]
+    assert torch.equal(t_with, t_without)
+    assert (t_with[1] == 0).all()
+    out = tpsample.sample(h, w, bias=torch.full((V,), float("-inf"), device=device), seed=1)
+    assert (out == 0).all()
+
+
 def test_unaligned_vocab_start_noise_path_matches(device):
     """A shard starting at a global id not divisible by 4 takes the per-token noise path."""
     B, D, V = 6, 32, 300

@@ -216,22 +216,25 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, *, temperature=1.0, seed=
 
     backend = resolve_backend(backend, hidden.device)
     rec = compute_records(backend, hidden, weight, bias=bias, params=params, num_samples=num_samples,
-                          n_real=vocab_size)
+                          n_real=vocab_size, need_mass=return_logprobs or merge == "logmass")
     tokens, logprobs, logz = reduce_records(backend, rec[None], params, merge)
     return package(tokens, logprobs, logz, num_samples, return_logprobs)
 
 
 def compute_records(backend: str, hidden, weight, *, bias, params: RowParams, num_samples: int,
-                    n_real: int, vocab_start: int = 0, tiles=None, out=None, fanout=None):
+                    n_real: int, vocab_start: int = 0, tiles=None, out=None, fanout=None,
+                    need_mass: bool = True):
     """Stage 1 with the chosen backend → records [S, B, T, 4] (written into `out` if given;
-    with `fanout` = (peer_ptrs, parity, _) stored into every peer's buffer instead)."""
+    with `fanout` = (peer_ptrs, parity, _) stored into every peer's buffer instead).
+    need_mass=False lets the Triton path skip the tile log-masses (see fused.fused_records):
+    only for the max merge without log-probs, and never where ranks might disagree on it."""
     if backend == "triton":
         from . import fused
         peer_ptrs, parity = fanout[:2] if fanout is not None else (None, None)
         return fused.fused_records(hidden, weight, bias=bias, inv_temp=params.inv_temp,
                                    seed=params.seed, offset=params.offset, num_samples=num_samples,
                                    n_real=n_real, vocab_start=vocab_start, tiles=tiles, out=out,
-                                   peer_ptrs=peer_ptrs, parity=parity)
+                                   peer_ptrs=peer_ptrs, parity=parity, need_mass=need_mass)
     if fanout is not None:
         raise ValueError("P2P fan-out needs the Triton backend on CUDA")
     rec = records_torch(hidden, weight, bias=bias, inv_temp=params.inv_temp, seed=params.seed,

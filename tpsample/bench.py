@@ -1,6 +1,7 @@
 """Benchmark tpsample.sample against unfused LM-head sampling baselines.
 
-    python -m tpsample.bench [--shapes 4096x151936,8192x128256] [--batches 1,2,4,...,256]
+    python -m tpsample.bench [--shapes 2048x151936,4096x151936,5120x151936,8192x128256]
+                             [--batches 1,2,4,...,256]
                              [--out bench_out] [--dtype bf16] [--merge max|logmass]
                              [--no-compile] [--device-name LABEL]
 
@@ -43,6 +44,7 @@ import triton.testing
 
 import tpsample
 
+ISSUE_SHAPES = ("2048x151936", "4096x151936", "5120x151936", "8192x128256")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 ABBR = {"mm": "mm", "multinomial": "multi", "multinomial_compiled": "multi_c",
         "gumbel_torch": "gumbel", "flashinfer": "fi", "flashinfer_topk_topp": "fi_kp",
@@ -199,7 +201,7 @@ def plot(path: str, res: dict, title: str):
 
 def parse_args(argv, cuda: bool):
     p = argparse.ArgumentParser(prog="tpsample-bench", description=__doc__.split("\n")[0])
-    p.add_argument("--shapes", default="4096x151936,8192x128256" if cuda else "256x8192",
+    p.add_argument("--shapes", default=",".join(ISSUE_SHAPES) if cuda else "256x8192",
                    help="comma-separated DxV")
     p.add_argument("--batches", default=",".join(str(1 << i) for i in range(9)) if cuda
                    else "1,4,16")

@@ -10,6 +10,7 @@ import triton
 
 from .kernels import (fused_sample_records_kernel, fused_sample_records_persistent_kernel,
                       logits_records_kernel, reduce_records_kernel)
+from .launcher import launch as launch_kernel
 from .torch_records import DEFAULT_TILE
 
 BLOCK_V = DEFAULT_TILE  # one record per 128 tokens everywhere: logmass partitions agree
@@ -52,6 +53,21 @@ def kernel_config(B: int, D: int, dtype: torch.dtype, device_type: str = "cuda",
                 NUM_STAGES=4, num_warps=4 if block_b <= 16 else 8)
 
 
+PDL_ENABLED = True  # programmatic dependent launch of stage 2 (Hopper+); off for A/B timing
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Stage 2 launched with programmatic stream serialization: its launch and prologue
+    overlap the tail of stage 1 (gdc_wait in the kernel keeps the order). CUDA only."""
+    return (PDL_ENABLED and device.type == "cuda"
+            and _pdl_capable(device.index if device.index is not None else torch.cuda.current_device()))
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -83,13 +99,15 @@ def logits_fp32(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, n_real,
                   vocab_start=0, out=None, tiles=None, config=None, peer_ptrs=None,
-                  parity=None) -> torch.Tensor:
+                  parity=None, need_mass=True) -> torch.Tensor:
     """Stage 1 on (a shard of) the LM head → records [S, B, T, 4] fp32, written into `out`
     if given (any tensor of that shape whose last two dims are contiguous: e.g. this rank's
     slot of an exchange buffer). peer_ptrs: int64 CUDA tensor [2, P] of the addresses of this
     rank's slot in every peer's buffer (same strides as `out`) for two alternating buffers, and
     parity an int32 CUDA tensor [1] selecting the buffer; the kernel then stores each record
-    to all P peers of that buffer instead of `out`."""
+    to all P peers of that buffer instead of `out`. need_mass=False (max merge, no log-probs
+    wanted) stores the tile max instead of the tile log-mass: the reduce's log Z is then not
+    log Z, but the tokens and the degenerate-row rule are unchanged."""
     B, D = hidden.shape
     V_rows = weight.shape[0]
     T = tiles if tiles is not None else num_tiles(V_rows)
@@ -100,35 +118,38 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
                                         hidden.device.index or 0))
     strategy, nw = cfg.pop("strategy"), cfg.pop("num_warps")
     maxnreg = cfg.pop("MAXNREG", None)  # register cap: lets two programs share an SM
+    trim = cfg.pop("TRIM", True)  # drop padding columns before the noise (B < BLOCK_B)
     grid = (triton.cdiv(B, cfg["BLOCK_B"]), T)
-    common = dict(HAS_BIAS=bias is not None, ALIGNED4=vocab_start % 4 == 0, BLOCK_V=BLOCK_V,
-                  BLOCK_B=cfg["BLOCK_B"], num_warps=nw, **({"maxnreg": maxnreg} if maxnreg else {}),
-                  NUM_PEERS=0 if peer_ptrs is None else peer_ptrs.shape[-1])
+    halvings = (cfg["BLOCK_B"] // triton.next_power_of_2(B)).bit_length() - 1 if trim and B > 0 else 0
+    consts = dict(HAS_BIAS=bias is not None, ALIGNED4=vocab_start % 4 == 0, BLOCK_V=BLOCK_V,
+                  BLOCK_B=cfg["BLOCK_B"], NUM_PEERS=0 if peer_ptrs is None else peer_ptrs.shape[-1],
+                  HALVINGS=max(halvings, 0), TILE_MASS=need_mass, PDL=use_pdl(hidden.device))
+    options = dict(num_warps=nw, **({"maxnreg": maxnreg} if maxnreg else {}))
     peers = peer_ptrs if peer_ptrs is not None else seed  # never read when NUM_PEERS == 0
     parity = parity if parity is not None else seed
     bias_arg = bias if bias is not None else inv_temp  # never read when HAS_BIAS is False
-    if strategy == "persistent":
-        n_prog = cfg["PROGRAMS_PER_SM"] * (_num_sms(hidden.device) if hidden.is_cuda else 1)
-        fused_sample_records_persistent_kernel[(n_prog,)](
-            hidden, weight, bias_arg, inv_temp, seed, offset, out,
-            B, D, V_rows, n_real, vocab_start, T,
-            hidden.stride(0), weight.stride(0), out.stride(0), out.stride(1), peers, parity,
-            EVEN_D=D % cfg["BLOCK_D"] == 0, FP32_DOT=hidden.dtype == torch.float32 or not hidden.is_cuda,
-            BLOCK_D=cfg["BLOCK_D"], NUM_PROGRAMS=n_prog, SAMPLES=num_samples,
-            num_stages=cfg["NUM_STAGES"], **common)
-        return out
     if strategy == "logits":
         logits = logits_fp32(hidden, weight)
-        logits_records_kernel[grid](
+        launch_kernel(logits_records_kernel, grid, (
             logits, bias_arg, inv_temp, seed, offset, out, B, V_rows, n_real, vocab_start,
-            num_samples, logits.stride(0), out.stride(0), out.stride(1), peers, parity, **common)
+            num_samples, logits.stride(0), out.stride(0), out.stride(1), peers, parity), consts, options)
         return out
-    fused_sample_records_kernel[grid](
+    consts.update(EVEN_D=D % cfg["BLOCK_D"] == 0, BLOCK_D=cfg["BLOCK_D"],
+                  FP32_DOT=hidden.dtype == torch.float32 or not hidden.is_cuda)
+    if strategy == "persistent":
+        n_prog = cfg["PROGRAMS_PER_SM"] * (_num_sms(hidden.device) if hidden.is_cuda else 1)
+        launch_kernel(fused_sample_records_persistent_kernel, (n_prog,), (
+            hidden, weight, bias_arg, inv_temp, seed, offset, out,
+            B, D, V_rows, n_real, vocab_start, T,
+            hidden.stride(0), weight.stride(0), out.stride(0), out.stride(1), peers, parity),
+            dict(consts, NUM_PROGRAMS=n_prog, SAMPLES=num_samples),
+            dict(options, num_stages=cfg["NUM_STAGES"]))
+        return out
+    launch_kernel(fused_sample_records_kernel, grid, (
         hidden, weight, bias_arg, inv_temp, seed, offset, out,
         B, D, V_rows, n_real, vocab_start, num_samples,
-        hidden.stride(0), weight.stride(0), out.stride(0), out.stride(1), peers, parity,
-        EVEN_D=D % cfg["BLOCK_D"] == 0, FP32_DOT=hidden.dtype == torch.float32 or not hidden.is_cuda,
-        BLOCK_D=cfg["BLOCK_D"], NUM_STAGES=cfg["NUM_STAGES"], **common)
+        hidden.stride(0), weight.stride(0), out.stride(0), out.stride(1), peers, parity),
+        dict(consts, NUM_STAGES=cfg["NUM_STAGES"]), options)
     return out
 
 
@@ -141,9 +162,10 @@ def reduce_records(records: torch.Tensor, inv_temp, seed, offset, merge: str, pa
     slots, S, B, T, _ = records.shape
     assert records.stride(4) == 1 and records.stride(3) == 4
     dev = records.device
-    tokens = torch.empty(B, S, dtype=torch.int64, device=dev)
-    logprobs = torch.empty(B, S, dtype=torch.float32, device=dev)
-    logz = torch.empty(B, dtype=torch.float32, device=dev)
+    out = torch.empty(B * S + (B * S + B + 1) // 2, dtype=torch.int64, device=dev)  # one allocation
+    tokens = out[:B * S].view(B, S)
+    floats = out[B * S:].view(torch.float32)
+    logprobs, logz = floats[:B * S].view(B, S), floats[B * S:B * S + B]
     N = slots * T
     num_warps = 4
     if launch is not None:
@@ -153,10 +175,12 @@ def reduce_records(records: torch.Tensor, inv_temp, seed, offset, merge: str, pa
     else:  # the interpreter pays per program, not per element
         block_n = min(1024, triton.next_power_of_2(N))
         block_r = min(max(16384 // block_n, 1), triton.next_power_of_2(B * S))
-    reduce_records_kernel[(triton.cdiv(B * S, block_r),)](
+    pdl = use_pdl(dev)
+    launch_kernel(reduce_records_kernel, (triton.cdiv(B * S, block_r),), (
         records, inv_temp, seed, offset, tokens, logprobs, logz,
         B, S, N, T, records.stride(0), records.stride(1), records.stride(2),
-        parity if parity is not None else seed, parity_stride,
-        LOGMASS=merge == "logmass", BLOCK_R=block_r, BLOCK_N=block_n,
-        USE_PARITY=parity is not None, num_warps=num_warps)
+        parity if parity is not None else seed, parity_stride),
+        dict(LOGMASS=merge == "logmass", BLOCK_R=block_r, BLOCK_N=block_n,
+             USE_PARITY=parity is not None, PDL=pdl),
+        dict(num_warps=num_warps, **({"launch_pdl": True} if pdl else {})))
     return tokens, logprobs, logz

@@ -5,7 +5,10 @@
         (matmul + log-mass, no noise), 1 and 2 (each sample adds a noise pass), the
         per-token Philox path (vocab_start % 4 != 0) against the 4-lane one, stage 2, the
         whole tpsample.sample call, and for the "logits" strategy the fp32 cuBLAS GEMM alone
-    python -m tpsample.probe --host
+    python -m tpsample.probe --ab [--shape ...] [--batches ...]
+        stage 1 + stage 2 with each epilogue/launch option off and on (padding-column trim,
+        programmatic dependent launch of stage 2, skipping the tile log-mass)
+    python -m tpsample.probe --host [--profile]
         host (Python) time per call of each piece of the call path, at tiny shapes so the GPU
         never becomes the bottleneck (µs, no synchronisation inside the timed loop)
     ncu --clock-control none -k regex:records --launch-skip 2 --launch-count 1 \\
@@ -54,6 +57,31 @@ def device_parts(D, V, B) -> dict:
     return r
 
 
+def ab_parts(D, V, B) -> dict:
+    """Whole call (stage 1 + stage 2) with each option toggled against the shipped default."""
+    bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=100, return_mode="median")  # noqa: E731
+    h, w, p, stage1 = setup(D, V, B)
+    cfg = fused.kernel_config(B, D, h.dtype)
+
+    def call(trim=True, pdl=True, mass=True):
+        def run():
+            fused.PDL_ENABLED = pdl
+            rec = fused.fused_records(h, w, bias=None, inv_temp=p.inv_temp, seed=p.seed,
+                                      offset=p.offset, num_samples=1, n_real=V,
+                                      config=dict(cfg, TRIM=trim), need_mass=mass)
+            return fused.reduce_records(rec[None], p.inv_temp, p.seed, p.offset, "max")
+        return run
+    toks = {k: call(**kw)()[0] for k, kw in dict(default={}, no_trim=dict(trim=False),
+                                                   no_pdl=dict(pdl=False),
+                                                   no_mass=dict(mass=False)).items()}
+    r = dict(B=B, config=cfg, default=bench(call()), no_trim=bench(call(trim=False)),
+             no_pdl=bench(call(pdl=False)), no_mass=bench(call(mass=False)),
+             none=bench(call(trim=False, pdl=False)),
+             tokens_equal=all(torch.equal(t, toks["default"]) for t in toks.values()))
+    fused.PDL_ENABLED = True
+    return r
+
+
 def host_us(fn, n=300) -> float:
     for _ in range(20):
         fn()
@@ -82,6 +110,27 @@ def host_parts():
     }
     for name, fn in parts.items():
         print(f"{host_us(fn):8.1f} us  {name}", flush=True)
+    return parts
+
+
+def host_profile(fn, n=500, top=30):
+    """cProfile of n calls: where the host time of one call goes (per-call µs by function)."""
+    import cProfile
+    import pstats
+    fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    st = pstats.Stats(prof)
+    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]  # by own (tottime) time
+    print(f"top {top} functions by own time, µs per call of the profiled function:")
+    for (file, line, name), (cc, nc, tt, ct, _) in rows:
+        print(f"{tt / n * 1e6:8.1f} own {ct / n * 1e6:8.1f} cum  {nc / n:5.1f}x  "
+              f"{os.path.basename(file)}:{line}({name})")
 
 
 def main(argv=None):
@@ -91,9 +140,14 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     ap.add_argument("--host", action="store_true")
     ap.add_argument("--ncu", action="store_true")
+    ap.add_argument("--ab", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="with --host: cProfile of sample()")
     args = ap.parse_args(argv)
     if args.host:
-        return host_parts()
+        parts = host_parts()
+        if args.profile:
+            host_profile(parts["sample()"])
+        return None
     D, V = (int(x) for x in args.shape.split("x"))
     batches = [int(b) for b in args.batches.split(",")]
     if args.ncu:
@@ -105,7 +159,7 @@ def main(argv=None):
         return None
     rows = []
     for B in batches:
-        rows.append(device_parts(D, V, B))
+        rows.append((ab_parts if args.ab else device_parts)(D, V, B))
         print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in rows[-1].items()),
               flush=True)
     if args.out:
