@@ -156,28 +156,37 @@ def store_record(dst, best, token, logit, lse, mask):
 @triton.jit
 def tile_logits(h_ptr, w_ptr, pid_v, pid_b, B, D, V_rows, stride_hb, stride_wv,
                 EVEN_D: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_V: tl.constexpr,
-                BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """fp32 logits of one [BLOCK_V, BLOCK_B] tile (vocab × batch) = W_tile · h_tileᵀ."""
+                BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, NUM_STAGES: tl.constexpr,
+                W_DESC: tl.constexpr = False):
+    """fp32 logits of one [BLOCK_V, BLOCK_B] tile (vocab × batch) = W_tile · h_tileᵀ.
+    W_DESC: w_ptr is a TMA tensor descriptor of W with block [BLOCK_V, BLOCK_D] (the copy
+    engine fills out-of-range rows/columns with zeros and no thread holds W addresses)."""
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     offs_b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
     offs_d = tl.arange(0, BLOCK_D)
     mask_v = offs_v < V_rows
     mask_b = offs_b < B
-    w_ptrs = w_ptr + offs_v[:, None].to(tl.int64) * stride_wv + offs_d[None, :]
+    if not W_DESC:
+        w_ptrs = w_ptr + offs_v[:, None].to(tl.int64) * stride_wv + offs_d[None, :]
     h_ptrs = h_ptr + offs_b[None, :].to(tl.int64) * stride_hb + offs_d[:, None]
     acc = tl.zeros((BLOCK_V, BLOCK_B), dtype=tl.float32)
     for k in tl.range(0, D, BLOCK_D, num_stages=NUM_STAGES):
-        if EVEN_D:
+        if W_DESC:
+            w = w_ptr.load([pid_v * BLOCK_V, k])
+        elif EVEN_D:
             w = tl.load(w_ptrs, mask=mask_v[:, None], other=0.0)
-            h = tl.load(h_ptrs, mask=mask_b[None, :], other=0.0)
         else:
             w = tl.load(w_ptrs, mask=mask_v[:, None] & (offs_d[None, :] + k < D), other=0.0)
+        if EVEN_D:
+            h = tl.load(h_ptrs, mask=mask_b[None, :], other=0.0)
+        else:
             h = tl.load(h_ptrs, mask=mask_b[None, :] & (offs_d[:, None] + k < D), other=0.0)
         if FP32_DOT:  # fp32 inputs, or the interpreter (whose bf16 dot is wrong)
             acc = tl.dot(w.to(tl.float32), h.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(w, h, acc)
-        w_ptrs += BLOCK_D
+        if not W_DESC:
+            w_ptrs += BLOCK_D
         h_ptrs += BLOCK_D
     return acc, offs_b, mask_b
 
@@ -190,14 +199,15 @@ def fused_sample_records_kernel(
     HAS_BIAS: tl.constexpr, EVEN_D: tl.constexpr, FP32_DOT: tl.constexpr, ALIGNED4: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_STAGES: tl.constexpr, NUM_PEERS: tl.constexpr, HALVINGS: tl.constexpr,
-    TILE_MASS: tl.constexpr, PDL: tl.constexpr,
+    TILE_MASS: tl.constexpr, PDL: tl.constexpr, W_DESC: tl.constexpr = False,
 ):
     pid_b = tl.program_id(0)  # batch tiles vary fastest: neighbours share the W tile in L2
     pid_v = tl.program_id(1)
     if PDL:  # stage 2 may be scheduled now; its gdc_wait holds it until this grid is done
         tl.extra.cuda.gdc_launch_dependents()
     acc, offs_b, mask_b = tile_logits(h_ptr, w_ptr, pid_v, pid_b, B, D, V_rows, stride_hb, stride_wv,
-                                      EVEN_D, FP32_DOT, BLOCK_V, BLOCK_B, BLOCK_D, NUM_STAGES)
+                                      EVEN_D, FP32_DOT, BLOCK_V, BLOCK_B, BLOCK_D, NUM_STAGES,
+                                      W_DESC)
     tile_records_epilogue(acc, pid_v, offs_b, mask_b, B, bias_ptr, inv_temp_ptr, seed_ptr,
                           offset_ptr, rec_ptr, V_rows, n_real, vocab_start, num_samples,
                           rec_stride_s, rec_stride_b, peer_ptrs, parity_ptr, HAS_BIAS, ALIGNED4, BLOCK_V,

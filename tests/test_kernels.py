@@ -140,6 +140,18 @@ def test_padding_column_trim_is_invisible(B, device):
         assert torch.equal(trimmed, full)
 
 
+@pytest.mark.parametrize("D", [64, 40])
+def test_tma_weight_loads_match_pointer_loads(D, device):
+    """W through a TMA descriptor (zero-filled ragged vocab / D tails) == pointer loads."""
+    B, V = 5, 300
+    h, w = random_inputs(B, D, V, torch.float32, device, seed=13)
+    p = row_params(h, 0.8, torch.arange(B, device=device), 1)
+    kw = dict(bias=None, inv_temp=p.inv_temp, seed=p.seed, offset=p.offset, num_samples=1, n_real=V)
+    cfg = dict(strategy="fused", BLOCK_B=16, BLOCK_D=32, NUM_STAGES=1, num_warps=4)
+    assert torch.equal(fused.fused_records(h, w, config=dict(cfg, TMA=True), **kw),
+                       fused.fused_records(h, w, config=cfg, **kw))
+
+
 def test_skipping_tile_mass_keeps_tokens_and_degenerate_rows(device):
     """need_mass=False (max merge, no log-probs) stores tile maxima: same tokens, and rows
     whose log Z is not finite (NaN logit, all -inf) still come back as token 0."""

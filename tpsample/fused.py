@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .kernels import (fused_sample_records_kernel, fused_sample_records_persistent_kernel,
                       logits_records_kernel, reduce_records_kernel)
@@ -145,8 +146,14 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
             dict(consts, NUM_PROGRAMS=n_prog, SAMPLES=num_samples),
             dict(options, num_stages=cfg["NUM_STAGES"]))
         return out
+    w_arg = weight
+    if cfg.get("TMA") and weight.data_ptr() % 16 == 0 and weight.stride(0) * weight.element_size() % 16 == 0:
+        # W through the tensor-memory accelerator (host-built descriptor; TMA needs 16-byte
+        # aligned rows, otherwise the pointer path below)
+        w_arg = TensorDescriptor.from_tensor(weight, block_shape=[BLOCK_V, cfg["BLOCK_D"]])
+        consts["W_DESC"] = True
     launch_kernel(fused_sample_records_kernel, grid, (
-        hidden, weight, bias_arg, inv_temp, seed, offset, out,
+        hidden, w_arg, bias_arg, inv_temp, seed, offset, out,
         B, D, V_rows, n_real, vocab_start, num_samples,
         hidden.stride(0), weight.stride(0), out.stride(0), out.stride(1), peers, parity),
         dict(consts, NUM_STAGES=cfg["NUM_STAGES"]), options)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 _HANDLES: dict = {}
 _SIGNATURES: dict = {}
@@ -27,6 +28,8 @@ def _arg_key(a):
         return (a == 1, a % 16 == 0, -(1 << 31) <= a < (1 << 31), 0 <= a < (1 << 63))
     if isinstance(a, float):
         return float
+    if isinstance(a, TensorDescriptor):
+        return (a.base.dtype, tuple(a.block_shape), a.base.data_ptr() % 16 == 0)
     raise TypeError(f"launch: unsupported argument type {type(a).__name__}")
 
 

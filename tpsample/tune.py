@@ -55,6 +55,33 @@ def candidates(B: int, strategies=("fused", "persistent", "logits")):
             yield dict(strategy="logits", BLOCK_B=bb, BLOCK_D=0, NUM_STAGES=0, num_warps=nw)
 
 
+def around_table(B: int, D: int):
+    """The shipped config for B and its neighbours: W through TMA (fewer registers), one
+    stage more or less, and register-capped TMA variants that fit two programs per SM."""
+    base = fused.kernel_config(B, D, torch.bfloat16)
+    yield base
+    if base["strategy"] != "fused":
+        return
+    bb = base["BLOCK_B"]
+    for st in sorted({base["NUM_STAGES"] - 1, base["NUM_STAGES"], base["NUM_STAGES"] + 1}):
+        if st >= 2 and bb * base["BLOCK_D"] * st * 2 + 128 * base["BLOCK_D"] * st * 2 <= 200_000:
+            yield dict(base, NUM_STAGES=st, TMA=True)
+    if bb >= 32:
+        for bd, st in ((64, 3), (64, 4), (128, 2)):
+            yield dict(base, BLOCK_D=bd, NUM_STAGES=st, TMA=True, MAXNREG=128)
+
+
+def candidates_for(B: int, D: int, strategies):
+    if strategies == ["table"]:
+        seen = []
+        for c in around_table(B, D):
+            if c not in seen:
+                seen.append(c)
+                yield c
+        return
+    yield from candidates(B, strategies)
+
+
 def device_key() -> str:
     name = torch.cuda.get_device_name()
     return "h200" if "H200" in name else "h100" if "H100" in name else name.lower().replace(" ", "_")
@@ -73,7 +100,7 @@ def tune_shape(D: int, V: int, batches, reps_ms: int, log, strategies) -> dict:
             return fused.reduce_records(rec[None], p.inv_temp, p.seed, p.offset, "max")[0]
 
         ref_tokens, results = None, []
-        for cfg in candidates(B, strategies):
+        for cfg in candidates_for(B, D, strategies):
             try:
                 tokens = run(cfg)
                 ms = triton.testing.do_bench(lambda: run(cfg), warmup=10, rep=reps_ms,
@@ -102,7 +129,9 @@ def main(argv=None):
     ap.add_argument("--shapes", default="4096x151936,8192x128256")
     ap.add_argument("--batches", default="1,2,4,8,16,32,64,128,256")
     ap.add_argument("--rep-ms", type=int, default=40)
-    ap.add_argument("--strategies", default="fused,persistent,logits")
+    ap.add_argument("--strategies", default="fused,persistent,logits",
+                    help="comma list of fused,persistent,logits; or 'table': the shipped config "
+                         "and its TMA / stage / register-cap neighbours only (quick re-tune)")
     ap.add_argument("--out", default=None, help="JSON path (default tpsample/configs/<device>.json)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
