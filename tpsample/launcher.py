@@ -56,5 +56,6 @@ def launch(fn, grid: tuple, args: tuple, constexprs: dict, options: dict):
         _HANDLES[key] = handle
         return handle
     rest = [constexprs.get(name, default) for name, default in _constexpr_order(fn)[len(args):]]
-    handle[grid](*args, *rest, stream=torch.cuda.current_stream(args[0].device).cuda_stream)
+    grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+    handle[grid3](*args, *rest, stream=torch.cuda.current_stream(args[0].device).cuda_stream)
     return handle
