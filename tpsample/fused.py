@@ -11,7 +11,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .kernels import (fused_sample_records_kernel, fused_sample_records_persistent_kernel,
                       logits_records_kernel, reduce_records_kernel)
-from .launcher import launch as launch_kernel
 from .torch_records import DEFAULT_TILE
 
 BLOCK_V = DEFAULT_TILE  # one record per 128 tokens everywhere: logmass partitions agree
@@ -78,8 +77,20 @@ def _num_sms(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def cdiv(a: int, b: int) -> int:  # triton.cdiv is a constexpr_function: ~3 µs per host call
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def launch_kernel(fn, grid, args, constexprs, options):
+    return fn[grid](*args, **constexprs, **options)
+
+
 def num_tiles(rows: int) -> int:
-    return triton.cdiv(rows, BLOCK_V)
+    return cdiv(rows, BLOCK_V)
 
 
 @functools.lru_cache(maxsize=None)
@@ -120,8 +131,8 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
     strategy, nw = cfg.pop("strategy"), cfg.pop("num_warps")
     maxnreg = cfg.pop("MAXNREG", None)  # register cap: lets two programs share an SM
     trim = cfg.pop("TRIM", True)  # drop padding columns before the noise (B < BLOCK_B)
-    grid = (triton.cdiv(B, cfg["BLOCK_B"]), T)
-    halvings = (cfg["BLOCK_B"] // triton.next_power_of_2(B)).bit_length() - 1 if trim and B > 0 else 0
+    grid = (cdiv(B, cfg["BLOCK_B"]), T)
+    halvings = (cfg["BLOCK_B"] // next_pow2(B)).bit_length() - 1 if trim and B > 0 else 0
     consts = dict(HAS_BIAS=bias is not None, ALIGNED4=vocab_start % 4 == 0, BLOCK_V=BLOCK_V,
                   BLOCK_B=cfg["BLOCK_B"], NUM_PEERS=0 if peer_ptrs is None else peer_ptrs.shape[-1],
                   HALVINGS=max(halvings, 0), TILE_MASS=need_mass, PDL=use_pdl(hidden.device))
@@ -178,12 +189,12 @@ def reduce_records(records: torch.Tensor, inv_temp, seed, offset, merge: str, pa
     if launch is not None:
         block_r, block_n, num_warps = launch
     elif dev.type == "cuda":  # one (sample, row) per program, all its records in one pass
-        block_r, block_n = 1, min(4096, triton.next_power_of_2(N))
+        block_r, block_n = 1, min(4096, next_pow2(N))
     else:  # the interpreter pays per program, not per element
-        block_n = min(1024, triton.next_power_of_2(N))
-        block_r = min(max(16384 // block_n, 1), triton.next_power_of_2(B * S))
+        block_n = min(1024, next_pow2(N))
+        block_r = min(max(16384 // block_n, 1), next_pow2(B * S))
     pdl = use_pdl(dev)
-    launch_kernel(reduce_records_kernel, (triton.cdiv(B * S, block_r),), (
+    launch_kernel(reduce_records_kernel, (cdiv(B * S, block_r),), (
         records, inv_temp, seed, offset, tokens, logprobs, logz,
         B, S, N, T, records.stride(0), records.stride(1), records.stride(2),
         parity if parity is not None else seed, parity_stride),

@@ -8,6 +8,8 @@
     python -m tpsample.probe --ab [--shape ...] [--batches ...]
         stage 1 + stage 2 with each epilogue/launch option off and on (padding-column trim,
         programmatic dependent launch of stage 2, skipping the tile log-mass)
+    python -m tpsample.probe --logits [--batches 128,256]
+        the hybrid's records pass alone (load + max, + log-mass, + noise) per tile shape
     python -m tpsample.probe --host [--profile]
         host (Python) time per call of each piece of the call path, at tiny shapes so the GPU
         never becomes the bottleneck (µs, no synchronisation inside the timed loop)
@@ -113,6 +115,57 @@ def host_parts():
     return parts
 
 
+def logits_pass(D, V, B) -> dict:
+    """The hybrid's records pass alone on precomputed fp32 logits: what its time is made of
+    (load + max only, + log-mass, + one sample) for a few tile shapes, against a plain copy
+    of the logits (the bandwidth bound of that pass)."""
+    from .kernels import logits_records_kernel
+    bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=100, return_mode="median")  # noqa: E731
+    h, w, p, _ = setup(D, V, B)
+    logits = fused.logits_fp32(h, w)
+    T = fused.num_tiles(V)
+    out = torch.empty(2, B, T, 4, device="cuda")
+    r = dict(B=B, copy_logits=bench(lambda: torch.empty_like(logits).copy_(logits)) / 2,
+             mm_fp32=bench(lambda: fused.logits_fp32(h, w)))
+    for bb, nw in ((64, 8), (32, 4), (16, 4), (128, 8)):
+        for name, S, mass in (("max_only", 0, False), ("mass", 0, True), ("sample", 1, False),
+                              ("sample_mass", 1, True)):
+            def run():
+                logits_records_kernel[(fused.cdiv(B, bb), T)](
+                    logits, p.inv_temp, p.inv_temp, p.seed, p.offset, out, B, V, V, 0, S,
+                    logits.stride(0), out.stride(0), out.stride(1), p.seed, p.seed,
+                    HAS_BIAS=False, ALIGNED4=True, BLOCK_V=fused.BLOCK_V, BLOCK_B=bb, NUM_PEERS=0,
+                    HALVINGS=0, TILE_MASS=mass, PDL=False, num_warps=nw)
+            r[f"bb{bb}_w{nw}_{name}"] = bench(run)
+    return r
+
+
+def launch_paths():
+    """Host µs of one stage-1 launch: Triton's JIT dispatch vs its compiled handle."""
+    from .kernels import fused_sample_records_kernel as kern
+    h, w, p, stage1 = setup(256, 4096, 1)
+    out = stage1()
+    args = (h, w, p.inv_temp, p.inv_temp, p.seed, p.offset, out, 1, 256, 4096, 4096, 0, 1,
+            h.stride(0), w.stride(0), out.stride(0), out.stride(1), p.seed, p.seed)
+    consts = dict(HAS_BIAS=False, EVEN_D=True, FP32_DOT=False, ALIGNED4=True, BLOCK_V=128,
+                  BLOCK_B=16, BLOCK_D=128, NUM_STAGES=4, NUM_PEERS=0, HALVINGS=4, TILE_MASS=False,
+                  PDL=False, W_DESC=False)
+    grid = (1, 32, 1)
+    handle = kern[grid](*args, **consts, num_warps=4)
+    full = (*args, *consts.values())
+    stream = torch.cuda.current_stream().cuda_stream
+    runner = handle[grid]
+    paths = {
+        "jit fn[grid](...)": lambda: kern[grid](*args, **consts, num_warps=4),
+        "compiled handle[grid](...)": lambda: handle[grid](*full, stream=stream),
+        "compiled runner (grid bound)": lambda: runner(*full, stream=stream),
+        "handle.run (raw launcher)": lambda: handle.run(1, 32, 1, stream, handle.function,
+                                                        handle.packed_metadata, None, None, None, *full),
+    }
+    for name, fn in paths.items():
+        print(f"{host_us(fn, n=2000):8.1f} us  {name}", flush=True)
+
+
 def host_profile(fn, n=500, top=30):
     """cProfile of n calls: where the host time of one call goes (per-call µs by function)."""
     import cProfile
@@ -141,9 +194,11 @@ def main(argv=None):
     ap.add_argument("--host", action="store_true")
     ap.add_argument("--ncu", action="store_true")
     ap.add_argument("--ab", action="store_true")
+    ap.add_argument("--logits", action="store_true", help="breakdown of the hybrid's records pass")
     ap.add_argument("--profile", action="store_true", help="with --host: cProfile of sample()")
     args = ap.parse_args(argv)
     if args.host:
+        launch_paths()
         parts = host_parts()
         if args.profile:
             host_profile(parts["sample()"])
@@ -159,7 +214,7 @@ def main(argv=None):
         return None
     rows = []
     for B in batches:
-        rows.append((ab_parts if args.ab else device_parts)(D, V, B))
+        rows.append((ab_parts if args.ab else logits_pass if args.logits else device_parts)(D, V, B))
         print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in rows[-1].items()),
               flush=True)
     if args.out:
