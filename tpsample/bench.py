@@ -112,7 +112,8 @@ def make_variants(h, w, *, merge="max", compile_=True, skipped=None) -> dict:
     return variants
 
 
-def run_shape(D, V, batches, *, device, dtype, bandwidth, merge, compile_, skipped) -> dict:
+def run_shape(D, V, batches, *, device, dtype, bandwidth, merge, compile_, skipped,
+              only=None) -> dict:
     cuda = device.type == "cuda"
     torch.manual_seed(0)
     w = torch.randn(V, D, device=device, dtype=dtype).mul_(0.02)
@@ -123,7 +124,7 @@ def run_shape(D, V, batches, *, device, dtype, bandwidth, merge, compile_, skipp
         h = torch.randn(B, D, device=device, dtype=dtype)
         ms, variants = {}, make_variants(h, w, merge=merge, compile_=compile_, skipped=skipped)
         for name, fn in variants.items():
-            if name in skipped:  # failed before (e.g. torch.compile): don't retry every B
+            if name in skipped or (only and name not in only):  # failed before: don't retry
                 continue
             try:
                 ms[name] = time_fn(fn, cuda)
@@ -209,6 +210,8 @@ def parse_args(argv, cuda: bool):
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--merge", default="max", choices=["max", "logmass"])
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    p.add_argument("--variants", default=None,
+                   help="comma list: run only these variants (e.g. mm,flashinfer,tpsample)")
     p.add_argument("--device-name", default=None, help="optional label for the plots and JSON")
     args = p.parse_args(argv)
     args.shapes = [tuple(int(x) for x in s.lower().split("x")) for s in args.shapes.split(",")]
@@ -237,7 +240,8 @@ def main(argv=None):
     for D, V in args.shapes:
         log(f"shape D={D} V={V}")
         res = run_shape(D, V, args.batches, device=device, dtype=dtype, bandwidth=bandwidth,
-                        merge=args.merge, compile_=not args.no_compile, skipped=meta["skipped"])
+                        merge=args.merge, compile_=not args.no_compile, skipped=meta["skipped"],
+                        only=set(args.variants.split(",")) if args.variants else None)
         results.append(res)
         write_json(os.path.join(args.out, "bench.json"), meta, results)  # after every shape
         plot(os.path.join(args.out, f"bench_{D}x{V}.png"), res,
