@@ -14,23 +14,17 @@ Token ids are stored as float32 (exact below 2**24; the API checks vocab_size). 
 import triton
 import triton.language as tl
 
-from .philox import philox4x32_10
-
 TWO_POW_M23 = tl.constexpr(1.0 / 8388608.0)
 
 
 @triton.jit
-def row_key(seed):
-    """Philox key (k0, k1) uint32 of int64 seeds (the low and high words, as in tl.philox)."""
-    return (seed & 0xFFFFFFFF).to(tl.uint32), ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
-
-
-@triton.jit
 def gumbel_noise(seed, off_lo, off_hi, c1, gid):
-    """Gumbel noise for global ids `gid`; seed/off_*/c1 broadcast against it (see noise.py)."""
-    k0, k1 = row_key(seed)
-    r0, r1, r2, r3 = philox4x32_10((gid >> 2).to(tl.uint32), c1, off_lo, off_hi, k0, k1)
-    lane = gid & 3
+    """Gumbel noise for global ids `gid` [BV, 1]; seed/off_* per row [1, BB] (see noise.py)."""
+    zero = tl.zeros_like(gid + seed).to(tl.uint32)
+    c0 = (gid >> 2).to(tl.uint32) + zero
+    r0, r1, r2, r3 = tl.philox(seed + zero.to(tl.int64), c0, c1 + zero, off_lo + zero,
+                               off_hi + zero)
+    lane = (gid & 3) + zero.to(gid.dtype)
     x = tl.where(lane == 0, r0, r1)
     x = tl.where(lane == 2, r2, x)
     x = tl.where(lane == 3, r3, x)
@@ -46,11 +40,11 @@ def bits_to_gumbel(x):
 @triton.jit
 def gumbel_noise_tile(seed, off_lo, off_hi, c1, gid0, BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr):
     """gumbel_noise for the BLOCK_V consecutive ids gid0 + [0, BLOCK_V), gid0 % 4 == 0:
-    one Philox call per four ids (its four words are the four lanes). seed/off_* [1, BLOCK_B];
-    returns [BLOCK_V, BLOCK_B]."""
-    q = ((gid0 >> 2) + tl.arange(0, BLOCK_V // 4)).to(tl.uint32)[:, None]
-    k0, k1 = row_key(seed)
-    r0, r1, r2, r3 = philox4x32_10(q, c1, off_lo, off_hi, k0, k1)
+    one Philox call per four ids (its four words are the four lanes). [BLOCK_V, BLOCK_B]."""
+    q = (gid0 >> 2) + tl.arange(0, BLOCK_V // 4)
+    zero = tl.zeros((BLOCK_V // 4, BLOCK_B), dtype=tl.uint32)
+    r0, r1, r2, r3 = tl.philox(seed + zero.to(tl.int64), q.to(tl.uint32)[:, None] + zero,
+                               c1 + zero, off_lo + zero, off_hi + zero)
     x = tl.join(tl.join(r0, r2), tl.join(r1, r3))  # [V/4, B, k, a] holds word 2k + a
     x = tl.reshape(tl.permute(x, (0, 2, 3, 1)), (BLOCK_V, BLOCK_B))  # id 4q + 2k + a
     return bits_to_gumbel(x)

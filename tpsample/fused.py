@@ -11,7 +11,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .kernels import (fused_sample_records_kernel, fused_sample_records_persistent_kernel,
                       logits_records_kernel, reduce_records_kernel)
-from .launcher import launch as launch_kernel
 from .torch_records import DEFAULT_TILE
 
 BLOCK_V = DEFAULT_TILE  # one record per 128 tokens everywhere: logmass partitions agree
@@ -84,6 +83,10 @@ def cdiv(a: int, b: int) -> int:  # triton.cdiv is a constexpr_function: ~3 µs 
 
 def next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
+
+
+def launch_kernel(fn, grid, args, constexprs, options):
+    return fn[grid](*args, **constexprs, **options)
 
 
 def num_tiles(rows: int) -> int:
@@ -160,8 +163,7 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
         # aligned rows, otherwise the pointer path below)
         w_arg = TensorDescriptor.from_tensor(weight, block_shape=[BLOCK_V, cfg["BLOCK_D"]])
         consts["W_DESC"] = True
-    launch = launch_kernel if w_arg is weight else (lambda fn, g, a, c, o: fn[g](*a, **c, **o))
-    launch(fused_sample_records_kernel, grid, (
+    launch_kernel(fused_sample_records_kernel, grid, (
         hidden, w_arg, bias_arg, inv_temp, seed, offset, out,
         B, D, V_rows, n_real, vocab_start, num_samples,
         hidden.stride(0), weight.stride(0), out.stride(0), out.stride(1), peers, parity),
@@ -178,10 +180,9 @@ def reduce_records(records: torch.Tensor, inv_temp, seed, offset, merge: str, pa
     slots, S, B, T, _ = records.shape
     assert records.stride(4) == 1 and records.stride(3) == 4
     dev = records.device
-    out = torch.empty(B * S + (B * S + B + 1) // 2, dtype=torch.int64, device=dev)  # one allocation
-    tokens = out[:B * S].view(B, S)
-    floats = out[B * S:].view(torch.float32)
-    logprobs, logz = floats[:B * S].view(B, S), floats[B * S:B * S + B]
+    tokens = torch.empty(B, S, dtype=torch.int64, device=dev)
+    logprobs = torch.empty(B, S, dtype=torch.float32, device=dev)
+    logz = torch.empty(B, dtype=torch.float32, device=dev)
     N = slots * T
     num_warps = 4
     if launch is not None:

@@ -1,4 +1,5 @@
-"""The noise function, in plain torch integer ops (bit-identical to kernels/philox.py).
+"""The noise function, in plain torch integer ops (bit-identical to the Triton kernels,
+which call tl.philox).
 
 The uniform for (row b, token i, sample s) is a fixed function of
 (seed[b], offset[b], s, i) only:
