@@ -93,7 +93,8 @@ def tile_records_epilogue(
 
     # The tile's log-mass (NaN if any logit of the row in this tile was NaN). Without
     # TILE_MASS (no log-probs, max merge) the tile max stands in: log Z is then wrong but
-    # unused, and it is still finite exactly when the true one is (degenerate rows agree).
+    # unused, and it is still finite exactly when the true one is (degenerate rows agree);
+    # the records' logit field is then 0 (see sample_and_store).
     m = tl.max(l, axis=0)
     if TILE_MASS:
         m_safe = tl.where(m == float("-inf"), 0.0, m)
@@ -114,19 +115,21 @@ def tile_records_epilogue(
         for s in tl.static_range(SAMPLES):
             sample_and_store(s, l, greedy, seed, off_lo, off_hi, tile_start, local, mask_b, lse,
                              rec_ptr, rec + s * rec_stride_s, peer_ptrs, parity_ptr, ALIGNED4,
-                             BLOCK_V, BLOCK_B >> HALVINGS, NUM_PEERS)
+                             BLOCK_V, BLOCK_B >> HALVINGS, NUM_PEERS, TILE_MASS)
     else:
         for s in range(num_samples):
             sample_and_store(s, l, greedy, seed, off_lo, off_hi, tile_start, local, mask_b, lse,
                              rec_ptr, rec + s * rec_stride_s, peer_ptrs, parity_ptr, ALIGNED4,
-                             BLOCK_V, BLOCK_B >> HALVINGS, NUM_PEERS)
+                             BLOCK_V, BLOCK_B >> HALVINGS, NUM_PEERS, TILE_MASS)
 
 
 @triton.jit
 def sample_and_store(s, l, greedy, seed, off_lo, off_hi, tile_start, local, mask_b, lse, rec_ptr,
                      rec, peer_ptrs, parity_ptr, ALIGNED4: tl.constexpr, BLOCK_V: tl.constexpr,
-                     BLOCK_B: tl.constexpr, NUM_PEERS: tl.constexpr):
-    """Sample s of one tile: Gumbel-max over the tile and its record (see the epilogue)."""
+                     BLOCK_B: tl.constexpr, NUM_PEERS: tl.constexpr, TILE_MASS: tl.constexpr):
+    """Sample s of one tile: Gumbel-max over the tile and its record (see the epilogue).
+    Without TILE_MASS no log-prob is wanted: the winner's logit (a masked gather, one more
+    cross-thread reduction) is not extracted and the record holds 0 there."""
     if ALIGNED4:
         g = gumbel_noise_tile(seed, off_lo, off_hi, tl.cast(s, tl.uint32), tile_start,
                               BLOCK_V, BLOCK_B)
@@ -134,7 +137,10 @@ def sample_and_store(s, l, greedy, seed, off_lo, off_hi, tile_start, local, mask
         g = gumbel_noise(seed, off_lo, off_hi, tl.cast(s, tl.uint32), tile_start + local)
     z = tl.where(greedy[None, :], l, l + g)
     best, idx = tl.max(z, axis=0, return_indices=True, return_indices_tie_break_left=True)
-    logit = tl.sum(tl.where(local == idx[None, :], l, 0.0), axis=0)
+    if TILE_MASS:
+        logit = tl.sum(tl.where(local == idx[None, :], l, 0.0), axis=0)
+    else:
+        logit = tl.zeros_like(best)
     token = (tile_start + idx).to(tl.float32)
     if NUM_PEERS == 0:
         store_record(rec_ptr + rec, best, token, logit, lse, mask_b)

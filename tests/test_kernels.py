@@ -157,8 +157,9 @@ def test_tma_weight_loads_match_pointer_loads(D, device):
 
 
 def test_skipping_tile_mass_keeps_tokens_and_degenerate_rows(device):
-    """need_mass=False (max merge, no log-probs) stores tile maxima: same tokens, and rows
-    whose log Z is not finite (NaN logit, all -inf) still come back as token 0."""
+    """need_mass=False (max merge, no log-probs) stores tile maxima and no logits: same scores
+    and tokens, and rows whose log Z is not finite (NaN logit, all -inf) still come back as
+    token 0."""
     B, D, V = 6, 32, 300
     h, w = random_inputs(B, D, V, torch.float32, device, seed=12)
     h[1, 0] = float("nan")
@@ -167,7 +168,7 @@ def test_skipping_tile_mass_keeps_tokens_and_degenerate_rows(device):
     kw = dict(bias=bias, inv_temp=p.inv_temp, seed=p.seed, offset=p.offset, num_samples=2, n_real=V)
     with_mass = fused.fused_records(h, w, **kw)
     without = fused.fused_records(h, w, need_mass=False, **kw)
-    assert torch.equal(with_mass[..., :3], without[..., :3])
+    assert torch.equal(with_mass[..., :2], without[..., :2])
     t_with = fused.reduce_records(with_mass[None], p.inv_temp, p.seed, p.offset, "max")[0]
     t_without = fused.reduce_records(without[None], p.inv_temp, p.seed, p.offset, "max")[0]
     assert torch.equal(t_with, t_without)

@@ -118,8 +118,9 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
     rank's slot in every peer's buffer (same strides as `out`) for two alternating buffers, and
     parity an int32 CUDA tensor [1] selecting the buffer; the kernel then stores each record
     to all P peers of that buffer instead of `out`. need_mass=False (max merge, no log-probs
-    wanted) stores the tile max instead of the tile log-mass: the reduce's log Z is then not
-    log Z, but the tokens and the degenerate-row rule are unchanged."""
+    wanted) stores the tile max instead of the tile log-mass and 0 instead of the winner's
+    logit: the reduce's log Z and log-probs are then meaningless, but the tokens and the
+    degenerate-row rule are unchanged."""
     B, D = hidden.shape
     V_rows = weight.shape[0]
     T = tiles if tiles is not None else num_tiles(V_rows)
