@@ -133,8 +133,9 @@ def make_samplers(W, V, transports, max_batch, dev) -> dict:
     for t in transports:
         s, why = None, "failed on another rank"
         try:
+            # tokens only, like the baselines: no log-probs (stage 1 skips the log-masses)
             s = tpsample.VocabParallelSampler(W, vocab_size=V, transport=t, check_inputs=False,
-                                              max_batch=max_batch, backend=backend)
+                                              max_batch=max_batch, backend=backend, logprobs=False)
         except Exception as e:  # noqa: BLE001 - report the reason and go on
             why = f"{type(e).__name__}: {e}"
         if all_ranks(int(s is not None), dev, dist.ReduceOp.MIN, torch.int32):

@@ -94,6 +94,21 @@ def test_tp_seed_none_agrees_across_ranks_and_follows_rank0_manual_seed():
     assert not torch.equal(a[0][0], a[0][1])  # two calls draw different seeds
 
 
+def tp_tokens_without_logprobs(rank, world):
+    h, w, bias, temp, seeds, offsets = common_inputs()
+    lo, hi = shard_bounds(rank, world, V)
+    kw = dict(temperature=temp, seed=seeds, offset=offsets, bias=bias[lo:hi], num_samples=2)
+    out = [VocabParallelSampler(w[lo:hi].contiguous(), vocab_size=VOCAB, logprobs=flag,
+                                backend="triton")(h, **kw) for flag in (True, False)]
+    return out
+
+
+def test_tp_logprobs_false_keeps_tokens():
+    """logprobs=False skips the tile log-masses and logits in stage 1: same tokens."""
+    for with_lp, without in run_world(2, tp_tokens_without_logprobs):
+        assert torch.equal(with_lp, without)
+
+
 def tp_bad(rank, world, case):
     h, w, *_ = common_inputs()
     lo, hi = shard_bounds(rank, world, V)
@@ -105,15 +120,23 @@ def tp_bad(rank, world, case):
         kw["vocab_size"] = V + 1
     elif case == "vocab_start":
         kw["vocab_start"] = [0, 600][rank]  # gap between the shards
+    elif case == "logprobs":
+        kw["logprobs"] = rank == 0
+    elif case == "no_logprobs":
+        kw["logprobs"] = False
     sampler = VocabParallelSampler(shard, **kw)
     if case == "B":
         sampler(h[: B - rank], seed=1)
+    if case == "no_logprobs":
+        sampler(h, seed=1, return_logprobs=True)
     return "no error"
 
 
 @pytest.mark.parametrize("case,exc,words", [("D", "ValueError", "D"), ("vocab_size", "ValueError", "vocab_size"),
                                             ("vocab_start", "ValueError", "vocab_start"),
-                                            ("B", "ValueError", "disagree on B")])
+                                            ("B", "ValueError", "disagree on B"),
+                                            ("logprobs", "ValueError", "logprobs differs"),
+                                            ("no_logprobs", "ValueError", "logprobs=False")])
 def test_tp_bad_input_raises_on_every_rank(case, exc, words):
     outs = run_world(2, tp_bad, case)
     for o in outs:

@@ -39,6 +39,10 @@ class VocabParallelSampler:
             raise on disagreement. On CUDA this costs a tiny all-gather and a host sync per
             call; turn it off in production once the integration is tested.
         backend: stage-1/2 implementation, as in tpsample.sample ("auto", "triton", "torch").
+        logprobs: False promises that no call asks for log-probs (return_logprobs=True then
+            raises): stage 1 skips the tile log-masses and the winners' logits, as
+            tpsample.sample does when return_logprobs=False. Max merge only; must be the same
+            on every rank (checked at construction).
 
     Call: sampler(hidden [B, D], temperature=1.0, seed=None, offset=0, bias=None,
     num_samples=1, return_logprobs=False) → exactly what tpsample.sample returns, with global
@@ -54,7 +58,8 @@ class VocabParallelSampler:
 
     def __init__(self, weight_shard: torch.Tensor, *, vocab_size: int, vocab_start: int | None = None,
                  group=None, max_batch: int = 256, transport: str = "auto", merge: str = "max",
-                 timeout_s: float = 300.0, check_inputs: bool = True, backend: str = "auto"):
+                 timeout_s: float = 300.0, check_inputs: bool = True, backend: str = "auto",
+                 logprobs: bool = True):
         if not dist.is_initialized():
             raise RuntimeError("VocabParallelSampler needs torch.distributed to be initialised "
                                "(torchrun + dist.init_process_group)")
@@ -69,7 +74,12 @@ class VocabParallelSampler:
             raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
         if vocab_start is not None and (not isinstance(vocab_start, int) or vocab_start < 0):
             raise ValueError(f"vocab_start must be None or an int >= 0, got {vocab_start!r}")
+        if not isinstance(logprobs, bool):
+            raise TypeError(f"logprobs must be a bool, got {type(logprobs).__name__}")
+        if not logprobs and merge != "max":
+            raise ValueError("logprobs=False needs merge='max' (the log-mass merge needs the tile masses)")
         self.weight = weight_shard
+        self.logprobs = logprobs
         self.device = weight_shard.device
         self.merge = merge
         self.check_inputs = check_inputs
@@ -77,7 +87,10 @@ class VocabParallelSampler:
         self.transport = make_transport(transport, self.group, self.device, timeout_s)
 
         V_r, D = weight_shard.shape
-        layouts = self._all_gather_object((V_r, D, str(weight_shard.dtype), vocab_start))
+        layouts = self._all_gather_object((V_r, D, str(weight_shard.dtype), vocab_start, logprobs))
+        if len({l[4] for l in layouts}) != 1:
+            raise ValueError(f"logprobs differs across ranks: {[l[4] for l in layouts]}")
+        layouts = [l[:4] for l in layouts]
         self._check_layout(layouts, vocab_size)
         starts = [s for (_, _, _, s) in layouts]
         if vocab_start is None:
@@ -155,6 +168,8 @@ class VocabParallelSampler:
                  num_samples: int = 1, return_logprobs: bool = False):
         api.check_hidden_weight(hidden, self.weight, "weight_shard")
         api.check_options(num_samples, self.merge, "auto")
+        if return_logprobs and not self.logprobs:
+            raise ValueError("return_logprobs=True, but this sampler was built with logprobs=False")
         bias = api.check_bias(bias, self.weight.shape[0], hidden.device)
         capturing = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
         if self.check_inputs and not capturing:  # a host sync cannot be captured
@@ -174,7 +189,8 @@ class VocabParallelSampler:
         fanout = self.transport.fanout()
         api.compute_records(self.backend, hidden, self.weight, bias=bias, params=params,
                             num_samples=num_samples, n_real=self.n_real, vocab_start=self.vocab_start,
-                            tiles=self.tiles, out=mine.view(shape), fanout=fanout)
+                            tiles=self.tiles, out=mine.view(shape), fanout=fanout,
+                            need_mass=self.logprobs)
         self.transport.exchange(mine, full)
         tokens, logprobs, logz = api.reduce_records(self.backend, full.view(self.world, *shape), params,
                                                     self.merge, fanout=fanout)
