@@ -3,7 +3,7 @@
     python -m tpsample.bench [--shapes 2048x151936,4096x151936,5120x151936,8192x128256]
                              [--batches 1,2,4,...,256]
                              [--out bench_out] [--dtype bf16] [--merge max|logmass]
-                             [--no-compile] [--device-name LABEL]
+                             [--no-compile] [--device-name LABEL] [--variants mm,tpsample,...]
 
 On CUDA it first measures copy bandwidth (a 2 GiB bf16 device-to-device copy, read + write
 bytes / median time), then for every LM-head shape D x V and batch size B times, with
@@ -13,7 +13,10 @@ triton.testing.do_bench (median ms), on random bf16 inputs h [B, D] and W [V, D]
     multinomial           matmul, fp32 softmax, torch.multinomial
     multinomial_compiled  the same function under torch.compile (skipped with --no-compile)
     gumbel_torch          matmul, argmax(logits - log(Exp(1) noise))
-    flashinfer[_topk_topp]  matmul + flashinfer.sampling (only if flashinfer imports)
+    flashinfer            matmul, flashinfer.sampling.sampling_from_logits (bf16 logits)
+    flashinfer_topk_topp  matmul, top_k_top_p_sampling_from_logits(top_k=-1, top_p=1.0)
+                          (both only if `import flashinfer` works; it JIT-compiles its
+                          sampling module with the local nvcc on first use)
     tpsample              tpsample.sample(h, W, seed=1234, offset=step)
 
 floor = V*D*bytes(dtype) / bandwidth, the time to read W once from memory. Progress goes to
