@@ -173,6 +173,22 @@ def print_table(res: dict, bandwidth: float):
         print(f"{r['B']:>5} | " + " ".join(f"{v:>8}" for v in vals))
 
 
+def print_targets(results: list):
+    """Issue 4's single-device targets per shape, from this run: worst time / floor for
+    B <= 64 (target <= 1.03), worst time / cuBLAS mm at B >= 128 (target <= 1.05) and the
+    smallest speedup over any sampling baseline at any B (target >= 1)."""
+    print("\ntargets (this run): B<=64 max x floor | B>=128 max x mm | min speedup vs sampling baselines")
+    for res in results:
+        rows = [r for r in res["rows"] if r["ms"].get("tpsample")]
+        small = [r["ms"]["tpsample"] / res["floor_ms"] for r in rows if r["B"] <= 64]
+        large = [r["ms"]["tpsample"] / r["ms"]["mm"] for r in rows if r["B"] >= 128 and "mm" in r["ms"]]
+        speed = [(v, k, r["B"]) for r in rows for k, v in r["speedup"].items() if k != "mm"]
+        worst = min(speed) if speed else None
+        cell = lambda xs: f"{max(xs):.3f}" if xs else "-"  # noqa: E731
+        print(f"  D={res['D']} V={res['V']}: {cell(small)} | {cell(large)} | "
+              + (f"{worst[0]:.3f} ({worst[1]}, B={worst[2]})" if worst else "-"))
+
+
 def write_json(path: str, meta: dict, results: list):
     with open(path, "w") as f:
         json.dump({**meta, "shapes": results}, f, indent=1)
@@ -253,6 +269,7 @@ def main(argv=None):
              f"{args.device_name or dev_name} {args.dtype}")
     for res in results:
         print_table(res, bandwidth)
+    print_targets(results)
     for name, reason in meta["skipped"].items():
         print(f"skipped {name}: {reason}")
     log(f"wrote {os.path.join(args.out, 'bench.json')} and {len(results)} plot(s)")
