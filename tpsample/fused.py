@@ -156,8 +156,7 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
             **options)
         return out
     w_arg = weight
-    tma_ok = weight.data_ptr() % 16 == 0 and weight.stride(0) * weight.element_size() % 16 == 0
-    if cfg.get("TMA") and tma_ok:
+    if cfg.get("TMA") and weight.data_ptr() % 16 == 0 and weight.stride(0) * weight.element_size() % 16 == 0:
         # W through the tensor-memory accelerator (host-built descriptor; TMA needs 16-byte
         # aligned rows, otherwise the pointer path below)
         w_arg = TensorDescriptor.from_tensor(weight, block_shape=[BLOCK_V, cfg["BLOCK_D"]])
