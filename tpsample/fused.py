@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import torch
-import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .kernels import (fused_sample_records_kernel, fused_sample_records_persistent_kernel,
@@ -40,7 +39,7 @@ def kernel_config(B: int, D: int, dtype: torch.dtype, device_type: str = "cuda",
     "logits": cuBLAS writes fp32 logits and one Triton pass turns them into records.
     Shipped tables (tpsample/configs/*.json) are used for bf16/fp16; otherwise a default."""
     if device_type != "cuda":  # the interpreter pays per program: few, large tiles
-        return dict(strategy="fused", BLOCK_B=min(max(16, triton.next_power_of_2(B)), 256),
+        return dict(strategy="fused", BLOCK_B=min(max(16, next_pow2(B)), 256),
                     BLOCK_D=64, NUM_STAGES=1, num_warps=4)
     table = tuned_buckets(device_index) if dtype != torch.float32 else {}
     if table:
@@ -48,7 +47,7 @@ def kernel_config(B: int, D: int, dtype: torch.dtype, device_type: str = "cuda",
         return dict(table[bucket])
     if B > 64:  # measured on H100: cuBLAS + records pass beats the fused main loop here
         return dict(strategy="logits", BLOCK_B=64, BLOCK_D=0, NUM_STAGES=0, num_warps=8)
-    block_b = min(max(16, triton.next_power_of_2(B)), 64)
+    block_b = min(max(16, next_pow2(B)), 64)
     return dict(strategy="fused", BLOCK_B=block_b, BLOCK_D=64 if dtype == torch.float32 else 128,
                 NUM_STAGES=4, num_warps=4 if block_b <= 16 else 8)
 
