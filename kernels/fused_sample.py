@@ -67,7 +67,7 @@ def tile_records_epilogue(
     V_rows, n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b, peer_ptrs, parity_ptr,
     HAS_BIAS: tl.constexpr, ALIGNED4: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr,
     NUM_PEERS: tl.constexpr, HALVINGS: tl.constexpr, TILE_MASS: tl.constexpr,
-    SAMPLES: tl.constexpr = 0,
+    SAMPLES: tl.constexpr = 0, g_pre=None, PRE_NOISE: tl.constexpr = False,
 ):
     """acc [BLOCK_V, BLOCK_B] raw fp32 logits of tile pid_v → one record per (sample, row).
 
@@ -75,7 +75,8 @@ def tile_records_epilogue(
     records go to rec_ptr; otherwise peer_ptrs [2, NUM_PEERS] (int64) holds the address of this
     rank's slot in each peer's exchange buffer, for each of two alternating buffers, and every
     record is stored to all peers of buffer parity_ptr[0] (P2P fan-out). The parity lives on
-    the device so a captured CUDA graph alternates buffers too."""
+    the device so a captured CUDA graph alternates buffers too. PRE_NOISE: g_pre holds the
+    noise of the only sample (computed inside the main loop, see tile_logits)."""
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     if HALVINGS > 0:  # B <= BLOCK_B >> HALVINGS: drop padding columns before the noise
         acc = leading_columns(acc, BLOCK_V, BLOCK_B, HALVINGS)
@@ -111,7 +112,11 @@ def tile_records_epilogue(
     local = tl.arange(0, BLOCK_V)[:, None]
 
     rec = offs_b.to(tl.int64) * rec_stride_b + pid_v * 4
-    if SAMPLES > 0:  # compile-time count: the persistent kernel needs a loop-free epilogue
+    if PRE_NOISE:
+        sample_and_store(0, l, greedy, seed, off_lo, off_hi, tile_start, local, mask_b, lse,
+                         rec_ptr, rec, peer_ptrs, parity_ptr, ALIGNED4, BLOCK_V,
+                         BLOCK_B >> HALVINGS, NUM_PEERS, TILE_MASS, g_pre, True)
+    elif SAMPLES > 0:  # compile-time count: the persistent kernel needs a loop-free epilogue
         for s in tl.static_range(SAMPLES):
             sample_and_store(s, l, greedy, seed, off_lo, off_hi, tile_start, local, mask_b, lse,
                              rec_ptr, rec + s * rec_stride_s, peer_ptrs, parity_ptr, ALIGNED4,
@@ -126,11 +131,14 @@ def tile_records_epilogue(
 @triton.jit
 def sample_and_store(s, l, greedy, seed, off_lo, off_hi, tile_start, local, mask_b, lse, rec_ptr,
                      rec, peer_ptrs, parity_ptr, ALIGNED4: tl.constexpr, BLOCK_V: tl.constexpr,
-                     BLOCK_B: tl.constexpr, NUM_PEERS: tl.constexpr, TILE_MASS: tl.constexpr):
+                     BLOCK_B: tl.constexpr, NUM_PEERS: tl.constexpr, TILE_MASS: tl.constexpr,
+                     g_pre=None, PRE_NOISE: tl.constexpr = False):
     """Sample s of one tile: Gumbel-max over the tile and its record (see the epilogue).
     Without TILE_MASS no log-prob is wanted: the winner's logit (a masked gather, one more
     cross-thread reduction) is not extracted and the record holds 0 there."""
-    if ALIGNED4:
+    if PRE_NOISE:
+        g = g_pre
+    elif ALIGNED4:
         g = gumbel_noise_tile(seed, off_lo, off_hi, tl.cast(s, tl.uint32), tile_start,
                               BLOCK_V, BLOCK_B)
     else:
@@ -163,10 +171,14 @@ def store_record(dst, best, token, logit, lse, mask):
 def tile_logits(h_ptr, w_ptr, pid_v, pid_b, B, D, V_rows, stride_hb, stride_wv,
                 EVEN_D: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_V: tl.constexpr,
                 BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, NUM_STAGES: tl.constexpr,
-                W_DESC: tl.constexpr = False):
+                W_DESC: tl.constexpr = False, seed_ptr=None, offset_ptr=None, tile_start=0,
+                NOISE_AT: tl.constexpr = -1, HALVINGS: tl.constexpr = 0):
     """fp32 logits of one [BLOCK_V, BLOCK_B] tile (vocab × batch) = W_tile · h_tileᵀ.
     W_DESC: w_ptr is a TMA tensor descriptor of W with block [BLOCK_V, BLOCK_D] (the copy
-    engine fills out-of-range rows/columns with zeros and no thread holds W addresses)."""
+    engine fills out-of-range rows/columns with zeros and no thread holds W addresses).
+    NOISE_AT >= 0 (< number of D steps): also return the tile's Gumbel noise for sample 0,
+    [BLOCK_V, BLOCK_B >> HALVINGS], computed in D step NOISE_AT while the next stages' loads
+    are in flight (in the epilogue it would run with the memory pipe idle). Else g is 0."""
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     offs_b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
     offs_d = tl.arange(0, BLOCK_D)
@@ -176,6 +188,7 @@ def tile_logits(h_ptr, w_ptr, pid_v, pid_b, B, D, V_rows, stride_hb, stride_wv,
         w_ptrs = w_ptr + offs_v[:, None].to(tl.int64) * stride_wv + offs_d[None, :]
     h_ptrs = h_ptr + offs_b[None, :].to(tl.int64) * stride_hb + offs_d[:, None]
     acc = tl.zeros((BLOCK_V, BLOCK_B), dtype=tl.float32)
+    g = tl.zeros((BLOCK_V, BLOCK_B >> HALVINGS), dtype=tl.float32)
     for k in tl.range(0, D, BLOCK_D, num_stages=NUM_STAGES):
         if W_DESC:
             w = w_ptr.load([pid_v * BLOCK_V, k])
@@ -191,10 +204,28 @@ def tile_logits(h_ptr, w_ptr, pid_v, pid_b, B, D, V_rows, stride_hb, stride_wv,
             acc = tl.dot(w.to(tl.float32), h.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(w, h, acc)
+        if NOISE_AT >= 0:
+            if k == NOISE_AT * BLOCK_D:
+                g = tile_noise(seed_ptr, offset_ptr, tile_start, pid_b, B, BLOCK_V,
+                               BLOCK_B, HALVINGS)
         if not W_DESC:
             w_ptrs += BLOCK_D
         h_ptrs += BLOCK_D
-    return acc, offs_b, mask_b
+    return acc, offs_b, mask_b, g
+
+
+@triton.jit
+def tile_noise(seed_ptr, offset_ptr, tile_start, pid_b, B, BLOCK_V: tl.constexpr,
+               BLOCK_B: tl.constexpr, HALVINGS: tl.constexpr):
+    """Sample 0's noise for the tile's (possibly trimmed) columns, as the epilogue draws it."""
+    offs_b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B >> HALVINGS)
+    mask_b = offs_b < B
+    seed = tl.load(seed_ptr + offs_b, mask=mask_b, other=0)[None, :]
+    off = tl.load(offset_ptr + offs_b, mask=mask_b, other=0)
+    off_lo = (off & 0xFFFFFFFF).to(tl.uint32)[None, :]
+    off_hi = ((off >> 32) & 0xFFFFFFFF).to(tl.uint32)[None, :]
+    return gumbel_noise_tile(seed, off_lo, off_hi, tl.cast(0, tl.uint32), tile_start, BLOCK_V,
+                             BLOCK_B >> HALVINGS)
 
 
 @triton.jit
@@ -206,18 +237,21 @@ def fused_sample_records_kernel(
     BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_STAGES: tl.constexpr, NUM_PEERS: tl.constexpr, HALVINGS: tl.constexpr,
     TILE_MASS: tl.constexpr, PDL: tl.constexpr, W_DESC: tl.constexpr = False,
+    NOISE_AT: tl.constexpr = -1,
 ):
+    """NOISE_AT >= 0 requires num_samples == 1 and ALIGNED4 (the launcher checks)."""
     pid_b = tl.program_id(0)  # batch tiles vary fastest: neighbours share the W tile in L2
     pid_v = tl.program_id(1)
     if PDL:  # stage 2 may be scheduled now; its gdc_wait holds it until this grid is done
         tl.extra.cuda.gdc_launch_dependents()
-    acc, offs_b, mask_b = tile_logits(h_ptr, w_ptr, pid_v, pid_b, B, D, V_rows, stride_hb, stride_wv,
-                                      EVEN_D, FP32_DOT, BLOCK_V, BLOCK_B, BLOCK_D, NUM_STAGES,
-                                      W_DESC)
+    acc, offs_b, mask_b, g = tile_logits(
+        h_ptr, w_ptr, pid_v, pid_b, B, D, V_rows, stride_hb, stride_wv, EVEN_D, FP32_DOT,
+        BLOCK_V, BLOCK_B, BLOCK_D, NUM_STAGES, W_DESC, seed_ptr, offset_ptr,
+        vocab_start + pid_v * BLOCK_V, NOISE_AT, HALVINGS)
     tile_records_epilogue(acc, pid_v, offs_b, mask_b, B, bias_ptr, inv_temp_ptr, seed_ptr,
                           offset_ptr, rec_ptr, V_rows, n_real, vocab_start, num_samples,
                           rec_stride_s, rec_stride_b, peer_ptrs, parity_ptr, HAS_BIAS, ALIGNED4, BLOCK_V,
-                          BLOCK_B, NUM_PEERS, HALVINGS, TILE_MASS)
+                          BLOCK_B, NUM_PEERS, HALVINGS, TILE_MASS, 0, g, NOISE_AT >= 0)
 
 
 @triton.jit
@@ -238,8 +272,9 @@ def fused_sample_records_persistent_kernel(
     for tile in tl.range(tl.program_id(0), num_v_tiles * num_b_tiles, NUM_PROGRAMS, flatten=True):
         pid_b = tile % num_b_tiles
         pid_v = tile // num_b_tiles
-        acc, offs_b, mask_b = tile_logits(h_ptr, w_ptr, pid_v, pid_b, B, D, V_rows, stride_hb,
-                                          stride_wv, EVEN_D, FP32_DOT, BLOCK_V, BLOCK_B, BLOCK_D, None)
+        acc, offs_b, mask_b, _ = tile_logits(h_ptr, w_ptr, pid_v, pid_b, B, D, V_rows, stride_hb,
+                                             stride_wv, EVEN_D, FP32_DOT, BLOCK_V, BLOCK_B, BLOCK_D,
+                                             None)
         tile_records_epilogue(acc, pid_v, offs_b, mask_b, B, bias_ptr, inv_temp_ptr, seed_ptr,
                               offset_ptr, rec_ptr, V_rows, n_real, vocab_start, SAMPLES,
                               rec_stride_s, rec_stride_b, peer_ptrs, parity_ptr, HAS_BIAS, ALIGNED4,

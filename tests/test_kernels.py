@@ -277,3 +277,21 @@ def test_persistent_strategy_matches_tiled(device):
                                                 NUM_STAGES=2, num_warps=4, PROGRAMS_PER_SM=3), **kw)
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-6)
     assert torch.equal(got[..., 1], want[..., 1])
+
+
+@pytest.mark.parametrize("B,D,noise_step", [(3, 64, 0.5), (20, 40, 0.0), (20, 40, 1.0)])
+def test_noise_drawn_in_main_loop_is_invisible(B, D, noise_step, device):
+    """NOISE_STEP draws sample 0's noise inside the D loop (overlapped with the loads) instead
+    of the epilogue: records bit for bit equal, for trimmed (B = 3) and untrimmed tiles, a
+    ragged D, and 1.0 (clamped to the last step). Two samples or an unaligned shard fall back."""
+    V = 300
+    h, w = random_inputs(B, D, V, torch.float32, device, seed=14)
+    temp, seeds, offsets = params(B, device, seed=3)
+    p = row_params(h, temp, seeds, offsets)
+    bias = torch.randn(V, generator=torch.Generator().manual_seed(B)).to(device)
+    cfg = dict(strategy="fused", BLOCK_B=16, BLOCK_D=32, NUM_STAGES=1, num_warps=4)
+    for samples, start in ((1, 0), (1, 6), (2, 0)):
+        kw = dict(bias=bias, inv_temp=p.inv_temp, seed=p.seed, offset=p.offset,
+                  num_samples=samples, n_real=V - 3, vocab_start=start)
+        early = fused.fused_records(h, w, config=dict(cfg, NOISE_STEP=noise_step), **kw)
+        assert torch.equal(early, fused.fused_records(h, w, config=cfg, **kw))

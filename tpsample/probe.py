@@ -8,6 +8,8 @@
     python -m tpsample.probe --ab [--shape ...] [--batches ...]
         stage 1 + stage 2 with each epilogue/launch option off and on (padding-column trim,
         programmatic dependent launch of stage 2, skipping the tile log-mass)
+    python -m tpsample.probe --noise [--shape ...] [--batches ...]
+        the call with the noise drawn inside the main loop (NOISE_STEP) vs in the epilogue
     python -m tpsample.probe --logits [--batches 128,256]
         the hybrid's records pass alone (load + max, + log-mass, + noise) per tile shape
     python -m tpsample.probe --host [--profile]
@@ -81,6 +83,36 @@ def ab_parts(D, V, B) -> dict:
              none=bench(call(trim=False, pdl=False)),
              tokens_equal=all(torch.equal(t, toks["default"]) for t in toks.values()))
     fused.PDL_ENABLED = True
+    return r
+
+
+def noise_placement(D, V, B) -> dict:
+    """Whole call with sample 0's noise drawn at fraction k of the main loop (NOISE_STEP = k)
+    against the epilogue, with the shipped config and one deeper pipeline."""
+    bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=100, return_mode="median")  # noqa: E731
+    h, w, p, stage1 = setup(D, V, B)
+    cfg = fused.kernel_config(B, D, h.dtype)
+    if cfg["strategy"] != "fused":
+        return dict(B=B, config=cfg)
+
+    def call(**over):
+        def run():
+            rec = fused.fused_records(h, w, bias=None, inv_temp=p.inv_temp, seed=p.seed,
+                                      offset=p.offset, num_samples=1, n_real=V, config=dict(cfg, **over))
+            return fused.reduce_records(rec[None], p.inv_temp, p.seed, p.offset, "max")
+        return run
+    variants = {"epilogue": dict(NOISE_STEP=None),
+                **{f"at{k}": dict(NOISE_STEP=k) for k in (0.0, 0.125, 0.25, 0.5, 1.0)}}
+    variants.update(d64_st8_at25=dict(BLOCK_D=64, NUM_STAGES=8, NOISE_STEP=0.25))
+    r = dict(B=B, config=cfg)
+    ref = call(NOISE_STEP=None)()[0]
+    for name, over in variants.items():
+        try:
+            tok = call(**over)()[0]
+            r[name] = bench(call(**over))
+            r[name + "_same"] = bool(torch.equal(tok, ref))
+        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: report, go on
+            r[name] = f"error: {type(e).__name__}"
     return r
 
 
@@ -195,6 +227,7 @@ def main(argv=None):
     ap.add_argument("--ncu", action="store_true")
     ap.add_argument("--ab", action="store_true")
     ap.add_argument("--logits", action="store_true", help="breakdown of the hybrid's records pass")
+    ap.add_argument("--noise", action="store_true", help="where the noise is drawn (NOISE_AT)")
     ap.add_argument("--profile", action="store_true", help="with --host: cProfile of sample()")
     args = ap.parse_args(argv)
     if args.host:
@@ -214,7 +247,8 @@ def main(argv=None):
         return None
     rows = []
     for B in batches:
-        rows.append((ab_parts if args.ab else logits_pass if args.logits else device_parts)(D, V, B))
+        rows.append((ab_parts if args.ab else logits_pass if args.logits
+                     else noise_placement if args.noise else device_parts)(D, V, B))
         print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in rows[-1].items()),
               flush=True)
     if args.out:

@@ -36,6 +36,9 @@ def candidates(B: int, strategies=("fused", "persistent", "logits")):
                 continue
             if "fused" in strategies:
                 yield dict(strategy="fused", BLOCK_B=bb, BLOCK_D=bd, NUM_STAGES=st, num_warps=nw)
+                if bb >= 32:  # noise drawn under the loads of the main loop (not the epilogue)
+                    yield dict(strategy="fused", BLOCK_B=bb, BLOCK_D=bd, NUM_STAGES=st,
+                               num_warps=nw, NOISE_STEP=0.25)
     if "fused" in strategies and 32 <= B <= 64:
         # capped registers + a lighter pipeline: two programs per SM, so one's epilogue
         # (Philox, logs) overlaps the other's loads
@@ -62,7 +65,8 @@ LOGITS_TILES = ((16, 4), (16, 2), (32, 4), (64, 8), (64, 4), (128, 8))
 
 def around_table(B: int, D: int):
     """The shipped config for B and its neighbours: W through TMA (fewer registers), one
-    stage more or less, and register-capped TMA variants that fit two programs per SM."""
+    stage more or less, register-capped TMA variants that fit two programs per SM, and the
+    noise drawn at another point of the main loop (or in the epilogue)."""
     base = fused.kernel_config(B, D, torch.bfloat16)
     yield base
     if base["strategy"] == "logits":
@@ -72,6 +76,8 @@ def around_table(B: int, D: int):
     if base["strategy"] != "fused":
         return
     bb = base["BLOCK_B"]
+    for step in (None, 0.125, 0.25, 0.5):
+        yield dict(base, NOISE_STEP=step)
     for st in sorted({base["NUM_STAGES"] - 1, base["NUM_STAGES"], base["NUM_STAGES"] + 1}):
         if st >= 2 and bb * base["BLOCK_D"] * st * 2 + 128 * base["BLOCK_D"] * st * 2 <= 200_000:
             yield dict(base, NUM_STAGES=st, TMA=True)
