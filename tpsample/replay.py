@@ -67,7 +67,9 @@ class Replay:
 
     @staticmethod
     def usable() -> bool:
-        return knobs.runtime.launch_enter_hook is None and knobs.runtime.launch_exit_hook is None
+        """No launch hooks registered (Triton 3.6 keeps them as HookChain objects, never None;
+        profilers such as proton add to them and then need Triton's normal launch path)."""
+        return not knobs.runtime.launch_enter_hook.calls and not knobs.runtime.launch_exit_hook.calls
 
     def __call__(self, stream: int, **tensors):
         """Launch on `stream` (a raw CUDA stream handle, see current_stream)."""
