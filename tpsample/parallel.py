@@ -7,6 +7,8 @@ O(B × tiles × world) bytes exchanged instead of an all-gather of [B, V] logits
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -19,6 +21,8 @@ MERGE_IDS = {m: i for i, m in enumerate(api.MERGES)}
 
 
 REPLAYABLE_STAGE1 = (fused_sample_records_kernel, fused_sample_records_persistent_kernel)
+# TPSAMPLE_REPLAY=0 turns the launch replay off (A/B timing, debugging)
+REPLAY_ENABLED = os.environ.get("TPSAMPLE_REPLAY", "1") != "0"
 
 
 class VocabParallelSampler:
@@ -194,8 +198,10 @@ class VocabParallelSampler:
         fanout = self.transport.fanout()
         per_call = (hidden, params.inv_temp, params.seed, params.offset, bias)
         key = None
-        if self.backend == "triton" and hidden.is_cuda and replay.Replay.usable():
-            key = (B, num_samples, mine.data_ptr(), full.data_ptr(), replay.tensor_key(per_call))
+        if (REPLAY_ENABLED and self.backend == "triton" and hidden.is_cuda
+                and replay.Replay.usable()):
+            key = (B, num_samples, hidden.stride(), mine.data_ptr(), full.data_ptr(),
+                   replay.tensor_key(per_call))
         replays = self._replays.get(key)
         if replays is not None:  # the same call as before: re-issue its launches directly
             stage1, stage2 = replays
