@@ -86,6 +86,18 @@ def next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+RECORDER: list | None = None  # set by tpsample.replay: launches made while set are logged
+
+
+def run_kernel(fn, grid, args: tuple, constexprs: dict, options: dict):
+    """fn[grid](*args, **constexprs, **options); logs (fn, compiled kernel, grid, args,
+    constexprs) to RECORDER when one is set."""
+    compiled = fn[grid](*args, **constexprs, **options)
+    if RECORDER is not None:
+        RECORDER.append((fn, compiled, grid, args, constexprs))
+    return compiled
+
+
 def num_tiles(rows: int) -> int:
     return cdiv(rows, BLOCK_V)
 
@@ -141,21 +153,21 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
     bias_arg = bias if bias is not None else inv_temp  # never read when HAS_BIAS is False
     if strategy == "logits":
         logits = logits_fp32(hidden, weight)
-        logits_records_kernel[grid](
+        run_kernel(logits_records_kernel, grid, (
             logits, bias_arg, inv_temp, seed, offset, out, B, V_rows, n_real, vocab_start,
-            num_samples, logits.stride(0), out.stride(0), out.stride(1), peers, parity, **consts,
-            **options)
+            num_samples, logits.stride(0), out.stride(0), out.stride(1), peers, parity), consts,
+            options)
         return out
     consts.update(EVEN_D=D % cfg["BLOCK_D"] == 0, BLOCK_D=cfg["BLOCK_D"],
                   FP32_DOT=hidden.dtype == torch.float32 or not hidden.is_cuda)
     if strategy == "persistent":
         n_prog = cfg["PROGRAMS_PER_SM"] * (_num_sms(hidden.device) if hidden.is_cuda else 1)
-        fused_sample_records_persistent_kernel[(n_prog,)](
+        run_kernel(fused_sample_records_persistent_kernel, (n_prog,), (
             hidden, weight, bias_arg, inv_temp, seed, offset, out,
             B, D, V_rows, n_real, vocab_start, T,
-            hidden.stride(0), weight.stride(0), out.stride(0), out.stride(1), peers, parity,
-            NUM_PROGRAMS=n_prog, SAMPLES=num_samples, num_stages=cfg["NUM_STAGES"], **consts,
-            **options)
+            hidden.stride(0), weight.stride(0), out.stride(0), out.stride(1), peers, parity),
+            dict(consts, NUM_PROGRAMS=n_prog, SAMPLES=num_samples),
+            dict(options, num_stages=cfg["NUM_STAGES"]))
         return out
     w_arg = weight
     if cfg.get("TMA") and weight.data_ptr() % 16 == 0 and weight.stride(0) * weight.element_size() % 16 == 0:
@@ -166,11 +178,11 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
     if noise_step is not None and num_samples == 1 and vocab_start % 4 == 0:
         steps = cdiv(D, cfg["BLOCK_D"])  # measured best near a quarter of the loop (perf notes)
         consts["NOISE_AT"] = min(int(noise_step * steps), steps - 1)
-    fused_sample_records_kernel[grid](
+    run_kernel(fused_sample_records_kernel, grid, (
         hidden, w_arg, bias_arg, inv_temp, seed, offset, out,
         B, D, V_rows, n_real, vocab_start, num_samples,
-        hidden.stride(0), weight.stride(0), out.stride(0), out.stride(1), peers, parity,
-        NUM_STAGES=cfg["NUM_STAGES"], **consts, **options)
+        hidden.stride(0), weight.stride(0), out.stride(0), out.stride(1), peers, parity),
+        dict(consts, NUM_STAGES=cfg["NUM_STAGES"]), options)
     return out
 
 
@@ -196,11 +208,11 @@ def reduce_records(records: torch.Tensor, inv_temp, seed, offset, merge: str, pa
         block_n = min(1024, next_pow2(N))
         block_r = min(max(16384 // block_n, 1), next_pow2(B * S))
     pdl = use_pdl(dev)
-    reduce_records_kernel[(cdiv(B * S, block_r),)](
+    run_kernel(reduce_records_kernel, (cdiv(B * S, block_r),), (
         records, inv_temp, seed, offset, tokens, logprobs, logz,
         B, S, N, T, records.stride(0), records.stride(1), records.stride(2),
-        parity if parity is not None else seed, parity_stride,
-        LOGMASS=merge == "logmass", BLOCK_R=block_r, BLOCK_N=block_n,
-        USE_PARITY=parity is not None, PDL=pdl, num_warps=num_warps,
-        **({"launch_pdl": True} if pdl else {}))
+        parity if parity is not None else seed, parity_stride),
+        dict(LOGMASS=merge == "logmass", BLOCK_R=block_r, BLOCK_N=block_n,
+             USE_PARITY=parity is not None, PDL=pdl),
+        dict(num_warps=num_warps, **({"launch_pdl": True} if pdl else {})))
     return tokens, logprobs, logz

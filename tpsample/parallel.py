@@ -7,14 +7,22 @@ O(B × tiles × world) bytes exchanged instead of an all-gather of [B, V] logits
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
-from . import api
+from . import api, replay
 from .fused import num_tiles
+from .kernels import fused_sample_records_kernel, fused_sample_records_persistent_kernel
 from .transport import ExchangeTimeout, all_gather_flat, make_transport
 
 MERGE_IDS = {m: i for i, m in enumerate(api.MERGES)}
+
+
+REPLAYABLE_STAGE1 = (fused_sample_records_kernel, fused_sample_records_persistent_kernel)
+# TPSAMPLE_REPLAY=0 turns the launch replay off (A/B timing, debugging)
+REPLAY_ENABLED = os.environ.get("TPSAMPLE_REPLAY", "1") != "0"
 
 
 class VocabParallelSampler:
@@ -107,6 +115,7 @@ class VocabParallelSampler:
         base = self._broadcast_cpu(base)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(int(base))
+        self._replays: dict = {}  # call key -> (stage-1, stage-2) Replay (tpsample.replay)
 
     # -- construction helpers ------------------------------------------------------------
     def _all_gather_object(self, obj):
@@ -187,14 +196,45 @@ class VocabParallelSampler:
         mine, full = self.transport.slots(per_slot)
         shape = (num_samples, B, self.tiles, 4)
         fanout = self.transport.fanout()
-        api.compute_records(self.backend, hidden, self.weight, bias=bias, params=params,
-                            num_samples=num_samples, n_real=self.n_real, vocab_start=self.vocab_start,
-                            tiles=self.tiles, out=mine.view(shape), fanout=fanout,
-                            need_mass=self.logprobs)
+        per_call = (hidden, params.inv_temp, params.seed, params.offset, bias)
+        key = None
+        if (REPLAY_ENABLED and self.backend == "triton" and hidden.is_cuda
+                and replay.Replay.usable()):
+            key = (B, num_samples, hidden.stride(), mine.data_ptr(), full.data_ptr(),
+                   replay.tensor_key(per_call))
+        replays = self._replays.get(key)
+        if replays is not None:  # the same call as before: re-issue its launches directly
+            stage1, stage2 = replays
+            names = dict(hidden=hidden, inv_temp=params.inv_temp, seed=params.seed,
+                         offset=params.offset, bias=bias)
+            stream = replay.current_stream(self.device.index)
+            stage1(stream, **names)
+            self.transport.exchange(mine, full)
+            tokens = torch.empty(B, num_samples, dtype=torch.int64, device=self.device)
+            logprobs = torch.empty(B, num_samples, dtype=torch.float32, device=self.device)
+            logz = torch.empty(B, dtype=torch.float32, device=self.device)
+            stage2(stream, tokens=tokens, logprobs=logprobs, logz=logz, **names)
+            self.transport.finish()
+            return api.package(tokens, logprobs, logz, num_samples, return_logprobs)
+
+        with replay.record() as log1:
+            api.compute_records(self.backend, hidden, self.weight, bias=bias, params=params,
+                                num_samples=num_samples, n_real=self.n_real,
+                                vocab_start=self.vocab_start, tiles=self.tiles,
+                                out=mine.view(shape), fanout=fanout, need_mass=self.logprobs)
         self.transport.exchange(mine, full)
-        tokens, logprobs, logz = api.reduce_records(self.backend, full.view(self.world, *shape), params,
-                                                    self.merge, fanout=fanout)
+        with replay.record() as log2:
+            tokens, logprobs, logz = api.reduce_records(self.backend, full.view(self.world, *shape),
+                                                        params, self.merge, fanout=fanout)
         self.transport.finish()
+        # stage 1 must be Triton launches only (the hybrid's cuBLAS GEMM is not recorded)
+        if key is not None and log1 and all(l[0] in REPLAYABLE_STAGE1 for l in log1):
+            names = dict(zip(("hidden", "inv_temp", "seed", "offset", "bias"), per_call))
+            if len(self._replays) >= 64:
+                self._replays.clear()
+            self._replays[key] = (replay.Replay(log1, names),
+                                  replay.Replay(log2, dict(names, tokens=tokens, logprobs=logprobs,
+                                                           logz=logz)))
         return api.package(tokens, logprobs, logz, num_samples, return_logprobs)
 
 

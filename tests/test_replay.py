@@ -1,0 +1,52 @@
+"""tpsample.replay: argument substitution and keys (the GPU replay path is exercised by the
+multi-GPU tests, where every sampler call after the first is a replay)."""
+import torch
+
+from tpsample import replay
+
+
+def kernel_sig(h_ptr, w_ptr, s_ptr, B, BLOCK: "tl.constexpr", FLAG: "tl.constexpr" = 7):  # noqa: F821
+    pass
+
+
+class FakeJit:
+    fn = staticmethod(kernel_sig)
+
+
+class FakeCompiled:
+    function, packed_metadata = "f", "m"
+
+    def __init__(self):
+        self.calls = []
+
+    def run(self, gx, gy, gz, stream, function, meta, launch_meta, enter, exit_, *args):
+        self.calls.append(((gx, gy, gz), args))
+
+
+def test_replay_substitutes_per_call_tensors_and_appends_constexprs():
+    h, w, s = torch.zeros(4), torch.zeros(4), torch.zeros(4)
+    compiled = FakeCompiled()
+    rep = replay.Replay([(FakeJit, compiled, (3,), (h, w, s, 5), dict(BLOCK=16))],
+                        dict(hidden=h, seed=s))
+    h2, s2 = torch.ones(4), torch.ones(4)
+    rep(0, hidden=h2, seed=s2)
+    grid, args = compiled.calls[0]
+    assert grid == (3, 1, 1)
+    assert args[0] is h2 and args[1] is w and args[2] is s2 and args[3:] == (5, 16, 7)
+
+
+def test_replay_aliased_names_fill_from_the_first():
+    t = torch.zeros(4)
+    rep = replay.Replay([(FakeJit, FakeCompiled(), (1,), (t, t, t, 1), dict(BLOCK=16))],
+                        dict(inv_temp=t, seed=t))
+    assert rep.launches[0][3] == [(0, "inv_temp"), (1, "inv_temp"), (2, "inv_temp")]
+
+
+def test_tensor_key_separates_alignment_dtype_and_aliasing():
+    a, b = torch.zeros(8), torch.zeros(8)
+    base = replay.tensor_key((a, b, None))
+    assert replay.tensor_key((torch.zeros(8), torch.zeros(8), None)) == base
+    assert replay.tensor_key((a[1:], b, None)) != base        # misaligned pointer
+    assert replay.tensor_key((a.double(), b, None)) != base   # another dtype
+    assert replay.tensor_key((a, a, None)) != base            # one tensor under two names
+    assert replay.tensor_key((a, b, b)) != base
