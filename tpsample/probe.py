@@ -20,6 +20,7 @@
         three plain stage-1 launches for Nsight Compute
 """
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -92,8 +93,6 @@ def noise_placement(D, V, B) -> dict:
     bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=100, return_mode="median")  # noqa: E731
     h, w, p, stage1 = setup(D, V, B)
     cfg = fused.kernel_config(B, D, h.dtype)
-    if cfg["strategy"] != "fused":
-        return dict(B=B, config=cfg)
 
     def call(**over):
         def run():
@@ -101,11 +100,19 @@ def noise_placement(D, V, B) -> dict:
                                       offset=p.offset, num_samples=1, n_real=V, config=dict(cfg, **over))
             return fused.reduce_records(rec[None], p.inv_temp, p.seed, p.offset, "max")
         return run
-    variants = {"epilogue": dict(NOISE_STEP=None),
-                **{f"at{k}": dict(NOISE_STEP=k) for k in (0.0, 0.125, 0.25, 0.5, 1.0)}}
-    variants.update(d64_st8_at25=dict(BLOCK_D=64, NUM_STAGES=8, NOISE_STEP=0.25))
+    if cfg["strategy"] == "fused":
+        variants = {"epilogue": dict(NOISE_STEP=None),
+                    **{f"at{k}": dict(NOISE_STEP=k) for k in (0.0, 0.125, 0.25, 0.5, 1.0)}}
+        variants.update(d64_st8_at25=dict(BLOCK_D=64, NUM_STAGES=8, NOISE_STEP=0.25))
+    else:  # large B: the shipped hybrid against the fused kernel with the noise in its loop
+        variants = {"shipped": {}}
+        for bb, bd, st, step in itertools.product((64, 128), (64, 128), (3, 4), (None, 0.25, 0.5)):
+            if (bb + 128) * bd * st * 2 <= 220_000:
+                variants[f"fused_b{bb}_d{bd}_st{st}_at{step}"] = dict(
+                    strategy="fused", BLOCK_B=bb, BLOCK_D=bd, NUM_STAGES=st, num_warps=8,
+                    NOISE_STEP=step)
     r = dict(B=B, config=cfg)
-    ref = call(NOISE_STEP=None)()[0]
+    ref = call()()[0]
     for name, over in variants.items():
         try:
             tok = call(**over)()[0]
