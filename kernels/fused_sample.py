@@ -11,10 +11,20 @@ D, applies bias / temperature / padded-vocabulary mask, and writes one record pe
 Token ids are stored as float32 (exact below 2**24; the API checks vocab_size). The
 [B, V] logits never leave registers. See tpsample/merge.py for why the records suffice.
 """
+import os
+
 import triton
 import triton.language as tl
+from triton import knobs
 
 TWO_POW_M23 = tl.constexpr(1.0 / 8388608.0)
+LN2 = tl.constexpr(0.6931471805599453)
+# The outer log of the noise on the MUFU (lg2.approx) instead of libdevice's logf (~30
+# instructions); the interpreter has no inline PTX and keeps tl.log (see noise.py for why
+# the approximation is harmless there and not for the inner log).
+# TPSAMPLE_EXACT_LOGS=1 keeps libdevice for both (A/B timing).
+FAST_OUTER_LOG = tl.constexpr(not knobs.runtime.interpret
+                              and os.environ.get("TPSAMPLE_EXACT_LOGS", "0") != "1")
 
 
 @triton.jit
@@ -34,7 +44,13 @@ def gumbel_noise(seed, off_lo, off_hi, c1, gid):
 @triton.jit
 def bits_to_gumbel(x):
     u = ((x >> 9).to(tl.float32) + 0.5) * TWO_POW_M23
-    return -tl.log(-tl.log(u))
+    e = -tl.log(u)  # Exp(1); needs full relative accuracy near u = 1 (libdevice)
+    if FAST_OUTER_LOG:
+        lg2 = tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=f,f", [e],
+                                        dtype=tl.float32, is_pure=True, pack=1)
+        return -lg2 * LN2
+    else:
+        return -tl.log(e)
 
 
 @triton.jit

@@ -295,3 +295,25 @@ def test_noise_drawn_in_main_loop_is_invisible(B, D, noise_step, device):
                   num_samples=samples, n_real=V - 3, vocab_start=start)
         early = fused.fused_records(h, w, config=dict(cfg, NOISE_STEP=noise_step), **kw)
         assert torch.equal(early, fused.fused_records(h, w, config=cfg, **kw))
+
+
+def test_kernel_noise_matches_reference_noise(device):
+    """The noise the kernels add equals tpsample.noise.gumbel (the torch reference, both logs
+    in libdevice/torch precision) up to the error bound of the GPU's fast outer log (noise.py):
+    h = 0 and a bias of -100 everywhere but one token per tile make each record's score that
+    token's noise exactly; 512 (row, tile) draws over a range of g."""
+    B, D, tiles = 16, 32, 32
+    V = 128 * tiles
+    h = torch.zeros(B, D, device=device)
+    w = torch.zeros(V, D, device=device)
+    chosen = torch.randint(0, 128, (tiles,), generator=torch.Generator().manual_seed(5)) \
+        + torch.arange(tiles) * 128
+    bias = torch.full((V,), -100.0)
+    bias[chosen] = 0.0
+    seeds = torch.arange(B, dtype=torch.int64) * 7919 - 5
+    p = row_params(h, 1.0, seeds.to(device), 3)
+    rec = fused.fused_records(h, w, bias=bias.to(device), inv_temp=p.inv_temp, seed=p.seed,
+                              offset=p.offset, num_samples=1, n_real=V).cpu()
+    ref = noise.gumbel(seeds[:, None], torch.full((B, 1), 3), 0, chosen[None, :])
+    assert torch.equal(rec[0, :, :, 1], chosen[None, :].float().expand(B, -1))
+    torch.testing.assert_close(rec[0, :, :, 0], ref, rtol=2.4e-7, atol=6e-7)

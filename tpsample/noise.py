@@ -17,6 +17,17 @@ or the tensor-parallel layout, the same seed gives the same tokens everywhere.
 The Gumbel tails are truncated at u = 2**-24 and 1 - 2**-24 (|g| <= 16.6): a
 distortion of order 2**-24 per draw, far below what any test can see and shared by
 every float32 sampler.
+
+On the GPU the kernels take the OUTER log of g = -log(e), e = -log(u), with the MUFU
+(lg2.approx.ftz.f32 times ln 2) rather than libdevice's logf. Its error is absolute:
+at most 2**-22 for e in [0.5, 2] and 2 ulp of log2(e) elsewhere, i.e. below 5e-7 on g for
+every e the uniforms can give (6e-8 <= e <= 16.7), which is a fixed perturbation of the
+score l + g smaller than the rounding of a float32 logit of size >= 8 (ulp = 9.5e-7): it can
+only reorder candidates that were already within rounding of a tie. The INNER log keeps
+libdevice: near u = 1, e is tiny and an absolute error of 2**-22 would be a large relative
+error in e, i.e. a large error in the high-g tail that decides the winners. This module
+(the reference) computes both logs exactly as torch does; tests compare GPU tokens with it
+up to such near-ties (tests/test_kernels.near_tie_ok).
 """
 from __future__ import annotations
 
