@@ -188,13 +188,16 @@ def tile_logits(h_ptr, w_ptr, pid_v, pid_b, B, D, V_rows, stride_hb, stride_wv,
                 EVEN_D: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_V: tl.constexpr,
                 BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, NUM_STAGES: tl.constexpr,
                 W_DESC: tl.constexpr = False, seed_ptr=None, offset_ptr=None, tile_start=0,
-                NOISE_AT: tl.constexpr = -1, HALVINGS: tl.constexpr = 0):
+                NOISE_AT: tl.constexpr = -1, HALVINGS: tl.constexpr = 0,
+                NOISE_CHUNKS: tl.constexpr = 1, NOISE_EVERY: tl.constexpr = 0):
     """fp32 logits of one [BLOCK_V, BLOCK_B] tile (vocab × batch) = W_tile · h_tileᵀ.
     W_DESC: w_ptr is a TMA tensor descriptor of W with block [BLOCK_V, BLOCK_D] (the copy
     engine fills out-of-range rows/columns with zeros and no thread holds W addresses).
     NOISE_AT >= 0 (< number of D steps): also return the tile's Gumbel noise for sample 0,
     [BLOCK_V, BLOCK_B >> HALVINGS], computed in D step NOISE_AT while the next stages' loads
-    are in flight (in the epilogue it would run with the memory pipe idle). Else g is 0."""
+    are in flight (in the epilogue it would run with the memory pipe idle). Else g is 0.
+    NOISE_CHUNKS (1, 2 or 4) splits it into row blocks drawn NOISE_EVERY steps apart, so no
+    single step outlasts the loads in flight."""
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     offs_b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
     offs_d = tl.arange(0, BLOCK_D)
@@ -204,7 +207,11 @@ def tile_logits(h_ptr, w_ptr, pid_v, pid_b, B, D, V_rows, stride_hb, stride_wv,
         w_ptrs = w_ptr + offs_v[:, None].to(tl.int64) * stride_wv + offs_d[None, :]
     h_ptrs = h_ptr + offs_b[None, :].to(tl.int64) * stride_hb + offs_d[:, None]
     acc = tl.zeros((BLOCK_V, BLOCK_B), dtype=tl.float32)
-    g = tl.zeros((BLOCK_V, BLOCK_B >> HALVINGS), dtype=tl.float32)
+    CHUNK_V: tl.constexpr = BLOCK_V // NOISE_CHUNKS
+    g0 = tl.zeros((CHUNK_V, BLOCK_B >> HALVINGS), dtype=tl.float32)
+    g1 = tl.zeros((CHUNK_V, BLOCK_B >> HALVINGS), dtype=tl.float32)
+    g2 = tl.zeros((CHUNK_V, BLOCK_B >> HALVINGS), dtype=tl.float32)
+    g3 = tl.zeros((CHUNK_V, BLOCK_B >> HALVINGS), dtype=tl.float32)
     for k in tl.range(0, D, BLOCK_D, num_stages=NUM_STAGES):
         if W_DESC:
             w = w_ptr.load([pid_v * BLOCK_V, k])
@@ -222,12 +229,36 @@ def tile_logits(h_ptr, w_ptr, pid_v, pid_b, B, D, V_rows, stride_hb, stride_wv,
             acc = tl.dot(w, h, acc)
         if NOISE_AT >= 0:
             if k == NOISE_AT * BLOCK_D:
-                g = tile_noise(seed_ptr, offset_ptr, tile_start, pid_b, B, BLOCK_V,
-                               BLOCK_B, HALVINGS)
+                g0 = tile_noise(seed_ptr, offset_ptr, tile_start, pid_b, B, CHUNK_V, BLOCK_B,
+                                HALVINGS)
+            if NOISE_CHUNKS > 1:
+                if k == (NOISE_AT + NOISE_EVERY) * BLOCK_D:
+                    g1 = tile_noise(seed_ptr, offset_ptr, tile_start + CHUNK_V, pid_b, B, CHUNK_V,
+                                    BLOCK_B, HALVINGS)
+            if NOISE_CHUNKS > 2:
+                if k == (NOISE_AT + 2 * NOISE_EVERY) * BLOCK_D:
+                    g2 = tile_noise(seed_ptr, offset_ptr, tile_start + 2 * CHUNK_V, pid_b, B,
+                                    CHUNK_V, BLOCK_B, HALVINGS)
+                if k == (NOISE_AT + 3 * NOISE_EVERY) * BLOCK_D:
+                    g3 = tile_noise(seed_ptr, offset_ptr, tile_start + 3 * CHUNK_V, pid_b, B,
+                                    CHUNK_V, BLOCK_B, HALVINGS)
         if not W_DESC:
             w_ptrs += BLOCK_D
         h_ptrs += BLOCK_D
+    if NOISE_CHUNKS == 1:
+        g = g0
+    elif NOISE_CHUNKS == 2:
+        g = stack_rows(g0, g1)
+    else:
+        g = stack_rows(stack_rows(g0, g1), stack_rows(g2, g3))
     return acc, offs_b, mask_b, g
+
+
+@triton.jit
+def stack_rows(a, b):
+    """[R, C], [R, C] → [2R, C], a's rows first (no concatenation op in Triton)."""
+    x = tl.permute(tl.join(a, b), (2, 0, 1))
+    return tl.reshape(x, (2 * x.shape[1], x.shape[2]))
 
 
 @triton.jit
@@ -253,7 +284,7 @@ def fused_sample_records_kernel(
     BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_STAGES: tl.constexpr, NUM_PEERS: tl.constexpr, HALVINGS: tl.constexpr,
     TILE_MASS: tl.constexpr, PDL: tl.constexpr, W_DESC: tl.constexpr = False,
-    NOISE_AT: tl.constexpr = -1,
+    NOISE_AT: tl.constexpr = -1, NOISE_CHUNKS: tl.constexpr = 1, NOISE_EVERY: tl.constexpr = 0,
 ):
     """NOISE_AT >= 0 requires num_samples == 1 and ALIGNED4 (the launcher checks)."""
     pid_b = tl.program_id(0)  # batch tiles vary fastest: neighbours share the W tile in L2
@@ -263,7 +294,7 @@ def fused_sample_records_kernel(
     acc, offs_b, mask_b, g = tile_logits(
         h_ptr, w_ptr, pid_v, pid_b, B, D, V_rows, stride_hb, stride_wv, EVEN_D, FP32_DOT,
         BLOCK_V, BLOCK_B, BLOCK_D, NUM_STAGES, W_DESC, seed_ptr, offset_ptr,
-        vocab_start + pid_v * BLOCK_V, NOISE_AT, HALVINGS)
+        vocab_start + pid_v * BLOCK_V, NOISE_AT, HALVINGS, NOISE_CHUNKS, NOISE_EVERY)
     tile_records_epilogue(acc, pid_v, offs_b, mask_b, B, bias_ptr, inv_temp_ptr, seed_ptr,
                           offset_ptr, rec_ptr, V_rows, n_real, vocab_start, num_samples,
                           rec_stride_s, rec_stride_b, peer_ptrs, parity_ptr, HAS_BIAS, ALIGNED4, BLOCK_V,

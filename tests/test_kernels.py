@@ -279,11 +279,13 @@ def test_persistent_strategy_matches_tiled(device):
     assert torch.equal(got[..., 1], want[..., 1])
 
 
-@pytest.mark.parametrize("B,D,noise_step", [(3, 64, 0.5), (20, 40, 0.0), (20, 40, 1.0)])
-def test_noise_drawn_in_main_loop_is_invisible(B, D, noise_step, device):
+@pytest.mark.parametrize("B,D,noise_step,chunks", [(3, 64, 0.5, 1), (20, 40, 0.0, 1), (20, 40, 1.0, 1),
+                                                    (3, 160, 0.0, 2), (20, 160, 0.5, 4), (20, 40, 0.5, 4)])
+def test_noise_drawn_in_main_loop_is_invisible(B, D, noise_step, chunks, device):
     """NOISE_STEP draws sample 0's noise inside the D loop (overlapped with the loads) instead
     of the epilogue: records bit for bit equal, for trimmed (B = 3) and untrimmed tiles, a
-    ragged D, and 1.0 (clamped to the last step). Two samples or an unaligned shard fall back."""
+    ragged D, 1.0 (clamped to the last step) and 2 or 4 row blocks drawn in different steps
+    (or all in one when the loop is too short). Two samples or an unaligned shard fall back."""
     V = 300
     h, w = random_inputs(B, D, V, torch.float32, device, seed=14)
     temp, seeds, offsets = params(B, device, seed=3)
@@ -293,7 +295,7 @@ def test_noise_drawn_in_main_loop_is_invisible(B, D, noise_step, device):
     for samples, start in ((1, 0), (1, 6), (2, 0)):
         kw = dict(bias=bias, inv_temp=p.inv_temp, seed=p.seed, offset=p.offset,
                   num_samples=samples, n_real=V - 3, vocab_start=start)
-        early = fused.fused_records(h, w, config=dict(cfg, NOISE_STEP=noise_step), **kw)
+        early = fused.fused_records(h, w, config=dict(cfg, NOISE_STEP=noise_step, NOISE_CHUNKS=chunks), **kw)
         assert torch.equal(early, fused.fused_records(h, w, config=cfg, **kw))
 
 

@@ -38,7 +38,8 @@ def kernel_config(B: int, D: int, dtype: torch.dtype, device_type: str = "cuda",
     tiles (epilogue overlapped with the next tile's loads);
     "logits": cuBLAS writes fp32 logits and one Triton pass turns them into records.
     NOISE_STEP (fused, one sample): the noise is drawn in D step int(NOISE_STEP * steps) of
-    the main loop, under the loads in flight, instead of in the epilogue.
+    the main loop, under the loads in flight, instead of in the epilogue; NOISE_CHUNKS (1, 2,
+    4) splits it into row blocks drawn NOISE_EVERY (default 2) steps apart.
     Shipped tables (tpsample/configs/*.json) are used for bf16/fp16; otherwise a default."""
     if device_type != "cuda":  # the interpreter pays per program: few, large tiles
         return dict(strategy="fused", BLOCK_B=min(max(16, next_pow2(B)), 256),
@@ -142,6 +143,10 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
     maxnreg = cfg.pop("MAXNREG", None)  # register cap: lets two programs share an SM
     trim = cfg.pop("TRIM", True)  # drop padding columns before the noise (B < BLOCK_B)
     noise_step = cfg.pop("NOISE_STEP", None)  # where in the D loop the noise is drawn (fraction)
+    noise_chunks = cfg.pop("NOISE_CHUNKS", 1)  # in 1, 2 or 4 row blocks ...
+    noise_every = cfg.pop("NOISE_EVERY", 2)  # ... drawn this many D steps apart
+    if noise_chunks not in (1, 2, 4):
+        raise ValueError(f"config NOISE_CHUNKS must be 1, 2 or 4, got {noise_chunks!r}")
     grid = (cdiv(B, cfg["BLOCK_B"]), T)
     halvings = (cfg["BLOCK_B"] // next_pow2(B)).bit_length() - 1 if trim and B > 0 else 0
     consts = dict(HAS_BIAS=bias is not None, ALIGNED4=vocab_start % 4 == 0, BLOCK_V=BLOCK_V,
@@ -177,7 +182,10 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
         consts["W_DESC"] = True
     if noise_step is not None and num_samples == 1 and vocab_start % 4 == 0:
         steps = cdiv(D, cfg["BLOCK_D"])  # measured best near a quarter of the loop (perf notes)
-        consts["NOISE_AT"] = min(int(noise_step * steps), steps - 1)
+        chunks = noise_chunks
+        every = min(noise_every, (steps - 1) // (chunks - 1)) if chunks > 1 else 0
+        consts.update(NOISE_AT=min(int(noise_step * steps), steps - 1 - (chunks - 1) * every),
+                      NOISE_CHUNKS=chunks, NOISE_EVERY=every)
     run_kernel(fused_sample_records_kernel, grid, (
         hidden, w_arg, bias_arg, inv_temp, seed, offset, out,
         B, D, V_rows, n_real, vocab_start, num_samples,

@@ -88,8 +88,8 @@ def ab_parts(D, V, B) -> dict:
 
 
 def noise_placement(D, V, B) -> dict:
-    """Whole call with sample 0's noise drawn at fraction k of the main loop (NOISE_STEP = k)
-    against the epilogue, with the shipped config and one deeper pipeline."""
+    """Whole call with sample 0's noise drawn at fraction k of the main loop (NOISE_STEP = k),
+    whole or in row blocks (NOISE_CHUNKS, NOISE_EVERY), against the epilogue."""
     bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=100, return_mode="median")  # noqa: E731
     h, w, p, stage1 = setup(D, V, B)
     cfg = fused.kernel_config(B, D, h.dtype)
@@ -102,8 +102,11 @@ def noise_placement(D, V, B) -> dict:
         return run
     if cfg["strategy"] == "fused":
         variants = {"epilogue": dict(NOISE_STEP=None),
-                    **{f"at{k}": dict(NOISE_STEP=k) for k in (0.0, 0.125, 0.25, 0.5, 1.0)}}
-        variants.update(d64_st8_at25=dict(BLOCK_D=64, NUM_STAGES=8, NOISE_STEP=0.25))
+                    **{f"at{k}": dict(NOISE_STEP=k, NOISE_CHUNKS=1) for k in (0.0, 0.25, 0.5)}}
+        for chunks, every, step in ((2, 2, 0.125), (2, 4, 0.25), (4, 1, 0.25), (4, 2, 0.125),
+                                    (4, 4, 0.0)):
+            variants[f"c{chunks}_e{every}_at{step}"] = dict(NOISE_STEP=step, NOISE_CHUNKS=chunks,
+                                                            NOISE_EVERY=every)
     else:  # large B: the shipped hybrid against the fused kernel with the noise in its loop
         variants = {"shipped": {}}
         for bb, bd, st, step in itertools.product((64, 128), (64, 128), (3, 4), (None, 0.25, 0.5)):
