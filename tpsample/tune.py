@@ -77,7 +77,10 @@ def around_table(B: int, D: int):
         return
     bb = base["BLOCK_B"]
     for step in (None, 0.125, 0.25, 0.5):
-        yield dict(base, NOISE_STEP=step)
+        yield dict(base, NOISE_STEP=step, NOISE_CHUNKS=1)
+    if bb >= 32:
+        for chunks, every, step in ((2, 4, 0.25), (4, 1, 0.25), (4, 2, 0.125)):
+            yield dict(base, NOISE_STEP=step, NOISE_CHUNKS=chunks, NOISE_EVERY=every)
     for st in sorted({base["NUM_STAGES"] - 1, base["NUM_STAGES"], base["NUM_STAGES"] + 1}):
         if st >= 2 and bb * base["BLOCK_D"] * st * 2 + 128 * base["BLOCK_D"] * st * 2 <= 200_000:
             yield dict(base, NUM_STAGES=st, TMA=True)
