@@ -67,6 +67,16 @@ def gumbel_noise_tile(seed, off_lo, off_hi, c1, gid0, BLOCK_V: tl.constexpr, BLO
 
 
 @triton.jit
+def row_noise_keys(seed_ptr, offset_ptr, offs_b, mask_b):
+    """Per-column Philox key and counter words: seed [1, BB] int64, offset lo/hi [1, BB]."""
+    seed = tl.load(seed_ptr + offs_b, mask=mask_b, other=0)[None, :]
+    off = tl.load(offset_ptr + offs_b, mask=mask_b, other=0)
+    off_lo = (off & 0xFFFFFFFF).to(tl.uint32)[None, :]
+    off_hi = ((off >> 32) & 0xFFFFFFFF).to(tl.uint32)[None, :]
+    return seed, off_lo, off_hi
+
+
+@triton.jit
 def leading_columns(x, BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr, HALVINGS: tl.constexpr):
     """x[:, :BLOCK_B >> HALVINGS] of x [BLOCK_V, BLOCK_B], by repeated halving (no slicing in
     Triton): the noise of padding columns is otherwise computed and thrown away (B = 1 uses
@@ -120,10 +130,7 @@ def tile_records_epilogue(
         lse = m
     lse = tl.where(tl.max(is_nan.to(tl.int32), axis=0) > 0, float("nan"), lse)
 
-    seed = tl.load(seed_ptr + offs_b, mask=mask_b, other=0)[None, :]
-    off = tl.load(offset_ptr + offs_b, mask=mask_b, other=0)
-    off_lo = (off & 0xFFFFFFFF).to(tl.uint32)[None, :]
-    off_hi = ((off >> 32) & 0xFFFFFFFF).to(tl.uint32)[None, :]
+    seed, off_lo, off_hi = row_noise_keys(seed_ptr, offset_ptr, offs_b, mask_b)
     tile_start = vocab_start + pid_v * BLOCK_V
     local = tl.arange(0, BLOCK_V)[:, None]
 
@@ -267,10 +274,7 @@ def tile_noise(seed_ptr, offset_ptr, tile_start, pid_b, B, BLOCK_V: tl.constexpr
     """Sample 0's noise for the tile's (possibly trimmed) columns, as the epilogue draws it."""
     offs_b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B >> HALVINGS)
     mask_b = offs_b < B
-    seed = tl.load(seed_ptr + offs_b, mask=mask_b, other=0)[None, :]
-    off = tl.load(offset_ptr + offs_b, mask=mask_b, other=0)
-    off_lo = (off & 0xFFFFFFFF).to(tl.uint32)[None, :]
-    off_hi = ((off >> 32) & 0xFFFFFFFF).to(tl.uint32)[None, :]
+    seed, off_lo, off_hi = row_noise_keys(seed_ptr, offset_ptr, offs_b, mask_b)
     return gumbel_noise_tile(seed, off_lo, off_hi, tl.cast(0, tl.uint32), tile_start, BLOCK_V,
                              BLOCK_B >> HALVINGS)
 

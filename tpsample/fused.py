@@ -182,10 +182,10 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
         consts["W_DESC"] = True
     if noise_step is not None and num_samples == 1 and vocab_start % 4 == 0:
         steps = cdiv(D, cfg["BLOCK_D"])  # measured best near a quarter of the loop (perf notes)
-        chunks = noise_chunks
-        every = min(noise_every, (steps - 1) // (chunks - 1)) if chunks > 1 else 0
-        consts.update(NOISE_AT=min(int(noise_step * steps), steps - 1 - (chunks - 1) * every),
-                      NOISE_CHUNKS=chunks, NOISE_EVERY=every)
+        # all blocks must land inside the loop: shrink the spacing, then the first step
+        every = min(noise_every, (steps - 1) // (noise_chunks - 1)) if noise_chunks > 1 else 0
+        consts.update(NOISE_AT=min(int(noise_step * steps), steps - 1 - (noise_chunks - 1) * every),
+                      NOISE_CHUNKS=noise_chunks, NOISE_EVERY=every)
     run_kernel(fused_sample_records_kernel, grid, (
         hidden, w_arg, bias_arg, inv_temp, seed, offset, out,
         B, D, V_rows, n_real, vocab_start, num_samples,
