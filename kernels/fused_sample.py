@@ -90,9 +90,9 @@ def leading_columns(x, BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr, HALVINGS: t
 @triton.jit
 def tile_records_epilogue(
     acc, pid_v, offs_b, mask_b, B, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr,
-    V_rows, n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b, peer_ptrs, parity_ptr,
-    HAS_BIAS: tl.constexpr, ALIGNED4: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr,
-    NUM_PEERS: tl.constexpr, HALVINGS: tl.constexpr, TILE_MASS: tl.constexpr,
+    V_rows, n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs,
+    parity_ptr, HAS_BIAS: tl.constexpr, ALIGNED4: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_B: tl.constexpr, NUM_PEERS: tl.constexpr, HALVINGS: tl.constexpr, TILE_MASS: tl.constexpr,
     SAMPLES: tl.constexpr = 0, g_pre=None, PRE_NOISE: tl.constexpr = False,
 ):
     """acc [BLOCK_V, BLOCK_B] raw fp32 logits of tile pid_v → one record per (sample, row).
@@ -134,7 +134,7 @@ def tile_records_epilogue(
     tile_start = vocab_start + pid_v * BLOCK_V
     local = tl.arange(0, BLOCK_V)[:, None]
 
-    rec = offs_b.to(tl.int64) * rec_stride_b + pid_v * 4
+    rec = offs_b.to(tl.int64) * rec_stride_b + pid_v.to(tl.int64) * rec_stride_t
     if PRE_NOISE:
         sample_and_store(0, l, greedy, seed, off_lo, off_hi, tile_start, local, mask_b, lse,
                          rec_ptr, rec, peer_ptrs, parity_ptr, ALIGNED4, BLOCK_V,
@@ -174,20 +174,22 @@ def sample_and_store(s, l, greedy, seed, off_lo, off_hi, tile_start, local, mask
         logit = tl.zeros_like(best)
     token = (tile_start + idx).to(tl.float32)
     if NUM_PEERS == 0:
-        store_record(rec_ptr + rec, best, token, logit, lse, mask_b)
+        store_record(rec_ptr, rec, best, token, logit, lse, mask_b)
     else:
         row = tl.load(parity_ptr) * NUM_PEERS
         for p in tl.static_range(NUM_PEERS):
-            dst = tl.load(peer_ptrs + row + p).to(tl.pointer_type(tl.float32))
-            store_record(dst + rec, best, token, logit, lse, mask_b)
+            addr = tl.multiple_of(tl.load(peer_ptrs + row + p), 16)  # slots are 16-byte aligned
+            store_record(addr.to(tl.pointer_type(tl.float32)), rec, best, token, logit, lse, mask_b)
 
 
 @triton.jit
-def store_record(dst, best, token, logit, lse, mask):
-    tl.store(dst + 0, best, mask=mask)
-    tl.store(dst + 1, token, mask=mask)
-    tl.store(dst + 2, logit, mask=mask)
-    tl.store(dst + 3, lse, mask=mask)
+def store_record(base, rec, best, token, logit, lse, mask):
+    """The records at base + rec [BB] (element offsets, multiples of 4: the launchers check the
+    strides) as one 16-byte store each: over NVLink four 4-byte stores are four transactions."""
+    # join stacks on a new last axis: [BB, j, k] holds field 2j + k
+    val = tl.reshape(tl.join(tl.join(best, logit), tl.join(token, lse)), (best.shape[0], 4))
+    at = tl.multiple_of(rec, 4)[:, None] + tl.arange(0, 4)[None, :]
+    tl.store(base + at, val, mask=mask[:, None])
 
 
 @triton.jit
@@ -283,7 +285,7 @@ def tile_noise(seed_ptr, offset_ptr, tile_start, pid_b, B, BLOCK_V: tl.constexpr
 def fused_sample_records_kernel(
     h_ptr, w_ptr, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr,
     B, D, V_rows, n_real, vocab_start, num_samples,
-    stride_hb, stride_wv, rec_stride_s, rec_stride_b, peer_ptrs, parity_ptr,
+    stride_hb, stride_wv, rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr,
     HAS_BIAS: tl.constexpr, EVEN_D: tl.constexpr, FP32_DOT: tl.constexpr, ALIGNED4: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_STAGES: tl.constexpr, NUM_PEERS: tl.constexpr, HALVINGS: tl.constexpr,
@@ -301,7 +303,7 @@ def fused_sample_records_kernel(
         vocab_start + pid_v * BLOCK_V, NOISE_AT, HALVINGS, NOISE_CHUNKS, NOISE_EVERY)
     tile_records_epilogue(acc, pid_v, offs_b, mask_b, B, bias_ptr, inv_temp_ptr, seed_ptr,
                           offset_ptr, rec_ptr, V_rows, n_real, vocab_start, num_samples,
-                          rec_stride_s, rec_stride_b, peer_ptrs, parity_ptr, HAS_BIAS, ALIGNED4, BLOCK_V,
+                          rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr, HAS_BIAS, ALIGNED4, BLOCK_V,
                           BLOCK_B, NUM_PEERS, HALVINGS, TILE_MASS, 0, g, NOISE_AT >= 0)
 
 
@@ -309,7 +311,7 @@ def fused_sample_records_kernel(
 def fused_sample_records_persistent_kernel(
     h_ptr, w_ptr, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr,
     B, D, V_rows, n_real, vocab_start, num_v_tiles,
-    stride_hb, stride_wv, rec_stride_s, rec_stride_b, peer_ptrs, parity_ptr,
+    stride_hb, stride_wv, rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr,
     HAS_BIAS: tl.constexpr, EVEN_D: tl.constexpr, FP32_DOT: tl.constexpr, ALIGNED4: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, SAMPLES: tl.constexpr, NUM_PEERS: tl.constexpr,
@@ -328,14 +330,14 @@ def fused_sample_records_persistent_kernel(
                                              None)
         tile_records_epilogue(acc, pid_v, offs_b, mask_b, B, bias_ptr, inv_temp_ptr, seed_ptr,
                               offset_ptr, rec_ptr, V_rows, n_real, vocab_start, SAMPLES,
-                              rec_stride_s, rec_stride_b, peer_ptrs, parity_ptr, HAS_BIAS, ALIGNED4,
+                              rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr, HAS_BIAS, ALIGNED4,
                               BLOCK_V, BLOCK_B, NUM_PEERS, HALVINGS, TILE_MASS, SAMPLES)
 
 
 @triton.jit
 def logits_records_kernel(
     logits_ptr, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr,
-    B, V_rows, n_real, vocab_start, num_samples, stride_lb, rec_stride_s, rec_stride_b, peer_ptrs, parity_ptr,
+    B, V_rows, n_real, vocab_start, num_samples, stride_lb, rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr,
     HAS_BIAS: tl.constexpr, ALIGNED4: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr,
     NUM_PEERS: tl.constexpr, HALVINGS: tl.constexpr, TILE_MASS: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -351,5 +353,5 @@ def logits_records_kernel(
     acc = tl.load(ptrs, mask=mask_b[None, :] & (offs_v < V_rows)[:, None], other=0.0)
     tile_records_epilogue(acc, pid_v, offs_b, mask_b, B, bias_ptr, inv_temp_ptr, seed_ptr,
                           offset_ptr, rec_ptr, V_rows, n_real, vocab_start, num_samples,
-                          rec_stride_s, rec_stride_b, peer_ptrs, parity_ptr, HAS_BIAS, ALIGNED4, BLOCK_V,
+                          rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr, HAS_BIAS, ALIGNED4, BLOCK_V,
                           BLOCK_B, NUM_PEERS, HALVINGS, TILE_MASS)

@@ -3,7 +3,7 @@
 The same math as tpsample/merge.py (whose docstring holds the argument); the tests check
 that this kernel and merge.reduce_records agree bit for bit on random records.
 Records fp32 (score, token, logit, lse), addressed as [slot, S, B, tiles_per_slot, 4]
-by strides (N = slots × tiles_per_slot groups per row; record n is slot n // tiles, tile
+by strides (any, the last one 1) (N = slots × tiles_per_slot groups per row; record n is slot n // tiles, tile
 n % tiles, as in merge.reduce_records); each (sample, row) pair walks its N records in chunks, carrying the pathwise winner, the log-mass winner and an online
 logsumexp; a program handles BLOCK_R (sample, row) pairs at once.
 """
@@ -25,7 +25,8 @@ def _better(score_a, tok_a, score_b, tok_b):
 @triton.jit
 def reduce_records_kernel(
     rec_ptr, inv_temp_ptr, seed_ptr, offset_ptr, tokens_ptr, logprobs_ptr, logz_ptr,
-    B, S, N, tiles_per_slot, rec_stride_slot, rec_stride_s, rec_stride_b, parity_ptr, parity_stride,
+    B, S, N, tiles_per_slot, rec_stride_slot, rec_stride_s, rec_stride_b, rec_stride_t, parity_ptr,
+    parity_stride,
     LOGMASS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, USE_PARITY: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
@@ -61,7 +62,7 @@ def reduce_records_kernel(
     for n0 in range(0, N, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)[None, :]
         ok = (n < N) & r_ok[:, None]
-        at = row + (n // tiles_per_slot).to(tl.int64) * rec_stride_slot + (n % tiles_per_slot) * 4
+        at = row + (n // tiles_per_slot).to(tl.int64) * rec_stride_slot + (n % tiles_per_slot) * rec_stride_t
         sc = tl.load(at + 0, mask=ok, other=-inf)
         tk = tl.load(at + 1, mask=ok, other=NO_TOKEN)
         lg = tl.load(at + 2, mask=ok, other=0.0)

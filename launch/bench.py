@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node=N -m tpsample.launch.bench [--shapes 8192x128256,4096x151936]
         [--batches 1,16,64,256] [--iters 100] [--out DIR] [--transports symm_mem,nccl] [--no-graph]
+        [--profile]
     python -m tpsample.launch.bench --plot OUT/tp1.json OUT/tp2.json OUT/tp4.json --out OUT
 
 Each rank holds a random bf16 shard of a D x V LM head (first V % N ranks get one extra row);
@@ -9,6 +10,8 @@ h [B, D] is equal on all ranks. Variants: mm_local, allgather_multinomial, allga
 (all-gathered logits, then sampling) and tpsample_<transport> (VocabParallelSampler). Latency:
 CUDA events around each call + host sync, median per rank, max over ranks; also CUDA-graph
 replay of one captured call. Writes OUT/tp<N>.json (rank 0); --plot: OUT/tp_scaling_<D>x<V>.png.
+--profile: also the device time per call of each kernel of the tpsample calls (torch.profiler,
+rank 0; the barrier kernel's time includes waiting for the slowest peer).
 Without CUDA (or --cpu): gloo, D=256 V=8192, B=1,4,16, 20 iters, transport gloo, no graphs.
 """
 from __future__ import annotations
@@ -48,6 +51,7 @@ def parse_args(argv=None):
     p.add_argument("--out", default="bench_tp_out")
     p.add_argument("--transports", help="default symm_mem,nccl (CPU: gloo)")
     p.add_argument("--no-graph", action="store_true")
+    p.add_argument("--profile", action="store_true", help="per-kernel device time of tpsample calls")
     p.add_argument("--cpu", action="store_true", help="gloo + CPU tensors even where CUDA exists")
     p.add_argument("--plot", nargs="+", metavar="JSON", help="plot tp*.json files (no torchrun)")
     a = p.parse_args(argv)
@@ -98,6 +102,19 @@ def time_calls(fn, dev, iters: int, warmup: int = 10) -> float:
         torch.cuda.synchronize()
         ms.append(events[0].elapsed_time(events[1]))
     return all_ranks(statistics.median(ms[warmup:]), dev)
+
+def kernel_times(fn, iters: int = 20) -> dict[str, float]:
+    """{kernel name: device ms per call} over `iters` calls, largest first (CUDA only)."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    per = {e.key[:80]: e.device_time_total / iters / 1e3 for e in prof.key_averages()
+           if e.device_time_total > 0}
+    return dict(sorted(per.items(), key=lambda kv: -kv[1]))
 
 def capture(fn, dev):
     """CUDA graph of one call → (graph, its output) or (None, reason); all ranks agree."""
@@ -188,6 +205,11 @@ def bench_batch(D, V, B, W, samplers, args, dev):
             r["graph_ms"], r["graph_error"] = None, out
         if name.startswith("tpsample_"):
             warns += check_tokens(name, fn, graph, out, dev)
+            if args.profile and dev.type == "cuda":
+                r["kernels_ms"] = kernel_times(fn)
+                if dist.get_rank() == 0:
+                    log(f"  {name} B={B} kernels (ms/call): " + ", ".join(
+                        f"{k[:40]}={v:.4f}" for k, v in list(r["kernels_ms"].items())[:6]))
         del graph, out
     return res, warns
 

@@ -254,16 +254,43 @@ def test_fanout_stores_into_every_peer_buffer_of_the_selected_parity(parity_valu
     want = fused.fused_records(h, w, **kw)
     fused.fused_records(h, w, out=torch.empty_like(want), peer_ptrs=ptrs, parity=parity, **kw)
     for t in peers:
-        got = t.view(2, world, numel)[parity_value, rank].view_as(want)
+        got = fused.records_view(t.view(2, world, numel)[parity_value, rank], 2, B, T)
         assert torch.equal(got, want)
         assert (t.view(2, world, numel)[1 - parity_value] == -7.0).all()  # other buffer untouched
         assert (t.view(2, world, numel)[parity_value, 0] == -7.0).all()  # other ranks' slots too
-    full = peers[0].view(2, world, numel)[0].view(world, 2, B, T, 4)
-    peers[0].view(2, world, numel)[parity_value, :] = want.reshape(1, -1)  # every slot valid
+    full = fused.records_view(peers[0].view(2, world, numel)[0], 2, B, T)
+    fused.records_view(peers[0].view(2, world, numel)[parity_value], 2, B, T).copy_(
+        want[None].expand(world, *want.shape))  # every slot valid
     got = fused.reduce_records(full, p.inv_temp, p.seed, p.offset, "max", parity=parity, parity_stride=half)
     ref = merge.reduce_records(want[None].expand(world, *want.shape).cpu(), p.seed.cpu(), p.offset.cpu(),
                                p.inv_temp.cpu() == 0, "max")
     assert torch.equal(got[0].cpu(), ref[0])
+
+
+@pytest.mark.parametrize("strategy", ["fused", "persistent", "logits"])
+def test_records_land_the_same_in_any_layout(strategy, device):
+    """Stage 1 writes through strides: a row-major [S, B, T, 4] buffer, the default tile-major
+    one and a padded slot get identical records; a misaligned or 2-strided buffer is refused."""
+    B, D, V = 6, 64, 300
+    h, w = random_inputs(B, D, V, torch.float32, device, seed=21)
+    p = row_params(h, 0.7, torch.arange(B, device=device), 1)
+    T = fused.num_tiles(V)
+    cfg = dict(strategy=strategy, BLOCK_B=16, BLOCK_D=32, NUM_STAGES=1, num_warps=4, PROGRAMS_PER_SM=2)
+    kw = dict(bias=None, inv_temp=p.inv_temp, seed=p.seed, offset=p.offset, num_samples=2, n_real=V - 5,
+              config=cfg)
+    want = fused.fused_records(h, w, **kw)
+    assert want.stride() == ((T * B * 4, 4, B * 4, 1) if fused.TILE_MAJOR else (B * T * 4, T * 4, 4, 1))
+    rows = torch.full((2, B, T, 4), -3.0, device=device)
+    padded = torch.full((2, B, T + 1, 4), -3.0, device=device)[:, :, :T]
+    for out in (rows, padded):
+        fused.fused_records(h, w, out=out, **kw)
+        assert torch.equal(out, want)
+    assert (padded.as_strided((2, B, 4), (B * (T + 1) * 4, (T + 1) * 4, 1), T * 4) == -3.0).all()
+    bad = torch.empty(2 * B * T * 4 + 1, device=device)[1:].view(2, B, T, 4)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        fused.fused_records(h, w, out=bad, **kw)
+    with pytest.raises(ValueError, match="strides multiples of 4"):
+        fused.fused_records(h, w, out=torch.empty(2, B, T, 8, device=device)[..., ::2], **kw)
 
 
 def test_persistent_strategy_matches_tiled(device):

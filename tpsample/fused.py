@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -103,6 +104,31 @@ def num_tiles(rows: int) -> int:
     return cdiv(rows, BLOCK_V)
 
 
+# Records live tile-major in memory ([S, T, B, 4], addressed as [S, B, T, 4] by strides): the
+# records one stage-1 program writes (one tile, its rows) are then one contiguous run, which
+# matters when they go to peers over NVLink. TPSAMPLE_TILE_MAJOR=0 keeps [S, B, T, 4] (A/B).
+TILE_MAJOR = os.environ.get("TPSAMPLE_TILE_MAJOR", "1") != "0"
+
+
+def records_view(flat: torch.Tensor, S: int, B: int, T: int) -> torch.Tensor:
+    """[..., S·B·T·4] fp32 → the records view [..., S, B, T, 4] in the layout stage 1 writes."""
+    lead = flat.shape[:-1]
+    if TILE_MAJOR:
+        return flat.view(*lead, S, T, B, 4).transpose(-3, -2)
+    return flat.view(*lead, S, B, T, 4)
+
+
+def check_records_layout(out: torch.Tensor, shape: tuple) -> None:
+    """Stage 1 stores each record with one 16-byte store: the field dim contiguous, every
+    other stride a multiple of 4 floats, the base 16-byte aligned."""
+    ok = (tuple(out.shape) == shape and out.dtype == torch.float32 and out.stride(-1) == 1
+          and all(st % 4 == 0 for st in out.stride()[:-1]) and out.data_ptr() % 16 == 0)
+    if not ok:
+        raise ValueError(f"records `out` must be fp32 {list(shape)}, last dim contiguous, other "
+                         f"strides multiples of 4, 16-byte aligned; got {out.dtype} "
+                         f"{list(out.shape)} strides {out.stride()}")
+
+
 @functools.lru_cache(maxsize=None)
 def _mm_out_fp32_supported() -> bool:
     try:
@@ -123,8 +149,8 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
                   vocab_start=0, out=None, tiles=None, config=None, peer_ptrs=None,
                   parity=None, need_mass=True) -> torch.Tensor:
     """Stage 1 on (a shard of) the LM head → records [S, B, T, 4] fp32, written into `out`
-    if given (any tensor of that shape whose last two dims are contiguous: e.g. this rank's
-    slot of an exchange buffer). peer_ptrs: int64 CUDA tensor [2, P] of the addresses of this
+    if given (any strides that check_records_layout accepts: e.g. this rank's slot of an
+    exchange buffer, through records_view). peer_ptrs: int64 CUDA tensor [2, P] of the addresses of this
     rank's slot in every peer's buffer (same strides as `out`) for two alternating buffers, and
     parity an int32 CUDA tensor [1] selecting the buffer; the kernel then stores each record
     to all P peers of that buffer instead of `out`. need_mass=False (max merge, no log-probs
@@ -135,8 +161,9 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
     V_rows = weight.shape[0]
     T = tiles if tiles is not None else num_tiles(V_rows)
     if out is None:
-        out = torch.empty(num_samples, B, T, 4, dtype=torch.float32, device=hidden.device)
-    assert out.shape == (num_samples, B, T, 4) and out.stride(3) == 1 and out.stride(2) == 4
+        out = records_view(torch.empty(num_samples * B * T * 4, dtype=torch.float32,
+                                       device=hidden.device), num_samples, B, T)
+    check_records_layout(out, (num_samples, B, T, 4))
     cfg = dict(config or kernel_config(B, D, hidden.dtype, hidden.device.type,
                                         hidden.device.index or 0))
     strategy, nw = cfg.pop("strategy"), cfg.pop("num_warps")
@@ -160,7 +187,7 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
         logits = logits_fp32(hidden, weight)
         run_kernel(logits_records_kernel, grid, (
             logits, bias_arg, inv_temp, seed, offset, out, B, V_rows, n_real, vocab_start,
-            num_samples, logits.stride(0), out.stride(0), out.stride(1), peers, parity), consts,
+            num_samples, logits.stride(0), *out.stride()[:3], peers, parity), consts,
             options)
         return out
     consts.update(EVEN_D=D % cfg["BLOCK_D"] == 0, BLOCK_D=cfg["BLOCK_D"],
@@ -170,7 +197,7 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
         run_kernel(fused_sample_records_persistent_kernel, (n_prog,), (
             hidden, weight, bias_arg, inv_temp, seed, offset, out,
             B, D, V_rows, n_real, vocab_start, T,
-            hidden.stride(0), weight.stride(0), out.stride(0), out.stride(1), peers, parity),
+            hidden.stride(0), weight.stride(0), *out.stride()[:3], peers, parity),
             dict(consts, NUM_PROGRAMS=n_prog, SAMPLES=num_samples),
             dict(options, num_stages=cfg["NUM_STAGES"]))
         return out
@@ -189,7 +216,7 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
     run_kernel(fused_sample_records_kernel, grid, (
         hidden, w_arg, bias_arg, inv_temp, seed, offset, out,
         B, D, V_rows, n_real, vocab_start, num_samples,
-        hidden.stride(0), weight.stride(0), out.stride(0), out.stride(1), peers, parity),
+        hidden.stride(0), weight.stride(0), *out.stride()[:3], peers, parity),
         dict(consts, NUM_STAGES=cfg["NUM_STAGES"]), options)
     return out
 
@@ -201,7 +228,7 @@ def reduce_records(records: torch.Tensor, inv_temp, seed, offset, merge: str, pa
     tensor [1]) the records are read parity[0] * parity_stride elements past `records`.
     launch: (BLOCK_R, BLOCK_N, num_warps) override, for tuning."""
     slots, S, B, T, _ = records.shape
-    assert records.stride(4) == 1 and records.stride(3) == 4
+    assert records.stride(4) == 1
     dev = records.device
     tokens = torch.empty(B, S, dtype=torch.int64, device=dev)
     logprobs = torch.empty(B, S, dtype=torch.float32, device=dev)
@@ -218,7 +245,7 @@ def reduce_records(records: torch.Tensor, inv_temp, seed, offset, merge: str, pa
     pdl = use_pdl(dev)
     run_kernel(reduce_records_kernel, (cdiv(B * S, block_r),), (
         records, inv_temp, seed, offset, tokens, logprobs, logz,
-        B, S, N, T, records.stride(0), records.stride(1), records.stride(2),
+        B, S, N, T, *records.stride()[:4],
         parity if parity is not None else seed, parity_stride),
         dict(LOGMASS=merge == "logmass", BLOCK_R=block_r, BLOCK_N=block_n,
              USE_PARITY=parity is not None, PDL=pdl),

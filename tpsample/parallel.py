@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from . import api, replay
-from .fused import num_tiles
+from .fused import num_tiles, records_view
 from .kernels import fused_sample_records_kernel, fused_sample_records_persistent_kernel
 from .transport import ExchangeTimeout, all_gather_flat, make_transport
 
@@ -194,7 +194,6 @@ class VocabParallelSampler:
 
         per_slot = num_samples * B * self.tiles * 4
         mine, full = self.transport.slots(per_slot)
-        shape = (num_samples, B, self.tiles, 4)
         fanout = self.transport.fanout()
         per_call = (hidden, params.inv_temp, params.seed, params.offset, bias)
         key = None
@@ -221,11 +220,13 @@ class VocabParallelSampler:
             api.compute_records(self.backend, hidden, self.weight, bias=bias, params=params,
                                 num_samples=num_samples, n_real=self.n_real,
                                 vocab_start=self.vocab_start, tiles=self.tiles,
-                                out=mine.view(shape), fanout=fanout, need_mass=self.logprobs)
+                                out=records_view(mine, num_samples, B, self.tiles), fanout=fanout,
+                                need_mass=self.logprobs)
         self.transport.exchange(mine, full)
         with replay.record() as log2:
-            tokens, logprobs, logz = api.reduce_records(self.backend, full.view(self.world, *shape),
-                                                        params, self.merge, fanout=fanout)
+            records = records_view(full, num_samples, B, self.tiles)
+            tokens, logprobs, logz = api.reduce_records(self.backend, records, params, self.merge,
+                                                        fanout=fanout)
         self.transport.finish()
         # stage 1 must be Triton launches only (the hybrid's cuBLAS GEMM is not recorded)
         if key is not None and log1 and all(l[0] in REPLAYABLE_STAGE1 for l in log1):
