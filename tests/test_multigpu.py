@@ -8,10 +8,10 @@ from dist_utils import run_world
 
 pytestmark = pytest.mark.multigpu
 
-D, V, VOCAB, B = 2048, 50000, 49999, 16
+D, V, VOCAB = 2048, 50000, 49999
 
 
-def inputs():
+def inputs(B):
     g = torch.Generator().manual_seed(0)
     h = torch.randn(B, D, generator=g).bfloat16()
     w = (torch.randn(V, D, generator=g) * 0.03).bfloat16()
@@ -20,8 +20,8 @@ def inputs():
     return h, w, temp, torch.arange(B, dtype=torch.int64) * 5 + 1
 
 
-def gpu_rank(rank, world, transport, merge):
-    h, w, temp, seeds = inputs()
+def gpu_rank(rank, world, transport, merge, B):
+    h, w, temp, seeds = inputs(B)
     dev = torch.device("cuda", rank)
     base, extra = divmod(V, world)
     lo = rank * base + min(rank, extra)
@@ -53,9 +53,10 @@ def gpu_rank(rank, world, transport, merge):
 
 @pytest.mark.parametrize("transport", ["symm_mem", "nccl"])
 @pytest.mark.parametrize("merge", ["max", "logmass"])
-def test_tp_gpu_transports(transport, merge):
+@pytest.mark.parametrize("B", [16, 192])  # 192: the hybrid (cuBLAS + records pass) strategy
+def test_tp_gpu_transports(transport, merge, B):
     world = min(torch.cuda.device_count(), 4)
-    outs = run_world(world, gpu_rank, transport, merge, backend="nccl")
+    outs = run_world(world, gpu_rank, transport, merge, B, backend="nccl")
     for o in outs:
         assert not ("error" in o and "eager" not in o), o
         assert o["transport"] == transport
@@ -65,7 +66,7 @@ def test_tp_gpu_transports(transport, merge):
         # calls after the first re-issue the recorded launches (tpsample.replay)
         assert o["replayed_calls"] >= 1
     if merge == "max":  # the first call is recorded, the next ones are replays
-        h, w, temp, seeds = inputs()
+        h, w, temp, seeds = inputs(B)
         for k in range(3):
             single = tpsample.sample(h.cuda(), w.cuda(), temperature=temp.cuda(), seed=seeds.cuda(),
                                      offset=k, vocab_size=VOCAB)

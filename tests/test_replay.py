@@ -50,3 +50,23 @@ def test_tensor_key_separates_alignment_dtype_and_aliasing():
     assert replay.tensor_key((a.double(), b, None)) != base   # another dtype
     assert replay.tensor_key((a, a, None)) != base            # one tensor under two names
     assert replay.tensor_key((a, b, b)) != base
+
+
+def test_replay_reruns_torch_steps_and_keeps_no_tensors():
+    """A recorded torch step (the hybrid's GEMM) is re-run on the new inputs and its new
+    result reaches the launch that took the recorded one; no slot holds a tensor afterwards."""
+    h, w, s = torch.zeros(4), torch.full((4,), 3.0), torch.zeros(4)
+    step = lambda x, y: x * y  # noqa: E731
+    recorded = step(h, w)
+    compiled = FakeCompiled()
+    rep = replay.Replay([(step, None, None, (h, w), recorded),
+                         (FakeJit, compiled, (2,), (recorded, w, s, 5), dict(BLOCK=16))],
+                        dict(hidden=h, seed=s))
+    assert all(a is None or a is w or not isinstance(a, torch.Tensor) for _, _, args, _, _ in rep.launches
+               for a in args)
+    h2, s2 = torch.full((4,), 2.0), torch.ones(4)
+    rep(0, hidden=h2, seed=s2)
+    args = compiled.calls[0][1]
+    assert torch.equal(args[0], torch.full((4,), 6.0)) and args[1] is w and args[2] is s2
+    assert all(a is None or a is w or not isinstance(a, torch.Tensor) for _, _, args, _, _ in rep.launches
+               for a in args)

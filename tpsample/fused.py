@@ -100,6 +100,15 @@ def run_kernel(fn, grid, args: tuple, constexprs: dict, options: dict):
     return compiled
 
 
+def run_step(fn, args: tuple):
+    """fn(*args) for a torch step between launches (the hybrid's GEMM); logged to RECORDER
+    as (fn, None, None, args, result) so a replay re-runs it and feeds its new result on."""
+    result = fn(*args)
+    if RECORDER is not None:
+        RECORDER.append((fn, None, None, args, result))
+    return result
+
+
 def num_tiles(rows: int) -> int:
     return cdiv(rows, BLOCK_V)
 
@@ -184,7 +193,7 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
     parity = parity if parity is not None else seed
     bias_arg = bias if bias is not None else inv_temp  # never read when HAS_BIAS is False
     if strategy == "logits":
-        logits = logits_fp32(hidden, weight)
+        logits = run_step(logits_fp32, (hidden, weight))
         run_kernel(logits_records_kernel, grid, (
             logits, bias_arg, inv_temp, seed, offset, out, B, V_rows, n_real, vocab_start,
             num_samples, logits.stride(0), *out.stride()[:3], peers, parity), consts,

@@ -13,14 +13,16 @@ import torch
 import torch.distributed as dist
 
 from . import api, replay
-from .fused import num_tiles, records_view
-from .kernels import fused_sample_records_kernel, fused_sample_records_persistent_kernel
+from .fused import logits_fp32, num_tiles, records_view
+from .kernels import (fused_sample_records_kernel, fused_sample_records_persistent_kernel,
+                      logits_records_kernel)
 from .transport import ExchangeTimeout, all_gather_flat, make_transport
 
 MERGE_IDS = {m: i for i, m in enumerate(api.MERGES)}
 
 
-REPLAYABLE_STAGE1 = (fused_sample_records_kernel, fused_sample_records_persistent_kernel)
+REPLAYABLE_STAGE1 = (fused_sample_records_kernel, fused_sample_records_persistent_kernel,
+                     logits_records_kernel, logits_fp32)
 # TPSAMPLE_REPLAY=0 turns the launch replay off (A/B timing, debugging)
 REPLAY_ENABLED = os.environ.get("TPSAMPLE_REPLAY", "1") != "0"
 
@@ -228,7 +230,7 @@ class VocabParallelSampler:
             tokens, logprobs, logz = api.reduce_records(self.backend, records, params, self.merge,
                                                         fanout=fanout)
         self.transport.finish()
-        # stage 1 must be Triton launches only (the hybrid's cuBLAS GEMM is not recorded)
+        # stage 1 must be launches the replay knows (the hybrid's GEMM is a recorded step)
         if key is not None and log1 and all(l[0] in REPLAYABLE_STAGE1 for l in log1):
             names = dict(zip(("hidden", "inv_temp", "seed", "offset", "bias"), per_call))
             if len(self._replays) >= 64:

@@ -50,7 +50,9 @@ def tensor_key(tensors) -> tuple:
 
 class Replay:
     """The launches of one recorded call. named: {name: tensor of the recorded call}; each
-    launch argument that IS one of them becomes a slot filled from replay(**tensors)."""
+    launch argument that IS one of them becomes a slot filled from replay(**tensors). A torch
+    step (fused.run_step) is re-run with its slots filled, and its result fills the slots of
+    the launches that took the recorded result. No slot keeps a tensor between calls."""
 
     def __init__(self, launches: list, named: dict[str, torch.Tensor]):
         by_id: dict = {}
@@ -58,12 +60,17 @@ class Replay:
             if t is not None:
                 by_id.setdefault(id(t), n)
         self.launches = []
-        for fn, compiled, grid, args, constexprs in launches:
-            params = list(inspect.signature(fn.fn).parameters.values())[len(args):]
-            tail = tuple(constexprs.get(p.name, p.default) for p in params)
+        for k, (fn, compiled, grid, args, extra) in enumerate(launches):
             slots = [(i, by_id[id(a)]) for i, a in enumerate(args) if id(a) in by_id]
+            args = [None if id(a) in by_id else a for a in args]
+            if compiled is None:  # a torch step; extra is its recorded result
+                by_id[id(extra)] = f"step{k}"
+                self.launches.append((fn, None, args, slots, f"step{k}"))
+                continue
+            params = list(inspect.signature(fn.fn).parameters.values())[len(args):]
+            tail = tuple(extra.get(p.name, p.default) for p in params)
             grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
-            self.launches.append((compiled, grid3, list(args) + list(tail), slots))
+            self.launches.append((fn, compiled, args + list(tail), slots, grid3))
 
     @staticmethod
     def usable() -> bool:
@@ -73,8 +80,14 @@ class Replay:
 
     def __call__(self, stream: int, **tensors):
         """Launch on `stream` (a raw CUDA stream handle, see current_stream)."""
-        for compiled, (gx, gy, gz), args, slots in self.launches:
+        for fn, compiled, args, slots, extra in self.launches:
             for i, name in slots:
                 args[i] = tensors[name]
-            compiled.run(gx, gy, gz, stream, compiled.function, compiled.packed_metadata,
-                         None, None, None, *args)
+            if compiled is None:
+                tensors[extra] = fn(*args)
+            else:
+                gx, gy, gz = extra
+                compiled.run(gx, gy, gz, stream, compiled.function, compiled.packed_metadata,
+                             None, None, None, *args)
+            for i, _ in slots:
+                args[i] = None
