@@ -175,7 +175,7 @@ def logits_pass(D, V, B) -> dict:
             def run():
                 logits_records_kernel[(fused.cdiv(B, bb), T)](
                     logits, p.inv_temp, p.inv_temp, p.seed, p.offset, out, B, V, V, 0, S,
-                    logits.stride(0), out.stride(0), out.stride(1), p.seed, p.seed,
+                    logits.stride(0), *out.stride()[:3], p.seed, p.seed,
                     HAS_BIAS=False, ALIGNED4=True, BLOCK_V=fused.BLOCK_V, BLOCK_B=bb, NUM_PEERS=0,
                     HALVINGS=0, TILE_MASS=mass, PDL=False, num_warps=nw)
             r[f"bb{bb}_w{nw}_{name}"] = bench(run)
@@ -188,7 +188,7 @@ def launch_paths():
     h, w, p, stage1 = setup(256, 4096, 1)
     out = stage1()
     args = (h, w, p.inv_temp, p.inv_temp, p.seed, p.offset, out, 1, 256, 4096, 4096, 0, 1,
-            h.stride(0), w.stride(0), out.stride(0), out.stride(1), p.seed, p.seed)
+            h.stride(0), w.stride(0), *out.stride()[:3], p.seed, p.seed)
     consts = dict(HAS_BIAS=False, EVEN_D=True, FP32_DOT=False, ALIGNED4=True, BLOCK_V=128,
                   BLOCK_B=16, BLOCK_D=128, NUM_STAGES=4, NUM_PEERS=0, HALVINGS=4, TILE_MASS=False,
                   PDL=False, W_DESC=False)
