@@ -3,8 +3,9 @@
 The same math as tpsample/merge.py (whose docstring holds the argument); the tests check
 that this kernel and merge.reduce_records agree bit for bit on random records.
 Records fp32 (score, token, logit, lse), addressed as [slot, S, B, tiles_per_slot, 4]
-by strides (any, the last one 1) (N = slots × tiles_per_slot groups per row; record n is slot n // tiles, tile
-n % tiles, as in merge.reduce_records); each (sample, row) pair walks its N records in chunks, carrying the pathwise winner, the log-mass winner and an online
+by strides (any, the last one 1). N = slots × tiles_per_slot groups per row; record n is
+slot n // tiles, tile n % tiles, as in merge.reduce_records. Each (sample, row) pair walks
+its N records in chunks, carrying the pathwise winner, the log-mass winner and an online
 logsumexp; a program handles BLOCK_R (sample, row) pairs at once.
 """
 import triton

@@ -269,8 +269,9 @@ def test_fanout_stores_into_every_peer_buffer_of_the_selected_parity(parity_valu
 
 @pytest.mark.parametrize("strategy", ["fused", "persistent", "logits"])
 def test_records_land_the_same_in_any_layout(strategy, device):
-    """Stage 1 writes through strides: a row-major [S, B, T, 4] buffer, the default tile-major
-    one and a padded slot get identical records; a misaligned or 2-strided buffer is refused."""
+    """Stage 1 writes through strides: the default row-major buffer, a tile-major [S, T, B, 4]
+    one seen as [S, B, T, 4] and a padded slot get identical records; a misaligned or
+    2-strided buffer is refused."""
     B, D, V = 6, 64, 300
     h, w = random_inputs(B, D, V, torch.float32, device, seed=21)
     p = row_params(h, 0.7, torch.arange(B, device=device), 1)
@@ -279,13 +280,17 @@ def test_records_land_the_same_in_any_layout(strategy, device):
     kw = dict(bias=None, inv_temp=p.inv_temp, seed=p.seed, offset=p.offset, num_samples=2, n_real=V - 5,
               config=cfg)
     want = fused.fused_records(h, w, **kw)
-    assert want.stride() == ((T * B * 4, 4, B * 4, 1) if fused.TILE_MAJOR else (B * T * 4, T * 4, 4, 1))
-    rows = torch.full((2, B, T, 4), -3.0, device=device)
+    assert want.stride() == (B * T * 4, T * 4, 4, 1)
+    tiles = torch.full((2, T, B, 4), -3.0, device=device).transpose(1, 2)
     padded = torch.full((2, B, T + 1, 4), -3.0, device=device)[:, :, :T]
-    for out in (rows, padded):
+    for out in (tiles, padded):
         fused.fused_records(h, w, out=out, **kw)
         assert torch.equal(out, want)
     assert (padded.as_strided((2, B, 4), (B * (T + 1) * 4, (T + 1) * 4, 1), T * 4) == -3.0).all()
+    for merge_mode in ("max", "logmass"):  # stage 2 reads through strides too
+        ref = fused.reduce_records(want[None], p.inv_temp, p.seed, p.offset, merge_mode)
+        got = fused.reduce_records(tiles[None], p.inv_temp, p.seed, p.offset, merge_mode)
+        assert all(torch.equal(a, b) for a, b in zip(got, ref))
     bad = torch.empty(2 * B * T * 4 + 1, device=device)[1:].view(2, B, T, 4)
     with pytest.raises(ValueError, match="16-byte aligned"):
         fused.fused_records(h, w, out=bad, **kw)

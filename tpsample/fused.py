@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -113,23 +112,17 @@ def num_tiles(rows: int) -> int:
     return cdiv(rows, BLOCK_V)
 
 
-# Records live tile-major in memory ([S, T, B, 4], addressed as [S, B, T, 4] by strides): the
-# records one stage-1 program writes (one tile, its rows) are then one contiguous run, which
-# matters when they go to peers over NVLink. TPSAMPLE_TILE_MAJOR=0 keeps [S, B, T, 4] (A/B).
-TILE_MAJOR = os.environ.get("TPSAMPLE_TILE_MAJOR", "1") != "0"
-
-
 def records_view(flat: torch.Tensor, S: int, B: int, T: int) -> torch.Tensor:
-    """[..., S·B·T·4] fp32 → the records view [..., S, B, T, 4] in the layout stage 1 writes."""
-    lead = flat.shape[:-1]
-    if TILE_MAJOR:
-        return flat.view(*lead, S, T, B, 4).transpose(-3, -2)
-    return flat.view(*lead, S, B, T, 4)
+    """[..., S·B·T·4] fp32 → the records view [..., S, B, T, 4] (row-major: a row's records
+    are contiguous, which is what stage 2 reads; a tile-major layout, contiguous per stage-1
+    program, measured no faster over NVLink and slowed stage 2: perf notes v1.6)."""
+    return flat.view(*flat.shape[:-1], S, B, T, 4)
 
 
 def check_records_layout(out: torch.Tensor, shape: tuple) -> None:
-    """Stage 1 stores each record with one 16-byte store: the field dim contiguous, every
-    other stride a multiple of 4 floats, the base 16-byte aligned."""
+    """Stage 1 writes records through strides: the field dim contiguous, every other stride
+    a multiple of 4 floats and the base 16-byte aligned (whole records, never split across
+    cache sectors)."""
     ok = (tuple(out.shape) == shape and out.dtype == torch.float32 and out.stride(-1) == 1
           and all(st % 4 == 0 for st in out.stride()[:-1]) and out.data_ptr() % 16 == 0)
     if not ok:
@@ -159,8 +152,9 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
                   parity=None, need_mass=True) -> torch.Tensor:
     """Stage 1 on (a shard of) the LM head → records [S, B, T, 4] fp32, written into `out`
     if given (any strides that check_records_layout accepts: e.g. this rank's slot of an
-    exchange buffer, through records_view). peer_ptrs: int64 CUDA tensor [2, P] of the addresses of this
-    rank's slot in every peer's buffer (same strides as `out`) for two alternating buffers, and
+    exchange buffer, through records_view). peer_ptrs: int64 CUDA tensor [2, P] of the
+    addresses of this rank's slot in every peer's buffer (same strides as `out`) for two
+    alternating buffers, and
     parity an int32 CUDA tensor [1] selecting the buffer; the kernel then stores each record
     to all P peers of that buffer instead of `out`. need_mass=False (max merge, no log-probs
     wanted) stores the tile max instead of the tile log-mass and 0 instead of the winner's
@@ -170,8 +164,7 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
     V_rows = weight.shape[0]
     T = tiles if tiles is not None else num_tiles(V_rows)
     if out is None:
-        out = records_view(torch.empty(num_samples * B * T * 4, dtype=torch.float32,
-                                       device=hidden.device), num_samples, B, T)
+        out = torch.empty(num_samples, B, T, 4, dtype=torch.float32, device=hidden.device)
     check_records_layout(out, (num_samples, B, T, 4))
     cfg = dict(config or kernel_config(B, D, hidden.dtype, hidden.device.type,
                                         hidden.device.index or 0))
