@@ -8,8 +8,10 @@
 Each rank holds a random bf16 shard of a D x V LM head (first V % N ranks get one extra row);
 h [B, D] is equal on all ranks. Variants: mm_local, allgather_multinomial, allgather_gumbel
 (all-gathered logits, then sampling) and tpsample_<transport> (VocabParallelSampler). Latency:
-CUDA events around each call + host sync, median per rank, max over ranks; also CUDA-graph
-replay of one captured call. Writes OUT/tp<N>.json (rank 0); --plot: OUT/tp_scaling_<D>x<V>.png.
+CUDA events around each call + host sync, median per rank, max over ranks: eager; eager with the
+ranks' GPUs lined up by a one-element all-reduce before each call (untimed, as the model's last
+collective lines them up in a decode step); CUDA-graph replay of one captured call.
+Writes OUT/tp<N>.json (rank 0); --plot: OUT/tp_scaling_<D>x<V>.png.
 --profile: also the device time per call of each kernel of the tpsample calls (torch.profiler,
 rank 0; the barrier kernel's time includes waiting for the slowest peer).
 Without CUDA (or --cpu): gloo, D=256 V=8192, B=1,4,16, 20 iters, transport gloo, no graphs.
@@ -85,9 +87,13 @@ def gather_rows(t: torch.Tensor) -> torch.Tensor:
     dist.all_gather_into_tensor(out, t.contiguous())
     return out.view(-1, *t.shape)
 
-def time_calls(fn, dev, iters: int, warmup: int = 10) -> float:
-    """Median ms per call (CUDA events + host sync, or barrier + perf_counter), max over ranks."""
+def time_calls(fn, dev, iters: int, warmup: int = 10, align: bool = False) -> float:
+    """Median ms per call (CUDA events + host sync, or barrier + perf_counter), max over ranks.
+    align (CUDA): a one-element all-reduce before each call, outside the timed span, lines the
+    ranks' GPU timelines up as the model's last collective does in a decode step; otherwise a
+    rank's call also waits for peers whose hosts started the iteration later."""
     events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if dev.type == "cuda" else None
+    token = torch.zeros(1, device=dev)
     ms = []
     for _ in range(warmup + iters):
         if events is None:
@@ -96,6 +102,8 @@ def time_calls(fn, dev, iters: int, warmup: int = 10) -> float:
             fn()
             ms.append((time.perf_counter() - t0) * 1e3)
             continue
+        if align:
+            dist.all_reduce(token)
         events[0].record()
         fn()
         events[1].record()
@@ -198,6 +206,8 @@ def bench_batch(D, V, B, W, samplers, args, dev):
     res, warns = {}, []
     for name, fn in make_variants(h, W, V, samplers, seed, step).items():
         r = res[name] = {"eager_ms": time_calls(fn, dev, args.iters)}
+        if dev.type == "cuda":
+            r["eager_aligned_ms"] = time_calls(fn, dev, args.iters, align=True)
         graph, out = capture(fn, dev) if args.graph else (None, None)
         if graph is not None:
             r["graph_ms"] = time_calls(graph.replay, dev, args.iters)
@@ -217,13 +227,16 @@ def print_table(shape: dict, world: int):
     res = shape["results"]
     names = list(next(iter(res.values())))
     tps = [n for n in names if n.startswith("tpsample_")]
-    pair = lambda a, b: f"{fmt(a)}/{fmt(b)}"  # noqa: E731
+    kinds = [k for k in ("eager_ms", "eager_aligned_ms", "graph_ms") if any(k in v for r in res.values() for v in r.values())]
+    tag = "/".join({"eager_ms": "e", "eager_aligned_ms": "a", "graph_ms": "g"}[k] for k in kinds)
+    cells = lambda xs: "/".join(fmt(x) for x in xs)  # noqa: E731
     speedup = lambda r, n, k: r[BASE][k] / r[n][k] if r[BASE].get(k) and r[n].get(k) else None  # noqa: E731
-    head = ["B"] + [f"{short(n)} e/g ms" for n in names] + [f"x{short(n)} e/g" for n in tps]
-    rows = [[str(B)] + [pair(r[n]["eager_ms"], r[n].get("graph_ms")) for n in names]
-            + [pair(speedup(r, n, "eager_ms"), speedup(r, n, "graph_ms")) for n in tps] for B, r in res.items()]
+    head = ["B"] + [f"{short(n)} {tag} ms" for n in names] + [f"x{short(n)} {tag}" for n in tps]
+    rows = [[str(B)] + [cells(r[n].get(k) for k in kinds) for n in names]
+            + [cells(speedup(r, n, k) for k in kinds) for n in tps] for B, r in res.items()]
     widths = [max(map(len, col)) for col in zip(head, *rows)]
-    print(f"\nTP={world} D={shape['D']} V={shape['V']}  eager/graph ms; x = {short(BASE)} ms / tpsample ms")
+    print(f"\nTP={world} D={shape['D']} V={shape['V']}  ms: e = eager, a = eager with the ranks aligned "
+          f"by an all-reduce before each call, g = CUDA-graph replay; x = {short(BASE)} ms / tpsample ms")
     print("\n".join(" | ".join(c.rjust(w) for c, w in zip(line, widths)) for line in [head] + rows))
 
 def run(args):
