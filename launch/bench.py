@@ -111,6 +111,28 @@ def time_calls(fn, dev, iters: int, warmup: int = 10, align: bool = False) -> fl
         ms.append(events[0].elapsed_time(events[1]))
     return all_ranks(statistics.median(ms[warmup:]), dev)
 
+def host_us(fn, dev, iters: int = 50) -> float:
+    """Median host µs per call: Python entry to return, the device drained before each call
+    (the GPU never holds the host back), max over ranks."""
+    us = []
+    for _ in range(iters + 5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        us.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return all_ranks(statistics.median(us[5:]), dev)
+
+def host_ops(fn, iters: int = 20, top: int = 8) -> dict[str, float]:
+    """{op: host µs per call} of the most expensive host-side ops (self CPU time)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
+    return {e.key[:60]: e.self_cpu_time_total / iters for e in ops}
+
 def kernel_times(fn, iters: int = 20) -> dict[str, float]:
     """{kernel name: device ms per call} over `iters` calls, largest first (CUDA only)."""
     from torch.profiler import ProfilerActivity, profile
@@ -217,9 +239,13 @@ def bench_batch(D, V, B, W, samplers, args, dev):
             warns += check_tokens(name, fn, graph, out, dev)
             if args.profile and dev.type == "cuda":
                 r["kernels_ms"] = kernel_times(fn)
+                r["host_us"] = host_us(fn, dev)
+                r["host_ops_us"] = host_ops(fn)
                 if dist.get_rank() == 0:
                     log(f"  {name} B={B} kernels (ms/call): " + ", ".join(
                         f"{k[:40]}={v:.4f}" for k, v in list(r["kernels_ms"].items())[:6]))
+                    log(f"  {name} B={B} host {r['host_us']:.0f} µs/call; self CPU µs/call: " + ", ".join(
+                        f"{k[:40]}={v:.1f}" for k, v in r["host_ops_us"].items()))
         del graph, out
     return res, warns
 
