@@ -31,7 +31,9 @@ def reduce_records_kernel(
     LOGMASS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, USE_PARITY: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    # USE_PARITY: the records are in buffer parity_ptr[0] of two, parity_stride elements apart
+    # USE_PARITY: the records are in buffer parity_ptr[0] of two, parity_stride elements apart;
+    # parity_ptr[1] counts finished programs, and the last one flips the parity for the next
+    # call (one launch less than a separate flip; in a CUDA graph it alternates all the same)
     # A program reduces BLOCK_R (sample, row) pairs; pair r is sample r // B of row r % B.
     # PDL: launched as a programmatic dependent of stage 1; wait until its records are visible.
     if PDL:
@@ -48,7 +50,8 @@ def reduce_records_kernel(
     c1 = s.to(tl.uint32)[:, None] | GROUP_STREAM
 
     if USE_PARITY:
-        rec_ptr += tl.load(parity_ptr).to(tl.int64) * parity_stride
+        parity = tl.load(parity_ptr)
+        rec_ptr += parity.to(tl.int64) * parity_stride
     row = rec_ptr + (s.to(tl.int64) * rec_stride_s + b.to(tl.int64) * rec_stride_b)[:, None]
     inf = float("inf")
     best_s = tl.full((BLOCK_R,), -inf, tl.float32)
@@ -108,3 +111,10 @@ def reduce_records_kernel(
     tl.store(tokens_ptr + out, tl.where(finite, best_t, 0.0).to(tl.int64), mask=r_ok)
     tl.store(logprobs_ptr + out, tl.where(finite, best_l - logz, float("nan")), mask=r_ok)
     tl.store(logz_ptr + b, logz, mask=r_ok & (s == 0))
+    if USE_PARITY:
+        # every program read the parity before its increment (acq_rel orders them), so the
+        # program that sees all others done may flip it
+        done = tl.atomic_add(parity_ptr + 1, 1, sem="acq_rel")
+        if done == tl.num_programs(0) - 1:
+            tl.store(parity_ptr, 1 - parity)
+            tl.store(parity_ptr + 1, 0)

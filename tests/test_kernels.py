@@ -249,7 +249,7 @@ def test_fanout_stores_into_every_peer_buffer_of_the_selected_parity(parity_valu
     peers = [torch.full((2 * half,), -7.0, device=device) for _ in range(world)]
     ptrs = torch.tensor([[t.data_ptr() + (k * half + rank * numel) * 4 for t in peers] for k in range(2)],
                         dtype=torch.int64, device=device)
-    parity = torch.full((1,), parity_value, dtype=torch.int32, device=device)
+    parity = torch.tensor([parity_value, 0], dtype=torch.int32, device=device)
     kw = dict(bias=None, inv_temp=p.inv_temp, seed=p.seed, offset=p.offset, num_samples=2, n_real=V)
     want = fused.fused_records(h, w, **kw)
     fused.fused_records(h, w, out=torch.empty_like(want), peer_ptrs=ptrs, parity=parity, **kw)
@@ -261,7 +261,13 @@ def test_fanout_stores_into_every_peer_buffer_of_the_selected_parity(parity_valu
     full = fused.records_view(peers[0].view(2, world, numel)[0], 2, B, T)
     fused.records_view(peers[0].view(2, world, numel)[parity_value], 2, B, T).copy_(
         want[None].expand(world, *want.shape))  # every slot valid
+    assert parity.tolist() == [parity_value, 0]  # stage 1 reads the parity, never flips it
     got = fused.reduce_records(full, p.inv_temp, p.seed, p.offset, "max", parity=parity, parity_stride=half)
+    assert parity.tolist() == [1 - parity_value, 0]  # stage 2's last program flipped it, reset the count
+    parity[0] = parity_value  # one program per (sample, row): 10 programs, still one flip
+    again = fused.reduce_records(full, p.inv_temp, p.seed, p.offset, "max", parity=parity, parity_stride=half,
+                                 launch=(1, 256, 4))
+    assert parity.tolist() == [1 - parity_value, 0] and torch.equal(again[0], got[0])
     ref = merge.reduce_records(want[None].expand(world, *want.shape).cpu(), p.seed.cpu(), p.offset.cpu(),
                                p.inv_temp.cpu() == 0, "max")
     assert torch.equal(got[0].cpu(), ref[0])

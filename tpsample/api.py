@@ -158,7 +158,8 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 def package(tokens, logprobs, logz, num_samples: int, return_logprobs: bool):
-    if num_samples == 1:
+    """tokens / logprobs [B, S] (or already [B] when S == 1) → the public result."""
+    if num_samples == 1 and tokens.ndim == 2:
         tokens, logprobs = tokens[:, 0], logprobs[:, 0]
     return SampleOutput(tokens, logprobs, logz) if return_logprobs else tokens
 

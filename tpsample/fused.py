@@ -155,7 +155,8 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
     exchange buffer, through records_view). peer_ptrs: int64 CUDA tensor [2, P] of the
     addresses of this rank's slot in every peer's buffer (same strides as `out`) for two
     alternating buffers, and
-    parity an int32 CUDA tensor [1] selecting the buffer; the kernel then stores each record
+    parity an int32 CUDA tensor [2] whose first element selects the buffer (the second is
+    stage 2's program counter, see reduce_records); the kernel then stores each record
     to all P peers of that buffer instead of `out`. need_mass=False (max merge, no log-probs
     wanted) stores the tile max instead of the tile log-mass and 0 instead of the winner's
     logit: the reduce's log Z and log-probs are then meaningless, but the tokens and the
@@ -227,7 +228,8 @@ def reduce_records(records: torch.Tensor, inv_temp, seed, offset, merge: str, pa
                    parity_stride: int = 0, launch: tuple[int, int, int] | None = None):
     """Stage 2. records [slots, S, B, T, 4] (any strides with the last two dims contiguous)
     → tokens int64 [B, S], logprobs fp32 [B, S], logz fp32 [B]. With `parity` (int32 CUDA
-    tensor [1]) the records are read parity[0] * parity_stride elements past `records`.
+    tensor [2], (parity, 0) between calls) the records are read parity[0] * parity_stride
+    elements past `records`, and the kernel flips parity[0] once all its programs are done.
     launch: (BLOCK_R, BLOCK_N, num_warps) override, for tuning."""
     slots, S, B, T, _ = records.shape
     assert records.stride(4) == 1

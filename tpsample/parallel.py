@@ -211,8 +211,9 @@ class VocabParallelSampler:
             stream = replay.current_stream(self.device.index)
             stage1(stream, **names)
             self.transport.exchange(mine, full)
-            tokens = torch.empty(B, num_samples, dtype=torch.int64, device=self.device)
-            logprobs = torch.empty(B, num_samples, dtype=torch.float32, device=self.device)
+            shape = (B,) if num_samples == 1 else (B, num_samples)  # the kernel writes b·S + s
+            tokens = torch.empty(shape, dtype=torch.int64, device=self.device)
+            logprobs = torch.empty(shape, dtype=torch.float32, device=self.device)
             logz = torch.empty(B, dtype=torch.float32, device=self.device)
             stage2(stream, tokens=tokens, logprobs=logprobs, logz=logz, **names)
             self.transport.finish()

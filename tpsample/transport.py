@@ -10,7 +10,7 @@ every slot valid on every rank. Only records travel, never logits.
             the symmetric-memory barrier. Two buffers alternate between calls, so a fast
             rank's next call never overwrites records a slow rank is still reducing (passing
             the barrier of call k+1 implies every peer finished reducing call k). The parity
-            is a device tensor flipped after each reduce, so CUDA-graph replays alternate too.
+            is a device tensor that the reduce kernel flips, so CUDA-graph replays alternate too.
   nccl      CUDA: the records are all-gathered with NCCL.
   gloo      CPU tensors: all-gather with gloo (what CI runs).
 """
@@ -55,8 +55,9 @@ class Transport:
         raise NotImplementedError
 
     def fanout(self):
-        """(peer_ptrs int64 [2, world], parity int32 [1], parity_stride) for kernels that
-        store into peers directly, or None when records are written locally and exchanged."""
+        """(peer_ptrs int64 [2, world], parity int32 [2], parity_stride) for kernels that
+        store into peers directly, or None when records are written locally and exchanged.
+        parity[0] selects the buffer, parity[1] is the reduce kernel's program counter."""
         return None
 
     def finish(self) -> None:
@@ -118,13 +119,17 @@ class SymmMemTransport(Transport):
         mine = self.rank * numel * 4
         self.ptrs = torch.tensor([[b + mine + k * half * 4 for b in bases] for k in range(2)],
                                  dtype=torch.int64, device=self.device)
-        self.parity = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self.parity = torch.zeros(2, dtype=torch.int32, device=self.device)
         self.capacity = numel
+        self._views = {}
 
     def slots(self, numel):
-        self.reserve(numel)
-        full = self.buf[: self.world * self.capacity].view(self.world, self.capacity)
-        return full[self.rank, :numel], full[:, :numel]  # buffer 0; kernels add the parity
+        views = self._views.get(numel) if numel <= self.capacity else None
+        if views is None:  # cached: slicing costs host µs on every call
+            self.reserve(numel)
+            full = self.buf[: self.world * self.capacity].view(self.world, self.capacity)
+            views = self._views[numel] = (full[self.rank, :numel], full[:, :numel])
+        return views  # buffer 0; kernels add the parity
 
     def fanout(self):
         return self.ptrs, self.parity, self.world * self.capacity
@@ -132,9 +137,6 @@ class SymmMemTransport(Transport):
     def exchange(self, mine, full):
         # release/acquire across the group: every peer's fan-out stores are visible after it
         self.handle.barrier(channel=0, timeout_ms=int(self.timeout.total_seconds() * 1000))
-
-    def finish(self):
-        self.parity.bitwise_xor_(1)
 
 
 def symm_mem_usable(group, device) -> tuple[bool, str]:
