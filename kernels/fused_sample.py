@@ -187,19 +187,29 @@ def sample_and_store(s, l, greedy, seed, off_lo, off_hi, tile_start, local, mask
     else:
         row = tl.load(parity_ptr) * NUM_PEERS
         for p in tl.static_range(NUM_PEERS):
-            dst = tl.load(peer_ptrs + row + p).to(tl.pointer_type(tl.float32))
-            store_record(dst, rec, best, token, logit, lse, mask_b)
+            addr = tl.multiple_of(tl.load(peer_ptrs + row + p), 16)  # slots are 16-byte aligned
+            store_record_16b(addr.to(tl.pointer_type(tl.float32)), rec, best, token, logit, lse,
+                             mask_b)
 
 
 @triton.jit
 def store_record(base, rec, best, token, logit, lse, mask):
-    """The records at base + rec [BB] (element offsets): four 4-byte stores. (One 16-byte
-    store per record needs a layout conversion through shared memory, which cost ~1 % at
-    B = 64 on the H100 and gained nothing over NVLink: perf notes v1.6.)"""
+    """The records at base + rec [BB] (element offsets): four 4-byte stores."""
     tl.store(base + rec + 0, best, mask=mask)
     tl.store(base + rec + 1, token, mask=mask)
     tl.store(base + rec + 2, logit, mask=mask)
     tl.store(base + rec + 3, lse, mask=mask)
+
+
+@triton.jit
+def store_record_16b(base, rec, best, token, logit, lse, mask):
+    """The same as one 16-byte store per record, for stores into peers over NVLink, where
+    every partial-sector write is its own transaction (with the tile-major exchange layout a
+    program's records are one contiguous run: perf notes v1.6). rec: multiples of 4."""
+    # join stacks on a new last axis: [BB, j, k] holds field 2j + k
+    val = tl.reshape(tl.join(tl.join(best, logit), tl.join(token, lse)), (best.shape[0], 4))
+    at = tl.multiple_of(rec, 4)[:, None] + tl.arange(0, 4)[None, :]
+    tl.store(base + at, val, mask=mask[:, None])
 
 
 @triton.jit

@@ -252,14 +252,15 @@ def test_fanout_stores_into_every_peer_buffer_of_the_selected_parity(parity_valu
     parity = torch.tensor([parity_value, 0], dtype=torch.int32, device=device)
     kw = dict(bias=None, inv_temp=p.inv_temp, seed=p.seed, offset=p.offset, num_samples=2, n_real=V)
     want = fused.fused_records(h, w, **kw)
-    fused.fused_records(h, w, out=torch.empty_like(want), peer_ptrs=ptrs, parity=parity, **kw)
+    view = lambda flat: fused.records_view(flat, 2, B, T, tile_major=True)  # noqa: E731 (as VocabParallelSampler)
+    fused.fused_records(h, w, out=view(torch.empty(numel, device=device)), peer_ptrs=ptrs, parity=parity, **kw)
     for t in peers:
-        got = fused.records_view(t.view(2, world, numel)[parity_value, rank], 2, B, T)
+        got = view(t.view(2, world, numel)[parity_value, rank])
         assert torch.equal(got, want)
         assert (t.view(2, world, numel)[1 - parity_value] == -7.0).all()  # other buffer untouched
         assert (t.view(2, world, numel)[parity_value, 0] == -7.0).all()  # other ranks' slots too
-    full = fused.records_view(peers[0].view(2, world, numel)[0], 2, B, T)
-    fused.records_view(peers[0].view(2, world, numel)[parity_value], 2, B, T).copy_(
+    full = view(peers[0].view(2, world, numel)[0])
+    view(peers[0].view(2, world, numel)[parity_value]).copy_(
         want[None].expand(world, *want.shape))  # every slot valid
     assert parity.tolist() == [parity_value, 0]  # stage 1 reads the parity, never flips it
     got = fused.reduce_records(full, p.inv_temp, p.seed, p.offset, "max", parity=parity, parity_stride=half)

@@ -112,11 +112,15 @@ def num_tiles(rows: int) -> int:
     return cdiv(rows, BLOCK_V)
 
 
-def records_view(flat: torch.Tensor, S: int, B: int, T: int) -> torch.Tensor:
-    """[..., S·B·T·4] fp32 → the records view [..., S, B, T, 4] (row-major: a row's records
-    are contiguous, which is what stage 2 reads; a tile-major layout, contiguous per stage-1
-    program, measured no faster over NVLink and slowed stage 2: perf notes v1.6)."""
-    return flat.view(*flat.shape[:-1], S, B, T, 4)
+def records_view(flat: torch.Tensor, S: int, B: int, T: int, tile_major: bool = False) -> torch.Tensor:
+    """[..., S·B·T·4] fp32 → the records view [..., S, B, T, 4]. Row-major by default (a row's
+    records contiguous: what stage 2 reads best); tile_major lays them out [S, T, B, 4], so
+    the records of one stage-1 program (one tile, its rows) are one contiguous run: what the
+    P2P fan-out writes best over NVLink (perf notes v1.6)."""
+    lead = flat.shape[:-1]
+    if tile_major:
+        return flat.view(*lead, S, T, B, 4).transpose(-3, -2)
+    return flat.view(*lead, S, B, T, 4)
 
 
 def check_records_layout(out: torch.Tensor, shape: tuple) -> None:

@@ -197,6 +197,7 @@ class VocabParallelSampler:
         per_slot = num_samples * B * self.tiles * 4
         mine, full = self.transport.slots(per_slot)
         fanout = self.transport.fanout()
+        tile_major = fanout is not None  # P2P stores: one contiguous run per stage-1 program
         per_call = (hidden, params.inv_temp, params.seed, params.offset, bias)
         key = None
         if (REPLAY_ENABLED and self.backend == "triton" and hidden.is_cuda
@@ -223,11 +224,12 @@ class VocabParallelSampler:
             api.compute_records(self.backend, hidden, self.weight, bias=bias, params=params,
                                 num_samples=num_samples, n_real=self.n_real,
                                 vocab_start=self.vocab_start, tiles=self.tiles,
-                                out=records_view(mine, num_samples, B, self.tiles), fanout=fanout,
+                                out=records_view(mine, num_samples, B, self.tiles, tile_major),
+                                fanout=fanout,
                                 need_mass=self.logprobs)
         self.transport.exchange(mine, full)
         with replay.record() as log2:
-            records = records_view(full, num_samples, B, self.tiles)
+            records = records_view(full, num_samples, B, self.tiles, tile_major)
             tokens, logprobs, logz = api.reduce_records(self.backend, records, params, self.merge,
                                                         fanout=fanout)
         self.transport.finish()
