@@ -299,7 +299,8 @@ def run(args):
     dist.destroy_process_group()
 
 def plot_shape(plt, table, tps, D, V, path):
-    """One subplot per B: eager latency vs TP degree, a line per variant."""
+    """One subplot per B: eager latency vs TP degree, a line per variant (dashed: CUDA-graph
+    replay of mm and tpsample)."""
     batches, names = sorted({B for B, _ in table}), list(dict.fromkeys(n for _, n in table))
     cols = min(2, len(batches))
     nrows = math.ceil(len(batches) / cols)
@@ -307,12 +308,16 @@ def plot_shape(plt, table, tps, D, V, path):
     for ax, B in zip(axes.flat, batches):
         for n in names:
             ys = [table.get((B, n), {}).get(t, (None,))[0] for t in tps]
-            ax.plot(tps, [math.nan if y is None else y for y in ys], marker="o", label=short(n))
+            line, = ax.plot(tps, [math.nan if y is None else y for y in ys], marker="o", label=short(n))
+            if n == "mm_local" or n.startswith("tpsample_"):  # CUDA-graph replay, dashed
+                gs = [table.get((B, n), {}).get(t, (None, None))[1] for t in tps]
+                ax.plot(tps, [math.nan if y is None else y for y in gs], marker="x", ls="--",
+                        color=line.get_color(), label=f"{short(n)} (graph)")
         ax.set(title=f"B={B}", xlabel="TP degree", ylabel="latency ms", xticks=tps, yscale="log")
         ax.yaxis.set_major_formatter(plt.FormatStrFormatter("%g"))
         ax.yaxis.set_minor_formatter(plt.FormatStrFormatter("%g"))
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6, framealpha=0.6)
     for ax in list(axes.flat)[len(batches):]:
         ax.set_visible(False)
     fig.suptitle(f"LM-head sampling latency vs TP degree, D={D} V={V}")
