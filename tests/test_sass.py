@@ -1,0 +1,25 @@
+"""tpsample.sass: instruction counts of the stage-1 kernels, compiled for sm_90 on the CPU."""
+import os
+import subprocess
+import sys
+
+import pytest
+import triton
+
+NVDISASM = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+COUNT = ("from tpsample import sass; per, ops = sass.records_pass_per_token(16, 4); "
+         "print(per, ops['MUFU'], ops['STG'])")
+
+
+@pytest.mark.skipif(not os.path.exists(NVDISASM), reason="Triton ships no nvdisasm here")
+@pytest.mark.skipif(not triton.__version__.startswith("3.6"), reason="counts measured with Triton 3.6")
+def test_records_pass_instructions_per_token():
+    """The records pass's issue cost per token (perf notes v1.6: 91.5 before, 84.0 after the
+    argmax and NaN rewrites on Triton 3.6). A rise above 88 is a regression to look at."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
+    out = subprocess.run([sys.executable, "-c", COUNT], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    per, mufu, stg = out.stdout.split()
+    assert int(mufu) > 0 and int(stg) > 0  # the noise's lg2 and the record stores are there
+    assert 60 <= float(per) <= 88, f"{per} SASS instructions per token"
