@@ -12,6 +12,9 @@
         the call with the noise drawn inside the main loop (NOISE_STEP) vs in the epilogue
     python -m tpsample.probe --logits [--batches 128,256]
         the hybrid's records pass alone (load + max, + log-mass, + noise) per tile shape
+    python -m tpsample.probe --chunks [--batches 128,256]
+        the hybrid's stage 1 with V in K chunks, each chunk's records pass on a side stream
+        under the next chunk's GEMM
     python -m tpsample.probe --host [--profile]
         host (Python) time per call of each piece of the call path, at tiny shapes so the GPU
         never becomes the bottleneck (µs, no synchronisation inside the timed loop)
@@ -182,6 +185,51 @@ def logits_pass(D, V, B) -> dict:
     return r
 
 
+def chunked_hybrid(D, V, B) -> dict:
+    """The hybrid's stage 1 with V cut into K chunks: GEMM of chunk k+1 (current stream) while
+    the records pass of chunk k runs on a side stream, against K = 1 (what ships)."""
+    from .kernels import logits_records_kernel
+    bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=100, return_mode="median")  # noqa: E731
+    h, w, p, _ = setup(D, V, B)
+    cfg = fused.kernel_config(B, D, h.dtype)
+    T = fused.num_tiles(V)
+    out = torch.empty(1, B, T, 4, device="cuda")
+    side = torch.cuda.Stream()
+    bb, nw = cfg["BLOCK_B"], cfg["num_warps"]
+
+    def records(logits, t0, t1, stream):
+        v0 = t0 * fused.BLOCK_V
+        view = out[:, :, t0:t1]
+        with torch.cuda.stream(stream):
+            logits_records_kernel[(fused.cdiv(B, bb), t1 - t0)](
+                logits, p.inv_temp, p.inv_temp, p.seed, p.offset, view, B, logits.shape[1], V - v0, v0, 1,
+                logits.stride(0), *view.stride()[:3], p.seed, p.seed,
+                HAS_BIAS=False, ALIGNED4=True, BLOCK_V=fused.BLOCK_V, BLOCK_B=bb, NUM_PEERS=0,
+                HALVINGS=0, TILE_MASS=False, PDL=False, num_warps=nw)
+
+    def run(K):
+        main = torch.cuda.current_stream()
+        per = fused.cdiv(T, K)
+        for t0 in range(0, T, per):
+            t1 = min(T, t0 + per)
+            logits = fused.logits_fp32(h, w[t0 * fused.BLOCK_V: min(V, t1 * fused.BLOCK_V)])
+            if K == 1:
+                records(logits, t0, t1, main)
+                continue
+            side.wait_stream(main)
+            records(logits, t0, t1, side)
+            logits.record_stream(side)
+        main.wait_stream(side)
+        return out
+
+    want = run(1).clone()
+    r = dict(B=B, mm_fp32=bench(lambda: fused.logits_fp32(h, w)))
+    for K in (1, 2, 3, 4, 6, 8):
+        assert torch.equal(run(K), want), K
+        r[f"K{K}"] = bench(lambda: run(K))
+    return r
+
+
 def launch_paths():
     """Host µs of one stage-1 launch: Triton's JIT dispatch vs its compiled handle."""
     from .kernels import fused_sample_records_kernel as kern
@@ -238,6 +286,7 @@ def main(argv=None):
     ap.add_argument("--ab", action="store_true")
     ap.add_argument("--logits", action="store_true", help="breakdown of the hybrid's records pass")
     ap.add_argument("--noise", action="store_true", help="where the noise is drawn (NOISE_AT)")
+    ap.add_argument("--chunks", action="store_true", help="hybrid with V chunks on two streams")
     ap.add_argument("--profile", action="store_true", help="with --host: cProfile of sample()")
     args = ap.parse_args(argv)
     if args.host:
@@ -257,8 +306,8 @@ def main(argv=None):
         return None
     rows = []
     for B in batches:
-        rows.append((ab_parts if args.ab else logits_pass if args.logits
-                     else noise_placement if args.noise else device_parts)(D, V, B))
+        rows.append((ab_parts if args.ab else logits_pass if args.logits else chunked_hybrid
+                     if args.chunks else noise_placement if args.noise else device_parts)(D, V, B))
         print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in rows[-1].items()),
               flush=True)
     if args.out:
