@@ -11,15 +11,22 @@ COUNT = ("from tpsample import sass; per, ops = sass.records_pass_per_token(16, 
          "print(per, ops['MUFU'], ops['STG'])")
 
 
+# Upper bounds per Triton version, between the v1.6 count and the count with the old
+# tl.max(return_indices=True) argmax put back (3.6: 84.0 vs 89.5; 3.9: 81.0 vs 86.0)
+BOUND = {"3.6": 88, "3.9": 84}
+VERSION = ".".join(triton.__version__.split(".")[:2])
+
+
 @pytest.mark.skipif(not os.path.exists(NVDISASM), reason="Triton ships no nvdisasm here")
-@pytest.mark.skipif(not triton.__version__.startswith("3.6"), reason="counts measured with Triton 3.6")
+@pytest.mark.skipif(VERSION not in BOUND, reason=f"no count measured with Triton {VERSION}")
 def test_records_pass_instructions_per_token():
     """The records pass's issue cost per token (perf notes v1.6: 91.5 before, 84.0 after the
-    argmax and NaN rewrites on Triton 3.6). A rise above 88 is a regression to look at."""
+    argmax and NaN rewrites on Triton 3.6). A rise above the bound is a regression to look at."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns unless it is set
     out = subprocess.run([sys.executable, "-c", COUNT], env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     per, mufu, stg = out.stdout.split()
     assert int(mufu) > 0 and int(stg) > 0  # the noise's lg2 and the record stores are there
-    assert 60 <= float(per) <= 88, f"{per} SASS instructions per token"
+    assert 60 <= float(per) <= BOUND[VERSION], f"{per} SASS instructions per token"

@@ -225,8 +225,7 @@ class VocabParallelSampler:
                                 num_samples=num_samples, n_real=self.n_real,
                                 vocab_start=self.vocab_start, tiles=self.tiles,
                                 out=records_view(mine, num_samples, B, self.tiles, tile_major),
-                                fanout=fanout,
-                                need_mass=self.logprobs)
+                                fanout=fanout, need_mass=self.logprobs)
         self.transport.exchange(mine, full)
         with replay.record() as log2:
             records = records_view(full, num_samples, B, self.tiles, tile_major)
