@@ -323,8 +323,9 @@ def fused_sample_records_kernel(
         vocab_start + pid_v * BLOCK_V, NOISE_AT, HALVINGS, NOISE_CHUNKS, NOISE_EVERY)
     tile_records_epilogue(acc, pid_v, offs_b, mask_b, B, bias_ptr, inv_temp_ptr, seed_ptr,
                           offset_ptr, rec_ptr, V_rows, n_real, vocab_start, num_samples,
-                          rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr, HAS_BIAS, ALIGNED4, BLOCK_V,
-                          BLOCK_B, NUM_PEERS, HALVINGS, TILE_MASS, 0, g, NOISE_AT >= 0)
+                          rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr, HAS_BIAS,
+                          ALIGNED4, BLOCK_V, BLOCK_B, NUM_PEERS, HALVINGS, TILE_MASS, 0, g,
+                          NOISE_AT >= 0)
 
 
 @triton.jit
@@ -350,14 +351,16 @@ def fused_sample_records_persistent_kernel(
                                              None)
         tile_records_epilogue(acc, pid_v, offs_b, mask_b, B, bias_ptr, inv_temp_ptr, seed_ptr,
                               offset_ptr, rec_ptr, V_rows, n_real, vocab_start, SAMPLES,
-                              rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr, HAS_BIAS, ALIGNED4,
-                              BLOCK_V, BLOCK_B, NUM_PEERS, HALVINGS, TILE_MASS, SAMPLES)
+                              rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr,
+                              HAS_BIAS, ALIGNED4, BLOCK_V, BLOCK_B, NUM_PEERS, HALVINGS, TILE_MASS,
+                              SAMPLES)
 
 
 @triton.jit
 def logits_records_kernel(
     logits_ptr, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr,
-    B, V_rows, n_real, vocab_start, num_samples, stride_lb, rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr,
+    B, V_rows, n_real, vocab_start, num_samples, stride_lb, rec_stride_s, rec_stride_b, rec_stride_t,
+    peer_ptrs, parity_ptr,
     HAS_BIAS: tl.constexpr, ALIGNED4: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr,
     NUM_PEERS: tl.constexpr, HALVINGS: tl.constexpr, TILE_MASS: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -373,5 +376,5 @@ def logits_records_kernel(
     acc = tl.load(ptrs, mask=mask_b[None, :] & (offs_v < V_rows)[:, None], other=0.0)
     tile_records_epilogue(acc, pid_v, offs_b, mask_b, B, bias_ptr, inv_temp_ptr, seed_ptr,
                           offset_ptr, rec_ptr, V_rows, n_real, vocab_start, num_samples,
-                          rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr, HAS_BIAS, ALIGNED4, BLOCK_V,
-                          BLOCK_B, NUM_PEERS, HALVINGS, TILE_MASS)
+                          rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr, HAS_BIAS,
+                          ALIGNED4, BLOCK_V, BLOCK_B, NUM_PEERS, HALVINGS, TILE_MASS)

@@ -19,13 +19,14 @@ VERSION = ".".join(triton.__version__.split(".")[:2])
 
 @pytest.mark.skipif(not os.path.exists(NVDISASM), reason="Triton ships no nvdisasm here")
 @pytest.mark.skipif(VERSION not in BOUND, reason=f"no count measured with Triton {VERSION}")
-def test_records_pass_instructions_per_token():
+def test_records_pass_instructions_per_token(tmp_path):
     """The records pass's issue cost per token (perf notes v1.6: 91.5 before, 84.0 after the
     argmax and NaN rewrites on Triton 3.6). A rise above the bound is a regression to look at."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns unless it is set
-    out = subprocess.run([sys.executable, "-c", COUNT], env=env, capture_output=True, text=True,
-                         timeout=300)
+    # cwd away from the checkout: `python -c` would import the source tree, not the package
+    out = subprocess.run([sys.executable, "-c", COUNT], env=env, cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     per, mufu, stg = out.stdout.split()
     assert int(mufu) > 0 and int(stg) > 0  # the noise's lg2 and the record stores are there
