@@ -66,7 +66,8 @@ def reduce_records_kernel(
     for n0 in range(0, N, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)[None, :]
         ok = (n < N) & r_ok[:, None]
-        at = row + (n // tiles_per_slot).to(tl.int64) * rec_stride_slot + (n % tiles_per_slot) * rec_stride_t
+        at = (row + (n // tiles_per_slot).to(tl.int64) * rec_stride_slot
+              + (n % tiles_per_slot) * rec_stride_t)
         sc = tl.load(at + 0, mask=ok, other=-inf)
         tk = tl.load(at + 1, mask=ok, other=NO_TOKEN)
         lg = tl.load(at + 2, mask=ok, other=0.0)

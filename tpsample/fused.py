@@ -112,7 +112,8 @@ def num_tiles(rows: int) -> int:
     return cdiv(rows, BLOCK_V)
 
 
-def records_view(flat: torch.Tensor, S: int, B: int, T: int, tile_major: bool = False) -> torch.Tensor:
+def records_view(flat: torch.Tensor, S: int, B: int, T: int,
+                 tile_major: bool = False) -> torch.Tensor:
     """[..., S·B·T·4] fp32 → the records view [..., S, B, T, 4]. Row-major by default (a row's
     records contiguous: what stage 2 reads best); tile_major lays them out [S, T, B, 4], so
     the records of one stage-1 program (one tile, its rows) are one contiguous run: what the
@@ -158,13 +159,12 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
     if given (any strides that check_records_layout accepts: e.g. this rank's slot of an
     exchange buffer, through records_view). peer_ptrs: int64 CUDA tensor [2, P] of the
     addresses of this rank's slot in every peer's buffer (same strides as `out`) for two
-    alternating buffers, and
-    parity an int32 CUDA tensor [2] whose first element selects the buffer (the second is
-    stage 2's program counter, see reduce_records); the kernel then stores each record
-    to all P peers of that buffer instead of `out`. need_mass=False (max merge, no log-probs
-    wanted) stores the tile max instead of the tile log-mass and 0 instead of the winner's
-    logit: the reduce's log Z and log-probs are then meaningless, but the tokens and the
-    degenerate-row rule are unchanged."""
+    alternating buffers, and parity an int32 CUDA tensor [2] whose first element selects the
+    buffer (the second is stage 2's program counter, see reduce_records); the kernel then
+    stores each record to all P peers of that buffer instead of `out`. need_mass=False (max
+    merge, no log-probs wanted) stores the tile max instead of the tile log-mass and 0 instead
+    of the winner's logit: the reduce's log Z and log-probs are then meaningless, but the
+    tokens and the degenerate-row rule are unchanged."""
     B, D = hidden.shape
     V_rows = weight.shape[0]
     T = tiles if tiles is not None else num_tiles(V_rows)
@@ -230,7 +230,7 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
 
 def reduce_records(records: torch.Tensor, inv_temp, seed, offset, merge: str, parity=None,
                    parity_stride: int = 0, launch: tuple[int, int, int] | None = None):
-    """Stage 2. records [slots, S, B, T, 4] (any strides with the last two dims contiguous)
+    """Stage 2. records [slots, S, B, T, 4] (any strides, the last dim contiguous)
     → tokens int64 [B, S], logprobs fp32 [B, S], logz fp32 [B]. With `parity` (int32 CUDA
     tensor [2], (parity, 0) between calls) the records are read parity[0] * parity_stride
     elements past `records`, and the kernel flips parity[0] once all its programs are done.

@@ -217,7 +217,6 @@ class VocabParallelSampler:
             logprobs = torch.empty(shape, dtype=torch.float32, device=self.device)
             logz = torch.empty(B, dtype=torch.float32, device=self.device)
             stage2(stream, tokens=tokens, logprobs=logprobs, logz=logz, **names)
-            self.transport.finish()
             return api.package(tokens, logprobs, logz, num_samples, return_logprobs)
 
         with replay.record() as log1:
@@ -231,7 +230,6 @@ class VocabParallelSampler:
             records = records_view(full, num_samples, B, self.tiles, tile_major)
             tokens, logprobs, logz = api.reduce_records(self.backend, records, params, self.merge,
                                                         fanout=fanout)
-        self.transport.finish()
         # stage 1 must be launches the replay knows (the hybrid's GEMM is a recorded step)
         if key is not None and log1 and all(l[0] in REPLAYABLE_STAGE1 for l in log1):
             names = dict(zip(("hidden", "inv_temp", "seed", "offset", "bias"), per_call))

@@ -60,9 +60,6 @@ class Transport:
         parity[0] selects the buffer, parity[1] is the reduce kernel's program counter."""
         return None
 
-    def finish(self) -> None:
-        """Called after the local reduce of a call."""
-
     def exchange(self, mine: torch.Tensor, full: torch.Tensor) -> None:
         raise NotImplementedError
 
@@ -109,6 +106,10 @@ class NcclTransport(CollectiveTransport):
 class SymmMemTransport(Transport):
     name = "symm_mem"
 
+    def __init__(self, group, device: torch.device, timeout_s: float):
+        super().__init__(group, device, timeout_s)
+        self._views: dict = {}  # numel -> (mine, full) slot views of the current buffer
+
     def _allocate(self, numel):
         import torch.distributed._symmetric_memory as symm_mem
         half = self.world * numel  # one buffer; two alternate halves
@@ -121,10 +122,10 @@ class SymmMemTransport(Transport):
                                  dtype=torch.int64, device=self.device)
         self.parity = torch.zeros(2, dtype=torch.int32, device=self.device)
         self.capacity = numel
-        self._views = {}
+        self._views.clear()
 
     def slots(self, numel):
-        views = self._views.get(numel) if numel <= self.capacity else None
+        views = self._views.get(numel)  # emptied by every re-allocation
         if views is None:  # cached: slicing costs host µs on every call
             self.reserve(numel)
             full = self.buf[: self.world * self.capacity].view(self.world, self.capacity)
