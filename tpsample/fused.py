@@ -9,7 +9,7 @@ import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .kernels import (fused_sample_records_kernel, fused_sample_records_persistent_kernel,
-                      logits_records_kernel, reduce_records_kernel)
+                      gluon_sample, logits_records_kernel, reduce_records_kernel)
 from .torch_records import DEFAULT_TILE
 
 BLOCK_V = DEFAULT_TILE  # one record per 128 tokens everywhere: logmass partitions agree
@@ -190,6 +190,14 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
     peers = peer_ptrs if peer_ptrs is not None else seed  # never read when NUM_PEERS == 0
     parity = parity if parity is not None else seed
     bias_arg = bias if bias is not None else inv_temp  # never read when HAS_BIAS is False
+    if strategy == "ws" and peer_ptrs is None and ws_supported(hidden, weight, vocab_start):
+        return ws_records(hidden, weight, bias_arg, inv_temp, seed, offset, out, num_samples,
+                          n_real, vocab_start, bias is not None, need_mass, cfg, nw, maxnreg)
+    if strategy == "ws":  # the fallback for what the warp-specialized kernel does not take
+        strategy, cfg = "logits", dict(cfg, BLOCK_B=64)
+        grid, nw = (cdiv(B, 64), T), 8
+        consts.update(BLOCK_B=64, HALVINGS=0)
+        options = dict(num_warps=8)
     if strategy == "logits":
         logits = run_step(logits_fp32, (hidden, weight))
         run_kernel(logits_records_kernel, grid, (
@@ -225,6 +233,70 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
         B, D, V_rows, n_real, vocab_start, num_samples,
         hidden.stride(0), weight.stride(0), *out.stride()[:3], peers, parity),
         dict(consts, NUM_STAGES=cfg["NUM_STAGES"]), options)
+    return out
+
+
+WS_BLOCK_K = 64
+
+
+@functools.lru_cache(maxsize=None)
+def _is_hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
+def ws_supported(hidden, weight, vocab_start: int) -> bool:
+    """What the warp-specialized kernel (Gluon, wgmma: Hopper only) takes: 16-bit inputs
+    whose rows TMA can address (16-byte aligned), V_rows and vocab_start multiples of 4
+    (W is read as four row lanes, see kernels/gluon_sample.py)."""
+    dev = hidden.device
+    return (gluon_sample.AVAILABLE and dev.type == "cuda"
+            and _is_hopper(dev.index if dev.index is not None else torch.cuda.current_device())
+            and hidden.dtype in (torch.bfloat16, torch.float16) and weight.dtype == hidden.dtype
+            and hidden.stride(1) == 1 and weight.stride(1) == 1
+            and hidden.stride(0) % 8 == 0 and weight.stride(0) % 8 == 0
+            and hidden.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
+            and weight.shape[0] % 4 == 0 and vocab_start % 4 == 0)
+
+
+@functools.lru_cache(maxsize=64)
+def _ws_layouts(dtype: torch.dtype, block_b: int):
+    from triton.experimental.gluon import language as gl
+    gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    q = BLOCK_V // 4
+    return (gl.NVMMASharedLayout.get_default_for([4, q, WS_BLOCK_K], gdt),
+            gl.NVMMASharedLayout.get_default_for([block_b, WS_BLOCK_K], gdt))
+
+
+def ws_records(hidden, weight, bias_arg, inv_temp, seed, offset, out, num_samples, n_real,
+               vocab_start, has_bias, need_mass, cfg, num_warps, maxnreg):
+    """Stage 1 by the warp-specialized Hopper kernel (kernels/gluon_sample.py): a persistent
+    grid of one program per SM over [BLOCK_V, BLOCK_B] tiles. W [V_rows, D] is handed to TMA
+    as the view [4, V_rows / 4, D] (row 4q + a at [a, q]), so each tile lands in shared
+    memory in lane order."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    B, D = hidden.shape
+    V_rows = weight.shape[0]
+    block_b = cfg["BLOCK_B"]
+    w_layout, h_layout = _ws_layouts(hidden.dtype, block_b)
+    row = weight.stride(0)
+    w4 = weight.as_strided((4, V_rows // 4, D), (row, 4 * row, 1))
+    w_desc = GluonDescriptor(w4, list(w4.shape), list(w4.stride()), [4, BLOCK_V // 4, WS_BLOCK_K],
+                             w_layout)
+    h_desc = GluonDescriptor(hidden, list(hidden.shape), list(hidden.stride()),
+                             [block_b, WS_BLOCK_K], h_layout)
+    T = out.shape[2]
+    nb = cdiv(B, block_b)
+    tiles = T * nb
+    grid = (min(tiles, cfg.get("PROGRAMS_PER_SM", 1) * _num_sms(hidden.device)),)
+    run_kernel(gluon_sample.ws_records_kernel, grid, (
+        w_desc, h_desc, bias_arg, inv_temp, seed, offset, out, B, n_real, vocab_start,
+        num_samples, *out.stride()[:3], tiles, nb, cdiv(D, WS_BLOCK_K)),
+        dict(HAS_BIAS=has_bias, TILE_MASS=need_mass, STAGES=cfg["NUM_STAGES"],
+             EPI_B=cfg.get("EPI_B", 64), LOADER_REGS=cfg.get("LOADER_REGS", 24),
+             MMA_REGS=cfg.get("MMA_REGS", 168)),
+        # the register file split evenly over all warps (epilogue + 4 mma + 4 for the loader)
+        # before setmaxnreg moves registers from the loader to the others
+        dict(num_warps=num_warps, maxnreg=maxnreg or 65536 // (32 * (num_warps + 8)) // 8 * 8))
     return out
 
 

@@ -15,6 +15,10 @@
     python -m tpsample.probe --chunks [--batches 128,256]
         the hybrid's stage 1 with V in K chunks, each chunk's records pass on a side stream
         under the next chunk's GEMM
+    python -m tpsample.probe --ws [--shape ...] [--batches 64,128,256]
+        the warp-specialized Hopper stage 1 (kernels/gluon_sample.py) per config against the
+        shipped strategy and cuBLAS h @ W.T alone; first checks its records against the
+        hybrid's on the same inputs (tokens, scores, log-mass; bias, greedy rows, 2 samples)
     python -m tpsample.probe --host [--profile]
         host (Python) time per call of each piece of the call path, at tiny shapes so the GPU
         never becomes the bottleneck (µs, no synchronisation inside the timed loop)
@@ -276,6 +280,66 @@ def host_profile(fn, n=500, top=30):
               f"{os.path.basename(file)}:{line}({name})")
 
 
+WS_CONFIGS = [dict(BLOCK_B=bb, NUM_STAGES=st, EPI_B=eb, num_warps=nw)
+              for bb, st in ((128, 4), (128, 3), (64, 6), (64, 4)) for eb, nw in ((64, 8), (32, 4))
+              if eb <= bb]
+
+
+def ws_check(D=4096, V=50000, batches=(64, 200)) -> list:
+    """Records of the warp-specialized kernel against the hybrid's (cuBLAS fp32 logits): the
+    same noise, so tokens agree except where fp32 accumulation order flips a near-tie."""
+    out = []
+    for B, S, with_bias in itertools.product(batches, (1, 2), (False, True)):
+        w = torch.randn(V, D, device="cuda", dtype=torch.bfloat16) * 0.05
+        h = torch.randn(B, D, device="cuda", dtype=torch.bfloat16)
+        bias = torch.randn(V, device="cuda") if with_bias else None
+        temp = torch.rand(B, device="cuda") + 0.5
+        temp[::7] = 0.0  # greedy rows
+        p = row_params(h, temp, torch.arange(B, device="cuda") + 17, 5)
+        recs = {}
+        for name, cfg in (("ref", dict(strategy="logits", BLOCK_B=64, BLOCK_D=0, NUM_STAGES=0,
+                                       num_warps=8)),
+                          ("ws", dict(strategy="ws", **WS_CONFIGS[0]))):
+            recs[name] = fused.fused_records(h, w, bias=bias, inv_temp=p.inv_temp, seed=p.seed,
+                                             offset=p.offset, num_samples=S, n_real=V - 3,
+                                             config=cfg)
+        a, b = recs["ref"], recs["ws"]
+        same = (a[..., 1] == b[..., 1]).float().mean().item()
+        row = dict(B=B, S=S, bias=with_bias, token_agree=same,
+                   best_err=(a[..., 0] - b[..., 0]).abs().max().item(),
+                   lse_err=(a[..., 3] - b[..., 3]).abs().max().item(),
+                   logit_err=(a[..., 2] - b[..., 2]).abs().max().item())
+        ta, _, _ = fused.reduce_records(a[None], p.inv_temp, p.seed, p.offset, "max")
+        tb, _, _ = fused.reduce_records(b[None], p.inv_temp, p.seed, p.offset, "max")
+        row["sample_agree"] = (ta == tb).float().mean().item()
+        out.append(row)
+        print("check " + " ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+    return out
+
+
+def ws_sweep(D, V, B) -> dict:
+    bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=60, return_mode="median")  # noqa: E731
+    h, w, p, stage1 = setup(D, V, B)
+
+    def call(cfg):
+        def run():
+            rec = stage1(config=cfg)
+            return fused.reduce_records(rec[None], p.inv_temp, p.seed, p.offset, "max")
+        return run
+    r = dict(B=B, mm=bench(lambda: h @ w.T), shipped=bench(call(None)),
+             sample=bench(lambda: sample(h, w, seed=1, offset=0)))
+    for cfg in WS_CONFIGS:
+        key = "ws_b{BLOCK_B}_s{NUM_STAGES}_e{EPI_B}_w{num_warps}".format(**cfg)
+        try:
+            r[key] = bench(call(dict(strategy="ws", **cfg)))
+        except Exception as e:  # noqa: BLE001 - a config that does not compile/fit is skipped
+            r[key] = float("nan")
+            print(f"{key}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    best = min((k for k in r if k.startswith("ws_")), key=lambda k: r[k] if r[k] == r[k] else 1e9)
+    r.update(best=best, best_x_mm=r[best] / r["mm"], shipped_x_mm=r["shipped"] / r["mm"])
+    return r
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="4096x151936")
@@ -288,6 +352,7 @@ def main(argv=None):
     ap.add_argument("--noise", action="store_true", help="where the noise is drawn (NOISE_AT)")
     ap.add_argument("--chunks", action="store_true", help="hybrid with V chunks on two streams")
     ap.add_argument("--profile", action="store_true", help="with --host: cProfile of sample()")
+    ap.add_argument("--ws", action="store_true", help="warp-specialized Hopper stage 1")
     args = ap.parse_args(argv)
     if args.host:
         launch_paths()
@@ -305,8 +370,10 @@ def main(argv=None):
         torch.cuda.synchronize()
         return None
     rows = []
+    if args.ws:
+        rows.append(dict(check=ws_check()))
     for B in batches:
-        rows.append((ab_parts if args.ab else logits_pass if args.logits else chunked_hybrid
+        rows.append((ws_sweep if args.ws else ab_parts if args.ab else logits_pass if args.logits else chunked_hybrid
                      if args.chunks else noise_placement if args.noise else device_parts)(D, V, B))
         print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in rows[-1].items()),
               flush=True)

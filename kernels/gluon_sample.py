@@ -1,0 +1,248 @@
+"""Stage 1 for large batches on Hopper, warp-specialized (Gluon): the same records as
+fused_sample.py, with the tile's epilogue off the matmul's critical path.
+
+A persistent grid; each program walks [BLOCK_V, BLOCK_B] tiles (vocabulary × batch, batch
+tiles fastest so neighbouring programs read the same W tile through L2) with three
+partitions that talk through mbarriers:
+
+    loader   (1 warp)   TMA: W [BLOCK_V, BLOCK_K] and h [BLOCK_B, BLOCK_K] into a ring of
+                        STAGES shared-memory slots
+    mma      (4 warps)  wgmma over D into a register accumulator, then hands the fp32 tile
+                        over through shared memory
+    epilogue (default)  transforms, Gumbel noise, argmax → one record per (sample, row, tile)
+
+While the epilogue turns tile i into records, the mma warps already accumulate tile i + 1
+and the loader keeps the HBM stream going: the noise (84 instructions per token) is no
+longer serial with the matmul, which is what kept the Triton kernels ≥ 1.10 × cuBLAS at
+B ≥ 128 (docs/perf-notes.md, v1.7).
+
+The noise is bit-identical to fused_sample.gumbel_noise_tile: Philox (seed_b; id >> 2, s,
+offset_b) word id & 3 for the token with global id `id`. The epilogue reads the tile from
+shared memory as four [BLOCK_V / 4, BLOCK_B] "lanes" (rows 4q + a), so one Philox call
+serves four tokens without any register shuffles.
+
+Gluon has no interpreter: this module is compiled and run on Hopper GPUs only (tests marked
+gpu); everywhere else the Triton kernels produce the same records.
+"""
+import triton.language as tl
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    AVAILABLE = True
+except ImportError:  # Triton without Gluon (< 3.4)
+    AVAILABLE = False
+
+from .fused_sample import bits_to_gumbel
+
+if AVAILABLE:
+
+    @gluon.jit
+    def _loader(w_desc, h_desc, w_bufs, h_bufs, ready, empty, acc_buf, acc_ready, acc_empty,
+                num_tiles, num_b_tiles, k_steps, BLOCK_V: gl.constexpr, BLOCK_B: gl.constexpr,
+                BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+        # (worker partitions share one signature: the acc_* arguments are the mma's)
+        it = 0
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            v0 = (tile // num_b_tiles) * BLOCK_V
+            b0 = (tile % num_b_tiles) * BLOCK_B
+            for k in range(k_steps):
+                s = it % STAGES
+                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+                bar = ready.index(s)
+                mbarrier.expect(bar, w_desc.block_type.nbytes + h_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(w_desc, [0, v0 // 4, k * BLOCK_K], bar,
+                                                w_bufs.index(s))
+                tma.async_copy_global_to_shared(h_desc, [b0, k * BLOCK_K], bar, h_bufs.index(s))
+                it += 1
+
+    @gluon.jit
+    def _mma(w_desc, h_desc, w_bufs, h_bufs, ready, empty, acc_buf, acc_ready, acc_empty,
+             num_tiles, num_b_tiles, k_steps, BLOCK_V: gl.constexpr, BLOCK_B: gl.constexpr,
+             BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_B, 16])
+        it = 0
+        n = 0
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            acc = gl.zeros([BLOCK_V, BLOCK_B], gl.float32, layout)
+            for k in range(k_steps):
+                s = it % STAGES
+                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                acc = warpgroup_mma(w_bufs.index(s).reshape([BLOCK_V, BLOCK_K]),
+                                    h_bufs.index(s).permute((1, 0)), acc, is_async=True)
+                # the previous step's MMA is done: its slot goes back to the loader
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+                mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=k > 0)
+                it += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
+            mbarrier.wait(acc_empty, (n & 1) ^ 1)
+            acc_buf.store(acc)
+            mbarrier.arrive(acc_ready)
+            n += 1
+
+    @gluon.jit
+    def _epilogue(acc_buf, acc_ready, acc_empty, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr,
+                  rec_ptr, B, n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b,
+                  rec_stride_t, num_tiles, num_b_tiles, HAS_BIAS: gl.constexpr,
+                  TILE_MASS: gl.constexpr, BLOCK_V: gl.constexpr, BLOCK_B: gl.constexpr,
+                  EPI_B: gl.constexpr, EPI_WARPS: gl.constexpr):
+        n = 0
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            pid_v = tile // num_b_tiles
+            b0 = (tile % num_b_tiles) * BLOCK_B
+            mbarrier.wait(acc_ready, n & 1)
+            # column chunks of EPI_B keep the per-thread state small (no spills)
+            for c in gl.static_range(BLOCK_B // EPI_B):
+                if b0 + c * EPI_B < B:
+                    _chunk_records(acc_buf.slice(c * EPI_B, EPI_B, dim=1), pid_v, b0 + c * EPI_B,
+                                   bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr, B,
+                                   n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b,
+                                   rec_stride_t, HAS_BIAS, TILE_MASS, BLOCK_V, EPI_B, EPI_WARPS)
+            mbarrier.arrive(acc_empty)  # the mma warps may overwrite the buffer now
+            n += 1
+
+    @gluon.jit
+    def _chunk_records(view, pid_v, b0, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr, B,
+                       n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b, rec_stride_t,
+                       HAS_BIAS: gl.constexpr, TILE_MASS: gl.constexpr, BLOCK_V: gl.constexpr,
+                       EPI_B: gl.constexpr, EPI_WARPS: gl.constexpr):
+        """Records of columns [b0, b0 + EPI_B) of the tile in `view` [BLOCK_V, EPI_B] (rows in
+        lane order: row a·Q + q holds token 4q + a, see the loader)."""
+        Q: gl.constexpr = BLOCK_V // 4
+        # lanes [Q, EPI_B]: a warp spans the columns (conflict-free shared reads), the rows
+        # of a column spread over the warps (the argmax reduces over axis 0)
+        TPW_B: gl.constexpr = 32 if EPI_B >= 32 else EPI_B
+        lane_l: gl.constexpr = gl.BlockedLayout([1, EPI_B // TPW_B], [32 // TPW_B, TPW_B],
+                                                [EPI_WARPS, 1], [1, 0])
+        col_l: gl.constexpr = gl.SliceLayout(0, lane_l)
+        q = gl.expand_dims(gl.arange(0, Q, layout=gl.SliceLayout(1, lane_l)), 1)  # [Q, 1]
+        offs_b = b0 + gl.arange(0, EPI_B, layout=col_l)
+        mask_b = offs_b < B
+        inv_t = gl.load(inv_temp_ptr + offs_b, mask=mask_b, other=1.0)
+        greedy = gl.expand_dims(inv_t == 0.0, 0)
+        scale = gl.expand_dims(gl.where(inv_t == 0.0, 1.0, inv_t), 0)
+        row0 = pid_v * BLOCK_V + 4 * q  # local vocabulary row of lane 0
+
+        # the tile max, NaN if any logit of the column is NaN (see fused_sample.py)
+        mx = _lane(view, 0, lane_l, row0, scale, bias_ptr, n_real, HAS_BIAS)
+        for a in gl.static_range(1, 4):
+            mx = _nan_max(mx, _lane(view, a, lane_l, row0, scale, bias_ptr, n_real, HAS_BIAS))
+        m = gl.reduce(mx, 0, _nan_max)
+        if TILE_MASS:
+            m_safe = gl.where(m == float("-inf"), 0.0, m)
+            mass = gl.zeros_like(mx)
+            for a in gl.static_range(4):
+                la = _lane(view, a, lane_l, row0, scale, bias_ptr, n_real, HAS_BIAS)
+                mass += gl.exp(gl.where(la != la, float("-inf"), la) - gl.expand_dims(m_safe, 0))
+            lse = m_safe + gl.log(gl.sum(mass, axis=0))
+            lse = gl.where(m != m, m, lse)
+        else:
+            lse = m
+
+        seed = gl.expand_dims(gl.load(seed_ptr + offs_b, mask=mask_b, other=0), 0)
+        off = gl.load(offset_ptr + offs_b, mask=mask_b, other=0)
+        zero = gl.zeros([Q, EPI_B], gl.uint32, lane_l)
+        off_lo = gl.expand_dims((off & 0xFFFFFFFF).to(gl.uint32), 0) + zero
+        off_hi = gl.expand_dims(((off >> 32) & 0xFFFFFFFF).to(gl.uint32), 0) + zero
+        seed = seed + zero.to(gl.int64)
+        tile_start = vocab_start + pid_v * BLOCK_V
+        c0 = ((tile_start >> 2) + q).to(gl.uint32) + zero
+        rec = rec_ptr + offs_b.to(gl.int64) * rec_stride_b + pid_v.to(gl.int64) * rec_stride_t
+        for s in range(num_samples):
+            r0, r1, r2, r3 = tl.philox(seed, c0, zero + s.to(gl.uint32), off_lo, off_hi)
+            # per position q: the best lane (first on ties: lanes are in id order), then the
+            # best position of the column (first on ties: smallest id)
+            zb = _lane_z(view, 0, lane_l, row0, scale, bias_ptr, n_real, HAS_BIAS, greedy, r0)
+            za = gl.zeros([Q, EPI_B], gl.int32, lane_l)
+            z = _lane_z(view, 1, lane_l, row0, scale, bias_ptr, n_real, HAS_BIAS, greedy, r1)
+            za = gl.where(z > zb, 1, za)
+            zb = gl.maximum(z, zb)
+            z = _lane_z(view, 2, lane_l, row0, scale, bias_ptr, n_real, HAS_BIAS, greedy, r2)
+            za = gl.where(z > zb, 2, za)
+            zb = gl.maximum(z, zb)
+            z = _lane_z(view, 3, lane_l, row0, scale, bias_ptr, n_real, HAS_BIAS, greedy, r3)
+            za = gl.where(z > zb, 3, za)
+            zb = gl.maximum(z, zb)
+            best = gl.max(zb, axis=0)
+            idx = gl.min(gl.where(zb == gl.expand_dims(best, 0), 4 * q + za, BLOCK_V), axis=0)
+            if TILE_MASS:  # the winner's transformed logit
+                i2 = gl.expand_dims(idx, 0)
+                acc = gl.zeros([Q, EPI_B], gl.float32, lane_l)
+                for a in gl.static_range(4):
+                    la = _lane(view, a, lane_l, row0, scale, bias_ptr, n_real, HAS_BIAS)
+                    acc += gl.where(4 * q + a == i2, la, 0.0)
+                logit = gl.sum(acc, axis=0)
+            else:
+                logit = gl.zeros_like(best)
+            at = rec + s * rec_stride_s
+            gl.store(at + 0, best, mask=mask_b)
+            gl.store(at + 1, (tile_start + idx).to(gl.float32), mask=mask_b)
+            gl.store(at + 2, logit, mask=mask_b)
+            gl.store(at + 3, lse, mask=mask_b)
+
+    @gluon.jit
+    def _lane(view, a: gl.constexpr, layout: gl.constexpr, row0, scale, bias_ptr, n_real,
+              HAS_BIAS: gl.constexpr):
+        """Transformed logits of lane a (tokens 4q + a): (acc + bias) · (1 / T), -inf beyond
+        the vocabulary (NaN stays NaN)."""
+        Q: gl.constexpr = view.shape[0] // 4
+        rows = row0 + a
+        x = view.slice(a * Q, Q, dim=0).load(layout)
+        if HAS_BIAS:
+            x += gl.load(bias_ptr + rows, mask=rows < n_real, other=0.0)
+        x = x * scale
+        return gl.where(rows < n_real, x, float("-inf"))
+
+    @gluon.jit
+    def _lane_z(view, a: gl.constexpr, layout: gl.constexpr, row0, scale, bias_ptr, n_real,
+                HAS_BIAS: gl.constexpr, greedy, bits):
+        """Perturbed scores of lane a: l + Gumbel (l alone for greedy rows; NaN → -inf)."""
+        la = _lane(view, a, layout, row0, scale, bias_ptr, n_real, HAS_BIAS)
+        la = gl.where(la != la, float("-inf"), la)
+        return gl.where(greedy, la, la + bits_to_gumbel(bits))
+
+    @gluon.jit
+    def _nan_max(a, b):
+        return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+    @gluon.jit
+    def ws_records_kernel(
+        w_desc, h_desc, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr,
+        B, n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b, rec_stride_t,
+        num_tiles, num_b_tiles, k_steps,
+        HAS_BIAS: gl.constexpr, TILE_MASS: gl.constexpr, STAGES: gl.constexpr, EPI_B: gl.constexpr,
+        LOADER_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
+    ):
+        """Records [S, B, T, 4] of the tiles (vocabulary × batch) of this program; see the
+        module docstring. num_warps (the epilogue's warps) must be 4 or 8."""
+        BLOCK_V: gl.constexpr = 4 * w_desc.block_type.shape[1]
+        BLOCK_K: gl.constexpr = w_desc.block_type.shape[2]
+        BLOCK_B: gl.constexpr = h_desc.block_type.shape[0]
+        w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape,
+                                           w_desc.layout)
+        h_bufs = gl.allocate_shared_memory(h_desc.dtype, [STAGES, BLOCK_B, BLOCK_K], h_desc.layout)
+        acc_buf = gl.allocate_shared_memory(gl.float32, [BLOCK_V, BLOCK_B],
+                                            gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        acc_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        acc_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(acc_ready, count=1)
+        mbarrier.init(acc_empty, count=1)
+        gl.warp_specialize([
+            (_epilogue, (acc_buf, acc_ready, acc_empty, bias_ptr, inv_temp_ptr, seed_ptr,
+                         offset_ptr, rec_ptr, B, n_real, vocab_start, num_samples, rec_stride_s,
+                         rec_stride_b, rec_stride_t, num_tiles, num_b_tiles, HAS_BIAS, TILE_MASS,
+                         BLOCK_V, BLOCK_B, EPI_B, gl.num_warps())),
+            (_mma, (w_desc, h_desc, w_bufs, h_bufs, ready, empty, acc_buf, acc_ready, acc_empty,
+                    num_tiles, num_b_tiles, k_steps, BLOCK_V, BLOCK_B, BLOCK_K, STAGES)),
+            (_loader, (w_desc, h_desc, w_bufs, h_bufs, ready, empty, acc_buf, acc_ready, acc_empty,
+                       num_tiles, num_b_tiles, k_steps, BLOCK_V, BLOCK_B, BLOCK_K, STAGES)),
+        ], [4, 1], [MMA_REGS, LOADER_REGS])
