@@ -16,7 +16,13 @@ pytestmark = pytest.mark.gpu
 CONFIGS = [None,
            dict(strategy="fused", BLOCK_B=16, BLOCK_D=128, NUM_STAGES=4, num_warps=4),
            dict(strategy="fused", BLOCK_B=64, BLOCK_D=64, NUM_STAGES=3, num_warps=8),
-           dict(strategy="logits", BLOCK_B=32, BLOCK_D=0, NUM_STAGES=0, num_warps=4)]
+           dict(strategy="logits", BLOCK_B=32, BLOCK_D=0, NUM_STAGES=0, num_warps=4),
+           dict(strategy="ws", BLOCK_B=64, NUM_STAGES=6, EPI_B=32, num_warps=4),
+           dict(strategy="ws", BLOCK_B=128, NUM_STAGES=4, EPI_B=64, num_warps=8)]
+
+
+def hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
 @pytest.mark.parametrize("B", [1, 7, 64, 200])
@@ -38,6 +44,27 @@ def test_kernel_matches_reference_at_llm_shape(B):
         assert (logz.double() - ref.logz).abs().max() < 1e-3
         same = tokens == ref.tokens
         assert (logprobs.double()[same] - ref.logprobs[same]).abs().max() < 1e-3
+
+
+@pytest.mark.skipif(not hopper(), reason="the warp-specialized kernel is Hopper-only")
+@pytest.mark.parametrize("merge", ["max", "logmass"])
+def test_ws_kernel_chi2_and_hybrid_records(merge):
+    """The warp-specialized kernel (kernels/gluon_sample.py), forced: its tokens follow
+    softmax (chi-squared, two samples per row so the sample loop is covered, D = 96 so the
+    last D step is a partial TMA box) and its records are the hybrid's (same noise)."""
+    h, w = lm_head_case("zipf", V=1000, D=96, dtype=torch.bfloat16, device="cuda", seed=5)
+    rows, S = 2000, 20
+    hh = h.expand(rows, -1).contiguous()
+    p = row_params(hh, 0.9, torch.arange(rows, device="cuda") * 7919 + 1, 0)
+    assert fused.ws_supported(hh, w, 0)
+    recs = [fused.fused_records(hh, w, bias=None, inv_temp=p.inv_temp, seed=p.seed,
+                                offset=p.offset, num_samples=S, n_real=1000, config=cfg)
+            for cfg in (dict(strategy="ws", BLOCK_B=128, NUM_STAGES=4, EPI_B=64, num_warps=8),
+                        dict(strategy="logits", BLOCK_B=64, BLOCK_D=0, NUM_STAGES=0, num_warps=8))]
+    assert (recs[0][..., 1] == recs[1][..., 1]).float().mean() > 0.999
+    assert (recs[0][..., 3] - recs[1][..., 3]).abs().max() < 1e-4
+    tokens = fused.reduce_records(recs[0][None], p.inv_temp, p.seed, p.offset, merge)[0]
+    assert chi2_pvalue(tokens, exact_probs(h, w, temperature=0.9)) > ALPHA
 
 
 @pytest.mark.parametrize("merge", ["max", "logmass"])

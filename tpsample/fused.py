@@ -36,7 +36,9 @@ def kernel_config(B: int, D: int, dtype: torch.dtype, device_type: str = "cuda",
     strategy "fused": the matmul runs inside the kernel (logits never leave registers);
     "persistent": the same with a fixed grid of PROGRAMS_PER_SM × SMs programs walking the
     tiles (epilogue overlapped with the next tile's loads);
-    "logits": cuBLAS writes fp32 logits and one Triton pass turns them into records.
+    "logits": cuBLAS writes fp32 logits and one Triton pass turns them into records;
+    "ws" (Hopper): the warp-specialized Gluon kernel (kernels/gluon_sample.py), "logits"
+    where it does not apply (ws_supported).
     NOISE_STEP (fused, one sample): the noise is drawn in D step int(NOISE_STEP * steps) of
     the main loop, under the loads in flight, instead of in the epilogue; NOISE_CHUNKS (1, 2,
     4) splits it into row blocks drawn NOISE_EVERY (default 2) steps apart.
@@ -48,8 +50,9 @@ def kernel_config(B: int, D: int, dtype: torch.dtype, device_type: str = "cuda",
     if table:
         bucket = min((b for b in table if b >= B), default=max(table))
         return dict(table[bucket])
-    if B > 64:  # measured on H100: cuBLAS + records pass beats the fused main loop here
-        return dict(strategy="logits", BLOCK_B=64, BLOCK_D=0, NUM_STAGES=0, num_warps=8)
+    if B > 64:  # Hopper: the warp-specialized kernel (elsewhere it falls back to "logits":
+        # cuBLAS + records pass, which beats the fused main loop there)
+        return dict(strategy="ws", BLOCK_B=128, NUM_STAGES=4, EPI_B=64, num_warps=8)
     block_b = min(max(16, next_pow2(B)), 64)
     return dict(strategy="fused", BLOCK_B=block_b, BLOCK_D=64 if dtype == torch.float32 else 128,
                 NUM_STAGES=4, num_warps=4 if block_b <= 16 else 8)

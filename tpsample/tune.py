@@ -24,7 +24,14 @@ from .api import row_params
 CONFIG_DIR = Path(__file__).parent / "configs"
 
 
-def candidates(B: int, strategies=("fused", "persistent", "logits")):
+# (BLOCK_B, NUM_STAGES, EPI_B, num_warps) of the warp-specialized Hopper kernel: shared
+# memory holds the ring (BLOCK_V + BLOCK_B) x 64 x 2 B per stage plus the fp32 tile handed
+# to the epilogue, so wide tiles get fewer stages (perf notes v1.7)
+WS_TILES = ((128, 4, 64, 8), (128, 3, 64, 8), (64, 6, 64, 8), (64, 6, 32, 4), (64, 4, 64, 8),
+            (32, 8, 32, 4))
+
+
+def candidates(B: int, strategies=("fused", "persistent", "logits", "ws")):
     bb_max = min(max(16, triton.next_power_of_2(B)), 128)  # 256: ~2x slower than 128
     # BLOCK_B = 64 is also tried at large B (acc [128, 128+] fp32 spills); NUM_STAGES = 2
     # halves the pipeline's shared memory so two programs share an SM and one's epilogue
@@ -53,6 +60,10 @@ def candidates(B: int, strategies=("fused", "persistent", "logits")):
                 continue
             yield dict(strategy="persistent", BLOCK_B=bb, BLOCK_D=bd, NUM_STAGES=st, num_warps=nw,
                        PROGRAMS_PER_SM=per_sm)
+    if "ws" in strategies and B >= 32:
+        for bb, st, eb, nw in WS_TILES:
+            if bb <= max(64, triton.next_power_of_2(B)):
+                yield dict(strategy="ws", BLOCK_B=bb, NUM_STAGES=st, EPI_B=eb, num_warps=nw)
     if "logits" in strategies:
         for bb, nw in LOGITS_TILES:
             yield dict(strategy="logits", BLOCK_B=bb, BLOCK_D=0, NUM_STAGES=0, num_warps=nw)
@@ -73,7 +84,7 @@ def around_table(B: int, D: int):
         for bb, nw in LOGITS_TILES:
             yield dict(base, BLOCK_B=bb, num_warps=nw)
         return
-    if base["strategy"] != "fused":
+    if base["strategy"] != "fused":  # ws: its neighbours come from candidates(..., ["ws"])
         return
     bb = base["BLOCK_B"]
     for step in (None, 0.125, 0.25, 0.5):
@@ -90,14 +101,14 @@ def around_table(B: int, D: int):
 
 
 def candidates_for(B: int, D: int, strategies):
-    if strategies == ["table"]:
-        seen = []
-        for c in around_table(B, D):
-            if c not in seen:
-                seen.append(c)
-                yield c
-        return
-    yield from candidates(B, strategies)
+    """around_table's configs if "table" is listed, then the listed strategies' candidates."""
+    rest = [s for s in strategies if s != "table"]
+    seen = []
+    for c in itertools.chain(around_table(B, D) if "table" in strategies else (),
+                             candidates(B, rest) if rest else ()):
+        if c not in seen:
+            seen.append(c)
+            yield c
 
 
 def device_key() -> str:
@@ -147,9 +158,9 @@ def main(argv=None):
     ap.add_argument("--shapes", default="4096x151936,8192x128256")
     ap.add_argument("--batches", default="1,2,4,8,16,32,64,128,256")
     ap.add_argument("--rep-ms", type=int, default=40)
-    ap.add_argument("--strategies", default="fused,persistent,logits",
-                    help="comma list of fused,persistent,logits; or 'table': the shipped config "
-                         "and its TMA / stage / register-cap neighbours only (quick re-tune)")
+    ap.add_argument("--strategies", default="fused,persistent,logits,ws",
+                    help="comma list of fused,persistent,logits,ws and 'table' (the shipped "
+                         "config and its TMA / stage / register-cap neighbours: quick re-tune)")
     ap.add_argument("--out", default=None, help="JSON path (default tpsample/configs/<device>.json)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
