@@ -209,7 +209,9 @@ if AVAILABLE:
     def _nan_max(a, b):
         return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
-    @gluon.jit
+    # B == 1 specialised together with one batch tile trips an assertion in Triton 3.6's
+    # ConvertTritonGPUToLLVM (the column offsets fold to constants); B stays a runtime value
+    @gluon.jit(do_not_specialize=["B"])
     def ws_records_kernel(
         w_desc, h_desc, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr,
         B, n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b, rec_stride_t,
