@@ -42,8 +42,8 @@ if AVAILABLE:
     @gluon.jit
     def _loader(w_desc, h_desc, w_bufs, h_bufs, ready, empty, acc_buf, acc_ready, acc_empty,
                 num_tiles, num_b_tiles, k_steps, BLOCK_V: gl.constexpr, BLOCK_B: gl.constexpr,
-                BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
-        # (worker partitions share one signature: the acc_* arguments are the mma's)
+                BLOCK_K: gl.constexpr, STAGES: gl.constexpr, MMA_WARPS: gl.constexpr):
+        # (worker partitions share one signature: the acc_* and MMA_* arguments are the mma's)
         it = 0
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             v0 = (tile // num_b_tiles) * BLOCK_V
@@ -61,9 +61,12 @@ if AVAILABLE:
     @gluon.jit
     def _mma(w_desc, h_desc, w_bufs, h_bufs, ready, empty, acc_buf, acc_ready, acc_empty,
              num_tiles, num_b_tiles, k_steps, BLOCK_V: gl.constexpr, BLOCK_B: gl.constexpr,
-             BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
-        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BLOCK_B, 16])
+             BLOCK_K: gl.constexpr, STAGES: gl.constexpr, MMA_WARPS: gl.constexpr):
+        # 4 warps: one warpgroup owns all BLOCK_V rows; 8: two warpgroups of 64 rows each
+        # (for BLOCK_B = 256, whose accumulator one warpgroup cannot hold)
+        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
+                                                         warps_per_cta=[MMA_WARPS, 1],
+                                                         instr_shape=[16, min(BLOCK_B, 128), 16])
         it = 0
         n = 0
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
@@ -217,7 +220,7 @@ if AVAILABLE:
         B, n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b, rec_stride_t,
         num_tiles, num_b_tiles, k_steps,
         HAS_BIAS: gl.constexpr, TILE_MASS: gl.constexpr, STAGES: gl.constexpr, EPI_B: gl.constexpr,
-        LOADER_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
+        LOADER_REGS: gl.constexpr, MMA_REGS: gl.constexpr, MMA_WARPS: gl.constexpr = 4,
     ):
         """Records [S, B, T, 4] of the tiles (vocabulary × batch) of this program; see the
         module docstring. num_warps (the epilogue's warps) must be 4 or 8."""
@@ -244,7 +247,9 @@ if AVAILABLE:
                          rec_stride_b, rec_stride_t, num_tiles, num_b_tiles, HAS_BIAS, TILE_MASS,
                          BLOCK_V, BLOCK_B, EPI_B, gl.num_warps())),
             (_mma, (w_desc, h_desc, w_bufs, h_bufs, ready, empty, acc_buf, acc_ready, acc_empty,
-                    num_tiles, num_b_tiles, k_steps, BLOCK_V, BLOCK_B, BLOCK_K, STAGES)),
+                    num_tiles, num_b_tiles, k_steps, BLOCK_V, BLOCK_B, BLOCK_K, STAGES,
+                    MMA_WARPS)),
             (_loader, (w_desc, h_desc, w_bufs, h_bufs, ready, empty, acc_buf, acc_ready, acc_empty,
-                       num_tiles, num_b_tiles, k_steps, BLOCK_V, BLOCK_B, BLOCK_K, STAGES)),
-        ], [4, 1], [MMA_REGS, LOADER_REGS])
+                       num_tiles, num_b_tiles, k_steps, BLOCK_V, BLOCK_B, BLOCK_K, STAGES,
+                       MMA_WARPS)),
+        ], [MMA_WARPS, 1], [MMA_REGS, LOADER_REGS])

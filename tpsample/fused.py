@@ -262,12 +262,12 @@ def ws_supported(hidden, weight, vocab_start: int) -> bool:
 
 
 @functools.lru_cache(maxsize=64)
-def _ws_layouts(dtype: torch.dtype, block_b: int):
+def _ws_layouts(dtype: torch.dtype, block_b: int, block_k: int):
     from triton.experimental.gluon import language as gl
     gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
     q = BLOCK_V // 4
-    return (gl.NVMMASharedLayout.get_default_for([4, q, WS_BLOCK_K], gdt),
-            gl.NVMMASharedLayout.get_default_for([block_b, WS_BLOCK_K], gdt))
+    return (gl.NVMMASharedLayout.get_default_for([4, q, block_k], gdt),
+            gl.NVMMASharedLayout.get_default_for([block_b, block_k], gdt))
 
 
 def ws_records(hidden, weight, bias_arg, inv_temp, seed, offset, out, num_samples, n_real,
@@ -279,27 +279,29 @@ def ws_records(hidden, weight, bias_arg, inv_temp, seed, offset, out, num_sample
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
     B, D = hidden.shape
     V_rows = weight.shape[0]
-    block_b = cfg["BLOCK_B"]
-    w_layout, h_layout = _ws_layouts(hidden.dtype, block_b)
+    block_b, block_k = cfg["BLOCK_B"], cfg.get("BLOCK_K", WS_BLOCK_K)
+    mma_warps = 8 if block_b > 128 else 4  # one warpgroup holds at most a [128, 128] fp32 tile
+    w_layout, h_layout = _ws_layouts(hidden.dtype, block_b, block_k)
     row = weight.stride(0)
     w4 = weight.as_strided((4, V_rows // 4, D), (row, 4 * row, 1))
-    w_desc = GluonDescriptor(w4, list(w4.shape), list(w4.stride()), [4, BLOCK_V // 4, WS_BLOCK_K],
+    w_desc = GluonDescriptor(w4, list(w4.shape), list(w4.stride()), [4, BLOCK_V // 4, block_k],
                              w_layout)
     h_desc = GluonDescriptor(hidden, list(hidden.shape), list(hidden.stride()),
-                             [block_b, WS_BLOCK_K], h_layout)
+                             [block_b, block_k], h_layout)
     T = out.shape[2]
     nb = cdiv(B, block_b)
     tiles = T * nb
     grid = (min(tiles, cfg.get("PROGRAMS_PER_SM", 1) * _num_sms(hidden.device)),)
     run_kernel(gluon_sample.ws_records_kernel, grid, (
         w_desc, h_desc, bias_arg, inv_temp, seed, offset, out, B, n_real, vocab_start,
-        num_samples, *out.stride()[:3], tiles, nb, cdiv(D, WS_BLOCK_K)),
+        num_samples, *out.stride()[:3], tiles, nb, cdiv(D, block_k)),
         dict(HAS_BIAS=has_bias, TILE_MASS=need_mass, STAGES=cfg["NUM_STAGES"],
              EPI_B=cfg.get("EPI_B", 64), LOADER_REGS=cfg.get("LOADER_REGS", 24),
-             MMA_REGS=cfg.get("MMA_REGS", 168)),
-        # the register file split evenly over all warps (epilogue + 4 mma + 4 for the loader)
+             MMA_REGS=cfg.get("MMA_REGS", 168 if mma_warps == 4 else 160), MMA_WARPS=mma_warps),
+        # the register file split evenly over all warps (epilogue + mma + 4 for the loader)
         # before setmaxnreg moves registers from the loader to the others
-        dict(num_warps=num_warps, maxnreg=maxnreg or 65536 // (32 * (num_warps + 8)) // 8 * 8))
+        dict(num_warps=num_warps,
+             maxnreg=maxnreg or 65536 // (32 * (num_warps + mma_warps + 4)) // 8 * 8))
     return out
 
 

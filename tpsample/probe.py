@@ -280,9 +280,9 @@ def host_profile(fn, n=500, top=30):
               f"{os.path.basename(file)}:{line}({name})")
 
 
-WS_CONFIGS = [dict(BLOCK_B=bb, NUM_STAGES=st, EPI_B=eb, num_warps=nw)
-              for bb, st in ((128, 4), (128, 3), (64, 6), (64, 4)) for eb, nw in ((64, 8), (32, 4))
-              if eb <= bb]
+WS_CONFIGS = [dict(BLOCK_B=bb, NUM_STAGES=st, EPI_B=eb, num_warps=nw, BLOCK_K=bk)
+              for bb, st, bk in ((128, 4, 64), (256, 2, 64), (256, 4, 32), (64, 6, 64))
+              for eb, nw in ((64, 8), (32, 4)) if not (bb == 256 and nw == 8)]
 
 
 def ws_check(D=4096, V=50000, batches=(64, 200)) -> list:
@@ -299,13 +299,16 @@ def ws_check(D=4096, V=50000, batches=(64, 200)) -> list:
         recs = {}
         for name, cfg in (("ref", dict(strategy="logits", BLOCK_B=64, BLOCK_D=0, NUM_STAGES=0,
                                        num_warps=8)),
-                          ("ws", dict(strategy="ws", **WS_CONFIGS[0]))):
+                          ("ws", dict(strategy="ws", **WS_CONFIGS[0])),
+                          ("ws256", dict(strategy="ws", **WS_CONFIGS[3]))):
             recs[name] = fused.fused_records(h, w, bias=bias, inv_temp=p.inv_temp, seed=p.seed,
                                              offset=p.offset, num_samples=S, n_real=V - 3,
                                              config=cfg)
         a, b = recs["ref"], recs["ws"]
         same = (a[..., 1] == b[..., 1]).float().mean().item()
         row = dict(B=B, S=S, bias=with_bias, token_agree=same,
+                   agree_256=(a[..., 1] == recs["ws256"][..., 1]).float().mean().item(),
+                   best_err_256=(a[..., 0] - recs["ws256"][..., 0]).abs().max().item(),
                    best_err=(a[..., 0] - b[..., 0]).abs().max().item(),
                    lse_err=(a[..., 3] - b[..., 3]).abs().max().item(),
                    logit_err=(a[..., 2] - b[..., 2]).abs().max().item())
@@ -329,7 +332,7 @@ def ws_sweep(D, V, B) -> dict:
     r = dict(B=B, mm=bench(lambda: h @ w.T), shipped=bench(call(None)),
              sample=bench(lambda: sample(h, w, seed=1, offset=0)))
     for cfg in WS_CONFIGS:
-        key = "ws_b{BLOCK_B}_s{NUM_STAGES}_e{EPI_B}_w{num_warps}".format(**cfg)
+        key = "ws_b{BLOCK_B}_s{NUM_STAGES}_k{BLOCK_K}_e{EPI_B}_w{num_warps}".format(**cfg)
         try:
             r[key] = bench(call(dict(strategy="ws", **cfg)))
         except Exception as e:  # noqa: BLE001 - a config that does not compile/fit is skipped
