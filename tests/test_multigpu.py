@@ -53,7 +53,7 @@ def gpu_rank(rank, world, transport, merge, B):
 
 @pytest.mark.parametrize("transport", ["symm_mem", "nccl"])
 @pytest.mark.parametrize("merge", ["max", "logmass"])
-@pytest.mark.parametrize("B", [16, 192])  # 192: the hybrid (cuBLAS + records pass) strategy
+@pytest.mark.parametrize("B", [16, 192])  # 192: the hybrid (cuBLAS + records pass) or, on Hopper, the warp-specialized kernel
 def test_tp_gpu_transports(transport, merge, B):
     world = min(torch.cuda.device_count(), 4)
     outs = run_world(world, gpu_rank, transport, merge, B, backend="nccl")

@@ -194,8 +194,10 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
     parity = parity if parity is not None else seed
     bias_arg = bias if bias is not None else inv_temp  # never read when HAS_BIAS is False
     if strategy == "ws" and peer_ptrs is None and ws_supported(hidden, weight, vocab_start):
-        return ws_records(hidden, weight, bias_arg, inv_temp, seed, offset, out, num_samples,
-                          n_real, vocab_start, bias is not None, need_mass, cfg, nw, maxnreg)
+        # one recorded step (descriptors are rebuilt around each call's tensors on replay)
+        return run_step(ws_records, (hidden, weight, bias_arg, inv_temp, seed, offset, out,
+                                     num_samples, n_real, vocab_start, bias is not None,
+                                     need_mass, cfg, nw, maxnreg))
     if strategy == "ws":  # the fallback for what the warp-specialized kernel does not take
         strategy, cfg = "logits", dict(cfg, BLOCK_B=64)
         grid, nw = (cdiv(B, 64), T), 8
@@ -275,7 +277,8 @@ def ws_records(hidden, weight, bias_arg, inv_temp, seed, offset, out, num_sample
     """Stage 1 by the warp-specialized Hopper kernel (kernels/gluon_sample.py): a persistent
     grid of one program per SM over [BLOCK_V, BLOCK_B] tiles. W [V_rows, D] is handed to TMA
     as the view [4, V_rows / 4, D] (row 4q + a at [a, q]), so each tile lands in shared
-    memory in lane order."""
+    memory in lane order. Launched directly, not through run_kernel: fused_records records
+    this whole function as one step (tpsample.replay), so a replay rebuilds the descriptors."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
     B, D = hidden.shape
     V_rows = weight.shape[0]
@@ -292,16 +295,15 @@ def ws_records(hidden, weight, bias_arg, inv_temp, seed, offset, out, num_sample
     nb = cdiv(B, block_b)
     tiles = T * nb
     grid = (min(tiles, cfg.get("PROGRAMS_PER_SM", 1) * _num_sms(hidden.device)),)
-    run_kernel(gluon_sample.ws_records_kernel, grid, (
+    gluon_sample.ws_records_kernel[grid](
         w_desc, h_desc, bias_arg, inv_temp, seed, offset, out, B, n_real, vocab_start,
-        num_samples, *out.stride()[:3], tiles, nb, cdiv(D, block_k)),
-        dict(HAS_BIAS=has_bias, TILE_MASS=need_mass, STAGES=cfg["NUM_STAGES"],
-             EPI_B=cfg.get("EPI_B", 64), LOADER_REGS=cfg.get("LOADER_REGS", 24),
-             MMA_REGS=cfg.get("MMA_REGS", 168 if mma_warps == 4 else 160), MMA_WARPS=mma_warps),
+        num_samples, *out.stride()[:3], tiles, nb, cdiv(D, block_k),
+        HAS_BIAS=has_bias, TILE_MASS=need_mass, STAGES=cfg["NUM_STAGES"],
+        EPI_B=cfg.get("EPI_B", 64), LOADER_REGS=cfg.get("LOADER_REGS", 24),
+        MMA_REGS=cfg.get("MMA_REGS", 168 if mma_warps == 4 else 160), MMA_WARPS=mma_warps,
         # the register file split evenly over all warps (epilogue + mma + 4 for the loader)
         # before setmaxnreg moves registers from the loader to the others
-        dict(num_warps=num_warps,
-             maxnreg=maxnreg or 65536 // (32 * (num_warps + mma_warps + 4)) // 8 * 8))
+        num_warps=num_warps, maxnreg=maxnreg or 65536 // (32 * (num_warps + mma_warps + 4)) // 8 * 8)
     return out
 
 
