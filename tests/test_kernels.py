@@ -110,7 +110,9 @@ def test_tokens_invariant_to_tile_sizes_and_backend(device):
     results = []
     for cfg in [dict(strategy="fused", BLOCK_B=16, BLOCK_D=32, NUM_STAGES=1, num_warps=4),
                 dict(strategy="fused", BLOCK_B=64, BLOCK_D=64, NUM_STAGES=1, num_warps=4),
-                dict(strategy="logits", BLOCK_B=32, BLOCK_D=0, NUM_STAGES=0, num_warps=4)]:
+                dict(strategy="logits", BLOCK_B=32, BLOCK_D=0, NUM_STAGES=0, num_warps=4),
+                # fp32 (or no Hopper): the warp-specialized kernel's fallback, "logits"
+                dict(strategy="ws", BLOCK_B=128, NUM_STAGES=4, EPI_B=64, num_warps=8)]:
         rec = fused.fused_records(h, w, config=cfg, **kw)
         results.append(fused.reduce_records(rec[None], p.inv_temp, p.seed, p.offset, "max")[0].cpu())
     from tpsample.torch_records import records_torch
