@@ -50,8 +50,8 @@ def kernel_config(B: int, D: int, dtype: torch.dtype, device_type: str = "cuda",
     if table:
         bucket = min((b for b in table if b >= B), default=max(table))
         return dict(table[bucket])
-    if B > 64:  # Hopper: the warp-specialized kernel (elsewhere it falls back to "logits":
-        # cuBLAS + records pass, which beats the fused main loop there)
+    if B > 64:  # Hopper: the warp-specialized kernel (elsewhere WS_FALLBACK, cuBLAS + records
+        # pass, which beats the fused main loop there)
         return dict(strategy="ws", BLOCK_B=128, NUM_STAGES=4, EPI_B=64, num_warps=8)
     block_b = min(max(16, next_pow2(B)), 64)
     return dict(strategy="fused", BLOCK_B=block_b, BLOCK_D=64 if dtype == torch.float32 else 128,
@@ -176,6 +176,9 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
     check_records_layout(out, (num_samples, B, T, 4))
     cfg = dict(config or kernel_config(B, D, hidden.dtype, hidden.device.type,
                                         hidden.device.index or 0))
+    if cfg["strategy"] == "ws" and not (peer_ptrs is None
+                                        and ws_supported(hidden, weight, vocab_start)):
+        cfg = dict(WS_FALLBACK)  # what the warp-specialized kernel does not take
     strategy, nw = cfg.pop("strategy"), cfg.pop("num_warps")
     maxnreg = cfg.pop("MAXNREG", None)  # register cap: lets two programs share an SM
     trim = cfg.pop("TRIM", True)  # drop padding columns before the noise (B < BLOCK_B)
@@ -193,16 +196,11 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
     peers = peer_ptrs if peer_ptrs is not None else seed  # never read when NUM_PEERS == 0
     parity = parity if parity is not None else seed
     bias_arg = bias if bias is not None else inv_temp  # never read when HAS_BIAS is False
-    if strategy == "ws" and peer_ptrs is None and ws_supported(hidden, weight, vocab_start):
+    if strategy == "ws":
         # one recorded step (descriptors are rebuilt around each call's tensors on replay)
         return run_step(ws_records, (hidden, weight, bias_arg, inv_temp, seed, offset, out,
                                      num_samples, n_real, vocab_start, bias is not None,
                                      need_mass, cfg, nw, maxnreg))
-    if strategy == "ws":  # the fallback for what the warp-specialized kernel does not take
-        strategy, cfg = "logits", dict(cfg, BLOCK_B=64)
-        grid, nw = (cdiv(B, 64), T), 8
-        consts.update(BLOCK_B=64, HALVINGS=0)
-        options = dict(num_warps=8)
     if strategy == "logits":
         logits = run_step(logits_fp32, (hidden, weight))
         run_kernel(logits_records_kernel, grid, (
@@ -242,6 +240,7 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
 
 
 WS_BLOCK_K = 64
+WS_FALLBACK = dict(strategy="logits", BLOCK_B=64, BLOCK_D=0, NUM_STAGES=0, num_warps=8)
 
 
 @functools.lru_cache(maxsize=None)
