@@ -187,8 +187,10 @@ def sample_and_store(s, l, greedy, seed, off_lo, off_hi, tile_start, local, mask
     else:
         row = tl.load(parity_ptr) * NUM_PEERS
         for p in tl.static_range(NUM_PEERS):
-            addr = tl.multiple_of(tl.load(peer_ptrs + row + p), 16)  # slots are 16-byte aligned
-            store_record_16b(addr.to(tl.pointer_type(tl.float32)), rec, best, token, logit, lse,
+            # the peer slot as an element offset from rec_ptr (slots are 16-byte aligned): a
+            # pointer made from an integer loses its alignment, and the stores their width
+            delta = (tl.load(peer_ptrs + row + p) - rec_ptr.to(tl.int64, bitcast=True)) >> 2
+            store_record_16b(rec_ptr + tl.multiple_of(delta, 4), rec, best, token, logit, lse,
                              mask_b)
 
 
@@ -203,9 +205,11 @@ def store_record(base, rec, best, token, logit, lse, mask):
 
 @triton.jit
 def store_record_16b(base, rec, best, token, logit, lse, mask):
-    """The same as one 16-byte store per record, for stores into peers over NVLink, where
+    """The same as one [BB, 4] store of whole records, for stores into peers over NVLink, where
     every partial-sector write is its own transaction (with the tile-major exchange layout a
-    program's records are one contiguous run: perf notes v1.6). rec: multiples of 4."""
+    program's records are one contiguous run: perf notes v1.6). rec: multiples of 4, base
+    16-byte aligned: vector stores as wide as the layout gives a thread (2 fields at
+    BLOCK_B = 64 with 4 warps, 4 where a thread holds a whole record)."""
     # join stacks on a new last axis: [BB, j, k] holds field 2j + k
     val = tl.reshape(tl.join(tl.join(best, logit), tl.join(token, lse)), (best.shape[0], 4))
     at = tl.multiple_of(rec, 4)[:, None] + tl.arange(0, 4)[None, :]

@@ -90,9 +90,10 @@ if AVAILABLE:
     @gluon.jit
     def _epilogue(acc_buf, acc_ready, acc_empty, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr,
                   rec_ptr, B, n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b,
-                  rec_stride_t, num_tiles, num_b_tiles, HAS_BIAS: gl.constexpr,
-                  TILE_MASS: gl.constexpr, BLOCK_V: gl.constexpr, BLOCK_B: gl.constexpr,
-                  EPI_B: gl.constexpr, EPI_WARPS: gl.constexpr):
+                  rec_stride_t, peer_ptrs, parity_ptr, num_tiles, num_b_tiles,
+                  HAS_BIAS: gl.constexpr, TILE_MASS: gl.constexpr, NUM_PEERS: gl.constexpr,
+                  BLOCK_V: gl.constexpr, BLOCK_B: gl.constexpr, EPI_B: gl.constexpr,
+                  EPI_WARPS: gl.constexpr):
         n = 0
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             pid_v = tile // num_b_tiles
@@ -104,17 +105,20 @@ if AVAILABLE:
                     _chunk_records(acc_buf.slice(c * EPI_B, EPI_B, dim=1), pid_v, b0 + c * EPI_B,
                                    bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr, B,
                                    n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b,
-                                   rec_stride_t, HAS_BIAS, TILE_MASS, BLOCK_V, EPI_B, EPI_WARPS)
+                                   rec_stride_t, peer_ptrs, parity_ptr, HAS_BIAS, TILE_MASS,
+                                   NUM_PEERS, BLOCK_V, EPI_B, EPI_WARPS)
             mbarrier.arrive(acc_empty)  # the mma warps may overwrite the buffer now
             n += 1
 
     @gluon.jit
     def _chunk_records(view, pid_v, b0, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr, B,
                        n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b, rec_stride_t,
-                       HAS_BIAS: gl.constexpr, TILE_MASS: gl.constexpr, BLOCK_V: gl.constexpr,
-                       EPI_B: gl.constexpr, EPI_WARPS: gl.constexpr):
+                       peer_ptrs, parity_ptr, HAS_BIAS: gl.constexpr, TILE_MASS: gl.constexpr,
+                       NUM_PEERS: gl.constexpr, BLOCK_V: gl.constexpr, EPI_B: gl.constexpr,
+                       EPI_WARPS: gl.constexpr):
         """Records of columns [b0, b0 + EPI_B) of the tile in `view` [BLOCK_V, EPI_B] (rows in
-        lane order: row a·Q + q holds token 4q + a, see the loader)."""
+        lane order: row a·Q + q holds token 4q + a, see the loader), stored at rec_ptr or, with
+        NUM_PEERS > 0, into every peer's slot (see fused_sample.sample_and_store)."""
         Q: gl.constexpr = BLOCK_V // 4
         # lanes [Q, EPI_B]: a warp spans the columns (conflict-free shared reads), the rows
         # of a column spread over the warps (the argmax reduces over axis 0)
@@ -154,7 +158,7 @@ if AVAILABLE:
         seed = seed + zero.to(gl.int64)
         tile_start = vocab_start + pid_v * BLOCK_V
         c0 = ((tile_start >> 2) + q).to(gl.uint32) + zero
-        rec = rec_ptr + offs_b.to(gl.int64) * rec_stride_b + pid_v.to(gl.int64) * rec_stride_t
+        rec = offs_b.to(gl.int64) * rec_stride_b + pid_v.to(gl.int64) * rec_stride_t
         for s in range(num_samples):
             r0, r1, r2, r3 = tl.philox(seed, c0, zero + s.to(gl.uint32), off_lo, off_hi)
             # per position q: the best lane (first on ties: lanes are in id order), then the
@@ -181,11 +185,39 @@ if AVAILABLE:
                 logit = gl.sum(acc, axis=0)
             else:
                 logit = gl.zeros_like(best)
-            at = rec + s * rec_stride_s
-            gl.store(at + 0, best, mask=mask_b)
-            gl.store(at + 1, (tile_start + idx).to(gl.float32), mask=mask_b)
-            gl.store(at + 2, logit, mask=mask_b)
-            gl.store(at + 3, lse, mask=mask_b)
+            token = (tile_start + idx).to(gl.float32)
+            if NUM_PEERS == 0:
+                at = rec_ptr + rec + s * rec_stride_s
+                gl.store(at + 0, best, mask=mask_b)
+                gl.store(at + 1, token, mask=mask_b)
+                gl.store(at + 2, logit, mask=mask_b)
+                gl.store(at + 3, lse, mask=mask_b)
+            else:
+                _store_peers(rec_ptr, peer_ptrs, parity_ptr, rec + s * rec_stride_s, best, token,
+                             logit, lse, mask_b, NUM_PEERS, EPI_WARPS)
+
+    @gluon.jit
+    def _store_peers(rec_ptr, peer_ptrs, parity_ptr, rec, best, token, logit, lse, mask_b,
+                     NUM_PEERS: gl.constexpr, EPI_WARPS: gl.constexpr):
+        """One 16-byte store per record into this rank's slot of every peer's buffer
+        parity_ptr[0] (peer_ptrs [2, NUM_PEERS] int64 addresses; rec: element offsets, multiples
+        of 4): over NVLink each partial-sector write would be its own transaction."""
+        # [EPI_B, 4]: a thread holds one whole record (4 contiguous fields)
+        rec_l: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [EPI_WARPS, 1], [1, 0])
+        row_l: gl.constexpr = gl.SliceLayout(1, rec_l)
+        f = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, rec_l)), 0)
+        val = gl.where(f == 0, gl.expand_dims(gl.convert_layout(best, row_l), 1),
+                       gl.where(f == 1, gl.expand_dims(gl.convert_layout(token, row_l), 1),
+                                gl.where(f == 2, gl.expand_dims(gl.convert_layout(logit, row_l), 1),
+                                         gl.expand_dims(gl.convert_layout(lse, row_l), 1))))
+        at = gl.expand_dims(gl.multiple_of(gl.convert_layout(rec, row_l), 4), 1) + f
+        mask = gl.expand_dims(gl.convert_layout(mask_b, row_l), 1) & (f < 4)
+        row = gl.load(parity_ptr) * NUM_PEERS
+        for p in gl.static_range(NUM_PEERS):
+            # the peer slot as an element offset from rec_ptr: a pointer made from an integer
+            # loses its alignment (4-byte stores), rec_ptr's is known (16-byte stores)
+            delta = (gl.load(peer_ptrs + row + p) - rec_ptr.to(gl.int64, bitcast=True)) >> 2
+            gl.store(rec_ptr + gl.multiple_of(delta, 4) + at, val, mask=mask)
 
     @gluon.jit
     def _lane(view, a: gl.constexpr, layout: gl.constexpr, row0, scale, bias_ptr, n_real,
@@ -218,12 +250,15 @@ if AVAILABLE:
     def ws_records_kernel(
         w_desc, h_desc, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr,
         B, n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b, rec_stride_t,
-        num_tiles, num_b_tiles, k_steps,
+        peer_ptrs, parity_ptr, num_tiles, num_b_tiles, k_steps,
         HAS_BIAS: gl.constexpr, TILE_MASS: gl.constexpr, STAGES: gl.constexpr, EPI_B: gl.constexpr,
         LOADER_REGS: gl.constexpr, MMA_REGS: gl.constexpr, MMA_WARPS: gl.constexpr = 4,
+        NUM_PEERS: gl.constexpr = 0,
     ):
         """Records [S, B, T, 4] of the tiles (vocabulary × batch) of this program; see the
-        module docstring. num_warps (the epilogue's warps) must be 4 or 8."""
+        module docstring. num_warps (the epilogue's warps) must be 4 or 8. NUM_PEERS > 0: the
+        records go to every peer (P2P fan-out, as fused_sample_records_kernel's peer_ptrs and
+        parity_ptr), not to rec_ptr."""
         BLOCK_V: gl.constexpr = 4 * w_desc.block_type.shape[1]
         BLOCK_K: gl.constexpr = w_desc.block_type.shape[2]
         BLOCK_B: gl.constexpr = h_desc.block_type.shape[0]
@@ -244,8 +279,8 @@ if AVAILABLE:
         gl.warp_specialize([
             (_epilogue, (acc_buf, acc_ready, acc_empty, bias_ptr, inv_temp_ptr, seed_ptr,
                          offset_ptr, rec_ptr, B, n_real, vocab_start, num_samples, rec_stride_s,
-                         rec_stride_b, rec_stride_t, num_tiles, num_b_tiles, HAS_BIAS, TILE_MASS,
-                         BLOCK_V, BLOCK_B, EPI_B, gl.num_warps())),
+                         rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr, num_tiles, num_b_tiles,
+                         HAS_BIAS, TILE_MASS, NUM_PEERS, BLOCK_V, BLOCK_B, EPI_B, gl.num_warps())),
             (_mma, (w_desc, h_desc, w_bufs, h_bufs, ready, empty, acc_buf, acc_ready, acc_empty,
                     num_tiles, num_b_tiles, k_steps, BLOCK_V, BLOCK_B, BLOCK_K, STAGES,
                     MMA_WARPS)),

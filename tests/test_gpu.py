@@ -67,6 +67,34 @@ def test_ws_kernel_chi2_and_hybrid_records(merge):
     assert chi2_pvalue(tokens, exact_probs(h, w, temperature=0.9)) > ALPHA
 
 
+@pytest.mark.parametrize("cfg", CONFIGS[1:], ids=lambda c: f"{c['strategy']}{c['BLOCK_B']}")
+def test_peer_fanout_stores_the_local_records(cfg):
+    """P2P fan-out (peer_ptrs / parity) on one GPU, with two local buffers standing in for the
+    peers: every "peer" slot of the buffer parity[0] selects gets exactly the records a local
+    call writes (tile-major strides, as VocabParallelSampler uses), nothing else is touched."""
+    if cfg["strategy"] == "ws" and not hopper():
+        pytest.skip("the warp-specialized kernel is Hopper-only")
+    h, w = lm_head_case("zipf", V=1000, D=256, dtype=torch.bfloat16, device="cuda", seed=9)
+    B, S, T, P = 200, 2, fused.num_tiles(1000), 2
+    hh = (h + 0.1 * torch.randn(B, 256, device="cuda")).bfloat16()
+    p = row_params(hh, 0.8, torch.arange(B, device="cuda") * 31 + 7, 3)
+    kw = dict(bias=None, inv_temp=p.inv_temp, seed=p.seed, offset=p.offset, num_samples=S,
+              n_real=1000, config=cfg)
+    local = fused.fused_records(hh, w, **kw)
+    n = S * B * T * 4
+    bufs = torch.full((2, P, n + 64), float("nan"), device="cuda")  # [buffer, peer, slot + pad]
+    ptrs = torch.tensor([[bufs[k, q].data_ptr() for q in range(P)] for k in range(2)],
+                        dtype=torch.int64, device="cuda")
+    mine = torch.full((n,), float("nan"), device="cuda")
+    out = fused.records_view(mine, S, B, T, tile_major=True)
+    fused.fused_records(hh, w, out=out, peer_ptrs=ptrs, parity=torch.tensor(
+        [1, 0], dtype=torch.int32, device="cuda"), **kw)
+    for q in range(P):
+        got = fused.records_view(bufs[1, q, :n], S, B, T, tile_major=True)
+        assert torch.equal(got, local), f"peer {q}"
+    assert bufs[0].isnan().all() and bufs[1, :, n:].isnan().all() and mine.isnan().all()
+
+
 @pytest.mark.parametrize("merge", ["max", "logmass"])
 def test_chi2_on_gpu_bf16(merge):
     h, w = lm_head_case("zipf", V=1000, dtype=torch.bfloat16, device="cuda", seed=3)

@@ -19,14 +19,30 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 
 
 @functools.lru_cache(maxsize=None)
-def tuned_buckets(device_index: int) -> dict[int, dict]:
-    """Configs written by `python -m tpsample.tune` for this GPU model, keyed by batch bucket."""
+def tuned_table(device_index: int) -> tuple[dict[int, dict], dict[int, dict[int, dict]]]:
+    """Configs written by `python -m tpsample.tune` for this GPU model: (buckets, by_max_d),
+    configs keyed by batch bucket, and overrides {max_d: {bucket: config}} for D <= max_d
+    (`tune --max-d`: thin heads, where less work per W byte moves the best kernel)."""
     name = torch.cuda.get_device_name(device_index)
     key = "h200" if "H200" in name else "h100" if "H100" in name else None
     path = CONFIG_DIR / f"{key}.json"
     if key is None or not path.exists():
-        return {}
-    return {int(b): cfg for b, cfg in json.loads(path.read_text())["buckets"].items()}
+        return {}, {}
+    data = json.loads(path.read_text())
+    return ({int(b): cfg for b, cfg in data["buckets"].items()},
+            {int(d): {int(b): cfg for b, cfg in over.items()}
+             for d, over in data.get("by_max_d", {}).items()})
+
+
+def table_config(buckets: dict[int, dict], by_max_d: dict[int, dict[int, dict]], B: int,
+                 D: int) -> dict:
+    """The config for (B, D): the bucket is the smallest >= B (else the largest), and the
+    override of the smallest max_d >= D replaces that bucket's config where it has one."""
+    bucket = min((b for b in buckets if b >= B), default=max(buckets))
+    for max_d in sorted(d for d in by_max_d if d >= D):
+        if bucket in by_max_d[max_d]:
+            return dict(by_max_d[max_d][bucket])
+    return dict(buckets[bucket])
 
 
 def kernel_config(B: int, D: int, dtype: torch.dtype, device_type: str = "cuda",
@@ -42,14 +58,14 @@ def kernel_config(B: int, D: int, dtype: torch.dtype, device_type: str = "cuda",
     NOISE_STEP (fused, one sample): the noise is drawn in D step int(NOISE_STEP * steps) of
     the main loop, under the loads in flight, instead of in the epilogue; NOISE_CHUNKS (1, 2,
     4) splits it into row blocks drawn NOISE_EVERY (default 2) steps apart.
-    Shipped tables (tpsample/configs/*.json) are used for bf16/fp16; otherwise a default."""
+    Shipped tables (tpsample/configs/*.json, see table_config) are used for bf16/fp16;
+    otherwise a default."""
     if device_type != "cuda":  # the interpreter pays per program: few, large tiles
         return dict(strategy="fused", BLOCK_B=min(max(16, next_pow2(B)), 256),
                     BLOCK_D=64, NUM_STAGES=1, num_warps=4)
-    table = tuned_buckets(device_index) if dtype != torch.float32 else {}
-    if table:
-        bucket = min((b for b in table if b >= B), default=max(table))
-        return dict(table[bucket])
+    buckets, by_max_d = tuned_table(device_index) if dtype != torch.float32 else ({}, {})
+    if buckets:
+        return table_config(buckets, by_max_d, B, D)
     if B > 64:  # Hopper: the warp-specialized kernel (elsewhere WS_FALLBACK, cuBLAS + records
         # pass, which beats the fused main loop there)
         return dict(strategy="ws", BLOCK_B=128, NUM_STAGES=4, EPI_B=64, num_warps=8)
@@ -176,8 +192,7 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
     check_records_layout(out, (num_samples, B, T, 4))
     cfg = dict(config or kernel_config(B, D, hidden.dtype, hidden.device.type,
                                         hidden.device.index or 0))
-    if cfg["strategy"] == "ws" and not (peer_ptrs is None
-                                        and ws_supported(hidden, weight, vocab_start)):
+    if cfg["strategy"] == "ws" and not ws_supported(hidden, weight, vocab_start):
         cfg = dict(WS_FALLBACK)  # what the warp-specialized kernel does not take
     strategy, nw = cfg.pop("strategy"), cfg.pop("num_warps")
     maxnreg = cfg.pop("MAXNREG", None)  # register cap: lets two programs share an SM
@@ -200,7 +215,7 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
         # one recorded step (descriptors are rebuilt around each call's tensors on replay)
         return run_step(ws_records, (hidden, weight, bias_arg, inv_temp, seed, offset, out,
                                      num_samples, n_real, vocab_start, bias is not None,
-                                     need_mass, cfg, nw, maxnreg))
+                                     need_mass, cfg, nw, maxnreg, peer_ptrs, parity))
     if strategy == "logits":
         logits = run_step(logits_fp32, (hidden, weight))
         run_kernel(logits_records_kernel, grid, (
@@ -272,12 +287,14 @@ def _ws_layouts(dtype: torch.dtype, block_b: int, block_k: int):
 
 
 def ws_records(hidden, weight, bias_arg, inv_temp, seed, offset, out, num_samples, n_real,
-               vocab_start, has_bias, need_mass, cfg, num_warps, maxnreg):
+               vocab_start, has_bias, need_mass, cfg, num_warps, maxnreg, peer_ptrs=None,
+               parity=None):
     """Stage 1 by the warp-specialized Hopper kernel (kernels/gluon_sample.py): a persistent
     grid of one program per SM over [BLOCK_V, BLOCK_B] tiles. W [V_rows, D] is handed to TMA
     as the view [4, V_rows / 4, D] (row 4q + a at [a, q]), so each tile lands in shared
     memory in lane order. Launched directly, not through run_kernel: fused_records records
-    this whole function as one step (tpsample.replay), so a replay rebuilds the descriptors."""
+    this whole function as one step (tpsample.replay), so a replay rebuilds the descriptors.
+    peer_ptrs / parity: the P2P fan-out, as in fused_records (out then only gives strides)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
     B, D = hidden.shape
     V_rows = weight.shape[0]
@@ -296,8 +313,10 @@ def ws_records(hidden, weight, bias_arg, inv_temp, seed, offset, out, num_sample
     grid = (min(tiles, cfg.get("PROGRAMS_PER_SM", 1) * _num_sms(hidden.device)),)
     gluon_sample.ws_records_kernel[grid](
         w_desc, h_desc, bias_arg, inv_temp, seed, offset, out, B, n_real, vocab_start,
-        num_samples, *out.stride()[:3], tiles, nb, cdiv(D, block_k),
+        num_samples, *out.stride()[:3], peer_ptrs if peer_ptrs is not None else seed,
+        parity if parity is not None else seed, tiles, nb, cdiv(D, block_k),
         HAS_BIAS=has_bias, TILE_MASS=need_mass, STAGES=cfg["NUM_STAGES"],
+        NUM_PEERS=0 if peer_ptrs is None else peer_ptrs.shape[-1],
         EPI_B=cfg.get("EPI_B", 64), LOADER_REGS=cfg.get("LOADER_REGS", 24),
         MMA_REGS=cfg.get("MMA_REGS", 168 if mma_warps == 4 else 160), MMA_WARPS=mma_warps,
         # the register file split evenly over all warps (epilogue + mma + 4 for the loader)

@@ -6,6 +6,10 @@ triton.testing.do_bench (median), checks that every configuration returns the SA
 (pathwise max merge: tokens may not depend on tiling), and writes the fastest per batch
 bucket to tpsample/configs/<device>.json, which tpsample.fused.kernel_config reads at
 import. Nothing is tuned at call time: this is the explicit offline step.
+
+--max-d N writes the results as overrides for heads with D <= N (every tuned shape must have
+one), keyed by the existing batch buckets: e.g. `--shapes 2048x151936 --batches 64 --max-d
+2048` when a thin head wants another kernel than the bucket's.
 """
 from __future__ import annotations
 
@@ -153,6 +157,23 @@ def tune_shape(D: int, V: int, batches, reps_ms: int, log, strategies) -> dict:
     return out
 
 
+def check_override(max_d: int, shapes, batches, path: Path | None) -> None:
+    """--max-d: overrides are keyed by the table's existing buckets, for D <= max_d only."""
+    if max_d < 1:
+        raise SystemExit(f"--max-d must be >= 1, got {max_d}")
+    wide = [D for D, _ in shapes if D > max_d]
+    if wide:
+        raise SystemExit(f"--max-d {max_d}: every --shapes D must be <= {max_d}, got {wide}")
+    path = path or CONFIG_DIR / f"{device_key()}.json"
+    if not path.exists():
+        raise SystemExit(f"--max-d needs an existing table to override ({path} is missing)")
+    known = {int(b) for b in json.loads(path.read_text())["buckets"]}
+    strays = [b for b in batches if b not in known]
+    if strays:
+        raise SystemExit(f"--max-d: --batches must be buckets of {path.name} {sorted(known)}, "
+                         f"got {strays}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="4096x151936,8192x128256")
@@ -162,15 +183,21 @@ def main(argv=None):
                     help="comma list of fused,persistent,logits,ws and 'table' (the shipped "
                          "config and its TMA / stage / register-cap neighbours: quick re-tune)")
     ap.add_argument("--out", default=None, help="JSON path (default tpsample/configs/<device>.json)")
+    ap.add_argument("--max-d", type=int, default=None,
+                    help="write the results as overrides for D <= this (keyed by the existing "
+                         "batch buckets) instead of the buckets themselves")
     args = ap.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.shapes.split(",")]
+    path = Path(args.out) if args.out else None
     if not torch.cuda.is_available():
         sys.exit("tpsample.tune needs a CUDA device")
+    if args.max_d is not None:
+        check_override(args.max_d, shapes, batches, path)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    batches = [int(b) for b in args.batches.split(",")]
     table = {}
-    for shape in args.shapes.split(","):
-        D, V = (int(x) for x in shape.split("x"))
-        table[shape] = tune_shape(D, V, batches, args.rep_ms, log, args.strategies.split(","))
+    for D, V in shapes:
+        table[f"{D}x{V}"] = tune_shape(D, V, batches, args.rep_ms, log, args.strategies.split(","))
     # one config per batch bucket: the one with the lowest summed time over the shapes
     buckets = {}
     for B in batches:
@@ -181,16 +208,23 @@ def main(argv=None):
                 scores.setdefault(key, []).append(r["ms"] / table[shape][B]["ms"])
         full = {k: sum(v) for k, v in scores.items() if len(v) == len(table)}
         buckets[B] = json.loads(min(full, key=full.get)) if full else table[next(iter(table))][B]["config"]
-    path = Path(args.out) if args.out else CONFIG_DIR / f"{device_key()}.json"
+    path = path or CONFIG_DIR / f"{device_key()}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
+    by_max_d = {}
     if path.exists():  # re-tuning some batch sizes keeps the other buckets
         old = json.loads(path.read_text())
+        by_max_d = {int(d): {int(b): c for b, c in over.items()}
+                    for d, over in old.get("by_max_d", {}).items()}
+        if args.max_d is not None:
+            by_max_d[args.max_d] = {**by_max_d.get(args.max_d, {}), **buckets}
+            buckets = {}
         buckets = {**{int(b): c for b, c in old["buckets"].items()}, **buckets}
         for shape, rows in old.get("per_shape", {}).items():
             table[shape] = {**{int(b): r for b, r in rows.items()}, **table.get(shape, {})}
     buckets = dict(sorted(buckets.items()))
+    extra = {"by_max_d": {d: dict(sorted(o.items())) for d, o in sorted(by_max_d.items())}} if by_max_d else {}
     path.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), buckets=buckets,
-                                    per_shape=table), indent=1))
+                                    **extra, per_shape=table), indent=1))
     print(f"{'shape':>14} {'B':>4} {'best ms':>8}  config")
     for shape, rows in table.items():
         for B, r in rows.items():

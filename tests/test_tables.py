@@ -1,0 +1,48 @@
+"""The shipped config tables and their lookup (CPU only: no kernel runs here)."""
+import json
+
+import pytest
+
+from tpsample import fused, tune
+
+A, B64, C, X, Y, Z = ({"strategy": s} for s in "abcxyz")
+
+
+def test_table_config_buckets_and_thin_head_overrides():
+    buckets = {16: A, 64: B64, 256: C}
+    by_max_d = {2048: {64: X}, 4096: {64: Y, 256: Z}}
+    look = lambda b, d: fused.table_config(buckets, by_max_d, b, d)["strategy"]  # noqa: E731
+    assert look(64, 2048) == "x" and look(40, 2048) == "x"  # 40 falls in bucket 64
+    assert look(64, 1024) == "x"  # the smallest max_d >= D wins
+    assert look(256, 2048) == "z"  # 2048 has no bucket 256: the next override has
+    assert look(64, 3000) == "y" and look(64, 4096) == "y"
+    assert look(64, 4097) == "b" and look(16, 2048) == "a" and look(300, 1024) == "z"
+    assert look(300, 8192) == "c"  # beyond the largest bucket: the largest
+    # a copy: callers pop keys from it
+    got = fused.table_config(buckets, by_max_d, 1, 8192)
+    got.pop("strategy")
+    assert A == {"strategy": "a"}
+
+
+@pytest.mark.parametrize("name", ["h100.json", "h200.json"])
+def test_shipped_tables_are_consistent(name):
+    data = json.loads((fused.CONFIG_DIR / name).read_text())
+    buckets = {int(b) for b in data["buckets"]}
+    assert buckets and all(cfg["strategy"] in ("fused", "persistent", "logits", "ws")
+                           for cfg in data["buckets"].values())
+    for max_d, over in data.get("by_max_d", {}).items():
+        assert int(max_d) > 0 and {int(b) for b in over} <= buckets, (max_d, over)
+
+
+def test_tune_override_arguments_are_checked(tmp_path):
+    path = tmp_path / "t.json"
+    with pytest.raises(SystemExit, match="missing"):
+        tune.check_override(2048, [(2048, 1000)], [64], path)
+    path.write_text(json.dumps({"buckets": {"16": A, "64": B64}}))
+    tune.check_override(2048, [(2048, 1000), (1024, 500)], [16, 64], path)
+    with pytest.raises(SystemExit, match="<= 2048"):
+        tune.check_override(2048, [(4096, 1000)], [64], path)
+    with pytest.raises(SystemExit, match=r"buckets of t.json \[16, 64\], got \[32\]"):
+        tune.check_override(2048, [(2048, 1000)], [32, 64], path)
+    with pytest.raises(SystemExit, match="--max-d must be >= 1"):
+        tune.check_override(0, [(2048, 1000)], [64], path)
