@@ -19,6 +19,10 @@
         the warp-specialized Hopper stage 1 (kernels/gluon_sample.py) per config against the
         shipped strategy and cuBLAS h @ W.T alone; first checks its records against the
         hybrid's on the same inputs (tokens, scores, log-mass; bias, greedy rows, 2 samples)
+    python -m tpsample.probe --api [--shape ...] [--batches ...]
+        the same call timed four ways, to tell host from device time: stages 1 + 2 called
+        directly (as tune does), tpsample.sample with int seed/offset (as bench does) and
+        with tensors, its CUDA-graph replay, and the host µs per sample() call
     python -m tpsample.probe --host [--profile]
         host (Python) time per call of each piece of the call path, at tiny shapes so the GPU
         never becomes the bottleneck (µs, no synchronisation inside the timed loop)
@@ -343,6 +347,35 @@ def ws_sweep(D, V, B) -> dict:
     return r
 
 
+def api_paths(D, V, B) -> dict:
+    """One shape, B rows: device vs host time of the public call (see the module docstring)."""
+    bench = lambda f: triton.testing.do_bench(f, warmup=25, rep=100, return_mode="median")  # noqa: E731
+    h, w, p, stage1 = setup(D, V, B)
+    step = itertools.count()
+    seed_t = torch.full((B,), 1234, dtype=torch.int64, device="cuda")
+    off_t = torch.zeros(B, dtype=torch.int64, device="cuda")
+    int_call = lambda: sample(h, w, seed=1234, offset=next(step))  # noqa: E731
+    tensor_call = lambda: sample(h, w, seed=seed_t, offset=off_t)  # noqa: E731
+    r = dict(B=B, strategy=fused.kernel_config(B, D, h.dtype)["strategy"],
+             stages=bench(lambda: fused.reduce_records(stage1()[None], p.inv_temp, p.seed,
+                                                       p.offset, "max")),
+             sample_int=bench(int_call), sample_tensor=bench(tensor_call))
+    tensor_call()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm the call on the capture stream first
+        tensor_call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tensor_call()
+    r["graph"] = bench(graph.replay)
+    r["host_us_int"] = host_us(int_call, n=100)
+    r["host_us_tensor"] = host_us(tensor_call, n=100)
+    r["sample_int_again"] = bench(int_call)
+    return r
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="4096x151936")
@@ -356,6 +389,7 @@ def main(argv=None):
     ap.add_argument("--chunks", action="store_true", help="hybrid with V chunks on two streams")
     ap.add_argument("--profile", action="store_true", help="with --host: cProfile of sample()")
     ap.add_argument("--ws", action="store_true", help="warp-specialized Hopper stage 1")
+    ap.add_argument("--api", action="store_true", help="host vs device time of sample()")
     args = ap.parse_args(argv)
     if args.host:
         launch_paths()
@@ -376,7 +410,7 @@ def main(argv=None):
     if args.ws:
         rows.append(dict(check=ws_check()))
     for B in batches:
-        rows.append((ws_sweep if args.ws else ab_parts if args.ab else logits_pass if args.logits else chunked_hybrid
+        rows.append((api_paths if args.api else ws_sweep if args.ws else ab_parts if args.ab else logits_pass if args.logits else chunked_hybrid
                      if args.chunks else noise_placement if args.noise else device_parts)(D, V, B))
         print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in rows[-1].items()),
               flush=True)

@@ -104,12 +104,13 @@ def around_table(B: int, D: int):
             yield dict(base, BLOCK_D=bd, NUM_STAGES=st, TMA=True, MAXNREG=128)
 
 
-def candidates_for(B: int, D: int, strategies):
-    """around_table's configs if "table" is listed, then the listed strategies' candidates."""
+def candidates_for(B: int, D: int, strategies, extra=()):
+    """around_table's configs if "table" is listed, then the listed strategies' candidates,
+    then `extra` (configs given on the command line)."""
     rest = [s for s in strategies if s != "table"]
     seen = []
     for c in itertools.chain(around_table(B, D) if "table" in strategies else (),
-                             candidates(B, rest) if rest else ()):
+                             candidates(B, rest) if rest else (), extra):
         if c not in seen:
             seen.append(c)
             yield c
@@ -120,7 +121,7 @@ def device_key() -> str:
     return "h200" if "H200" in name else "h100" if "H100" in name else name.lower().replace(" ", "_")
 
 
-def tune_shape(D: int, V: int, batches, reps_ms: int, log, strategies) -> dict:
+def tune_shape(D: int, V: int, batches, reps_ms: int, log, strategies, extra=()) -> dict:
     w = torch.randn(V, D, device="cuda", dtype=torch.bfloat16) * 0.02
     out = {}
     for B in batches:
@@ -133,7 +134,7 @@ def tune_shape(D: int, V: int, batches, reps_ms: int, log, strategies) -> dict:
             return fused.reduce_records(rec[None], p.inv_temp, p.seed, p.offset, "max")[0]
 
         ref_tokens, results = None, []
-        for cfg in candidates_for(B, D, strategies):
+        for cfg in candidates_for(B, D, strategies, extra):
             try:
                 tokens = run(cfg)
                 ms = triton.testing.do_bench(lambda: run(cfg), warmup=10, rep=reps_ms,
@@ -183,6 +184,9 @@ def main(argv=None):
                     help="comma list of fused,persistent,logits,ws and 'table' (the shipped "
                          "config and its TMA / stage / register-cap neighbours: quick re-tune)")
     ap.add_argument("--out", default=None, help="JSON path (default tpsample/configs/<device>.json)")
+    ap.add_argument("--extra", default="[]",
+                    help="JSON list of configs timed besides the strategies' candidates, e.g. "
+                         "an older table's entry")
     ap.add_argument("--max-d", type=int, default=None,
                     help="write the results as overrides for D <= this (keyed by the existing "
                          "batch buckets) instead of the buckets themselves")
@@ -190,6 +194,9 @@ def main(argv=None):
     batches = [int(b) for b in args.batches.split(",")]
     shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.shapes.split(",")]
     path = Path(args.out) if args.out else None
+    extra = json.loads(args.extra)
+    if not isinstance(extra, list) or not all(isinstance(c, dict) and "strategy" in c for c in extra):
+        raise SystemExit(f"--extra must be a JSON list of config objects with a 'strategy', got {args.extra!r}")
     if not torch.cuda.is_available():
         sys.exit("tpsample.tune needs a CUDA device")
     if args.max_d is not None:
@@ -197,7 +204,8 @@ def main(argv=None):
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     table = {}
     for D, V in shapes:
-        table[f"{D}x{V}"] = tune_shape(D, V, batches, args.rep_ms, log, args.strategies.split(","))
+        table[f"{D}x{V}"] = tune_shape(D, V, batches, args.rep_ms, log, args.strategies.split(","),
+                                       extra)
     # one config per batch bucket: the one with the lowest summed time over the shapes
     buckets = {}
     for B in batches:
