@@ -39,7 +39,28 @@ def test_replay_aliased_names_fill_from_the_first():
     t = torch.zeros(4)
     rep = replay.Replay([(FakeJit, FakeCompiled(), (1,), (t, t, t, 1), dict(BLOCK=16))],
                         dict(inv_temp=t, seed=t))
-    assert rep.launches[0][3] == [(0, "inv_temp"), (1, "inv_temp"), (2, "inv_temp")]
+    assert rep.launches[0][3] == [(0, "inv_temp", None), (1, "inv_temp", None),
+                                  (2, "inv_temp", None)]
+
+
+def test_replay_rebases_descriptors_of_named_tensors():
+    """A TMA descriptor argument built on a named tensor is copied onto the new tensor (its
+    shape and strides kept: the call key fixes them); the recorded descriptor is unchanged
+    and a descriptor of an unnamed tensor is passed as recorded."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    h, w, s = torch.zeros(8, 8), torch.zeros(16, 8), torch.zeros(4)
+    hd = TensorDescriptor(h, [2, 4, 8], [8, 16, 1], [1, 2, 8])  # a strided view's geometry
+    wd = TensorDescriptor.from_tensor(w, [8, 8])
+    compiled = FakeCompiled()
+    rep = replay.Replay([(FakeJit, compiled, (2,), (hd, wd, s, 5), dict(BLOCK=16))],
+                        dict(hidden=h, seed=s))
+    h2, s2 = torch.ones(8, 8), torch.ones(4)
+    rep(0, hidden=h2, seed=s2)
+    args = compiled.calls[0][1]
+    assert args[0] is not hd and args[0].base is h2 and hd.base is h
+    assert (args[0].shape, args[0].strides, args[0].block_shape) == ([2, 4, 8], [8, 16, 1], [1, 2, 8])
+    assert args[1] is wd and args[2] is s2
+    assert all(a is None for a in rep.launches[0][2][:1])  # no slot keeps a tensor
 
 
 def test_tensor_key_separates_alignment_dtype_and_aliasing():

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 from pathlib import Path
 
 import torch
@@ -106,15 +107,17 @@ def next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-RECORDER: list | None = None  # set by tpsample.replay: launches made while set are logged
+# set by tpsample.replay.record: launches this thread makes while it is set are logged
+RECORDER = threading.local()
 
 
 def run_kernel(fn, grid, args: tuple, constexprs: dict, options: dict):
     """fn[grid](*args, **constexprs, **options); logs (fn, compiled kernel, grid, args,
-    constexprs) to RECORDER when one is set."""
+    constexprs) to this thread's RECORDER log when one is set."""
     compiled = fn[grid](*args, **constexprs, **options)
-    if RECORDER is not None:
-        RECORDER.append((fn, compiled, grid, args, constexprs))
+    log = getattr(RECORDER, "log", None)
+    if log is not None:
+        log.append((fn, compiled, grid, args, constexprs))
     return compiled
 
 
@@ -122,8 +125,9 @@ def run_step(fn, args: tuple):
     """fn(*args) for a torch step between launches (the hybrid's GEMM); logged to RECORDER
     as (fn, None, None, args, result) so a replay re-runs it and feeds its new result on."""
     result = fn(*args)
-    if RECORDER is not None:
-        RECORDER.append((fn, None, None, args, result))
+    log = getattr(RECORDER, "log", None)
+    if log is not None:
+        log.append((fn, None, None, args, result))
     return result
 
 
@@ -212,10 +216,9 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
     parity = parity if parity is not None else seed
     bias_arg = bias if bias is not None else inv_temp  # never read when HAS_BIAS is False
     if strategy == "ws":
-        # one recorded step (descriptors are rebuilt around each call's tensors on replay)
-        return run_step(ws_records, (hidden, weight, bias_arg, inv_temp, seed, offset, out,
-                                     num_samples, n_real, vocab_start, bias is not None,
-                                     need_mass, cfg, nw, maxnreg, peer_ptrs, parity))
+        return ws_records(hidden, weight, bias_arg, inv_temp, seed, offset, out, num_samples,
+                          n_real, vocab_start, bias is not None, need_mass, cfg, nw, maxnreg,
+                          peer_ptrs, parity)
     if strategy == "logits":
         logits = run_step(logits_fp32, (hidden, weight))
         run_kernel(logits_records_kernel, grid, (
@@ -292,8 +295,8 @@ def ws_records(hidden, weight, bias_arg, inv_temp, seed, offset, out, num_sample
     """Stage 1 by the warp-specialized Hopper kernel (kernels/gluon_sample.py): a persistent
     grid of one program per SM over [BLOCK_V, BLOCK_B] tiles. W [V_rows, D] is handed to TMA
     as the view [4, V_rows / 4, D] (row 4q + a at [a, q]), so each tile lands in shared
-    memory in lane order. Launched directly, not through run_kernel: fused_records records
-    this whole function as one step (tpsample.replay), so a replay rebuilds the descriptors.
+    memory in lane order. A replay (tpsample.replay) re-issues the launch with both
+    descriptors rebased on that call's hidden and weight.
     peer_ptrs / parity: the P2P fan-out, as in fused_records (out then only gives strides)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
     B, D = hidden.shape
@@ -302,26 +305,29 @@ def ws_records(hidden, weight, bias_arg, inv_temp, seed, offset, out, num_sample
     mma_warps = 8 if block_b > 128 else 4  # one warpgroup holds at most a [128, 128] fp32 tile
     w_layout, h_layout = _ws_layouts(hidden.dtype, block_b, block_k)
     row = weight.stride(0)
-    w4 = weight.as_strided((4, V_rows // 4, D), (row, 4 * row, 1))
-    w_desc = GluonDescriptor(w4, list(w4.shape), list(w4.stride()), [4, BLOCK_V // 4, block_k],
-                             w_layout)
+    # base = weight itself with the view's shape and strides (TMA reads only the base
+    # address), so a replay (tpsample.replay) can rebase the descriptor on another weight
+    w_desc = GluonDescriptor(weight, [4, V_rows // 4, D], [row, 4 * row, 1],
+                             [4, BLOCK_V // 4, block_k], w_layout)
     h_desc = GluonDescriptor(hidden, list(hidden.shape), list(hidden.stride()),
                              [block_b, block_k], h_layout)
     T = out.shape[2]
     nb = cdiv(B, block_b)
     tiles = T * nb
     grid = (min(tiles, cfg.get("PROGRAMS_PER_SM", 1) * _num_sms(hidden.device)),)
-    gluon_sample.ws_records_kernel[grid](
-        w_desc, h_desc, bias_arg, inv_temp, seed, offset, out, B, n_real, vocab_start,
-        num_samples, *out.stride()[:3], peer_ptrs if peer_ptrs is not None else seed,
-        parity if parity is not None else seed, tiles, nb, cdiv(D, block_k),
+    constexprs = dict(
         HAS_BIAS=has_bias, TILE_MASS=need_mass, STAGES=cfg["NUM_STAGES"],
-        NUM_PEERS=0 if peer_ptrs is None else peer_ptrs.shape[-1],
         EPI_B=cfg.get("EPI_B", 64), LOADER_REGS=cfg.get("LOADER_REGS", 24),
         MMA_REGS=cfg.get("MMA_REGS", 168 if mma_warps == 4 else 160), MMA_WARPS=mma_warps,
-        # the register file split evenly over all warps (epilogue + mma + 4 for the loader)
-        # before setmaxnreg moves registers from the loader to the others
-        num_warps=num_warps, maxnreg=maxnreg or 65536 // (32 * (num_warps + mma_warps + 4)) // 8 * 8)
+        NUM_PEERS=0 if peer_ptrs is None else peer_ptrs.shape[-1])
+    # the register file split evenly over all warps (epilogue + mma + 4 for the loader)
+    # before setmaxnreg moves registers from the loader to the others
+    options = dict(num_warps=num_warps,
+                   maxnreg=maxnreg or 65536 // (32 * (num_warps + mma_warps + 4)) // 8 * 8)
+    run_kernel(gluon_sample.ws_records_kernel, grid, (
+        w_desc, h_desc, bias_arg, inv_temp, seed, offset, out, B, n_real, vocab_start,
+        num_samples, *out.stride()[:3], peer_ptrs if peer_ptrs is not None else seed,
+        parity if parity is not None else seed, tiles, nb, cdiv(D, block_k)), constexprs, options)
     return out
 
 

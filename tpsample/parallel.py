@@ -13,16 +13,13 @@ import torch
 import torch.distributed as dist
 
 from . import api, replay
-from .fused import logits_fp32, num_tiles, records_view, ws_records
-from .kernels import (fused_sample_records_kernel, fused_sample_records_persistent_kernel,
-                      logits_records_kernel)
+from .fused import num_tiles, records_view
+from .replay import REPLAYABLE_STAGE1
 from .transport import ExchangeTimeout, all_gather_flat, make_transport
 
 MERGE_IDS = {m: i for i, m in enumerate(api.MERGES)}
 
 
-REPLAYABLE_STAGE1 = (fused_sample_records_kernel, fused_sample_records_persistent_kernel,
-                     logits_records_kernel, logits_fp32, ws_records)
 # TPSAMPLE_REPLAY=0 turns the launch replay off (A/B timing, debugging)
 REPLAY_ENABLED = os.environ.get("TPSAMPLE_REPLAY", "1") != "0"
 

@@ -14,6 +14,7 @@ so the caller keys replays by those (see VocabParallelSampler).
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 
 import torch
@@ -21,17 +22,26 @@ from triton import knobs
 from triton.runtime import driver
 
 from . import fused
+from .kernels import (fused_sample_records_kernel, fused_sample_records_persistent_kernel,
+                      gluon_sample, logits_records_kernel)
+
+# what a recorded stage 1 may consist of: launches and steps Replay knows how to re-issue
+REPLAYABLE_STAGE1 = (fused_sample_records_kernel, fused_sample_records_persistent_kernel,
+                     logits_records_kernel, fused.logits_fp32) + (
+                         (gluon_sample.ws_records_kernel,) if gluon_sample.AVAILABLE else ())
 
 
 @contextlib.contextmanager
 def record():
-    """Collect the launches tpsample.fused makes inside the block into the yielded list."""
+    """Collect the launches tpsample.fused makes inside the block (on this thread) into the
+    yielded list."""
     log: list = []
-    previous, fused.RECORDER = fused.RECORDER, log
+    previous = getattr(fused.RECORDER, "log", None)
+    fused.RECORDER.log = log
     try:
         yield log
     finally:
-        fused.RECORDER = previous
+        fused.RECORDER.log = previous
 
 
 def current_stream(device_index: int) -> int:
@@ -52,7 +62,9 @@ class Replay:
     """The launches of one recorded call. named: {name: tensor of the recorded call}; each
     launch argument that IS one of them becomes a slot filled from replay(**tensors). A torch
     step (fused.run_step) is re-run with its slots filled, and its result fills the slots of
-    the launches that took the recorded result. No slot keeps a tensor between calls."""
+    the launches that took the recorded result. A TMA descriptor argument whose base is one
+    of them is copied and rebased on the new tensor (shape and strides are part of the call
+    key). No slot keeps a tensor between calls."""
 
     def __init__(self, launches: list, named: dict[str, torch.Tensor]):
         by_id: dict = {}
@@ -61,8 +73,10 @@ class Replay:
                 by_id.setdefault(id(t), n)
         self.launches = []
         for k, (fn, compiled, grid, args, extra) in enumerate(launches):
-            slots = [(i, by_id[id(a)]) for i, a in enumerate(args) if id(a) in by_id]
-            args = [None if id(a) in by_id else a for a in args]
+            slots = [(i, by_id[id(a)], None) for i, a in enumerate(args) if id(a) in by_id]
+            slots += [(i, by_id[id(a.base)], a) for i, a in enumerate(args)
+                      if _is_descriptor(a) and id(a.base) in by_id]
+            args = [None if any(i == j for j, _, _ in slots) else a for i, a in enumerate(args)]
             if compiled is None:  # a torch step; extra is its recorded result
                 by_id[id(extra)] = f"step{k}"
                 self.launches.append((fn, None, args, slots, f"step{k}"))
@@ -81,13 +95,23 @@ class Replay:
     def __call__(self, stream: int, **tensors):
         """Launch on `stream` (a raw CUDA stream handle, see current_stream)."""
         for fn, compiled, args, slots, extra in self.launches:
-            for i, name in slots:
-                args[i] = tensors[name]
+            for i, name, desc in slots:
+                if desc is None:
+                    args[i] = tensors[name]
+                else:
+                    args[i] = copy.copy(desc)
+                    args[i].base = tensors[name]
             if compiled is None:
                 tensors[extra] = fn(*args)
             else:
                 gx, gy, gz = extra
                 compiled.run(gx, gy, gz, stream, compiled.function, compiled.packed_metadata,
                              None, None, None, *args)
-            for i, _ in slots:
+            for i, _, _ in slots:
                 args[i] = None
+
+
+def _is_descriptor(a) -> bool:
+    """A host-side TMA descriptor (Triton's or Gluon's TensorDescriptor dataclass)."""
+    return type(a).__name__ == "TensorDescriptor" and isinstance(getattr(a, "base", None),
+                                                                  torch.Tensor)
