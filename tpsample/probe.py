@@ -31,6 +31,7 @@
         three plain stage-1 launches for Nsight Compute
 """
 import argparse
+import inspect
 import itertools
 import json
 import os
@@ -250,7 +251,9 @@ def launch_paths():
                   PDL=False, W_DESC=False)
     grid = (1, 32, 1)
     handle = kern[grid](*args, **consts, num_warps=4)
-    full = (*args, *consts.values())
+    # every constexpr in signature order, defaults included (the launcher takes them all)
+    params = list(inspect.signature(kern.fn).parameters.values())[len(args):]
+    full = (*args, *(consts.get(q.name, q.default) for q in params))
     stream = torch.cuda.current_stream().cuda_stream
     runner = handle[grid]
     paths = {
