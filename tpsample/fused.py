@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import threading
 from pathlib import Path
 
@@ -258,6 +259,8 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
 
 
 WS_BLOCK_K = 64
+# TPSAMPLE_WS=0: never the warp-specialized kernel (its fallback instead; A/B timing)
+WS_ENABLED = os.environ.get("TPSAMPLE_WS", "1") != "0"
 WS_FALLBACK = dict(strategy="logits", BLOCK_B=64, BLOCK_D=0, NUM_STAGES=0, num_warps=8)
 
 
@@ -271,7 +274,7 @@ def ws_supported(hidden, weight, vocab_start: int) -> bool:
     whose rows TMA can address (16-byte aligned), V_rows and vocab_start multiples of 4
     (W is read as four row lanes, see kernels/gluon_sample.py)."""
     dev = hidden.device
-    return (gluon_sample.AVAILABLE and dev.type == "cuda"
+    return (WS_ENABLED and gluon_sample.AVAILABLE and dev.type == "cuda"
             and _is_hopper(dev.index if dev.index is not None else torch.cuda.current_device())
             and hidden.dtype in (torch.bfloat16, torch.float16) and weight.dtype == hidden.dtype
             and hidden.stride(1) == 1 and weight.stride(1) == 1

@@ -2,7 +2,8 @@
 
 For every (D, V) shape and batch size it times every candidate configuration of
 tpsample.fused (strategy, BLOCK_B, BLOCK_D, NUM_STAGES, num_warps) with
-triton.testing.do_bench (median), checks that every configuration returns the SAME tokens
+triton.testing.do_bench (median) of a CUDA-graph replay of stages 1 + 2 (device time;
+--timing eager for plain calls), checks that every configuration returns the SAME tokens
 (pathwise max merge: tokens may not depend on tiling), and writes the fastest per batch
 bucket to tpsample/configs/<device>.json, which tpsample.fused.kernel_config reads at
 import. Nothing is tuned at call time: this is the explicit offline step.
@@ -121,7 +122,25 @@ def device_key() -> str:
     return "h200" if "H200" in name else "h100" if "H100" in name else name.lower().replace(" ", "_")
 
 
-def tune_shape(D: int, V: int, batches, reps_ms: int, log, strategies, extra=()) -> dict:
+def device_ms(fn, reps_ms: int) -> float:
+    """Median ms of fn as a CUDA-graph replay: device time only. An eager call of a thin
+    head (D = 2048) takes about as long on the host as on the GPU, so eager timings there
+    measure the host as much as the config (perf notes v1.8)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm on a side stream, as capture requires
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    ms = triton.testing.do_bench(graph.replay, warmup=10, rep=reps_ms, return_mode="median")
+    del graph
+    return ms
+
+
+def tune_shape(D: int, V: int, batches, reps_ms: int, log, strategies, extra=(),
+               graph: bool = True) -> dict:
     w = torch.randn(V, D, device="cuda", dtype=torch.bfloat16) * 0.02
     out = {}
     for B in batches:
@@ -137,8 +156,8 @@ def tune_shape(D: int, V: int, batches, reps_ms: int, log, strategies, extra=())
         for cfg in candidates_for(B, D, strategies, extra):
             try:
                 tokens = run(cfg)
-                ms = triton.testing.do_bench(lambda: run(cfg), warmup=10, rep=reps_ms,
-                                             return_mode="median")
+                ms = device_ms(lambda: run(cfg), reps_ms) if graph else triton.testing.do_bench(
+                    lambda: run(cfg), warmup=10, rep=reps_ms, return_mode="median")
             except Exception as e:  # e.g. out of shared memory for this tile shape
                 log(f"  B={B} {cfg}: skipped ({type(e).__name__}: {str(e).splitlines()[0][:80]})")
                 continue
@@ -184,6 +203,9 @@ def main(argv=None):
                     help="comma list of fused,persistent,logits,ws and 'table' (the shipped "
                          "config and its TMA / stage / register-cap neighbours: quick re-tune)")
     ap.add_argument("--out", default=None, help="JSON path (default tpsample/configs/<device>.json)")
+    ap.add_argument("--timing", choices=("graph", "eager"), default="graph",
+                    help="graph: each config timed as a CUDA-graph replay (device time, the "
+                         "default); eager: plain calls (includes the host's dispatch time)")
     ap.add_argument("--extra", default="[]",
                     help="JSON list of configs timed besides the strategies' candidates, e.g. "
                          "an older table's entry")
@@ -205,7 +227,7 @@ def main(argv=None):
     table = {}
     for D, V in shapes:
         table[f"{D}x{V}"] = tune_shape(D, V, batches, args.rep_ms, log, args.strategies.split(","),
-                                       extra)
+                                       extra, graph=args.timing == "graph")
     # one config per batch bucket: the one with the lowest summed time over the shapes
     buckets = {}
     for B in batches:
