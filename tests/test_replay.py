@@ -60,7 +60,9 @@ def test_replay_rebases_descriptors_of_named_tensors():
     assert args[0] is not hd and args[0].base is h2 and hd.base is h
     assert (args[0].shape, args[0].strides, args[0].block_shape) == ([2, 4, 8], [8, 16, 1], [1, 2, 8])
     assert args[1] is wd and args[2] is s2
-    assert all(a is None for a in rep.launches[0][2][:1])  # no slot keeps a tensor
+    recorded, slots = rep.launches[0][2], rep.launches[0][3]
+    assert recorded[0] is None and recorded[2] is None  # no slot keeps a tensor ...
+    assert [d.base for _, _, d in slots if d is not None] == [None]  # ... nor a template
 
 
 def test_tensor_key_separates_alignment_dtype_and_aliasing():

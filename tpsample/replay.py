@@ -74,7 +74,7 @@ class Replay:
         self.launches = []
         for k, (fn, compiled, grid, args, extra) in enumerate(launches):
             slots = [(i, by_id[id(a)], None) for i, a in enumerate(args) if id(a) in by_id]
-            slots += [(i, by_id[id(a.base)], a) for i, a in enumerate(args)
+            slots += [(i, by_id[id(a.base)], _unbased(a)) for i, a in enumerate(args)
                       if _is_descriptor(a) and id(a.base) in by_id]
             args = [None if any(i == j for j, _, _ in slots) else a for i, a in enumerate(args)]
             if compiled is None:  # a torch step; extra is its recorded result
@@ -94,7 +94,8 @@ class Replay:
 
     def __call__(self, stream: int, **tensors):
         """Launch on `stream` (a raw CUDA stream handle, see current_stream)."""
-        for fn, compiled, args, slots, extra in self.launches:
+        for fn, compiled, recorded, slots, extra in self.launches:
+            args = list(recorded)  # per call: concurrent replays (threads) never share it
             for i, name, desc in slots:
                 if desc is None:
                     args[i] = tensors[name]
@@ -107,8 +108,13 @@ class Replay:
                 gx, gy, gz = extra
                 compiled.run(gx, gy, gz, stream, compiled.function, compiled.packed_metadata,
                              None, None, None, *args)
-            for i, _, _ in slots:
-                args[i] = None
+
+
+def _unbased(desc):
+    """A copy of a descriptor without its tensor (the template of a slot keeps none)."""
+    template = copy.copy(desc)
+    template.base = None
+    return template
 
 
 def _is_descriptor(a) -> bool:
