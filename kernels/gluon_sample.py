@@ -211,7 +211,7 @@ if AVAILABLE:
                                 gl.where(f == 2, gl.expand_dims(gl.convert_layout(logit, row_l), 1),
                                          gl.expand_dims(gl.convert_layout(lse, row_l), 1))))
         at = gl.expand_dims(gl.multiple_of(gl.convert_layout(rec, row_l), 4), 1) + f
-        mask = gl.expand_dims(gl.convert_layout(mask_b, row_l), 1) & (f < 4)
+        mask = gl.expand_dims(gl.convert_layout(mask_b, row_l), 1) & (f < 4)  # to [EPI_B, 4]
         row = gl.load(parity_ptr) * NUM_PEERS
         for p in gl.static_range(NUM_PEERS):
             # the peer slot as an element offset from rec_ptr: a pointer made from an integer

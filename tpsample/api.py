@@ -198,6 +198,10 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, *, temperature=1.0, seed=
         SampleOutput(tokens, logprobs fp32 same shape, logz fp32 [B]). Greedy rows report
         logprobs of the T = 1 distribution. Rows whose log Z is not finite (all logits -inf,
         any NaN, +inf) return token 0 and logprob NaN (see tpsample.merge).
+
+    On CUDA, a call with the shapes, strides, dtypes, pointer alignments and options of an
+    earlier one re-issues that call's compiled kernels with the new tensors (no config lookup,
+    no Triton dispatch; TPSAMPLE_REPLAY=0 turns this off). Outputs are fresh tensors per call.
     """
     check_hidden_weight(hidden, weight)
     V = weight.shape[0]

@@ -300,7 +300,8 @@ def ws_records(hidden, weight, bias_arg, inv_temp, seed, offset, out, num_sample
     as the view [4, V_rows / 4, D] (row 4q + a at [a, q]), so each tile lands in shared
     memory in lane order. A replay (tpsample.replay) re-issues the launch with both
     descriptors rebased on that call's hidden and weight.
-    peer_ptrs / parity: the P2P fan-out, as in fused_records (out then only gives strides)."""
+    peer_ptrs / parity: the P2P fan-out, as in fused_records (`out` then gives the strides,
+    and the address the peer slots are addressed from: nothing is stored into it)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
     B, D = hidden.shape
     V_rows = weight.shape[0]
