@@ -231,9 +231,7 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, *, temperature=1.0, seed=
     return package(tokens, logprobs, logz, num_samples, return_logprobs)
 
 
-# TPSAMPLE_REPLAY=0 turns the launch replay off (A/B timing, debugging)
-REPLAY_ENABLED = os.environ.get("TPSAMPLE_REPLAY", "1") != "0"
-_REPLAYS: dict = {}  # call key -> (stage-1, stage-2) Replay of tpsample.sample on CUDA
+_REPLAYS = None  # tpsample.replay.CallReplays of sample() on CUDA, made on first use
 
 
 def _sample_cuda(hidden, weight, bias, params: RowParams, n_real: int, num_samples: int,
@@ -243,29 +241,29 @@ def _sample_cuda(hidden, weight, bias, params: RowParams, n_real: int, num_sampl
     call's compiled launches with this call's tensors (tpsample.replay): no config lookup
     and no Triton dispatch, which otherwise cost more host time per call than a D = 2048
     call takes on the GPU (perf notes v1.8). Every call gets fresh records and outputs."""
+    global _REPLAYS
     from . import fused, replay
+    if _REPLAYS is None:
+        _REPLAYS = replay.CallReplays()
     B = hidden.shape[0]
     named = dict(hidden=hidden, weight=weight, inv_temp=params.inv_temp, seed=params.seed,
                  offset=params.offset, bias=bias)
     records = torch.empty(num_samples, B, fused.num_tiles(weight.shape[0]), 4,
                           dtype=torch.float32, device=hidden.device)
     key = None
-    if REPLAY_ENABLED and not torch.cuda.is_current_stream_capturing() and replay.Replay.usable():
+    if replay.ENABLED and not torch.cuda.is_current_stream_capturing() and replay.Replay.usable():
         key = (hidden.device, hidden.shape, hidden.stride(), weight.shape, weight.stride(), n_real,
                num_samples, merge, need_mass, fused.PDL_ENABLED,
-               replay.tensor_key(tuple(named.values()) + (records,)))
+               replay.tensor_key(tuple(named.values())))
         hit = _REPLAYS.get(key)
         if hit is not None:
             stage1, stage2 = hit
             stream = replay.current_stream(hidden.device.index)
             stage1(stream, records=records, **named)
-            shape = (B,) if num_samples == 1 else (B, num_samples)  # the kernel writes b·S + s
-            tokens = torch.empty(shape, dtype=torch.int64, device=hidden.device)
-            logprobs = torch.empty(shape, dtype=torch.float32, device=hidden.device)
-            logz = torch.empty(B, dtype=torch.float32, device=hidden.device)
+            out = replay.reduce_outputs(B, num_samples, hidden.device)
             # stage 2 was recorded with records[None]: the same address, strides recorded
-            stage2(stream, records=records, tokens=tokens, logprobs=logprobs, logz=logz, **named)
-            return tokens, logprobs, logz
+            stage2(stream, records=records, **out, **named)
+            return out["tokens"], out["logprobs"], out["logz"]
     with replay.record() as log1:
         fused.fused_records(hidden, weight, bias=bias, inv_temp=params.inv_temp, seed=params.seed,
                             offset=params.offset, num_samples=num_samples, n_real=n_real,
@@ -274,12 +272,8 @@ def _sample_cuda(hidden, weight, bias, params: RowParams, n_real: int, num_sampl
         view = records[None]
         tokens, logprobs, logz = fused.reduce_records(view, params.inv_temp, params.seed,
                                                       params.offset, merge)
-    if key is not None and log1 and all(entry[0] in replay.REPLAYABLE_STAGE1 for entry in log1):
-        if len(_REPLAYS) >= 64:
-            _REPLAYS.clear()
-        _REPLAYS[key] = (replay.Replay(log1, dict(named, records=records)),
-                         replay.Replay(log2, dict(named, records=view, tokens=tokens,
-                                                  logprobs=logprobs, logz=logz)))
+    _REPLAYS.add(key, log1, dict(named, records=records), log2,
+                 dict(named, records=view, tokens=tokens, logprobs=logprobs, logz=logz))
     return tokens, logprobs, logz
 
 

@@ -7,21 +7,15 @@ O(B × tiles × world) bytes exchanged instead of an all-gather of [B, V] logits
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.distributed as dist
 
 from . import api, replay
 from .fused import num_tiles, records_view
-from .replay import REPLAYABLE_STAGE1
 from .transport import ExchangeTimeout, all_gather_flat, make_transport
 
 MERGE_IDS = {m: i for i, m in enumerate(api.MERGES)}
-
-
-# TPSAMPLE_REPLAY=0 turns the launch replay off (A/B timing, debugging)
-REPLAY_ENABLED = os.environ.get("TPSAMPLE_REPLAY", "1") != "0"
 
 
 class VocabParallelSampler:
@@ -114,7 +108,7 @@ class VocabParallelSampler:
         base = self._broadcast_cpu(base)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(int(base))
-        self._replays: dict = {}  # call key -> (stage-1, stage-2) Replay (tpsample.replay)
+        self._replays = replay.CallReplays()  # by call key (tpsample.replay)
 
     # -- construction helpers ------------------------------------------------------------
     def _all_gather_object(self, obj):
@@ -195,26 +189,23 @@ class VocabParallelSampler:
         mine, full = self.transport.slots(per_slot)
         fanout = self.transport.fanout()
         tile_major = fanout is not None  # P2P stores: one contiguous run per stage-1 program
-        per_call = (hidden, params.inv_temp, params.seed, params.offset, bias)
+        names = dict(hidden=hidden, inv_temp=params.inv_temp, seed=params.seed,
+                     offset=params.offset, bias=bias)  # what changes per call
         key = None
-        if (REPLAY_ENABLED and self.backend == "triton" and hidden.is_cuda
+        if (replay.ENABLED and self.backend == "triton" and hidden.is_cuda
                 and replay.Replay.usable()):
             key = (B, num_samples, hidden.stride(), mine.data_ptr(), full.data_ptr(),
-                   replay.tensor_key(per_call))
+                   replay.tensor_key(tuple(names.values())))
         replays = self._replays.get(key)
         if replays is not None:  # the same call as before: re-issue its launches directly
             stage1, stage2 = replays
-            names = dict(hidden=hidden, inv_temp=params.inv_temp, seed=params.seed,
-                         offset=params.offset, bias=bias)
             stream = replay.current_stream(self.device.index)
             stage1(stream, **names)
             self.transport.exchange(mine, full)
-            shape = (B,) if num_samples == 1 else (B, num_samples)  # the kernel writes b·S + s
-            tokens = torch.empty(shape, dtype=torch.int64, device=self.device)
-            logprobs = torch.empty(shape, dtype=torch.float32, device=self.device)
-            logz = torch.empty(B, dtype=torch.float32, device=self.device)
-            stage2(stream, tokens=tokens, logprobs=logprobs, logz=logz, **names)
-            return api.package(tokens, logprobs, logz, num_samples, return_logprobs)
+            out = replay.reduce_outputs(B, num_samples, self.device)
+            stage2(stream, **out, **names)
+            return api.package(out["tokens"], out["logprobs"], out["logz"], num_samples,
+                               return_logprobs)
 
         with replay.record() as log1:
             api.compute_records(self.backend, hidden, self.weight, bias=bias, params=params,
@@ -227,14 +218,9 @@ class VocabParallelSampler:
             records = records_view(full, num_samples, B, self.tiles, tile_major)
             tokens, logprobs, logz = api.reduce_records(self.backend, records, params, self.merge,
                                                         fanout=fanout)
-        # stage 1 must be launches the replay knows (the hybrid's GEMM is a recorded step)
-        if key is not None and log1 and all(l[0] in REPLAYABLE_STAGE1 for l in log1):
-            names = dict(zip(("hidden", "inv_temp", "seed", "offset", "bias"), per_call))
-            if len(self._replays) >= 64:
-                self._replays.clear()
-            self._replays[key] = (replay.Replay(log1, names),
-                                  replay.Replay(log2, dict(names, tokens=tokens, logprobs=logprobs,
-                                                           logz=logz)))
+        # kept if stage 1 is launches the replay knows (the hybrid's GEMM is a recorded step)
+        self._replays.add(key, log1, names, log2,
+                          dict(names, tokens=tokens, logprobs=logprobs, logz=logz))
         return api.package(tokens, logprobs, logz, num_samples, return_logprobs)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import os
 
 import torch
 from triton import knobs
@@ -24,6 +25,9 @@ from triton.runtime import driver
 from . import fused
 from .kernels import (fused_sample_records_kernel, fused_sample_records_persistent_kernel,
                       gluon_sample, logits_records_kernel)
+
+# TPSAMPLE_REPLAY=0 turns the launch replay off (A/B timing, debugging)
+ENABLED = os.environ.get("TPSAMPLE_REPLAY", "1") != "0"
 
 # what a recorded stage 1 may consist of: launches and steps Replay knows how to re-issue
 REPLAYABLE_STAGE1 = (fused_sample_records_kernel, fused_sample_records_persistent_kernel,
@@ -121,3 +125,37 @@ def _is_descriptor(a) -> bool:
     """A host-side TMA descriptor (Triton's or Gluon's TensorDescriptor dataclass)."""
     return type(a).__name__ == "TensorDescriptor" and isinstance(getattr(a, "base", None),
                                                                   torch.Tensor)
+
+
+def reduce_outputs(B: int, num_samples: int, device) -> dict:
+    """Fresh stage-2 outputs for a replayed call (the kernel writes tokens b·S + s)."""
+    shape = (B,) if num_samples == 1 else (B, num_samples)
+    return dict(tokens=torch.empty(shape, dtype=torch.int64, device=device),
+                logprobs=torch.empty(shape, dtype=torch.float32, device=device),
+                logz=torch.empty(B, dtype=torch.float32, device=device))
+
+
+class CallReplays:
+    """The (stage 1, stage 2) Replays of recorded calls by call key, at most `limit` of them
+    (all are dropped when full: keys change only when shapes or options do)."""
+
+    def __init__(self, limit: int = 64):
+        self.limit = limit
+        self.calls: dict = {}
+
+    def __len__(self) -> int:
+        return len(self.calls)
+
+    def get(self, key):
+        return self.calls.get(key)
+
+    def clear(self) -> None:
+        self.calls.clear()
+
+    def add(self, key, log1: list, named1: dict, log2: list, named2: dict) -> None:
+        """Keep the call if stage 1 consists only of launches Replay can re-issue."""
+        if key is None or not log1 or not all(entry[0] in REPLAYABLE_STAGE1 for entry in log1):
+            return
+        if len(self.calls) >= self.limit:
+            self.calls.clear()
+        self.calls[key] = (Replay(log1, named1), Replay(log2, named2))
