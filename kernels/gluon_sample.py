@@ -134,18 +134,19 @@ if AVAILABLE:
         scale = gl.expand_dims(gl.where(inv_t == 0.0, 1.0, inv_t), 0)
         row0 = pid_v * BLOCK_V + 4 * q  # local vocabulary row of lane 0
 
+        # the four lanes' transformed logits, read from shared memory once and kept in
+        # registers for the max, the log-mass, the noise and the winner's logit
+        l0 = _lane(view, 0, lane_l, row0, scale, bias_ptr, n_real, HAS_BIAS)
+        l1 = _lane(view, 1, lane_l, row0, scale, bias_ptr, n_real, HAS_BIAS)
+        l2 = _lane(view, 2, lane_l, row0, scale, bias_ptr, n_real, HAS_BIAS)
+        l3 = _lane(view, 3, lane_l, row0, scale, bias_ptr, n_real, HAS_BIAS)
         # the tile max, NaN if any logit of the column is NaN (see fused_sample.py)
-        mx = _lane(view, 0, lane_l, row0, scale, bias_ptr, n_real, HAS_BIAS)
-        for a in gl.static_range(1, 4):
-            mx = _nan_max(mx, _lane(view, a, lane_l, row0, scale, bias_ptr, n_real, HAS_BIAS))
-        m = gl.reduce(mx, 0, _nan_max)
+        m = gl.reduce(_nan_max(_nan_max(l0, l1), _nan_max(l2, l3)), 0, _nan_max)
         if TILE_MASS:
-            m_safe = gl.where(m == float("-inf"), 0.0, m)
-            mass = gl.zeros_like(mx)
-            for a in gl.static_range(4):
-                la = _lane(view, a, lane_l, row0, scale, bias_ptr, n_real, HAS_BIAS)
-                mass += gl.exp(gl.where(la != la, float("-inf"), la) - gl.expand_dims(m_safe, 0))
-            lse = m_safe + gl.log(gl.sum(mass, axis=0))
+            m_safe = gl.expand_dims(gl.where(m == float("-inf"), 0.0, m), 0)
+            mass = _exp_or_0(l0, m_safe) + _exp_or_0(l1, m_safe)
+            mass = (mass + _exp_or_0(l2, m_safe)) + _exp_or_0(l3, m_safe)
+            lse = gl.where(m == float("-inf"), 0.0, m) + gl.log(gl.sum(mass, axis=0))
             lse = gl.where(m != m, m, lse)
         else:
             lse = m
@@ -163,26 +164,23 @@ if AVAILABLE:
             r0, r1, r2, r3 = tl.philox(seed, c0, zero + s.to(gl.uint32), off_lo, off_hi)
             # per position q: the best lane (first on ties: lanes are in id order), then the
             # best position of the column (first on ties: smallest id)
-            zb = _lane_z(view, 0, lane_l, row0, scale, bias_ptr, n_real, HAS_BIAS, greedy, r0)
+            zb = _perturb(l0, greedy, r0)
             za = gl.zeros([Q, EPI_B], gl.int32, lane_l)
-            z = _lane_z(view, 1, lane_l, row0, scale, bias_ptr, n_real, HAS_BIAS, greedy, r1)
+            z = _perturb(l1, greedy, r1)
             za = gl.where(z > zb, 1, za)
             zb = gl.maximum(z, zb)
-            z = _lane_z(view, 2, lane_l, row0, scale, bias_ptr, n_real, HAS_BIAS, greedy, r2)
+            z = _perturb(l2, greedy, r2)
             za = gl.where(z > zb, 2, za)
             zb = gl.maximum(z, zb)
-            z = _lane_z(view, 3, lane_l, row0, scale, bias_ptr, n_real, HAS_BIAS, greedy, r3)
+            z = _perturb(l3, greedy, r3)
             za = gl.where(z > zb, 3, za)
             zb = gl.maximum(z, zb)
             best = gl.max(zb, axis=0)
             idx = gl.min(gl.where(zb == gl.expand_dims(best, 0), 4 * q + za, BLOCK_V), axis=0)
             if TILE_MASS:  # the winner's transformed logit
-                i2 = gl.expand_dims(idx, 0)
-                acc = gl.zeros([Q, EPI_B], gl.float32, lane_l)
-                for a in gl.static_range(4):
-                    la = _lane(view, a, lane_l, row0, scale, bias_ptr, n_real, HAS_BIAS)
-                    acc += gl.where(4 * q + a == i2, la, 0.0)
-                logit = gl.sum(acc, axis=0)
+                i2 = gl.expand_dims(idx, 0) - 4 * q
+                pick = gl.where(i2 == 0, l0, gl.where(i2 == 1, l1, gl.where(i2 == 2, l2, l3)))
+                logit = gl.sum(gl.where((i2 >= 0) & (i2 < 4), pick, 0.0), axis=0)
             else:
                 logit = gl.zeros_like(best)
             token = (tile_start + idx).to(gl.float32)
@@ -233,10 +231,13 @@ if AVAILABLE:
         return gl.where(rows < n_real, x, float("-inf"))
 
     @gluon.jit
-    def _lane_z(view, a: gl.constexpr, layout: gl.constexpr, row0, scale, bias_ptr, n_real,
-                HAS_BIAS: gl.constexpr, greedy, bits):
-        """Perturbed scores of lane a: l + Gumbel (l alone for greedy rows; NaN → -inf)."""
-        la = _lane(view, a, layout, row0, scale, bias_ptr, n_real, HAS_BIAS)
+    def _exp_or_0(la, m):
+        """exp(la - m), 0 for NaN logits (they are excluded from the log-mass)."""
+        return gl.exp(gl.where(la != la, float("-inf"), la) - m)
+
+    @gluon.jit
+    def _perturb(la, greedy, bits):
+        """Perturbed scores: l + Gumbel (l alone for greedy rows; NaN → -inf)."""
         la = gl.where(la != la, float("-inf"), la)
         return gl.where(greedy, la, la + bits_to_gumbel(bits))
 

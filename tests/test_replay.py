@@ -60,6 +60,15 @@ def test_replay_rebases_descriptors_of_named_tensors():
     assert args[0] is not hd and args[0].base is h2 and hd.base is h
     assert (args[0].shape, args[0].strides, args[0].block_shape) == ([2, 4, 8], [8, 16, 1], [1, 2, 8])
     assert args[1] is wd and args[2] is s2
+    # Triton's launcher reads the rebased stand-in as it reads a descriptor on that tensor
+    try:
+        from triton.backends.nvidia.driver import make_tensordesc_arg
+    except ImportError:  # a Triton without the NVIDIA backend: nothing launches anyway
+        make_tensordesc_arg = None
+    if make_tensordesc_arg is not None:
+        fresh = TensorDescriptor(h2, [2, 4, 8], [8, 16, 1], [1, 2, 8])
+        got, want = make_tensordesc_arg(args[0], None), make_tensordesc_arg(fresh, None)
+        assert got[0] is h2 and got[1:] == want[1:]
     recorded, slots = rep.launches[0][2], rep.launches[0][3]
     assert recorded[0] is None and recorded[2] is None  # no slot keeps a tensor ...
     assert [d.base for _, _, d in slots if d is not None] == [None]  # ... nor a template

@@ -31,6 +31,7 @@ floor from a rough CPU memcpy bandwidth (W is cache-resident there, so it is onl
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import itertools
 import json
@@ -46,6 +47,7 @@ import triton
 import triton.testing
 
 import tpsample
+from tpsample.gpu_state import GpuState
 
 ISSUE_SHAPES = ("2048x151936", "4096x151936", "5120x151936", "8192x128256")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -127,12 +129,16 @@ def run_shape(D, V, batches, *, device, dtype, bandwidth, merge, compile_, skipp
     rows = []
     for B in batches:
         h = torch.randn(B, D, device=device, dtype=dtype)
-        ms, variants = {}, make_variants(h, w, merge=merge, compile_=compile_, skipped=skipped)
+        ms, gpu = {}, {}
+        variants = make_variants(h, w, merge=merge, compile_=compile_, skipped=skipped)
         for name, fn in variants.items():
             if name in skipped or (only and name not in only):  # failed before: don't retry
                 continue
             try:
-                ms[name] = time_fn(fn, cuda)
+                with GpuState(device.index or 0) if cuda else contextlib.nullcontext() as state:
+                    ms[name] = time_fn(fn, cuda)
+                if state is not None and state.summary() is not None:
+                    gpu[name] = state.summary()
             except Exception as e:  # noqa: BLE001 - report and go on with the others
                 while e.__cause__ is not None:  # Triton chains the real error as the cause
                     e = e.__cause__
@@ -142,7 +148,7 @@ def run_shape(D, V, batches, *, device, dtype, bandwidth, merge, compile_, skipp
                 if cuda:
                     torch.cuda.empty_cache()
         t = ms.get("tpsample")
-        row = {"B": B, "ms": ms,
+        row = {"B": B, "ms": ms, "gpu": gpu,
                "speedup": {k: v / t for k, v in ms.items() if k != "tpsample" and t},
                "tpsample_pct_of_floor": 100 * t / floor_ms if t else None}
         rows.append(row)
@@ -160,16 +166,23 @@ def print_table(res: dict, bandwidth: float):
     names = list(dict.fromkeys(k for r in res["rows"] for k in r["ms"]))
     base = [n for n in names if n != "tpsample"]
     cell = lambda x, fmt, sfx="": "-" if x is None else f"{x:{fmt}}{sfx}"  # noqa: E731
+    clocks = any(r.get("gpu") for r in res["rows"])
     cols = ([ABBR.get(n, n) for n in names] + [f"x{ABBR.get(n, n)}" for n in base]
-            + ["%floor"])
+            + ["%floor"] + (["MHz mm", "MHz tp", "W tp"] if clocks else []))
     print(f"\nD={res['D']} V={res['V']}  W={res['weight_bytes'] / 1e9:.3f} GB  "
           f"floor={res['floor_ms']:.4f} ms at {bandwidth / 1e9:.0f} GB/s  "
-          "(ms = median ms; xNAME = NAME ms / tpsample ms; %floor = 100 * tpsample / floor)")
+          "(ms = median ms; xNAME = NAME ms / tpsample ms; %floor = 100 * tpsample / floor; "
+          "MHz / W: median SM clock / board power while timed)")
     print(f"{'B':>5} | " + " ".join(f"{c:>8}" for c in cols))
     for r in res["rows"]:
         vals = ([cell(r["ms"].get(n), ".4f") for n in names]
                 + [cell(r["speedup"].get(n), ".2f", "x") for n in base]
                 + [cell(r["tpsample_pct_of_floor"], ".1f", "%")])
+        if clocks:
+            g = r.get("gpu", {})
+            vals += [cell(g.get("mm", {}).get("sm_mhz"), ".0f"),
+                     cell(g.get("tpsample", {}).get("sm_mhz"), ".0f"),
+                     cell(g.get("tpsample", {}).get("power_w"), ".0f")]
         print(f"{r['B']:>5} | " + " ".join(f"{v:>8}" for v in vals))
 
 

@@ -55,11 +55,18 @@ def current_stream(device_index: int) -> int:
 
 def tensor_key(tensors) -> tuple:
     """What a replay of a call depends on among its per-call tensors: each one's 16-byte
-    alignment (Triton specializes pointers on it), dtype, and which of them are one object."""
-    ids = [id(t) for t in tensors]
-    return (tuple(t is None or t.data_ptr() % 16 == 0 for t in tensors),
-            tuple(None if t is None else t.dtype for t in tensors),
-            tuple(ids.index(i) for i in ids))
+    alignment (Triton specializes pointers on it), dtype, and which of them are one object
+    (the index of its first occurrence)."""
+    key = []
+    for t in tensors:
+        if t is None:
+            key.append(None)
+            continue
+        first = 0
+        while tensors[first] is not t:
+            first += 1
+        key.append((t.data_ptr() % 16 == 0, t.dtype, first))
+    return tuple(key)
 
 
 class Replay:
@@ -104,8 +111,7 @@ class Replay:
                 if desc is None:
                     args[i] = tensors[name]
                 else:
-                    args[i] = copy.copy(desc)
-                    args[i].base = tensors[name]
+                    args[i] = _Rebased(tensors[name], desc)
             if compiled is None:
                 tensors[extra] = fn(*args)
             else:
@@ -119,6 +125,21 @@ def _unbased(desc):
     template = copy.copy(desc)
     template.base = None
     return template
+
+
+class _Rebased:
+    """A slot's descriptor on this call's tensor: what Triton's launcher reads of a host
+    TensorDescriptor (base, shape, strides, padding, and block_shape / layout for
+    completeness), without the dataclass copy and its checks (~5 µs per descriptor)."""
+    __slots__ = ("base", "shape", "strides", "block_shape", "layout", "padding")
+
+    def __init__(self, base, template):
+        self.base = base
+        self.shape = template.shape
+        self.strides = template.strides
+        self.block_shape = template.block_shape
+        self.layout = getattr(template, "layout", None)
+        self.padding = template.padding
 
 
 def _is_descriptor(a) -> bool:

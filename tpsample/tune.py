@@ -31,9 +31,10 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 
 # (BLOCK_B, NUM_STAGES, EPI_B, num_warps) of the warp-specialized Hopper kernel: shared
 # memory holds the ring (BLOCK_V + BLOCK_B) x 64 x 2 B per stage plus the fp32 tile handed
-# to the epilogue, so wide tiles get fewer stages (perf notes v1.7)
-WS_TILES = ((128, 4, 64, 8), (128, 3, 64, 8), (64, 6, 64, 8), (64, 6, 32, 4), (64, 4, 64, 8),
-            (32, 8, 32, 4))
+# to the epilogue, so wide tiles get fewer stages (perf notes v1.7); the deepest rings that
+# fit in 227 KB (128: 5, 64: 8, 32: 10 stages) were added in v1.9
+WS_TILES = ((128, 5, 64, 8), (128, 4, 64, 8), (128, 3, 64, 8), (64, 8, 64, 8), (64, 6, 64, 8),
+            (64, 6, 32, 4), (64, 4, 64, 8), (32, 10, 32, 4), (32, 8, 32, 4))
 
 
 def candidates(B: int, strategies=("fused", "persistent", "logits", "ws")):
