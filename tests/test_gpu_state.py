@@ -2,7 +2,7 @@
 where there is no GPU (CI) still works as a context manager."""
 import time
 
-from tpsample.gpu_state import GpuState, summarize
+from tpsample.gpu_state import GpuState, parse_line, summarize
 
 
 def test_summary_medians_and_reason_shares():
@@ -17,7 +17,7 @@ def test_summary_medians_and_reason_shares():
 
 def test_monitor_without_readings_gives_none():
     g = GpuState(0)
-    g._read = None  # as on a machine without NVML and nvidia-smi
+    g._read = g._smi = None  # as on a machine without NVML and nvidia-smi
     with g:
         pass
     assert g.summary() is None
@@ -33,3 +33,13 @@ def test_monitor_collects_until_the_block_ends():
     assert len(g.samples) >= 3
     n = len(g.samples)
     assert g.summary()["power cap"] == 1.0 and len(g.samples) == n  # stopped with the block
+
+
+def test_smi_lines_parse_or_are_refused():
+    assert parse_line("1410, 697.52, 0x0000000000000004\n") == (1410.0, 697.52, 4)
+    for bad in ("", "[N/A], 697.5, 0x4", "1410, 697.5"):
+        try:
+            parse_line(bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"accepted {bad!r}")

@@ -6,8 +6,8 @@ instead of 1980 on the H100; perf notes v1.9). Times there measure energy per ca
 bandwidth, and two variants timed one after the other can run at different clocks. The
 bench puts the clock and power next to each timing, so a table says which regime it is in.
 
-Sampling uses NVML through pynvml when it is importable, else `nvidia-smi` (one query per
-sample, every ~30 ms). No GPU, no tool: the monitor records nothing and summary() is None.
+Sampling uses NVML through pynvml when it is importable, else one `nvidia-smi -lms`
+process that prints a sample every ~20 ms while the block runs. No GPU, no tool: the monitor records nothing and summary() is None.
 """
 from __future__ import annotations
 
@@ -40,12 +40,13 @@ class GpuState:
     """with GpuState(index) as g: ...  → g.summary(): {"sm_mhz", "power_w", "samples",
     "power cap": share of samples, ...} over the block, or None where nothing could be read."""
 
-    def __init__(self, index: int, period_s: float = 0.03):
+    def __init__(self, index: int, period_s: float = 0.02):
         self.index, self.period = index, period_s
         self.samples: list = []
         self._stop = threading.Event()
-        self._thread = None
-        self._read = self._nvml_reader() or self._smi_reader()
+        self._thread = self._proc = None
+        self._read = self._nvml_reader()  # one sample per call
+        self._smi = None if self._read else self._smi_command()  # nvidia-smi streams samples
 
     def _nvml_reader(self):
         try:
@@ -61,7 +62,10 @@ class GpuState:
         return lambda: (float(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)),
                         pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0, int(reasons(h)))
 
-    def _smi_reader(self):
+    def _smi_command(self):
+        """The nvidia-smi command that prints one sample line every period (None if none
+        works here): the GPU by UUID (or NVML index), instantaneous power where the driver
+        has it (power.draw is a 1 s average on recent drivers)."""
         smi = shutil.which("nvidia-smi")
         if smi is None:
             return None
@@ -73,21 +77,18 @@ class GpuState:
         if "CUDA_VISIBLE_DEVICES" not in os.environ:  # otherwise NVML's index is another GPU's
             targets.append(str(self.index))
         for target in targets:
-            cmd = [smi, "-i", target, "--format=csv,noheader,nounits",
-                   "--query-gpu=clocks.sm,power.draw,clocks_event_reasons.active"]
-
-            def read(cmd=cmd):
-                out = subprocess.run(cmd, capture_output=True, text=True, timeout=5).stdout
-                clk, watts, bits = (x.strip() for x in out.strip().split(","))
-                return float(clk), float(watts), int(bits, 16)
-            try:
-                read()
-                return read
-            except Exception:  # noqa: BLE001 - try the next way of naming the GPU
-                continue
+            for power in ("power.draw.instant", "power.draw"):
+                cmd = [smi, "-i", target, "--format=csv,noheader,nounits",
+                       f"--query-gpu=clocks.sm,{power},clocks_event_reasons.active"]
+                try:
+                    out = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
+                    parse_line(out.stdout)
+                except Exception:  # noqa: BLE001 - try the next field / way of naming the GPU
+                    continue
+                return cmd + ["-lms", str(max(1, int(self.period * 1000)))]
         return None
 
-    def _loop(self):
+    def _poll(self):
         while not self._stop.is_set():
             try:
                 self.samples.append(self._read())
@@ -95,17 +96,40 @@ class GpuState:
                 pass
             self._stop.wait(self.period)
 
+    def _stream(self):
+        for line in self._proc.stdout:
+            try:
+                self.samples.append(parse_line(line))
+            except ValueError:
+                pass
+
     def __enter__(self):
         if self._read is not None:
-            self._thread = threading.Thread(target=self._loop, daemon=True)
+            self._thread = threading.Thread(target=self._poll, daemon=True)
+        elif self._smi is not None:
+            self._proc = subprocess.Popen(self._smi, stdout=subprocess.PIPE,
+                                          stderr=subprocess.DEVNULL, text=True)
+            self._thread = threading.Thread(target=self._stream, daemon=True)
+        if self._thread is not None:
             self._thread.start()
         return self
 
     def __exit__(self, *exc):
         self._stop.set()
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait()
         if self._thread is not None:
             self._thread.join()
         return False
 
     def summary(self) -> dict | None:
         return summarize(self.samples)
+
+
+def parse_line(line: str) -> tuple[float, float, int]:
+    """One nvidia-smi CSV line "MHz, W, 0xBITS" → (MHz, W, bits); ValueError otherwise."""
+    fields = [x.strip() for x in line.strip().split(",")]
+    if len(fields) != 3:
+        raise ValueError(f"not a sample line: {line!r}")
+    return float(fields[0]), float(fields[1]), int(fields[2], 16)
