@@ -4,10 +4,14 @@
                              [--batches 1,2,4,...,256]
                              [--out bench_out] [--dtype bf16] [--merge max|logmass]
                              [--no-compile] [--device-name LABEL] [--variants mm,tpsample,...]
+                             [--passes N]
 
 On CUDA it first measures copy bandwidth (a 2 GiB bf16 device-to-device copy, read + write
 bytes / median time), then for every LM-head shape D x V and batch size B times, with
-triton.testing.do_bench (median ms), on random bf16 inputs h [B, D] and W [V, D]:
+triton.testing.do_bench (median ms; with --passes N, default 2 on CUDA, every variant is
+timed N times, alternately in forward and reverse order, and the mean is reported: at B >= 64
+the GPUs run at their power cap and slow down as they heat, which would otherwise penalise
+the variants timed last), on random bf16 inputs h [B, D] and W [V, D]:
 
     mm                    h @ W.T (cuBLAS) alone: the matmul every unfused sampler pays
     multinomial           matmul, fp32 softmax, torch.multinomial
@@ -47,7 +51,7 @@ import triton
 import triton.testing
 
 import tpsample
-from tpsample.gpu_state import GpuState
+from tpsample.gpu_state import GpuState, summarize
 
 ISSUE_SHAPES = ("2048x151936", "4096x151936", "5120x151936", "8192x128256")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -120,7 +124,7 @@ def make_variants(h, w, *, merge="max", compile_=True, skipped=None) -> dict:
 
 
 def run_shape(D, V, batches, *, device, dtype, bandwidth, merge, compile_, skipped,
-              only=None) -> dict:
+              only=None, passes: int = 1) -> dict:
     cuda = device.type == "cuda"
     torch.manual_seed(0)
     w = torch.randn(V, D, device=device, dtype=dtype).mul_(0.02)
@@ -129,26 +133,32 @@ def run_shape(D, V, batches, *, device, dtype, bandwidth, merge, compile_, skipp
     rows = []
     for B in batches:
         h = torch.randn(B, D, device=device, dtype=dtype)
-        ms, gpu = {}, {}
+        runs, samples = {}, {}
         variants = make_variants(h, w, merge=merge, compile_=compile_, skipped=skipped)
-        for name, fn in variants.items():
-            if name in skipped or (only and name not in only):  # failed before: don't retry
-                continue
-            try:
-                with GpuState(device.index or 0) if cuda else contextlib.nullcontext() as state:
-                    ms[name] = time_fn(fn, cuda)
-                if state is not None and state.summary() is not None:
-                    gpu[name] = state.summary()
-            except Exception as e:  # noqa: BLE001 - report and go on with the others
-                while e.__cause__ is not None:  # Triton chains the real error as the cause
-                    e = e.__cause__
-                reason = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"[:300]
-                skipped.setdefault(name, reason)
-                log(f"  {name} failed at D={D} V={V} B={B}: {reason}")
-                if cuda:
-                    torch.cuda.empty_cache()
+        for p in range(passes):  # odd passes in reverse order: a GPU that heats up (clocks
+            # fall at the power cap) does not always penalise the variants timed last
+            for name, fn in (list if p % 2 == 0 else reversed)(list(variants.items())):
+                if name in skipped or (only and name not in only):  # failed before: don't retry
+                    continue
+                try:
+                    fn()  # compile / record outside the monitored span
+                    with GpuState(device.index or 0) if cuda else contextlib.nullcontext() as state:
+                        runs.setdefault(name, []).append(time_fn(fn, cuda))
+                    if state is not None:
+                        samples.setdefault(name, []).extend(state.samples)
+                except Exception as e:  # noqa: BLE001 - report and go on with the others
+                    while e.__cause__ is not None:  # Triton chains the real error as the cause
+                        e = e.__cause__
+                    reason = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"[:300]
+                    skipped.setdefault(name, reason)
+                    runs.pop(name, None)
+                    log(f"  {name} failed at D={D} V={V} B={B}: {reason}")
+                    if cuda:
+                        torch.cuda.empty_cache()
+        ms = {n: statistics.fmean(v) for n, v in runs.items() if n not in skipped}
+        gpu = {n: summarize(v) for n, v in samples.items() if n in ms and v}
         t = ms.get("tpsample")
-        row = {"B": B, "ms": ms, "gpu": gpu,
+        row = {"B": B, "ms": ms, "ms_per_pass": {n: runs[n] for n in ms}, "gpu": gpu,
                "speedup": {k: v / t for k, v in ms.items() if k != "tpsample" and t},
                "tpsample_pct_of_floor": 100 * t / floor_ms if t else None}
         rows.append(row)
@@ -247,9 +257,14 @@ def parse_args(argv, cuda: bool):
     p.add_argument("--variants", default=None,
                    help="comma list: run only these variants (e.g. mm,flashinfer,tpsample)")
     p.add_argument("--device-name", default=None, help="optional label for the plots and JSON")
+    p.add_argument("--passes", type=int, default=2 if cuda else 1,
+                   help="time every variant this many times, alternating forward and reverse "
+                        "order, and report the mean (default 2 on CUDA)")
     args = p.parse_args(argv)
     args.shapes = [tuple(int(x) for x in s.lower().split("x")) for s in args.shapes.split(",")]
     args.batches = [int(b) for b in args.batches.split(",")]
+    if args.passes < 1:
+        p.error(f"--passes must be >= 1, got {args.passes}")
     return args
 
 
@@ -267,7 +282,8 @@ def main(argv=None):
     meta = {"device": dev_name, "device_label": args.device_name, "cuda": cuda,
             "bandwidth_bytes_per_s": bandwidth, "torch": torch.__version__,
             "triton": triton.__version__, "tpsample": tpsample.__version__, "dtype": args.dtype,
-            "merge": args.merge, "timing": "triton do_bench median" if cuda
+            "merge": args.merge, "passes": args.passes,
+            "timing": "mean over passes of the triton do_bench median" if cuda
             else "perf_counter median of 5", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "skipped": {}}
     results = []
@@ -275,7 +291,8 @@ def main(argv=None):
         log(f"shape D={D} V={V}")
         res = run_shape(D, V, args.batches, device=device, dtype=dtype, bandwidth=bandwidth,
                         merge=args.merge, compile_=not args.no_compile, skipped=meta["skipped"],
-                        only=set(args.variants.split(",")) if args.variants else None)
+                        only=set(args.variants.split(",")) if args.variants else None,
+                        passes=args.passes)
         results.append(res)
         write_json(os.path.join(args.out, "bench.json"), meta, results)  # after every shape
         plot(os.path.join(args.out, f"bench_{D}x{V}.png"), res,
