@@ -178,11 +178,12 @@ def print_table(res: dict, bandwidth: float):
     cell = lambda x, fmt, sfx="": "-" if x is None else f"{x:{fmt}}{sfx}"  # noqa: E731
     clocks = any(r.get("gpu") for r in res["rows"])
     cols = ([ABBR.get(n, n) for n in names] + [f"x{ABBR.get(n, n)}" for n in base]
-            + ["%floor"] + (["MHz mm", "MHz tp", "W tp"] if clocks else []))
+            + ["%floor"] + (["MHz mm", "MHz tp", "cap tp"] if clocks else []))
     print(f"\nD={res['D']} V={res['V']}  W={res['weight_bytes'] / 1e9:.3f} GB  "
           f"floor={res['floor_ms']:.4f} ms at {bandwidth / 1e9:.0f} GB/s  "
           "(ms = median ms; xNAME = NAME ms / tpsample ms; %floor = 100 * tpsample / floor; "
-          "MHz / W: median SM clock / board power while timed)")
+          "MHz: median SM clock while timed; cap: share of those samples under the board "
+          "power cap)")
     print(f"{'B':>5} | " + " ".join(f"{c:>8}" for c in cols))
     for r in res["rows"]:
         vals = ([cell(r["ms"].get(n), ".4f") for n in names]
@@ -192,7 +193,8 @@ def print_table(res: dict, bandwidth: float):
             g = r.get("gpu", {})
             vals += [cell(g.get("mm", {}).get("sm_mhz"), ".0f"),
                      cell(g.get("tpsample", {}).get("sm_mhz"), ".0f"),
-                     cell(g.get("tpsample", {}).get("power_w"), ".0f")]
+                     cell(g.get("tpsample", {}).get("power cap", 0.0) * 100
+                          if g.get("tpsample") else None, ".0f", "%")]
         print(f"{r['B']:>5} | " + " ".join(f"{v:>8}" for v in vals))
 
 
