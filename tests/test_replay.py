@@ -1,5 +1,7 @@
 """tpsample.replay: argument substitution and keys (the GPU replay path is exercised by the
 multi-GPU tests, where every sampler call after the first is a replay)."""
+import inspect
+
 import torch
 
 from tpsample import replay
@@ -65,9 +67,11 @@ def test_replay_rebases_descriptors_of_named_tensors():
         from triton.backends.nvidia.driver import make_tensordesc_arg
     except ImportError:  # a Triton without the NVIDIA backend: nothing launches anyway
         make_tensordesc_arg = None
-    if make_tensordesc_arg is not None:
+    if make_tensordesc_arg is not None:  # (arg, metadata) in Triton 3.6, + one more in 3.9
+        extra = (None,) * (len(inspect.signature(make_tensordesc_arg).parameters) - 2)
         fresh = TensorDescriptor(h2, [2, 4, 8], [8, 16, 1], [1, 2, 8])
-        got, want = make_tensordesc_arg(args[0], None), make_tensordesc_arg(fresh, None)
+        got = make_tensordesc_arg(args[0], None, *extra)
+        want = make_tensordesc_arg(fresh, None, *extra)
         assert got[0] is h2 and got[1:] == want[1:]
     recorded, slots = rep.launches[0][2], rep.launches[0][3]
     assert recorded[0] is None and recorded[2] is None  # no slot keeps a tensor ...
