@@ -36,6 +36,9 @@ def summarize(samples: list[tuple[float, float, int]]) -> dict | None:
     return out
 
 
+_SOURCES: dict = {}  # GPU index -> (NVML reader or None, nvidia-smi command or None)
+
+
 class GpuState:
     """with GpuState(index) as g: ...  → g.summary(): {"sm_mhz", "power_w", "samples",
     "power cap": share of samples, ...} over the block, or None where nothing could be read."""
@@ -45,8 +48,10 @@ class GpuState:
         self.samples: list = []
         self._stop = threading.Event()
         self._thread = self._proc = None
-        self._read = self._nvml_reader()  # one sample per call
-        self._smi = None if self._read else self._smi_command()  # nvidia-smi streams samples
+        if index not in _SOURCES:  # resolved once per GPU (the nvidia-smi probe takes ~0.1 s)
+            read = self._nvml_reader()
+            _SOURCES[index] = (read, None if read else self._smi_command())
+        self._read, self._smi = _SOURCES[index]  # NVML: one sample per call; smi: a stream
 
     def _nvml_reader(self):
         try:

@@ -139,6 +139,8 @@ class _Rebased:
         self._template = template
 
     def __getattr__(self, name):  # only for names not in __slots__
+        if name == "_template":  # not set yet (e.g. a copy under construction): no recursion
+            raise AttributeError(name)
         return getattr(self._template, name)
 
 
