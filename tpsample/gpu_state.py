@@ -36,7 +36,7 @@ def summarize(samples: list[tuple[float, float, int]]) -> dict | None:
     return out
 
 
-_SOURCES: dict = {}  # GPU index -> (NVML reader or None, nvidia-smi command or None)
+_SOURCES: dict = {}  # (GPU index, period) -> (NVML reader or None, nvidia-smi command or None)
 
 
 class GpuState:
@@ -48,10 +48,11 @@ class GpuState:
         self.samples: list = []
         self._stop = threading.Event()
         self._thread = self._proc = None
-        if index not in _SOURCES:  # resolved once per GPU (the nvidia-smi probe takes ~0.1 s)
+        key = (index, period_s)  # resolved once (the nvidia-smi probe takes ~0.1 s)
+        if key not in _SOURCES:
             read = self._nvml_reader()
-            _SOURCES[index] = (read, None if read else self._smi_command())
-        self._read, self._smi = _SOURCES[index]  # NVML: one sample per call; smi: a stream
+            _SOURCES[key] = (read, None if read else self._smi_command())
+        self._read, self._smi = _SOURCES[key]  # NVML: one sample per call; smi: a stream
 
     def _nvml_reader(self):
         try:

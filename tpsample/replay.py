@@ -74,8 +74,8 @@ class Replay:
     launch argument that IS one of them becomes a slot filled from replay(**tensors). A torch
     step (fused.run_step) is re-run with its slots filled, and its result fills the slots of
     the launches that took the recorded result. A TMA descriptor argument whose base is one
-    of them is copied and rebased on the new tensor (shape and strides are part of the call
-    key). No slot keeps a tensor between calls."""
+    of them is passed rebased on the new tensor (_Rebased; shape and strides are part of the
+    call key). No slot keeps a tensor between calls."""
 
     def __init__(self, launches: list, named: dict[str, torch.Tensor]):
         by_id: dict = {}
@@ -166,14 +166,8 @@ class CallReplays:
         self.limit = limit
         self.calls: dict = {}
 
-    def __len__(self) -> int:
-        return len(self.calls)
-
     def get(self, key):
         return self.calls.get(key)
-
-    def clear(self) -> None:
-        self.calls.clear()
 
     def add(self, key, log1: list, named1: dict, log2: list, named2: dict) -> None:
         """Keep the call if stage 1 consists only of launches Replay can re-issue."""
