@@ -140,7 +140,15 @@ if AVAILABLE:
         l1 = _lane(view, 1, lane_l, row0, scale, bias_ptr, n_real, HAS_BIAS)
         l2 = _lane(view, 2, lane_l, row0, scale, bias_ptr, n_real, HAS_BIAS)
         l3 = _lane(view, 3, lane_l, row0, scale, bias_ptr, n_real, HAS_BIAS)
-        # the tile max, NaN if any logit of the column is NaN (see fused_sample.py)
+        lse = lanes_lse(l0, l1, l2, l3, TILE_MASS)
+        lane_records(l0, l1, l2, l3, q, offs_b, mask_b, greedy, lse, pid_v, seed_ptr, offset_ptr,
+                     rec_ptr, vocab_start, num_samples, rec_stride_s, rec_stride_b, rec_stride_t,
+                     peer_ptrs, parity_ptr, TILE_MASS, NUM_PEERS, BLOCK_V, EPI_WARPS)
+
+    @gluon.jit
+    def lanes_lse(l0, l1, l2, l3, TILE_MASS: gl.constexpr):
+        """Per column of the four lanes [Q, n]: the log-mass (TILE_MASS) or the max; NaN if any
+        logit of the column is NaN (see fused_sample.py)."""
         m = gl.reduce(_nan_max(_nan_max(l0, l1), _nan_max(l2, l3)), 0, _nan_max)
         if TILE_MASS:
             m_safe = gl.expand_dims(gl.where(m == float("-inf"), 0.0, m), 0)
@@ -150,10 +158,19 @@ if AVAILABLE:
             lse = gl.where(m != m, m, lse)
         else:
             lse = m
+        return lse
 
+    @gluon.jit
+    def lane_records(l0, l1, l2, l3, q, offs_b, mask_b, greedy, lse, pid_v, seed_ptr, offset_ptr,
+                     rec_ptr, vocab_start, num_samples, rec_stride_s, rec_stride_b, rec_stride_t,
+                     peer_ptrs, parity_ptr, TILE_MASS: gl.constexpr, NUM_PEERS: gl.constexpr,
+                     BLOCK_V: gl.constexpr, EPI_WARPS: gl.constexpr):
+        """The records of one [BLOCK_V, len(offs_b)] chunk from its four lanes la [Q, n]
+        (transformed logits of tokens 4q + a of tile pid_v; q [Q, 1] in their layout) and the
+        columns' log-masses (or maxima) lse."""
         seed = gl.expand_dims(gl.load(seed_ptr + offs_b, mask=mask_b, other=0), 0)
         off = gl.load(offset_ptr + offs_b, mask=mask_b, other=0)
-        zero = gl.zeros([Q, EPI_B], gl.uint32, lane_l)
+        zero = gl.zeros_like(l0).to(gl.uint32)
         off_lo = gl.expand_dims((off & 0xFFFFFFFF).to(gl.uint32), 0) + zero
         off_hi = gl.expand_dims(((off >> 32) & 0xFFFFFFFF).to(gl.uint32), 0) + zero
         seed = seed + zero.to(gl.int64)
@@ -165,7 +182,7 @@ if AVAILABLE:
             # per position q: the best lane (first on ties: lanes are in id order), then the
             # best position of the column (first on ties: smallest id)
             zb = _perturb(l0, greedy, r0)
-            za = gl.zeros([Q, EPI_B], gl.int32, lane_l)
+            za = gl.zeros_like(l0).to(gl.int32)
             z = _perturb(l1, greedy, r1)
             za = gl.where(z > zb, 1, za)
             zb = gl.maximum(z, zb)
@@ -220,11 +237,15 @@ if AVAILABLE:
     @gluon.jit
     def _lane(view, a: gl.constexpr, layout: gl.constexpr, row0, scale, bias_ptr, n_real,
               HAS_BIAS: gl.constexpr):
-        """Transformed logits of lane a (tokens 4q + a): (acc + bias) · (1 / T), -inf beyond
-        the vocabulary (NaN stays NaN)."""
+        """Transformed logits of lane a (tokens 4q + a), read from the tile in shared memory."""
         Q: gl.constexpr = view.shape[0] // 4
-        rows = row0 + a
         x = view.slice(a * Q, Q, dim=0).load(layout)
+        return transform(x, row0 + a, scale, bias_ptr, n_real, HAS_BIAS)
+
+    @gluon.jit
+    def transform(x, rows, scale, bias_ptr, n_real, HAS_BIAS: gl.constexpr):
+        """Transformed logits of the accumulators x of local vocabulary rows `rows`:
+        (x + bias) · (1 / T), -inf beyond the vocabulary (NaN stays NaN)."""
         if HAS_BIAS:
             x += gl.load(bias_ptr + rows, mask=rows < n_real, other=0.0)
         x = x * scale

@@ -18,7 +18,8 @@ CONFIGS = [None,
            dict(strategy="fused", BLOCK_B=64, BLOCK_D=64, NUM_STAGES=3, num_warps=8),
            dict(strategy="logits", BLOCK_B=32, BLOCK_D=0, NUM_STAGES=0, num_warps=4),
            dict(strategy="ws", BLOCK_B=64, NUM_STAGES=6, EPI_B=32, num_warps=4),
-           dict(strategy="ws", BLOCK_B=128, NUM_STAGES=4, EPI_B=64, num_warps=8)]
+           dict(strategy="ws", BLOCK_B=128, NUM_STAGES=4, EPI_B=64, num_warps=8),
+           dict(strategy="pp", BLOCK_B=128, NUM_STAGES=6, num_warps=4)]
 
 
 def hopper() -> bool:
@@ -65,6 +66,48 @@ def test_ws_kernel_chi2_and_hybrid_records(merge):
     assert (recs[0][..., 3] - recs[1][..., 3]).abs().max() < 1e-4
     tokens = fused.reduce_records(recs[0][None], p.inv_temp, p.seed, p.offset, merge)[0]
     assert chi2_pvalue(tokens, exact_probs(h, w, temperature=0.9)) > ALPHA
+
+
+@pytest.mark.skipif(not hopper(), reason="the ping-pong kernel is Hopper-only")
+@pytest.mark.parametrize("B,S,with_bias,need_mass,D,vocab_start",
+                         [(200, 2, True, True, 96, 0), (256, 1, False, True, 96, 0),
+                          (130, 1, True, False, 256, 4096), (256, 1, True, True, 4096, 4096),
+                          (1, 1, False, True, 96, 0)])
+def test_pp_kernel_records_equal_ws_records(B, S, with_bias, need_mass, D, vocab_start):
+    """The ping-pong kernel (kernels/gluon_pingpong.py) draws the same noise from the same
+    logits as the ws kernel: best score, token and logit of every record are bit-identical
+    (S = 1 takes its chunk loop, S = 2 the unrolled sample loop; D = 96 ends on a partial TMA
+    box; B = 130 and 200 end on a partial batch tile). Its log-masses are merged per warp, so
+    they agree to rounding. Also through the P2P fan-out path (two local stand-in peers)."""
+    V = 2048 if D < 4096 else 151936
+    g = torch.Generator(device="cuda").manual_seed(B * 7 + S)
+    w = (torch.randn(V, D, device="cuda", generator=g) * 0.05).bfloat16()
+    h = torch.randn(B, D, device="cuda", generator=g).bfloat16()
+    bias = torch.randn(V, device="cuda", generator=g) if with_bias else None
+    temp = torch.rand(B, device="cuda", generator=g) + 0.5
+    temp[::7] = 0.0  # greedy rows
+    p = row_params(h, temp, torch.arange(B, device="cuda") * 13 + 5, 9)
+    kw = dict(bias=bias, inv_temp=p.inv_temp, seed=p.seed, offset=p.offset, num_samples=S,
+              n_real=V - 29, vocab_start=vocab_start, need_mass=need_mass)
+    pp = dict(strategy="pp", BLOCK_B=128, NUM_STAGES=6, num_warps=4)
+    assert fused.pp_supported(h, w, vocab_start)
+    ws = fused.fused_records(h, w, config=dict(strategy="ws", BLOCK_B=128, NUM_STAGES=5, EPI_B=64,
+                                                num_warps=8), **kw)
+    got = fused.fused_records(h, w, config=pp, **kw)
+    assert torch.equal(got[..., :3], ws[..., :3])
+    rel = (got[..., 3] - ws[..., 3]).abs() / ws[..., 3].abs().clamp_min(1.0)
+    assert rel.max().item() < 1e-6
+    T, P = fused.num_tiles(V), 2
+    n = S * B * T * 4
+    bufs = torch.full((2, P, n + 64), float("nan"), device="cuda")
+    ptrs = torch.tensor([[bufs[k, q].data_ptr() for q in range(P)] for k in range(2)],
+                        dtype=torch.int64, device="cuda")
+    out = fused.records_view(torch.full((n,), float("nan"), device="cuda"), S, B, T, tile_major=True)
+    fused.fused_records(h, w, out=out, peer_ptrs=ptrs, config=pp, parity=torch.tensor(
+        [0, 0], dtype=torch.int32, device="cuda"), **kw)
+    for q in range(P):
+        assert torch.equal(fused.records_view(bufs[0, q, :n], S, B, T, tile_major=True), got)
+    assert bufs[1].isnan().all() and out.isnan().all()
 
 
 @pytest.mark.parametrize("cfg", CONFIGS[1:], ids=lambda c: f"{c['strategy']}{c['BLOCK_B']}")

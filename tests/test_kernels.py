@@ -112,7 +112,9 @@ def test_tokens_invariant_to_tile_sizes_and_backend(device):
                 dict(strategy="fused", BLOCK_B=64, BLOCK_D=64, NUM_STAGES=1, num_warps=4),
                 dict(strategy="logits", BLOCK_B=32, BLOCK_D=0, NUM_STAGES=0, num_warps=4),
                 # fp32 (or no Hopper): the warp-specialized kernel's fallback, "logits"
-                dict(strategy="ws", BLOCK_B=128, NUM_STAGES=4, EPI_B=64, num_warps=8)]:
+                dict(strategy="ws", BLOCK_B=128, NUM_STAGES=4, EPI_B=64, num_warps=8),
+                # and the ping-pong kernel's: "ws", then "logits"
+                dict(strategy="pp", BLOCK_B=128, NUM_STAGES=6, num_warps=4)]:
         rec = fused.fused_records(h, w, config=cfg, **kw)
         results.append(fused.reduce_records(rec[None], p.inv_temp, p.seed, p.offset, "max")[0].cpu())
     from tpsample.torch_records import records_torch
@@ -123,6 +125,9 @@ def test_tokens_invariant_to_tile_sizes_and_backend(device):
                                             p.inv_temp.cpu() == 0, "max")[0])
     for r in results[1:]:
         assert torch.equal(r, results[0])
+    with pytest.raises(ValueError, match="BLOCK_B of the ping-pong kernel"):
+        fused.fused_records(h, w, config=dict(strategy="pp", BLOCK_B=64, NUM_STAGES=6,
+                                              num_warps=4), **kw)
 
 
 @pytest.mark.parametrize("B", [1, 3, 8])

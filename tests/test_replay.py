@@ -106,3 +106,20 @@ def test_replay_reruns_torch_steps_and_keeps_no_tensors():
     assert torch.equal(args[0], torch.full((4,), 6.0)) and args[1] is w and args[2] is s2
     assert all(a is None or a is w or not isinstance(a, torch.Tensor) for _, _, args, _, _ in rep.launches
                for a in args)
+
+
+def test_call_replays_keep_only_replayable_calls_up_to_the_limit():
+    """CallReplays (api._REPLAYS) keeps a call whose stage 1 is all replayable launches, drops
+    everything when full, and reports its size (the GPU replay test relies on len and clear)."""
+    from tpsample import fused
+    calls = replay.CallReplays(limit=2)
+    step = [(fused.logits_fp32, None, None, (), None)]
+    calls.add("a", step, {}, [], {})
+    calls.add("b", [(print, None, None, (), None)], {}, [], {})  # not replayable: not kept
+    calls.add(None, step, {}, [], {})  # no key: not kept
+    assert len(calls) == 1 and calls.get("a") is not None and calls.get("b") is None
+    calls.add("c", step, {}, [], {})
+    calls.add("d", step, {}, [], {})  # full: the earlier calls are dropped
+    assert len(calls) == 1 and calls.get("d") is not None
+    calls.clear()
+    assert len(calls) == 0

@@ -28,7 +28,7 @@ def test_table_config_buckets_and_thin_head_overrides():
 def test_shipped_tables_are_consistent(name):
     data = json.loads((fused.CONFIG_DIR / name).read_text())
     buckets = {int(b) for b in data["buckets"]}
-    assert buckets and all(cfg["strategy"] in ("fused", "persistent", "logits", "ws")
+    assert buckets and all(cfg["strategy"] in ("fused", "persistent", "logits", "ws", "pp")
                            for cfg in data["buckets"].values())
     for max_d, over in data.get("by_max_d", {}).items():
         assert int(max_d) > 0 and {int(b) for b in over} <= buckets, (max_d, over)

@@ -11,7 +11,7 @@ import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .kernels import (fused_sample_records_kernel, fused_sample_records_persistent_kernel,
-                      gluon_sample, logits_records_kernel, reduce_records_kernel)
+                      gluon_pingpong, gluon_sample, logits_records_kernel, reduce_records_kernel)
 from .torch_records import DEFAULT_TILE
 
 BLOCK_V = DEFAULT_TILE  # one record per 128 tokens everywhere: logmass partitions agree
@@ -56,7 +56,8 @@ def kernel_config(B: int, D: int, dtype: torch.dtype, device_type: str = "cuda",
     tiles (epilogue overlapped with the next tile's loads);
     "logits": cuBLAS writes fp32 logits and one Triton pass turns them into records;
     "ws" (Hopper): the warp-specialized Gluon kernel (kernels/gluon_sample.py), "logits"
-    where it does not apply (ws_supported).
+    where it does not apply (ws_supported); "pp" (Hopper): its ping-pong variant
+    (kernels/gluon_pingpong.py, [128, 128] tiles), "ws" where it does not apply (pp_supported).
     NOISE_STEP (fused, one sample): the noise is drawn in D step int(NOISE_STEP * steps) of
     the main loop, under the loads in flight, instead of in the epilogue; NOISE_CHUNKS (1, 2,
     4) splits it into row blocks drawn NOISE_EVERY (default 2) steps apart.
@@ -197,6 +198,11 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
     check_records_layout(out, (num_samples, B, T, 4))
     cfg = dict(config or kernel_config(B, D, hidden.dtype, hidden.device.type,
                                         hidden.device.index or 0))
+    if cfg["strategy"] == "pp":
+        if cfg.get("BLOCK_B", 128) != 128:
+            raise ValueError(f"config BLOCK_B of the ping-pong kernel must be 128, got {cfg['BLOCK_B']!r}")
+        if not pp_supported(hidden, weight, vocab_start):
+            cfg = dict(PP_FALLBACK)
     if cfg["strategy"] == "ws" and not ws_supported(hidden, weight, vocab_start):
         cfg = dict(WS_FALLBACK)  # what the warp-specialized kernel does not take
     strategy, nw = cfg.pop("strategy"), cfg.pop("num_warps")
@@ -216,6 +222,10 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
     peers = peer_ptrs if peer_ptrs is not None else seed  # never read when NUM_PEERS == 0
     parity = parity if parity is not None else seed
     bias_arg = bias if bias is not None else inv_temp  # never read when HAS_BIAS is False
+    if strategy == "pp":
+        return pp_records(hidden, weight, bias_arg, inv_temp, seed, offset, out, num_samples,
+                          n_real, vocab_start, bias is not None, need_mass, cfg, maxnreg,
+                          peer_ptrs, parity)
     if strategy == "ws":
         return ws_records(hidden, weight, bias_arg, inv_temp, seed, offset, out, num_samples,
                           n_real, vocab_start, bias is not None, need_mass, cfg, nw, maxnreg,
@@ -329,6 +339,59 @@ def ws_records(hidden, weight, bias_arg, inv_temp, seed, offset, out, num_sample
     options = dict(num_warps=num_warps,
                    maxnreg=maxnreg or 65536 // (32 * (num_warps + mma_warps + 4)) // 8 * 8)
     run_kernel(gluon_sample.ws_records_kernel, grid, (
+        w_desc, h_desc, bias_arg, inv_temp, seed, offset, out, B, n_real, vocab_start,
+        num_samples, *out.stride()[:3], peer_ptrs if peer_ptrs is not None else seed,
+        parity if parity is not None else seed, tiles, nb, cdiv(D, block_k)), constexprs, options)
+    return out
+
+
+# what the ping-pong kernel does not take goes to the warp-specialized kernel's 128-row tile
+PP_FALLBACK = dict(strategy="ws", BLOCK_B=128, NUM_STAGES=5, EPI_B=64, num_warps=8)
+
+
+def pp_supported(hidden, weight, vocab_start: int) -> bool:
+    """What the ping-pong kernel takes: what ws_supported says, with V_rows a multiple of 32
+    (W is read as the view [2, V_rows / 32, 2, 8, D], see kernels/gluon_pingpong.py)."""
+    return ws_supported(hidden, weight, vocab_start) and weight.shape[0] % 32 == 0
+
+
+@functools.lru_cache(maxsize=64)
+def _pp_layouts(dtype: torch.dtype, block_k: int):
+    from triton.experimental.gluon import language as gl
+    gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return (gl.NVMMASharedLayout.get_default_for([2, 4, 2, 8, block_k], gdt),
+            gl.NVMMASharedLayout.get_default_for([128, block_k], gdt))
+
+
+def pp_records(hidden, weight, bias_arg, inv_temp, seed, offset, out, num_samples, n_real,
+               vocab_start, has_bias, need_mass, cfg, maxnreg, peer_ptrs=None, parity=None):
+    """Stage 1 by the ping-pong Hopper kernel (kernels/gluon_pingpong.py): a persistent grid
+    of one program per SM over [128, 128] tiles, two consumer warpgroups taking turns. W
+    [V_rows, D] is handed to TMA as the view [2, V_rows / 32, 2, 8, D] (row 32t + 4j + 2r + h
+    at [r, t, h, j]), so a thread's accumulator rows are one Philox group. Arguments as
+    ws_records (cfg: NUM_STAGES, optional BLOCK_K, CONSUMER_REGS)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    B, D = hidden.shape
+    V_rows = weight.shape[0]
+    block_k = cfg.get("BLOCK_K", WS_BLOCK_K)
+    w_layout, h_layout = _pp_layouts(hidden.dtype, block_k)
+    row = weight.stride(0)
+    w_desc = GluonDescriptor(weight, [2, V_rows // 32, 2, 8, D], [2 * row, 32 * row, row, 4 * row, 1],
+                             [2, 4, 2, 8, block_k], w_layout)
+    h_desc = GluonDescriptor(hidden, list(hidden.shape), list(hidden.stride()), [128, block_k],
+                             h_layout)
+    T = out.shape[2]
+    nb = cdiv(B, 128)
+    tiles = T * nb
+    grid = (min(tiles, _num_sms(hidden.device)),)
+    constexprs = dict(
+        HAS_BIAS=has_bias, TILE_MASS=need_mass, STAGES=cfg["NUM_STAGES"],
+        LOADER_REGS=cfg.get("LOADER_REGS", 24), CONSUMER_REGS=cfg.get("CONSUMER_REGS", 240),
+        SINGLE=num_samples == 1, NUM_PEERS=0 if peer_ptrs is None else peer_ptrs.shape[-1])
+    # 4 warps per consumer and 4 for the loader's warpgroup: the register file split evenly
+    # before setmaxnreg moves the loader's to the consumers
+    options = dict(num_warps=4, maxnreg=maxnreg or 168)
+    run_kernel(gluon_pingpong.pp_records_kernel, grid, (
         w_desc, h_desc, bias_arg, inv_temp, seed, offset, out, B, n_real, vocab_start,
         num_samples, *out.stride()[:3], peer_ptrs if peer_ptrs is not None else seed,
         parity if parity is not None else seed, tiles, nb, cdiv(D, block_k)), constexprs, options)

@@ -24,7 +24,7 @@ from triton.runtime import driver
 
 from . import fused
 from .kernels import (fused_sample_records_kernel, fused_sample_records_persistent_kernel,
-                      gluon_sample, logits_records_kernel)
+                      gluon_pingpong, gluon_sample, logits_records_kernel)
 
 # TPSAMPLE_REPLAY=0 turns the launch replay off (A/B timing, debugging)
 ENABLED = os.environ.get("TPSAMPLE_REPLAY", "1") != "0"
@@ -32,7 +32,8 @@ ENABLED = os.environ.get("TPSAMPLE_REPLAY", "1") != "0"
 # what a recorded stage 1 may consist of: launches and steps Replay knows how to re-issue
 REPLAYABLE_STAGE1 = (fused_sample_records_kernel, fused_sample_records_persistent_kernel,
                      logits_records_kernel, fused.logits_fp32) + (
-                         (gluon_sample.ws_records_kernel,) if gluon_sample.AVAILABLE else ())
+                         (gluon_sample.ws_records_kernel, gluon_pingpong.pp_records_kernel)
+                         if gluon_sample.AVAILABLE else ())
 
 
 @contextlib.contextmanager
@@ -166,8 +167,14 @@ class CallReplays:
         self.limit = limit
         self.calls: dict = {}
 
+    def __len__(self) -> int:  # tests and debugging: how many calls are kept
+        return len(self.calls)
+
     def get(self, key):
         return self.calls.get(key)
+
+    def clear(self) -> None:
+        self.calls.clear()
 
     def add(self, key, log1: list, named1: dict, log2: list, named2: dict) -> None:
         """Keep the call if stage 1 consists only of launches Replay can re-issue."""

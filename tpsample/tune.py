@@ -37,7 +37,12 @@ WS_TILES = ((128, 5, 64, 8), (128, 4, 64, 8), (128, 3, 64, 8), (64, 8, 64, 8), (
             (64, 6, 32, 4), (64, 4, 64, 8), (32, 10, 32, 4), (32, 8, 32, 4))
 
 
-def candidates(B: int, strategies=("fused", "persistent", "logits", "ws")):
+# NUM_STAGES of the ping-pong Hopper kernel ([128, 128] tiles, 32 KB per stage; 6 is the most
+# that fits next to its 32 KB of per-warp partials)
+PP_STAGES = (6, 5)
+
+
+def candidates(B: int, strategies=("fused", "persistent", "logits", "ws", "pp")):
     bb_max = min(max(16, triton.next_power_of_2(B)), 128)  # 256: ~2x slower than 128
     # BLOCK_B = 64 is also tried at large B (acc [128, 128+] fp32 spills); NUM_STAGES = 2
     # halves the pipeline's shared memory so two programs share an SM and one's epilogue
@@ -70,6 +75,9 @@ def candidates(B: int, strategies=("fused", "persistent", "logits", "ws")):
         for bb, st, eb, nw in WS_TILES:
             if bb <= max(64, triton.next_power_of_2(B)):
                 yield dict(strategy="ws", BLOCK_B=bb, NUM_STAGES=st, EPI_B=eb, num_warps=nw)
+    if "pp" in strategies and B > 64:
+        for st in PP_STAGES:
+            yield dict(strategy="pp", BLOCK_B=128, NUM_STAGES=st, num_warps=4)
     if "logits" in strategies:
         for bb, nw in LOGITS_TILES:
             yield dict(strategy="logits", BLOCK_B=bb, BLOCK_D=0, NUM_STAGES=0, num_warps=nw)
@@ -200,8 +208,8 @@ def main(argv=None):
     ap.add_argument("--shapes", default="4096x151936,8192x128256")
     ap.add_argument("--batches", default="1,2,4,8,16,32,64,128,256")
     ap.add_argument("--rep-ms", type=int, default=40)
-    ap.add_argument("--strategies", default="fused,persistent,logits,ws",
-                    help="comma list of fused,persistent,logits,ws and 'table' (the shipped "
+    ap.add_argument("--strategies", default="fused,persistent,logits,ws,pp",
+                    help="comma list of fused,persistent,logits,ws,pp and 'table' (the shipped "
                          "config and its TMA / stage / register-cap neighbours: quick re-tune)")
     ap.add_argument("--out", default=None, help="JSON path (default tpsample/configs/<device>.json)")
     ap.add_argument("--timing", choices=("graph", "eager"), default="graph",

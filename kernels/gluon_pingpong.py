@@ -1,0 +1,390 @@
+"""Stage 1 for large batches on Hopper, ping-pong (Gluon): the records of
+gluon_sample.ws_records_kernel with the epilogue run by the matmul warps on their own
+accumulator registers.
+
+Two consumer warpgroups take a program's tiles alternately and a 1-warp loader feeds both
+from one TMA ring:
+
+    loader      (1 warp)    W [128, BLOCK_K] and h [BLOCK_B, BLOCK_K] into STAGES slots, tiles
+                            in order
+    consumer 0  (default)   wgmma over D for tiles 0, 2, 4, ... of this program, then the
+                            tile's records straight from the accumulator registers
+    consumer 1  (4 warps)   the same for tiles 1, 3, 5, ...
+
+A consumer starts a tile's MMAs only once the other has issued all of the previous tile's
+(mbarrier mma_done): the MMAs stay in tile order, so while one warpgroup turns its tile into
+records the other keeps the tensor cores busy, and the ring's phases stay unambiguous (every
+slot of the previous tile is loaded before anyone waits on the next). There is no fp32
+hand-off through shared memory (the ws kernel's 64 KB buffer and its store/load passes).
+
+Philox groups in registers: a wgmma accumulator [128, N] gives each thread the rows
+64r + 16w + 8h + j (r, h ∈ {0, 1}; w the warp, j = lane // 4). The loader's TMA view puts
+token 32w + 4j + 2r + h of the tile at that row, so a thread's four rows with the same
+(w, j) are tokens 4q + a (q = 8w + j, a = 2r + h): one Philox call, four tokens, the same
+bits as fused_sample.gumbel_noise_tile. W is read as the view [2, V/32, 2, 8, D] (r, 4·tile
++ w, h, j, k), which needs V_rows % 32 == 0 (tpsample.fused.pp_supported).
+"""
+import triton.language as tl
+
+from .gluon_sample import AVAILABLE
+
+
+if AVAILABLE:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+
+    from .gluon_sample import _exp_or_0, _nan_max, _perturb, _store_peers, transform
+
+    @gluon.jit
+    def _loader(w_desc, h_desc, w_bufs, h_bufs, ready, empty, mma_done, part_a0, part_a1, part_b0,
+                part_b1, params0, params1, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr, B,
+                n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b, rec_stride_t,
+                peer_ptrs, parity_ptr, num_tiles, num_b_tiles, k_steps, HAS_BIAS: gl.constexpr,
+                TILE_MASS: gl.constexpr, NUM_PEERS: gl.constexpr, STAGES: gl.constexpr,
+                SINGLE: gl.constexpr, WHICH: gl.constexpr):
+        # (worker partitions share one signature: everything after mma_done is the consumer's)
+        BLOCK_K: gl.constexpr = w_desc.block_type.shape[4]
+        BLOCK_B: gl.constexpr = h_desc.block_type.shape[0]
+        it = 0
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            v32 = (tile // num_b_tiles) * 4  # the tile's first 32-row group
+            b0 = (tile % num_b_tiles) * BLOCK_B
+            for k in range(k_steps):
+                s = it % STAGES
+                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+                bar = ready.index(s)
+                mbarrier.expect(bar, w_desc.block_type.nbytes + h_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(w_desc, [0, v32, 0, 0, k * BLOCK_K], bar,
+                                                w_bufs.index(s))
+                tma.async_copy_global_to_shared(h_desc, [b0, k * BLOCK_K], bar, h_bufs.index(s))
+                it += 1
+
+    @gluon.jit
+    def _consumer(w_desc, h_desc, w_bufs, h_bufs, ready, empty, mma_done, part_a0, part_a1,
+                  part_b0, part_b1, params0, params1, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr,
+                  rec_ptr, B, n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b,
+                  rec_stride_t, peer_ptrs, parity_ptr, num_tiles, num_b_tiles, k_steps,
+                  HAS_BIAS: gl.constexpr, TILE_MASS: gl.constexpr, NUM_PEERS: gl.constexpr,
+                  STAGES: gl.constexpr, SINGLE: gl.constexpr, WHICH: gl.constexpr):
+        BLOCK_K: gl.constexpr = w_desc.block_type.shape[4]
+        BLOCK_B: gl.constexpr = h_desc.block_type.shape[0]
+        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_B, 16])
+        if WHICH == 0:  # this consumer's partials and parameters (see _tile_records)
+            part_a = part_a0
+            part_b = part_b0
+            params = params0
+        else:
+            part_a = part_a1
+            part_b = part_b1
+            params = params1
+        nprog = gl.num_programs(0)
+        j = 0
+        for tile in range(gl.program_id(0) + WHICH * nprog, num_tiles, 2 * nprog):
+            seq = 2 * j + WHICH  # the tile's place in this program's sequence (the loader's)
+            if seq > 0:  # the other consumer has issued every MMA of tile seq - 1
+                mbarrier.wait(mma_done.index(1 - WHICH), ((seq - 1) // 2) & 1)
+            it = seq * k_steps
+            acc = gl.zeros([128, BLOCK_B], gl.float32, layout)
+            for k in range(k_steps):
+                s = it % STAGES
+                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                acc = warpgroup_mma(w_bufs.index(s).reshape([128, BLOCK_K]),
+                                    h_bufs.index(s).permute((1, 0)), acc, is_async=True)
+                # the previous step's MMA is done: its slot goes back to the loader
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+                mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=k > 0)
+                it += 1
+            mbarrier.arrive(mma_done.index(WHICH))
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
+            _tile_records(acc, part_a, part_b, params, tile // num_b_tiles,
+                          (tile % num_b_tiles) * BLOCK_B, bias_ptr,
+                          inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr, B, n_real, vocab_start,
+                          num_samples, rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs,
+                          parity_ptr, HAS_BIAS, TILE_MASS, NUM_PEERS, SINGLE)
+            j += 1
+
+    @gluon.jit
+    def _quarters(x):
+        """x [..., 2, 2] → x[..., 0, 0], x[..., 0, 1], x[..., 1, 0], x[..., 1, 1] (register
+        moves only: both trailing dimensions are held within each thread)."""
+        lo, hi = gl.split(x)
+        x00, x10 = gl.split(lo)
+        x01, x11 = gl.split(hi)
+        return x00, x01, x10, x11
+
+    @gluon.jit
+    def _tile_records(acc, part_a, part_b, params, pid_v, b0, bias_ptr, inv_temp_ptr, seed_ptr,
+                      offset_ptr, rec_ptr, B, n_real, vocab_start, num_samples, rec_stride_s,
+                      rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr, HAS_BIAS: gl.constexpr,
+                      TILE_MASS: gl.constexpr, NUM_PEERS: gl.constexpr, SINGLE: gl.constexpr):
+        """Records of the tile (pid_v, columns [b0, b0 + 128)) from the accumulator
+        acc [128, 128] in wgmma layout, in 8 chunks of 16 columns (per-column keys and scales
+        for 4 columns per thread).
+
+        A column's 128 rows lie in 4 warps × 8 lanes × 4 registers. Each warp reduces its 32
+        rows with shuffles alone and leaves its partials in shared memory: part_a
+        [8, 4, 16, 2] (chunk, warp, column: max, log-mass), part_b [8, 4, 16, 4] (best score,
+        its row, its logit); one barrier later each thread merges the 4 warps' partials of a
+        column (_merge_warps). The columns' parameters are staged in `params` once per tile,
+        so no chunk waits on a global load.
+
+        SINGLE (one sample): a runtime loop over the chunks, rotating them through the loop's
+        registers, so the code is one chunk long: unrolled, the 8 chunks × 2 consumers
+        (~290 KB of SASS) missed the instruction cache on most issues (ncu: "no instruction"
+        was the top stall). Otherwise the transformed logits of all chunks stay in registers
+        for the sample loop (unrolled; S > 1 is the rare case)."""
+        gl.static_assert(acc.shape[1] == 128, "ping-pong tiles are [128, 128]")
+        # rows 64r + 16w + 8h + j, columns 64c2 + 32c1 + 16c0 + n → (w, j, n, r, h, c2, c1, c0)
+        x = gl.permute(gl.reshape(acc, [2, 4, 2, 8, 2, 2, 2, 16]), [1, 3, 7, 0, 2, 4, 5, 6])
+        k0, k1, k2, k3 = _quarters(x)  # chunks 2·c1 + c0 (+ 4 where c2 = 1)
+        k0, k4 = gl.split(k0)
+        k1, k5 = gl.split(k1)
+        k2, k6 = gl.split(k2)
+        k3, k7 = gl.split(k3)
+        tile_start = vocab_start + pid_v * 128
+        gl.thread_barrier()  # the previous tile's partials and parameters have been read
+        _stage_params(params, b0, inv_temp_ptr, seed_ptr, offset_ptr, B)
+        gl.thread_barrier()
+        if SINGLE:
+            for c in range(8):
+                lanes = _chunk_logits(k0, c, part_a, params, pid_v, bias_ptr, n_real, HAS_BIAS,
+                                      TILE_MASS)
+                _chunk_noise(lanes, c, part_b, params, gl.to_tensor(0), tile_start, TILE_MASS)
+                k0, k1, k2, k3, k4, k5, k6, k7 = k1, k2, k3, k4, k5, k6, k7, k0
+            gl.thread_barrier()
+            _merge_warps(part_a, part_b, pid_v, b0, 0, tile_start, rec_ptr, B, rec_stride_s,
+                         rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr, TILE_MASS, NUM_PEERS)
+        else:
+            l0 = _chunk_logits(k0, 0, part_a, params, pid_v, bias_ptr, n_real, HAS_BIAS, TILE_MASS)
+            l1 = _chunk_logits(k1, 1, part_a, params, pid_v, bias_ptr, n_real, HAS_BIAS, TILE_MASS)
+            l2 = _chunk_logits(k2, 2, part_a, params, pid_v, bias_ptr, n_real, HAS_BIAS, TILE_MASS)
+            l3 = _chunk_logits(k3, 3, part_a, params, pid_v, bias_ptr, n_real, HAS_BIAS, TILE_MASS)
+            l4 = _chunk_logits(k4, 4, part_a, params, pid_v, bias_ptr, n_real, HAS_BIAS, TILE_MASS)
+            l5 = _chunk_logits(k5, 5, part_a, params, pid_v, bias_ptr, n_real, HAS_BIAS, TILE_MASS)
+            l6 = _chunk_logits(k6, 6, part_a, params, pid_v, bias_ptr, n_real, HAS_BIAS, TILE_MASS)
+            l7 = _chunk_logits(k7, 7, part_a, params, pid_v, bias_ptr, n_real, HAS_BIAS, TILE_MASS)
+            for s in range(num_samples):
+                gl.thread_barrier()  # the previous sample's partials have been read
+                _chunk_noise(l0, 0, part_b, params, s, tile_start, TILE_MASS)
+                _chunk_noise(l1, 1, part_b, params, s, tile_start, TILE_MASS)
+                _chunk_noise(l2, 2, part_b, params, s, tile_start, TILE_MASS)
+                _chunk_noise(l3, 3, part_b, params, s, tile_start, TILE_MASS)
+                _chunk_noise(l4, 4, part_b, params, s, tile_start, TILE_MASS)
+                _chunk_noise(l5, 5, part_b, params, s, tile_start, TILE_MASS)
+                _chunk_noise(l6, 6, part_b, params, s, tile_start, TILE_MASS)
+                _chunk_noise(l7, 7, part_b, params, s, tile_start, TILE_MASS)
+                gl.thread_barrier()
+                _merge_warps(part_a, part_b, pid_v, b0, s, tile_start, rec_ptr, B, rec_stride_s,
+                             rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr, TILE_MASS,
+                             NUM_PEERS)
+
+    @gluon.jit
+    def _stage_params(params, b0, inv_temp_ptr, seed_ptr, offset_ptr, B):
+        """params [64, 16] int32, row 8k + chunk ← word k of the tile's columns: 1 / T (bits),
+        seed and offset (low and high words). One coalesced load per thread instead of one per
+        chunk."""
+        col_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        offs = b0 + gl.arange(0, 128, layout=col_l)
+        mask = offs < B
+        inv_t = gl.load(inv_temp_ptr + offs, mask=mask, other=1.0)
+        seed = gl.load(seed_ptr + offs, mask=mask, other=0)
+        off = gl.load(offset_ptr + offs, mask=mask, other=0)
+        rows = params._reinterpret(gl.int32, [64, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        rows.slice(0, 8).store(gl.reshape(inv_t.to(gl.int32, bitcast=True), [8, 16]))
+        rows.slice(8, 8).store(gl.reshape(seed.to(gl.int32), [8, 16]))
+        rows.slice(16, 8).store(gl.reshape((seed >> 32).to(gl.int32), [8, 16]))
+        rows.slice(24, 8).store(gl.reshape(off.to(gl.int32), [8, 16]))
+        rows.slice(32, 8).store(gl.reshape((off >> 32).to(gl.int32), [8, 16]))
+
+    @gluon.jit
+    def _chunk_param(params, k: gl.constexpr, c, lane):
+        """Word k of chunk c's columns' parameters, [1, 1, N] in the layout of lane [4, 8, N]."""
+        layout: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, lane.type.layout))
+        v = params.index(8 * k + c).load(layout)
+        return gl.expand_dims(gl.expand_dims(v, 0), 1)
+
+    @gluon.jit
+    def _chunk_index(lane):
+        """(w [4, 1, 1], j [1, 8, 1]) in the layout of lane [4, 8, N]."""
+        layout: gl.constexpr = lane.type.layout
+        w = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, layout)))
+        j = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
+        return gl.expand_dims(gl.expand_dims(w, 1), 2), gl.expand_dims(gl.expand_dims(j, 0), 2)
+
+    @gluon.jit
+    def _chunk_logits(x, c, part_a, params, pid_v, bias_ptr, n_real,
+                      HAS_BIAS: gl.constexpr, TILE_MASS: gl.constexpr):
+        """Chunk c of the tile, x [4, 8, N, 2, 2] (w, j, n, r, h): its four lanes' transformed
+        logits [4, 8, N] (lane a = 2r + h holds token 4(8w + j) + a); each warp's max and
+        log-mass (0 without TILE_MASS) over its rows go to part_a[c, w, n]."""
+        a0, a1, a2, a3 = _quarters(x)
+        w, j = _chunk_index(a0)
+        inv_t = _chunk_param(params, 0, c, a0).to(gl.float32, bitcast=True)
+        scale = gl.where(inv_t == 0.0, 1.0, inv_t)
+        row0 = pid_v * 128 + 4 * (8 * w + j)
+        l0 = transform(a0, row0, scale, bias_ptr, n_real, HAS_BIAS)
+        l1 = transform(a1, row0 + 1, scale, bias_ptr, n_real, HAS_BIAS)
+        l2 = transform(a2, row0 + 2, scale, bias_ptr, n_real, HAS_BIAS)
+        l3 = transform(a3, row0 + 3, scale, bias_ptr, n_real, HAS_BIAS)
+        m = gl.reduce(_nan_max(_nan_max(l0, l1), _nan_max(l2, l3)), 1, _nan_max)  # [4, N]
+        if TILE_MASS:
+            m_safe = gl.expand_dims(gl.where(m == float("-inf"), 0.0, m), 1)
+            mass = _exp_or_0(l0, m_safe) + _exp_or_0(l1, m_safe)
+            mass = gl.sum((mass + _exp_or_0(l2, m_safe)) + _exp_or_0(l3, m_safe), axis=1)
+        else:
+            mass = gl.zeros_like(m)
+        part_a.index(c).store(gl.join(m, mass))
+        return l0, l1, l2, l3
+
+    @gluon.jit
+    def _chunk_noise(lanes, c, part_b, params, s, tile_start,
+                     TILE_MASS: gl.constexpr):
+        """Sample s of chunk c (lanes: _chunk_logits' four [4, 8, N]): each warp's best
+        perturbed score, its row and its logit go to part_b[c, w, n]. The noise is
+        gluon_sample.lane_records' (Philox (seed; 4-token group, s, offset), word a)."""
+        l0, l1, l2, l3 = lanes
+        N: gl.constexpr = l0.shape[2]
+        w, j = _chunk_index(l0)
+        q = 8 * w + j
+        greedy = _chunk_param(params, 0, c, l0).to(gl.float32, bitcast=True) == 0.0
+        seed = ((_chunk_param(params, 2, c, l0).to(gl.int64) << 32)
+                | (_chunk_param(params, 1, c, l0).to(gl.int64) & 0xFFFFFFFF))
+        zero = gl.zeros_like(l0).to(gl.uint32)
+        off_lo = _chunk_param(params, 3, c, l0).to(gl.uint32, bitcast=True) + zero
+        off_hi = _chunk_param(params, 4, c, l0).to(gl.uint32, bitcast=True) + zero
+        ctr = ((tile_start >> 2) + q).to(gl.uint32) + zero
+        r0, r1, r2, r3 = tl.philox(seed + zero.to(gl.int64), ctr, zero + s.to(gl.uint32), off_lo,
+                                   off_hi)
+        zb = _perturb(l0, greedy, r0)
+        za = gl.zeros_like(l0).to(gl.int32)
+        z = _perturb(l1, greedy, r1)
+        za = gl.where(z > zb, 1, za)
+        zb = gl.maximum(z, zb)
+        z = _perturb(l2, greedy, r2)
+        za = gl.where(z > zb, 2, za)
+        zb = gl.maximum(z, zb)
+        z = _perturb(l3, greedy, r3)
+        za = gl.where(z > zb, 3, za)
+        zb = gl.maximum(z, zb)
+        # the warp's best score, its row (first on ties: smallest) and its logit in one
+        # reduction over the 8 lanes: no reduction waits for another's result
+        if TILE_MASS:
+            pick = gl.where(za == 0, l0, gl.where(za == 1, l1, gl.where(za == 2, l2, l3)))
+        else:
+            pick = gl.zeros_like(l0)
+        best, idx, logit = gl.reduce((zb, 4 * q + za, pick), 1, _argmax_combine)  # [4, N]
+        # [4, N, 2, 2] → [4, N, 4]: (best, row, logit, logit)
+        part = gl.join(gl.join(best, logit), gl.join(idx.to(gl.float32), logit))
+        part_b.index(c).store(gl.reshape(part, [4, N, 4]))
+
+    @gluon.jit
+    def _argmax_combine(b1, i1, l1, b2, i2, l2):
+        """(score, row, logit) of the better of two candidates: the higher score, the smaller
+        row on ties (scores are never NaN: _perturb maps NaN logits to -inf)."""
+        take2 = (b2 > b1) | ((b2 == b1) & (i2 < i1))
+        return gl.where(take2, b2, b1), gl.where(take2, i2, i1), gl.where(take2, l2, l1)
+
+    @gluon.jit
+    def _merge_warps(part_a, part_b, pid_v, b0, s, tile_start, rec_ptr, B, rec_stride_s,
+                     rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr, TILE_MASS: gl.constexpr,
+                     NUM_PEERS: gl.constexpr):
+        """Sample s's records of the tile's 128 columns from the 4 warps' partials: a thread
+        holds one column's four. The same values as one reduction over the column (the best
+        score, the smallest row among equal scores, its logit); the log-mass is merged from
+        per-warp masses, so its last bits can differ from the ws kernel's."""
+        # [chunk, warp, column, field]: a thread holds the 4 warps × fields of one column
+        a_l: gl.constexpr = gl.BlockedLayout([1, 4, 1, 2], [2, 1, 16, 1], [4, 1, 1, 1],
+                                             [3, 1, 2, 0])
+        b_l: gl.constexpr = gl.BlockedLayout([1, 4, 1, 4], [2, 1, 16, 1], [4, 1, 1, 1],
+                                             [3, 1, 2, 0])
+        flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
+        pb = part_b._reinterpret(gl.float32, [8, 4, 16, 4], flat).load(b_l)
+        best_w, idx_w, logit_w, _ = _quarters(gl.reshape(pb, [8, 4, 16, 2, 2]))
+        best, idx, logit = gl.reduce((best_w, idx_w, logit_w), 1, _argmax_combine)  # [8, 16]
+        m_w, mass_w = gl.split(part_a._reinterpret(gl.float32, [8, 4, 16, 2], flat).load(a_l))
+        m = gl.reduce(m_w, 1, _nan_max)
+        if TILE_MASS:
+            m_safe = gl.where(m == float("-inf"), 0.0, m)
+            mass = gl.sum(mass_w * gl.exp(m_w - gl.expand_dims(m_safe, 1)), axis=1)
+            lse = gl.where(m != m, m, m_safe + gl.log(mass))
+        else:
+            lse = m
+        col_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # column c·16 + n
+        best = gl.convert_layout(gl.reshape(best, [128]), col_l)
+        idx = gl.convert_layout(gl.reshape(idx, [128]), col_l)
+        logit = gl.convert_layout(gl.reshape(logit, [128]), col_l)
+        lse = gl.convert_layout(gl.reshape(lse, [128]), col_l)
+        token = (tile_start + idx.to(gl.int32)).to(gl.float32)
+        offs_b = b0 + gl.arange(0, 128, layout=col_l)
+        mask_b = offs_b < B
+        rec = offs_b.to(gl.int64) * rec_stride_b + pid_v.to(gl.int64) * rec_stride_t
+        if NUM_PEERS == 0:
+            at = rec_ptr + rec + s * rec_stride_s
+            gl.store(at + 0, best, mask=mask_b)
+            gl.store(at + 1, token, mask=mask_b)
+            gl.store(at + 2, logit, mask=mask_b)
+            gl.store(at + 3, lse, mask=mask_b)
+        else:
+            _store_peers(rec_ptr, peer_ptrs, parity_ptr, rec + s * rec_stride_s, best, token,
+                         logit, lse, mask_b, NUM_PEERS, 4)
+
+    @gluon.jit(do_not_specialize=["B"])
+    def pp_records_kernel(
+        w_desc, h_desc, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr,
+        B, n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b, rec_stride_t,
+        peer_ptrs, parity_ptr, num_tiles, num_b_tiles, k_steps,
+        HAS_BIAS: gl.constexpr, TILE_MASS: gl.constexpr, STAGES: gl.constexpr,
+        LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, SINGLE: gl.constexpr = False,
+        NUM_PEERS: gl.constexpr = 0,
+    ):
+        """Records [S, B, T, 4] of the [128, 128] tiles (vocabulary × batch) of this program;
+        see the module docstring. num_warps must be 4 (consumer 0). w_desc: the view
+        [2, V_rows / 32, 2, 8, D] of W with block [2, 4, 2, 8, BLOCK_K]; h_desc: block
+        [128, BLOCK_K]. NUM_PEERS > 0: the records go to every peer, as in ws_records_kernel."""
+        BLOCK_K: gl.constexpr = w_desc.block_type.shape[4]
+        BLOCK_B: gl.constexpr = h_desc.block_type.shape[0]
+        w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape,
+                                           w_desc.layout)
+        h_bufs = gl.allocate_shared_memory(h_desc.dtype, [STAGES, BLOCK_B, BLOCK_K], h_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mma_done = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        # per consumer: per-warp partials (_tile_records) and the tile's column parameters
+        part_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+        param_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        part_a0 = gl.allocate_shared_memory(gl.float32, [8, 4, 16, 2], part_l)
+        part_a1 = gl.allocate_shared_memory(gl.float32, [8, 4, 16, 2], part_l)
+        part_b0 = gl.allocate_shared_memory(gl.float32, [8, 4, 16, 4], part_l)
+        part_b1 = gl.allocate_shared_memory(gl.float32, [8, 4, 16, 4], part_l)
+        params0 = gl.allocate_shared_memory(gl.int32, [64, 16], param_l)
+        params1 = gl.allocate_shared_memory(gl.int32, [64, 16], param_l)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(mma_done.index(0), count=1)
+        mbarrier.init(mma_done.index(1), count=1)
+        # (the argument tuples are spelled out: a tuple variable loses the constexprs)
+        gl.warp_specialize([
+            (_consumer, (
+            w_desc, h_desc, w_bufs, h_bufs, ready, empty, mma_done, part_a0, part_a1, part_b0, part_b1,
+            params0, params1, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr, B, n_real,
+            vocab_start, num_samples, rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs,
+            parity_ptr, num_tiles, num_b_tiles, k_steps, HAS_BIAS, TILE_MASS, NUM_PEERS, STAGES,
+            SINGLE, 0)),
+            (_consumer, (
+            w_desc, h_desc, w_bufs, h_bufs, ready, empty, mma_done, part_a0, part_a1, part_b0, part_b1,
+            params0, params1, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr, B, n_real,
+            vocab_start, num_samples, rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs,
+            parity_ptr, num_tiles, num_b_tiles, k_steps, HAS_BIAS, TILE_MASS, NUM_PEERS, STAGES,
+            SINGLE, 1)),
+            (_loader, (
+            w_desc, h_desc, w_bufs, h_bufs, ready, empty, mma_done, part_a0, part_a1, part_b0, part_b1,
+            params0, params1, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr, B, n_real,
+            vocab_start, num_samples, rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs,
+            parity_ptr, num_tiles, num_b_tiles, k_steps, HAS_BIAS, TILE_MASS, NUM_PEERS, STAGES,
+            SINGLE, 1)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
