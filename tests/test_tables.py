@@ -46,3 +46,12 @@ def test_tune_override_arguments_are_checked(tmp_path):
         tune.check_override(2048, [(2048, 1000)], [32, 64], path)
     with pytest.raises(SystemExit, match="--max-d must be >= 1"):
         tune.check_override(0, [(2048, 1000)], [64], path)
+
+
+def test_tune_passes_alternate_order_and_are_checked(tmp_path):
+    assert tune.pass_orders(3, 3) == [[0, 1, 2], [2, 1, 0], [0, 1, 2]]
+    assert tune.pass_orders(0, 2) == [[], []]
+    with pytest.raises(ValueError, match="passes"):
+        tune.pass_orders(3, 0)
+    with pytest.raises(SystemExit, match="--passes"):
+        tune.main(["--passes", "0", "--out", str(tmp_path / "t.json")])

@@ -3,7 +3,8 @@
 For every (D, V) shape and batch size it times every candidate configuration of
 tpsample.fused (strategy, BLOCK_B, BLOCK_D, NUM_STAGES, num_warps) with
 triton.testing.do_bench (median) of a CUDA-graph replay of stages 1 + 2 (device time;
---timing eager for plain calls), checks that every configuration returns the SAME tokens
+--timing eager for plain calls; --passes N, default 2, times every candidate N times in
+alternating forward and reverse order and ranks by the mean), checks that every configuration returns the SAME tokens
 (pathwise max merge: tokens may not depend on tiling), and writes the fastest per batch
 bucket to tpsample/configs/<device>.json, which tpsample.fused.kernel_config reads at
 import. Nothing is tuned at call time: this is the explicit offline step.
@@ -148,8 +149,18 @@ def device_ms(fn, reps_ms: int) -> float:
     return ms
 
 
+def pass_orders(n: int, passes: int) -> list[list[int]]:
+    """The order candidates are timed in, per pass: forward, then reverse, alternately. At
+    B >= 64 the GPU runs at its power cap and heats as a sweep goes on, so one forward pass
+    favours the candidates timed first (perf notes v2.0); the mean over alternating passes
+    does not."""
+    if passes < 1:
+        raise ValueError(f"passes must be >= 1, got {passes}")
+    return [list(range(n)) if k % 2 == 0 else list(range(n - 1, -1, -1)) for k in range(passes)]
+
+
 def tune_shape(D: int, V: int, batches, reps_ms: int, log, strategies, extra=(),
-               graph: bool = True) -> dict:
+               graph: bool = True, passes: int = 2) -> dict:
     w = torch.randn(V, D, device="cuda", dtype=torch.bfloat16) * 0.02
     out = {}
     for B in batches:
@@ -161,20 +172,30 @@ def tune_shape(D: int, V: int, batches, reps_ms: int, log, strategies, extra=(),
                                       offset=p.offset, num_samples=1, n_real=V, config=cfg)
             return fused.reduce_records(rec[None], p.inv_temp, p.seed, p.offset, "max")[0]
 
-        ref_tokens, results = None, []
+        def time_cfg(cfg):
+            return device_ms(lambda: run(cfg), reps_ms) if graph else triton.testing.do_bench(
+                lambda: run(cfg), warmup=10, rep=reps_ms, return_mode="median")
+
+        ref_tokens, timed = None, []  # [(ms per pass, cfg, mismatch)]
         for cfg in candidates_for(B, D, strategies, extra):
             try:
                 tokens = run(cfg)
-                ms = device_ms(lambda: run(cfg), reps_ms) if graph else triton.testing.do_bench(
-                    lambda: run(cfg), warmup=10, rep=reps_ms, return_mode="median")
+                ms = time_cfg(cfg)
             except Exception as e:  # e.g. out of shared memory for this tile shape
                 log(f"  B={B} {cfg}: skipped ({type(e).__name__}: {str(e).splitlines()[0][:80]})")
                 continue
             if ref_tokens is None:
                 ref_tokens = tokens
             mismatch = int((tokens != ref_tokens).sum())
-            results.append((ms, cfg, mismatch))
+            timed.append(([ms], cfg, mismatch))
             log(f"  B={B} {cfg}: {ms:.4f} ms, token mismatches vs first config: {mismatch}")
+        for order in pass_orders(len(timed), passes)[1:]:
+            for i in order:
+                timed[i][0].append(time_cfg(timed[i][1]))
+        results = [(sum(t) / len(t), cfg, mismatch) for t, cfg, mismatch in timed]
+        if passes > 1:
+            for ms, cfg, _ in results:
+                log(f"  B={B} {cfg}: mean of {passes} passes {ms:.4f} ms")
         results.sort(key=lambda r: r[0])
         best_ms, best_cfg, _ = results[0]
         out[B] = dict(ms=best_ms, config=best_cfg,
@@ -218,6 +239,9 @@ def main(argv=None):
     ap.add_argument("--extra", default="[]",
                     help="JSON list of configs timed besides the strategies' candidates, e.g. "
                          "an older table's entry")
+    ap.add_argument("--passes", type=int, default=2,
+                    help="time every candidate this many times, alternately in forward and "
+                         "reverse order, and rank by the mean (the GPU heats during a sweep)")
     ap.add_argument("--max-d", type=int, default=None,
                     help="write the results as overrides for D <= this (keyed by the existing "
                          "batch buckets) instead of the buckets themselves")
@@ -228,6 +252,8 @@ def main(argv=None):
     extra = json.loads(args.extra)
     if not isinstance(extra, list) or not all(isinstance(c, dict) and "strategy" in c for c in extra):
         raise SystemExit(f"--extra must be a JSON list of config objects with a 'strategy', got {args.extra!r}")
+    if args.passes < 1:
+        raise SystemExit(f"--passes must be >= 1, got {args.passes}")
     if not torch.cuda.is_available():
         sys.exit("tpsample.tune needs a CUDA device")
     if args.max_d is not None:
@@ -236,7 +262,7 @@ def main(argv=None):
     table = {}
     for D, V in shapes:
         table[f"{D}x{V}"] = tune_shape(D, V, batches, args.rep_ms, log, args.strategies.split(","),
-                                       extra, graph=args.timing == "graph")
+                                       extra, graph=args.timing == "graph", passes=args.passes)
     # one config per batch bucket: the one with the lowest summed time over the shapes
     buckets = {}
     for B in batches:
