@@ -174,20 +174,24 @@ def test_cuda_graph_capture_and_replay_equals_eager():
 
 @pytest.mark.parametrize("B,S,with_bias,force", [(1, 1, False, None), (3, 2, True, None),
                                                   (64, 1, False, None), (200, 1, True, None),
-                                                  (200, 2, False, "logits")])
+                                                  (200, 2, False, "logits"), (200, 1, True, "pp")])
 def test_sample_replay_equals_a_dispatched_call(B, S, with_bias, force, monkeypatch):
     """A call with the key of an earlier one re-issues its recorded launches (api._REPLAYS):
     with new hidden, weight, bias and per-row parameters it returns bit for bit what a
     dispatched call returns. D = 512 takes the thin-head table entries (TMA descriptors of
     W, rebased on the new weight); B = 200 the warp-specialized kernel on Hopper (descriptors
-    of h and W); "logits" the hybrid (its GEMM re-run as a recorded torch step)."""
+    of h and W); "logits" the hybrid (its GEMM re-run as a recorded torch step); "pp" the
+    ping-pong kernel on Hopper (its 5-d W descriptor; V a multiple of 32)."""
     from tpsample import api, replay
-    if force is not None:
+    if force == "pp":
+        cfg = dict(strategy="pp", BLOCK_B=128, NUM_STAGES=6, num_warps=4)
+    elif force is not None:
         cfg = dict(strategy=force, BLOCK_B=64, BLOCK_D=0, NUM_STAGES=0, num_warps=8)
+    if force is not None:
         monkeypatch.setattr(fused, "kernel_config", lambda *a, **k: dict(cfg))
     if api._REPLAYS is not None:
         api._REPLAYS.clear()
-    D, V = 512, 5000
+    D, V = 512, 5024 if force == "pp" else 5000
     g = torch.Generator(device="cuda").manual_seed(B)
 
     def inputs():
@@ -203,6 +207,10 @@ def test_sample_replay_equals_a_dispatched_call(B, S, with_bias, force, monkeypa
     first = inputs()
     tpsample.sample(**first)
     assert len(api._REPLAYS) == 1
+    if force == "pp" and hopper():  # the recorded stage 1 is the ping-pong kernel's launch
+        from tpsample.kernels import gluon_pingpong
+        stage1 = next(iter(api._REPLAYS.calls.values()))[0]
+        assert [fn for fn, *_ in stage1.launches] == [gluon_pingpong.pp_records_kernel]
     second = inputs()
 
     def dispatched(*a, **k):
