@@ -200,7 +200,8 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
                                         hidden.device.index or 0))
     if cfg["strategy"] == "pp":
         if cfg.get("BLOCK_B", 128) != 128:
-            raise ValueError(f"config BLOCK_B of the ping-pong kernel must be 128, got {cfg['BLOCK_B']!r}")
+            raise ValueError("config BLOCK_B of the ping-pong kernel must be 128, "
+                             f"got {cfg['BLOCK_B']!r}")
         if not pp_supported(hidden, weight, vocab_start):
             cfg = dict(PP_FALLBACK)
     if cfg["strategy"] == "ws" and not ws_supported(hidden, weight, vocab_start):
@@ -376,8 +377,8 @@ def pp_records(hidden, weight, bias_arg, inv_temp, seed, offset, out, num_sample
     block_k = cfg.get("BLOCK_K", WS_BLOCK_K)
     w_layout, h_layout = _pp_layouts(hidden.dtype, block_k)
     row = weight.stride(0)
-    w_desc = GluonDescriptor(weight, [2, V_rows // 32, 2, 8, D], [2 * row, 32 * row, row, 4 * row, 1],
-                             [2, 4, 2, 8, block_k], w_layout)
+    w_desc = GluonDescriptor(weight, [2, V_rows // 32, 2, 8, D],
+                             [2 * row, 32 * row, row, 4 * row, 1], [2, 4, 2, 8, block_k], w_layout)
     h_desc = GluonDescriptor(hidden, list(hidden.shape), list(hidden.stride()), [128, block_k],
                              h_layout)
     T = out.shape[2]
