@@ -35,7 +35,7 @@ if AVAILABLE:
     from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
-    from .gluon_sample import _exp_or_0, _nan_max, _perturb, _store_peers, transform
+    from .gluon_sample import _exp_or_0, _nan_max, _store_peers, best_lane, transform
 
     @gluon.jit
     def _loader(w_desc, h_desc, w_bufs, h_bufs, ready, empty, mma_done, part_a0, part_a1, part_b0,
@@ -245,7 +245,7 @@ if AVAILABLE:
                      TILE_MASS: gl.constexpr):
         """Sample s of chunk c (lanes: _chunk_logits' four [4, 8, N]): each warp's best
         perturbed score, its row and its logit go to part_b[c, w, n]. The noise is
-        gluon_sample.lane_records' (Philox (seed; 4-token group, s, offset), word a)."""
+        gluon_sample._chunk_records' (Philox (seed; 4-token group, s, offset), word a)."""
         l0, l1, l2, l3 = lanes
         N: gl.constexpr = l0.shape[2]
         w, j = _chunk_index(l0)
@@ -259,17 +259,7 @@ if AVAILABLE:
         ctr = ((tile_start >> 2) + q).to(gl.uint32) + zero
         r0, r1, r2, r3 = tl.philox(seed + zero.to(gl.int64), ctr, zero + s.to(gl.uint32), off_lo,
                                    off_hi)
-        zb = _perturb(l0, greedy, r0)
-        za = gl.zeros_like(l0).to(gl.int32)
-        z = _perturb(l1, greedy, r1)
-        za = gl.where(z > zb, 1, za)
-        zb = gl.maximum(z, zb)
-        z = _perturb(l2, greedy, r2)
-        za = gl.where(z > zb, 2, za)
-        zb = gl.maximum(z, zb)
-        z = _perturb(l3, greedy, r3)
-        za = gl.where(z > zb, 3, za)
-        zb = gl.maximum(z, zb)
+        zb, za = best_lane(l0, l1, l2, l3, greedy, r0, r1, r2, r3)
         # the warp's best score, its row (first on ties: smallest) and its logit in one
         # reduction over the 8 lanes: no reduction waits for another's result
         if TILE_MASS:

@@ -140,15 +140,7 @@ if AVAILABLE:
         l1 = _lane(view, 1, lane_l, row0, scale, bias_ptr, n_real, HAS_BIAS)
         l2 = _lane(view, 2, lane_l, row0, scale, bias_ptr, n_real, HAS_BIAS)
         l3 = _lane(view, 3, lane_l, row0, scale, bias_ptr, n_real, HAS_BIAS)
-        lse = lanes_lse(l0, l1, l2, l3, TILE_MASS)
-        lane_records(l0, l1, l2, l3, q, offs_b, mask_b, greedy, lse, pid_v, seed_ptr, offset_ptr,
-                     rec_ptr, vocab_start, num_samples, rec_stride_s, rec_stride_b, rec_stride_t,
-                     peer_ptrs, parity_ptr, TILE_MASS, NUM_PEERS, BLOCK_V, EPI_WARPS)
-
-    @gluon.jit
-    def lanes_lse(l0, l1, l2, l3, TILE_MASS: gl.constexpr):
-        """Per column of the four lanes [Q, n]: the log-mass (TILE_MASS) or the max; NaN if any
-        logit of the column is NaN (see fused_sample.py)."""
+        # the tile max, NaN if any logit of the column is NaN (see fused_sample.py)
         m = gl.reduce(_nan_max(_nan_max(l0, l1), _nan_max(l2, l3)), 0, _nan_max)
         if TILE_MASS:
             m_safe = gl.expand_dims(gl.where(m == float("-inf"), 0.0, m), 0)
@@ -158,19 +150,10 @@ if AVAILABLE:
             lse = gl.where(m != m, m, lse)
         else:
             lse = m
-        return lse
 
-    @gluon.jit
-    def lane_records(l0, l1, l2, l3, q, offs_b, mask_b, greedy, lse, pid_v, seed_ptr, offset_ptr,
-                     rec_ptr, vocab_start, num_samples, rec_stride_s, rec_stride_b, rec_stride_t,
-                     peer_ptrs, parity_ptr, TILE_MASS: gl.constexpr, NUM_PEERS: gl.constexpr,
-                     BLOCK_V: gl.constexpr, EPI_WARPS: gl.constexpr):
-        """The records of one [BLOCK_V, len(offs_b)] chunk from its four lanes la [Q, n]
-        (transformed logits of tokens 4q + a of tile pid_v; q [Q, 1] in their layout) and the
-        columns' log-masses (or maxima) lse."""
         seed = gl.expand_dims(gl.load(seed_ptr + offs_b, mask=mask_b, other=0), 0)
         off = gl.load(offset_ptr + offs_b, mask=mask_b, other=0)
-        zero = gl.zeros_like(l0).to(gl.uint32)
+        zero = gl.zeros([Q, EPI_B], gl.uint32, lane_l)
         off_lo = gl.expand_dims((off & 0xFFFFFFFF).to(gl.uint32), 0) + zero
         off_hi = gl.expand_dims(((off >> 32) & 0xFFFFFFFF).to(gl.uint32), 0) + zero
         seed = seed + zero.to(gl.int64)
@@ -181,17 +164,7 @@ if AVAILABLE:
             r0, r1, r2, r3 = tl.philox(seed, c0, zero + s.to(gl.uint32), off_lo, off_hi)
             # per position q: the best lane (first on ties: lanes are in id order), then the
             # best position of the column (first on ties: smallest id)
-            zb = _perturb(l0, greedy, r0)
-            za = gl.zeros_like(l0).to(gl.int32)
-            z = _perturb(l1, greedy, r1)
-            za = gl.where(z > zb, 1, za)
-            zb = gl.maximum(z, zb)
-            z = _perturb(l2, greedy, r2)
-            za = gl.where(z > zb, 2, za)
-            zb = gl.maximum(z, zb)
-            z = _perturb(l3, greedy, r3)
-            za = gl.where(z > zb, 3, za)
-            zb = gl.maximum(z, zb)
+            zb, za = best_lane(l0, l1, l2, l3, greedy, r0, r1, r2, r3)
             best = gl.max(zb, axis=0)
             idx = gl.min(gl.where(zb == gl.expand_dims(best, 0), 4 * q + za, BLOCK_V), axis=0)
             if TILE_MASS:  # the winner's transformed logit
@@ -250,6 +223,23 @@ if AVAILABLE:
             x += gl.load(bias_ptr + rows, mask=rows < n_real, other=0.0)
         x = x * scale
         return gl.where(rows < n_real, x, float("-inf"))
+
+    @gluon.jit
+    def best_lane(l0, l1, l2, l3, greedy, r0, r1, r2, r3):
+        """Per position: the best perturbed score over the four lanes (Philox words r0..r3)
+        and its lane, the first on ties (lanes are in token order)."""
+        zb = _perturb(l0, greedy, r0)
+        layout: gl.constexpr = zb.type.layout
+        za = gl.zeros(zb.shape, gl.int32, layout)
+        z = _perturb(l1, greedy, r1)
+        za = gl.where(z > zb, 1, za)
+        zb = gl.maximum(z, zb)
+        z = _perturb(l2, greedy, r2)
+        za = gl.where(z > zb, 2, za)
+        zb = gl.maximum(z, zb)
+        z = _perturb(l3, greedy, r3)
+        za = gl.where(z > zb, 3, za)
+        return gl.maximum(z, zb), za
 
     @gluon.jit
     def _exp_or_0(la, m):
