@@ -22,9 +22,44 @@ LN2 = tl.constexpr(0.6931471805599453)
 # The outer log of the noise on the MUFU (lg2.approx) instead of libdevice's logf (~30
 # instructions); the interpreter has no inline PTX and keeps tl.log (see noise.py for why
 # the approximation is harmless there and not for the inner log).
-# TPSAMPLE_EXACT_LOGS=1 keeps libdevice for both (A/B timing).
-FAST_OUTER_LOG = tl.constexpr(not knobs.runtime.interpret
-                              and os.environ.get("TPSAMPLE_EXACT_LOGS", "0") != "1")
+# A/B timing: TPSAMPLE_EXACT_LOGS=1 takes libdevice's logf for both logs,
+# TPSAMPLE_LIBDEVICE_INNER_LOG=1 for the inner one only (the v2.0 noise).
+EXACT_LOGS = os.environ.get("TPSAMPLE_EXACT_LOGS", "0") == "1"
+FAST_OUTER_LOG = tl.constexpr(not knobs.runtime.interpret and not EXACT_LOGS)
+POLY_INNER_LOG = tl.constexpr(not EXACT_LOGS
+                              and os.environ.get("TPSAMPLE_LIBDEVICE_INNER_LOG", "0") != "1")
+# -ln(u) = -(n ln 2 + log1p(f)), u = 2**n (1 + f), f in [-1/3, 1/3); log1p(f) = f + f^2 P(f).
+# P: degree-7 fit to (log1p(f) - f) / f^2 (float32 coefficients, highest first). Over every
+# uniform the noise can produce the result is within 1.2 ulp of -ln(u) (noise.py, tests).
+LOG1P_P = (0.14095425605773926, -0.15049511194229126, 0.13988324999809265,
+           -0.16481566429138184, 0.2001098245382309, -0.25004205107688904,
+           0.33333221077919006, -0.49999985098838806)
+P7, P6, P5, P4, P3, P2, P1, P0 = (tl.constexpr(c) for c in LOG1P_P)
+ONE_MINUS_2M24 = tl.constexpr(1.0 - 2.0 ** -24)
+LN2_M23 = tl.constexpr(0.6931471805599453 / 8388608.0)
+
+
+@triton.jit
+def neg_log_uniform(x):
+    """-ln(u) for the uniform u of the uint32 Philox words x (noise.bits_to_uniform), float32.
+
+    libdevice's logf spends a third of its ~30 instructions on zeros, infinities and
+    denormals, none of which u can be (2**-24 <= u <= 1 - 2**-24): this is its main path
+    alone, and builds u from the bits without an int-to-float conversion."""
+    t = ((x >> 9) | 0x3F800000).to(tl.float32, bitcast=True)  # 1 + k 2**-23, k = x >> 9
+    u = t - ONE_MINUS_2M24  # (k + 0.5) 2**-23, exact
+    bits = u.to(tl.int32, bitcast=True)
+    ex = (bits - 0x3F2AAAAB) & -8388608  # n << 23, chosen so that u / 2**n is in [2/3, 4/3)
+    f = (bits - ex).to(tl.float32, bitcast=True) - 1.0  # exact
+    p = tl.fma(f, P7, P6)
+    p = tl.fma(p, f, P5)
+    p = tl.fma(p, f, P4)
+    p = tl.fma(p, f, P3)
+    p = tl.fma(p, f, P2)
+    p = tl.fma(p, f, P1)
+    p = tl.fma(p, f, P0)
+    log1p_f = tl.fma(f, f * p, f)
+    return -tl.fma(ex.to(tl.float32), LN2_M23, log1p_f)
 
 
 @triton.jit
@@ -43,8 +78,10 @@ def gumbel_noise(seed, off_lo, off_hi, c1, gid):
 
 @triton.jit
 def bits_to_gumbel(x):
-    u = ((x >> 9).to(tl.float32) + 0.5) * TWO_POW_M23
-    e = -tl.log(u)  # Exp(1); needs full relative accuracy near u = 1 (libdevice)
+    if POLY_INNER_LOG:
+        e = neg_log_uniform(x)  # Exp(1); needs full relative accuracy near u = 1
+    else:
+        e = -tl.log(((x >> 9).to(tl.float32) + 0.5) * TWO_POW_M23)
     if FAST_OUTER_LOG:
         lg2 = tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=f,f", [e],
                                         dtype=tl.float32, is_pure=True, pack=1)
