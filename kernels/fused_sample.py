@@ -18,7 +18,6 @@ import triton.language as tl
 from triton import knobs
 
 TWO_POW_M23 = tl.constexpr(1.0 / 8388608.0)
-LN2 = tl.constexpr(0.6931471805599453)
 # The outer log of the noise on the MUFU (lg2.approx) instead of libdevice's logf (~30
 # instructions); the interpreter has no inline PTX and keeps tl.log (see noise.py for why
 # the approximation is harmless there and not for the inner log).
@@ -37,6 +36,7 @@ LOG1P_P = (0.14095425605773926, -0.15049511194229126, 0.13988324999809265,
 P7, P6, P5, P4, P3, P2, P1, P0 = (tl.constexpr(c) for c in LOG1P_P)
 ONE_MINUS_2M24 = tl.constexpr(1.0 - 2.0 ** -24)
 LN2_M23 = tl.constexpr(0.6931471805599453 / 8388608.0)
+NOISE_COEF = tl.constexpr(-0.6931471805599453 if FAST_OUTER_LOG.value else -1.0)  # gumbel_log
 
 
 @triton.jit
@@ -65,6 +65,12 @@ def neg_log_uniform(x):
 @triton.jit
 def gumbel_noise(seed, off_lo, off_hi, c1, gid):
     """Gumbel noise for global ids `gid` [BV, 1]; seed/off_* per row [1, BB] (see noise.py)."""
+    return bits_to_gumbel(philox_word(seed, off_lo, off_hi, c1, gid))
+
+
+@triton.jit
+def philox_word(seed, off_lo, off_hi, c1, gid):
+    """The Philox word behind gumbel_noise."""
     zero = tl.zeros_like(gid + seed).to(tl.uint32)
     c0 = (gid >> 2).to(tl.uint32) + zero
     r0, r1, r2, r3 = tl.philox(seed + zero.to(tl.int64), c0, c1 + zero, off_lo + zero,
@@ -72,35 +78,46 @@ def gumbel_noise(seed, off_lo, off_hi, c1, gid):
     lane = (gid & 3) + zero.to(gid.dtype)
     x = tl.where(lane == 0, r0, r1)
     x = tl.where(lane == 2, r2, x)
-    x = tl.where(lane == 3, r3, x)
-    return bits_to_gumbel(x)
+    return tl.where(lane == 3, r3, x)
 
 
 @triton.jit
-def bits_to_gumbel(x):
+def gumbel_log(x):
+    """The outer log of the noise of Philox words x in the units NOISE_COEF turns into
+    Gumbel noise: g = NOISE_COEF * gumbel_log(x). log2 on the MUFU (the interpreter: ln)."""
     if POLY_INNER_LOG:
         e = neg_log_uniform(x)  # Exp(1); needs full relative accuracy near u = 1
     else:
         e = -tl.log(((x >> 9).to(tl.float32) + 0.5) * TWO_POW_M23)
     if FAST_OUTER_LOG:
-        lg2 = tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=f,f", [e],
-                                        dtype=tl.float32, is_pure=True, pack=1)
-        return -lg2 * LN2
+        return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=f,f", [e],
+                                         dtype=tl.float32, is_pure=True, pack=1)
     else:
-        return -tl.log(e)
+        return tl.log(e)
+
+
+@triton.jit
+def bits_to_gumbel(x):
+    return gumbel_log(x) * NOISE_COEF
 
 
 @triton.jit
 def gumbel_noise_tile(seed, off_lo, off_hi, c1, gid0, BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr):
     """gumbel_noise for the BLOCK_V consecutive ids gid0 + [0, BLOCK_V), gid0 % 4 == 0:
     one Philox call per four ids (its four words are the four lanes). [BLOCK_V, BLOCK_B]."""
+    return bits_to_gumbel(philox_words_tile(seed, off_lo, off_hi, c1, gid0, BLOCK_V, BLOCK_B))
+
+
+@triton.jit
+def philox_words_tile(seed, off_lo, off_hi, c1, gid0, BLOCK_V: tl.constexpr,
+                      BLOCK_B: tl.constexpr):
+    """The Philox words behind gumbel_noise_tile."""
     q = (gid0 >> 2) + tl.arange(0, BLOCK_V // 4)
     zero = tl.zeros((BLOCK_V // 4, BLOCK_B), dtype=tl.uint32)
     r0, r1, r2, r3 = tl.philox(seed + zero.to(tl.int64), q.to(tl.uint32)[:, None] + zero,
                                c1 + zero, off_lo + zero, off_hi + zero)
     x = tl.join(tl.join(r0, r2), tl.join(r1, r3))  # [V/4, B, k, a] holds word 2k + a
-    x = tl.reshape(tl.permute(x, (0, 2, 3, 1)), (BLOCK_V, BLOCK_B))  # id 4q + 2k + a
-    return bits_to_gumbel(x)
+    return tl.reshape(tl.permute(x, (0, 2, 3, 1)), (BLOCK_V, BLOCK_B))  # id 4q + 2k + a
 
 
 @triton.jit
@@ -202,13 +219,15 @@ def sample_and_store(s, l, greedy, seed, off_lo, off_hi, tile_start, local, mask
     Without TILE_MASS no log-prob is wanted: the winner's logit (a masked gather, one more
     cross-thread reduction) is not extracted and the record holds 0 there."""
     if PRE_NOISE:
-        g = g_pre
-    elif ALIGNED4:
-        g = gumbel_noise_tile(seed, off_lo, off_hi, tl.cast(s, tl.uint32), tile_start,
-                              BLOCK_V, BLOCK_B)
+        z = tl.where(greedy[None, :], l, l + g_pre)
     else:
-        g = gumbel_noise(seed, off_lo, off_hi, tl.cast(s, tl.uint32), tile_start + local)
-    z = tl.where(greedy[None, :], l, l + g)
+        if ALIGNED4:
+            x = philox_words_tile(seed, off_lo, off_hi, tl.cast(s, tl.uint32), tile_start,
+                                  BLOCK_V, BLOCK_B)
+        else:
+            x = philox_word(seed, off_lo, off_hi, tl.cast(s, tl.uint32), tile_start + local)
+        # l + g in one FMA, l exactly for greedy columns (the noise is finite)
+        z = tl.fma(gumbel_log(x), tl.where(greedy, 0.0, NOISE_COEF)[None, :], l)
     # argmax, first index among equal maxima: a plain max, then the smallest index holding it
     # (z is never NaN: NaN logits became -inf above), ~5 instructions per token fewer than
     # tl.max(return_indices=True), which carries the index through every comparison

@@ -35,7 +35,7 @@ if AVAILABLE:
     from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
-    from .gluon_sample import _exp_or_0, _nan_max, _store_peers, best_lane, transform
+    from .gluon_sample import _exp_or_0, _nan_max, _store_peers, best_lane, noise_coef, transform
 
     @gluon.jit
     def _loader(w_desc, h_desc, w_bufs, h_bufs, ready, empty, mma_done, part_a0, part_a1, part_b0,
@@ -250,7 +250,7 @@ if AVAILABLE:
         N: gl.constexpr = l0.shape[2]
         w, j = _chunk_index(l0)
         q = 8 * w + j
-        greedy = _chunk_param(params, 0, c, l0).to(gl.float32, bitcast=True) == 0.0
+        coef = noise_coef(_chunk_param(params, 0, c, l0).to(gl.float32, bitcast=True))
         seed = ((_chunk_param(params, 2, c, l0).to(gl.int64) << 32)
                 | (_chunk_param(params, 1, c, l0).to(gl.int64) & 0xFFFFFFFF))
         zero = gl.zeros_like(l0).to(gl.uint32)
@@ -259,7 +259,7 @@ if AVAILABLE:
         ctr = ((tile_start >> 2) + q).to(gl.uint32) + zero
         r0, r1, r2, r3 = tl.philox(seed + zero.to(gl.int64), ctr, zero + s.to(gl.uint32), off_lo,
                                    off_hi)
-        zb, za = best_lane(l0, l1, l2, l3, greedy, r0, r1, r2, r3)
+        zb, za = best_lane(l0, l1, l2, l3, coef, r0, r1, r2, r3)
         # the warp's best score, its row (first on ties: smallest) and its logit in one
         # reduction over the 8 lanes: no reduction waits for another's result
         if TILE_MASS:

@@ -35,7 +35,7 @@ try:
 except ImportError:  # Triton without Gluon (< 3.4)
     AVAILABLE = False
 
-from .fused_sample import bits_to_gumbel
+from .fused_sample import NOISE_COEF, gumbel_log
 
 if AVAILABLE:
 
@@ -130,7 +130,7 @@ if AVAILABLE:
         offs_b = b0 + gl.arange(0, EPI_B, layout=col_l)
         mask_b = offs_b < B
         inv_t = gl.load(inv_temp_ptr + offs_b, mask=mask_b, other=1.0)
-        greedy = gl.expand_dims(inv_t == 0.0, 0)
+        coef = gl.expand_dims(noise_coef(inv_t), 0)
         scale = gl.expand_dims(gl.where(inv_t == 0.0, 1.0, inv_t), 0)
         row0 = pid_v * BLOCK_V + 4 * q  # local vocabulary row of lane 0
 
@@ -164,7 +164,7 @@ if AVAILABLE:
             r0, r1, r2, r3 = tl.philox(seed, c0, zero + s.to(gl.uint32), off_lo, off_hi)
             # per position q: the best lane (first on ties: lanes are in id order), then the
             # best position of the column (first on ties: smallest id)
-            zb, za = best_lane(l0, l1, l2, l3, greedy, r0, r1, r2, r3)
+            zb, za = best_lane(l0, l1, l2, l3, coef, r0, r1, r2, r3)
             best = gl.max(zb, axis=0)
             idx = gl.min(gl.where(zb == gl.expand_dims(best, 0), 4 * q + za, BLOCK_V), axis=0)
             if TILE_MASS:  # the winner's transformed logit
@@ -225,21 +225,28 @@ if AVAILABLE:
         return gl.where(rows < n_real, x, float("-inf"))
 
     @gluon.jit
-    def best_lane(l0, l1, l2, l3, greedy, r0, r1, r2, r3):
+    def best_lane(l0, l1, l2, l3, coef, r0, r1, r2, r3):
         """Per position: the best perturbed score over the four lanes (Philox words r0..r3)
-        and its lane, the first on ties (lanes are in token order)."""
-        zb = _perturb(l0, greedy, r0)
+        and its lane, the first on ties (lanes are in token order). coef: noise_coef.
+        A NaN logit never wins and its score never counts: lane 0's becomes -inf, the others
+        lose every comparison and the maximum (max.f32 returns the non-NaN operand) drops them."""
+        zb = gl.maximum(_perturb(l0, coef, r0), float("-inf"))
         layout: gl.constexpr = zb.type.layout
         za = gl.zeros(zb.shape, gl.int32, layout)
-        z = _perturb(l1, greedy, r1)
+        z = _perturb(l1, coef, r1)
         za = gl.where(z > zb, 1, za)
         zb = gl.maximum(z, zb)
-        z = _perturb(l2, greedy, r2)
+        z = _perturb(l2, coef, r2)
         za = gl.where(z > zb, 2, za)
         zb = gl.maximum(z, zb)
-        z = _perturb(l3, greedy, r3)
+        z = _perturb(l3, coef, r3)
         za = gl.where(z > zb, 3, za)
         return gl.maximum(z, zb), za
+
+    @gluon.jit
+    def noise_coef(inv_t):
+        """Per column: NOISE_COEF, or 0 for a greedy column (inv_t == 0), for _perturb."""
+        return gl.where(inv_t == 0.0, 0.0, NOISE_COEF)
 
     @gluon.jit
     def _exp_or_0(la, m):
@@ -247,10 +254,10 @@ if AVAILABLE:
         return gl.exp(gl.where(la != la, float("-inf"), la) - m)
 
     @gluon.jit
-    def _perturb(la, greedy, bits):
-        """Perturbed scores: l + Gumbel (l alone for greedy rows; NaN → -inf)."""
-        la = gl.where(la != la, float("-inf"), la)
-        return gl.where(greedy, la, la + bits_to_gumbel(bits))
+    def _perturb(la, coef, bits):
+        """la + Gumbel noise in one FMA; la exactly where coef = 0 (greedy; the noise is
+        finite). NaN logits stay NaN (best_lane drops them)."""
+        return tl.fma(gumbel_log(bits), coef, la)
 
     @gluon.jit
     def _nan_max(a, b):

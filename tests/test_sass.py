@@ -12,8 +12,8 @@ COUNT = ("from tpsample import sass; per, ops = sass.records_pass_per_token(16, 
 
 
 # Upper bounds per Triton version, between the v2.1 count and the count with libdevice's
-# inner log put back (TPSAMPLE_LIBDEVICE_INNER_LOG=1; 3.6: 71.0 vs 84.0; 3.9: 69.5 vs 81.0)
-BOUND = {"3.6": 75, "3.9": 73}
+# inner log put back (TPSAMPLE_LIBDEVICE_INNER_LOG=1; 3.6: 68.5 vs 81.0; 3.9: 68.5 vs 80.0)
+BOUND = {"3.6": 73, "3.9": 73}
 VERSION = ".".join(triton.__version__.split(".")[:2])
 
 
@@ -21,8 +21,8 @@ VERSION = ".".join(triton.__version__.split(".")[:2])
 @pytest.mark.skipif(VERSION not in BOUND, reason=f"no count measured with Triton {VERSION}")
 def test_records_pass_instructions_per_token(tmp_path):
     """The records pass's issue cost per token (perf notes: 91.5 before v1.6, 84.0 after its
-    argmax and NaN rewrites, 71.0 with v2.1's inner log, Triton 3.6). A rise above the bound
-    is a regression to look at."""
+    argmax and NaN rewrites, 68.5 with v2.1's inner log and one-FMA noise, Triton 3.6). A
+    rise above the bound is a regression to look at."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     for knob in ("TPSAMPLE_EXACT_LOGS", "TPSAMPLE_LIBDEVICE_INNER_LOG"):

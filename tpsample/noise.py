@@ -23,11 +23,15 @@ On the GPU the kernels take the OUTER log of g = -log(e), e = -log(u), with the 
 at most 2**-22 for e in [0.5, 2] and 2 ulp of log2(e) elsewhere, i.e. below 5e-7 on g for
 every e the uniforms can give (6e-8 <= e <= 16.7), which is a fixed perturbation of the
 score l + g smaller than the rounding of a float32 logit of size >= 8 (ulp = 9.5e-7): it can
-only reorder candidates that were already within rounding of a tie. The INNER log keeps
-libdevice: near u = 1, e is tiny and an absolute error of 2**-22 would be a large relative
-error in e, i.e. a large error in the high-g tail that decides the winners. This module
-(the reference) computes both logs exactly as torch does; tests compare GPU tokens with it
-up to such near-ties (tests/test_kernels.near_tie_ok).
+only reorder candidates that were already within rounding of a tie. The INNER log needs
+relative accuracy: near u = 1, e is tiny and an absolute error of 2**-22 would be a large
+relative error in e, i.e. a large error in the high-g tail that decides the winners. The
+kernels compute it as libdevice's logf does (u = 2**n (1 + f), f in [-1/3, 1/3), log1p(f) by
+a polynomial) minus the branches for zeros, infinities and denormals, which u never is
+(kernels/fused_sample.neg_log_uniform): within 1.5 ulp of -ln(u) for each of the 2**23
+uniforms (tested exhaustively), so the error on g = -ln(e) is at most 1.8e-7, inside the outer
+log's bound. This module (the reference) computes both logs exactly as torch does; tests
+compare kernel tokens with it up to such near-ties (tests/test_kernels.near_tie_ok).
 """
 from __future__ import annotations
 
