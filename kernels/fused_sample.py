@@ -37,6 +37,10 @@ LOG1P_P = (0.14095425605773926, -0.15049511194229126, 0.13988324999809265,
 P7, P6, P5, P4, P3, P2, P1, P0 = (tl.constexpr(c) for c in LOG1P_P)
 ONE_MINUS_2M24 = tl.constexpr(1.0 - 2.0 ** -24)
 LN2_M23 = tl.constexpr(0.6931471805599453 / 8388608.0)
+# Philox's multiplies as one mul.wide.u32 each (inline PTX: not in the interpreter);
+# TPSAMPLE_WIDE_MUL=0 takes Triton's umulhi + mul (A/B timing). The words are the same.
+WIDE_MUL = tl.constexpr(not knobs.runtime.interpret
+                        and os.environ.get("TPSAMPLE_WIDE_MUL", "1") == "1")
 NOISE_COEF = tl.constexpr(-0.6931471805599453 if FAST_OUTER_LOG.value else -1.0)  # gumbel_log
 
 
@@ -64,6 +68,49 @@ def neg_log_uniform(x):
 
 
 @triton.jit
+def _mul_wide_a(a):
+    """(high, low) words of a * 0xD2511F53 (Philox's first round multiplier), uint32: one
+    32 x 32 -> 64-bit multiply (IMAD.WIDE.U32) where Triton's umulhi + mul take two."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .u64 t; mul.wide.u32 t, $2, 0xD2511F53; mov.b64 {$1, $0}, t; }",
+        "=r,=r,r", [a], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _mul_wide_b(a):
+    """The same for Philox's second multiplier, 0xCD9E8D57."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .u64 t; mul.wide.u32 t, $2, 0xCD9E8D57; mov.b64 {$1, $0}, t; }",
+        "=r,=r,r", [a], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
+
+
+@triton.jit
+def philox(seed, c0, c1, c2, c3):
+    """tl.philox (Philox4x32-10, key = the int64 seed's low and high words), bit for bit; on
+    the GPU each round's two multiplies are one wide multiply each."""
+    if WIDE_MUL:
+        seed = seed.to(tl.uint64)
+        k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+        k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+        c0 = c0.to(tl.uint32, bitcast=True)
+        c1 = c1.to(tl.uint32, bitcast=True)
+        c2 = c2.to(tl.uint32, bitcast=True)
+        c3 = c3.to(tl.uint32, bitcast=True)
+        for _ in tl.static_range(10):
+            hi_b, lo_b = _mul_wide_b(c2)
+            hi_a, lo_a = _mul_wide_a(c0)
+            c0 = hi_b ^ c1 ^ k0
+            c2 = hi_a ^ c3 ^ k1
+            c1 = lo_b
+            c3 = lo_a
+            k0 = tl.add(k0, 0x9E3779B9, sanitize_overflow=False)
+            k1 = tl.add(k1, 0xBB67AE85, sanitize_overflow=False)
+        return c0, c1, c2, c3
+    else:
+        return tl.philox(seed, c0, c1, c2, c3)
+
+
+@triton.jit
 def gumbel_noise(seed, off_lo, off_hi, c1, gid):
     """Gumbel noise for global ids `gid` [BV, 1]; seed/off_* per row [1, BB] (see noise.py)."""
     return bits_to_gumbel(philox_word(seed, off_lo, off_hi, c1, gid))
@@ -74,7 +121,7 @@ def philox_word(seed, off_lo, off_hi, c1, gid):
     """The Philox word behind gumbel_noise."""
     zero = tl.zeros_like(gid + seed).to(tl.uint32)
     c0 = (gid >> 2).to(tl.uint32) + zero
-    r0, r1, r2, r3 = tl.philox(seed + zero.to(tl.int64), c0, c1 + zero, off_lo + zero,
+    r0, r1, r2, r3 = philox(seed + zero.to(tl.int64), c0, c1 + zero, off_lo + zero,
                                off_hi + zero)
     lane = (gid & 3) + zero.to(gid.dtype)
     x = tl.where(lane == 0, r0, r1)
@@ -115,7 +162,7 @@ def philox_words_tile(seed, off_lo, off_hi, c1, gid0, BLOCK_V: tl.constexpr,
     """The Philox words behind gumbel_noise_tile."""
     q = (gid0 >> 2) + tl.arange(0, BLOCK_V // 4)
     zero = tl.zeros((BLOCK_V // 4, BLOCK_B), dtype=tl.uint32)
-    r0, r1, r2, r3 = tl.philox(seed + zero.to(tl.int64), q.to(tl.uint32)[:, None] + zero,
+    r0, r1, r2, r3 = philox(seed + zero.to(tl.int64), q.to(tl.uint32)[:, None] + zero,
                                c1 + zero, off_lo + zero, off_hi + zero)
     x = tl.join(tl.join(r0, r2), tl.join(r1, r3))  # [V/4, B, k, a] holds word 2k + a
     return tl.reshape(tl.permute(x, (0, 2, 3, 1)), (BLOCK_V, BLOCK_B))  # id 4q + 2k + a

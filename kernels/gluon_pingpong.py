@@ -24,7 +24,6 @@ token 32w + 4j + 2r + h of the tile at that row, so a thread's four rows with th
 bits as fused_sample.gumbel_noise_tile. W is read as the view [2, V/32, 2, 8, D] (r, 4·tile
 + w, h, j, k), which needs V_rows % 32 == 0 (tpsample.fused.pp_supported).
 """
-import triton.language as tl
 
 from .gluon_sample import AVAILABLE
 
@@ -35,6 +34,7 @@ if AVAILABLE:
     from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
+    from .fused_sample import philox
     from .gluon_sample import _exp_or_0, _nan_max, _store_peers, best_lane, noise_coef, transform
 
     @gluon.jit
@@ -257,7 +257,7 @@ if AVAILABLE:
         off_lo = _chunk_param(params, 3, c, l0).to(gl.uint32, bitcast=True) + zero
         off_hi = _chunk_param(params, 4, c, l0).to(gl.uint32, bitcast=True) + zero
         ctr = ((tile_start >> 2) + q).to(gl.uint32) + zero
-        r0, r1, r2, r3 = tl.philox(seed + zero.to(gl.int64), ctr, zero + s.to(gl.uint32), off_lo,
+        r0, r1, r2, r3 = philox(seed + zero.to(gl.int64), ctr, zero + s.to(gl.uint32), off_lo,
                                    off_hi)
         zb, za = best_lane(l0, l1, l2, l3, coef, r0, r1, r2, r3)
         # the warp's best score, its row (first on ties: smallest) and its logit in one

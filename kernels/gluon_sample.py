@@ -35,7 +35,7 @@ try:
 except ImportError:  # Triton without Gluon (< 3.4)
     AVAILABLE = False
 
-from .fused_sample import NOISE_COEF, gumbel_log
+from .fused_sample import NOISE_COEF, gumbel_log, philox
 
 if AVAILABLE:
 
@@ -161,7 +161,7 @@ if AVAILABLE:
         c0 = ((tile_start >> 2) + q).to(gl.uint32) + zero
         rec = offs_b.to(gl.int64) * rec_stride_b + pid_v.to(gl.int64) * rec_stride_t
         for s in range(num_samples):
-            r0, r1, r2, r3 = tl.philox(seed, c0, zero + s.to(gl.uint32), off_lo, off_hi)
+            r0, r1, r2, r3 = philox(seed, c0, zero + s.to(gl.uint32), off_lo, off_hi)
             # per position q: the best lane (first on ties: lanes are in id order), then the
             # best position of the column (first on ties: smallest id)
             zb, za = best_lane(l0, l1, l2, l3, coef, r0, r1, r2, r3)
