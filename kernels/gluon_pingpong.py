@@ -258,7 +258,7 @@ if AVAILABLE:
         off_hi = _chunk_param(params, 4, c, l0).to(gl.uint32, bitcast=True) + zero
         ctr = ((tile_start >> 2) + q).to(gl.uint32) + zero
         r0, r1, r2, r3 = philox(seed + zero.to(gl.int64), ctr, zero + s.to(gl.uint32), off_lo,
-                                   off_hi)
+                                off_hi)
         zb, za = best_lane(l0, l1, l2, l3, coef, r0, r1, r2, r3)
         # the warp's best score, its row (first on ties: smallest) and its logit in one
         # reduction over the 8 lanes: no reduction waits for another's result
