@@ -12,9 +12,9 @@ partitions that talk through mbarriers:
     epilogue (default)  transforms, Gumbel noise, argmax → one record per (sample, row, tile)
 
 While the epilogue turns tile i into records, the mma warps already accumulate tile i + 1
-and the loader keeps the HBM stream going: the noise (84 instructions per token) is no
-longer serial with the matmul, which is what kept the Triton kernels ≥ 1.10 × cuBLAS at
-B ≥ 128 (docs/perf-notes.md, v1.7).
+and the loader keeps the HBM stream going: the noise runs in other warps than the matmul,
+where in the Triton kernels it kept them ≥ 1.10 × cuBLAS at B ≥ 128 (docs/perf-notes.md,
+v1.7; v2.1 for what it still costs at B = 256).
 
 The noise is bit-identical to fused_sample.gumbel_noise_tile: Philox (seed_b; id >> 2, s,
 offset_b) word id & 3 for the token with global id `id`. The epilogue reads the tile from
@@ -24,14 +24,22 @@ serves four tokens without any register shuffles.
 Gluon has no interpreter: this module is compiled and run on Hopper GPUs only (tests marked
 gpu); everywhere else the Triton kernels produce the same records.
 """
+import triton
 import triton.language as tl
+
+# The Triton versions whose Gluon API these kernels (and gluon_pingpong's) are written for
+# and run on (the devices' 3.6). Gluon is experimental and changes between releases (3.9
+# renamed thread_barrier and removed async_copy_global_to_shared), so elsewhere the kernels
+# are not used: tpsample.fused falls back to the cuBLAS + records-pass path and says so once.
+GLUON_VERSIONS = ((3, 6),)
+TRITON_VERSION = tuple(int(x) for x in triton.__version__.split(".")[:2])
 
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
-    AVAILABLE = True
+    AVAILABLE = TRITON_VERSION in GLUON_VERSIONS
 except ImportError:  # Triton without Gluon (< 3.4)
     AVAILABLE = False
 

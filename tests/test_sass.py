@@ -35,3 +35,31 @@ def test_records_pass_instructions_per_token(tmp_path):
     per, mufu, stg = out.stdout.split()
     assert int(mufu) > 0 and int(stg) > 0  # the noise's lg2 and the record stores are there
     assert 60 <= float(per) <= BOUND[VERSION], f"{per} SASS instructions per token"
+
+
+GLUON = ("from tpsample import sass\n"
+         "for kw in (dict(strategy='ws'), dict(strategy='pp'), dict(strategy='pp', need_mass=True),\n"
+         "           dict(strategy='pp', num_samples=2)):\n"
+         "    ops = sass.gluon_ops(**kw)\n"
+         "    print(ops['LDL'] + ops['STL'], ops['HGMMA'], sum(ops.values()))\n")
+
+
+@pytest.mark.skipif(not os.path.exists(NVDISASM), reason="Triton ships no nvdisasm here")
+def test_hopper_kernels_compile_without_spills(tmp_path):
+    """ws and pp as tpsample.fused launches them (shipped register budgets) compile for sm_90
+    with no spilled words, one sample or two (perf notes v2.1: pp's S > 1 path spilled 134
+    words in v2.0)."""
+    from tpsample.kernels import gluon_sample
+    if not gluon_sample.AVAILABLE:
+        pytest.skip(f"the Gluon kernels are not written for Triton {triton.__version__}")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    for knob in ("TPSAMPLE_EXACT_LOGS", "TPSAMPLE_LIBDEVICE_INNER_LOG", "TPSAMPLE_WIDE_MUL"):
+        env.pop(knob, None)
+    out = subprocess.run([sys.executable, "-c", GLUON], env=env, cwd=tmp_path, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [tuple(int(x) for x in line.split()) for line in out.stdout.split("\n") if line.strip()]
+    assert len(rows) == 4
+    for spilled, hgmma, total in rows:
+        assert spilled == 0 and hgmma > 0 and total > 1000, (spilled, hgmma, total)

@@ -2,6 +2,7 @@
 import json
 
 import pytest
+import torch
 
 from tpsample import fused, tune
 
@@ -55,3 +56,20 @@ def test_tune_passes_alternate_order_and_are_checked(tmp_path):
         tune.pass_orders(3, 0)
     with pytest.raises(SystemExit, match="--passes"):
         tune.main(["--passes", "0", "--out", str(tmp_path / "t.json")])
+
+
+def test_hopper_kernels_fall_back_with_one_warning_without_their_gluon_api(monkeypatch):
+    """On a Triton whose Gluon API the ws/pp kernels are not written for, a Hopper GPU gets
+    the records-pass path (ws_supported is False, so pp falls back too) and one warning."""
+    import types
+    import warnings
+    monkeypatch.setattr(fused.gluon_sample, "AVAILABLE", False)
+    monkeypatch.setattr(fused, "_is_hopper", lambda index: True)
+    fused._warn_no_gluon.cache_clear()
+    h = types.SimpleNamespace(device=torch.device("cuda", 0))
+    with pytest.warns(RuntimeWarning, match="Gluon API"):
+        assert not fused.ws_supported(h, h, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not fused.ws_supported(h, h, 0) and not fused.pp_supported(h, h, 0)
+    fused._warn_no_gluon.cache_clear()

@@ -5,9 +5,11 @@ import functools
 import json
 import os
 import threading
+import warnings
 from pathlib import Path
 
 import torch
+import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .kernels import (fused_sample_records_kernel, fused_sample_records_persistent_kernel,
@@ -280,14 +282,27 @@ def _is_hopper(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] == 9
 
 
+@functools.lru_cache(maxsize=None)
+def _warn_no_gluon() -> None:
+    allowed = " or ".join(f"{a}.{b}" for a, b in gluon_sample.GLUON_VERSIONS)
+    warnings.warn(f"tpsample: the Hopper kernels (ws, pp) are written for Triton {allowed}'s "
+                  f"Gluon API; with Triton {triton.__version__} the cuBLAS + records-pass path "
+                  f"runs instead (same records, slower at B >= 64)", RuntimeWarning, stacklevel=4)
+
+
 def ws_supported(hidden, weight, vocab_start: int) -> bool:
     """What the warp-specialized kernel (Gluon, wgmma: Hopper only) takes: 16-bit inputs
     whose rows TMA can address (16-byte aligned), V_rows and vocab_start multiples of 4
-    (W is read as four row lanes, see kernels/gluon_sample.py)."""
+    (W is read as four row lanes, see kernels/gluon_sample.py), on a Triton whose Gluon API
+    the kernel is written for (warns once otherwise)."""
     dev = hidden.device
-    return (WS_ENABLED and gluon_sample.AVAILABLE and dev.type == "cuda"
-            and _is_hopper(dev.index if dev.index is not None else torch.cuda.current_device())
-            and hidden.dtype in (torch.bfloat16, torch.float16) and weight.dtype == hidden.dtype
+    if not (WS_ENABLED and dev.type == "cuda"
+            and _is_hopper(dev.index if dev.index is not None else torch.cuda.current_device())):
+        return False
+    if not gluon_sample.AVAILABLE:
+        _warn_no_gluon()
+        return False
+    return (hidden.dtype in (torch.bfloat16, torch.float16) and weight.dtype == hidden.dtype
             and hidden.stride(1) == 1 and weight.stride(1) == 1
             and hidden.stride(0) % 8 == 0 and weight.stride(0) % 8 == 0
             and hidden.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0

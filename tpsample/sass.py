@@ -3,12 +3,13 @@
     python -m tpsample.sass [--arch 90]
 
 Compiles the records pass (`logits_records_kernel`, one sample, no log-mass: the B >= 128
-path) and the fused kernel (16- and 64-row tiles, epilogue noise) for sm_<arch> with
-Triton's own ptxas, disassembles the cubin with the bundled nvdisasm and counts
+path), the fused kernel (16- and 64-row tiles, epilogue noise) and, where Triton has Gluon,
+the Hopper kernels ws and pp exactly as tpsample.fused launches them, for sm_<arch> with
+Triton's own ptxas; disassembles the cubin with the bundled nvdisasm and counts
 instructions. The records pass is straight-line code per tile, so its count divided by the
-tokens each thread holds is the issue cost of one token; for the fused kernel the binary's
-total is printed (its epilogue runs once per tile, the D loop once per step). Use it to
-predict an epilogue change before spending device time (docs/perf-notes.md, v1.6).
+tokens each thread holds is the issue cost of one token; for the other kernels the binary's
+total is printed, with its spilled words (LDL/STL). Use it to predict an epilogue change
+before spending device time (docs/perf-notes.md, v1.6, v2.1).
 """
 from __future__ import annotations
 
@@ -20,11 +21,13 @@ import subprocess
 import tempfile
 from collections import Counter
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from .kernels import fused_sample_records_kernel, logits_records_kernel
+from . import fused
+from .kernels import fused_sample_records_kernel, gluon_sample, logits_records_kernel
 
 POINTER_TYPES = {"seed_ptr": "*i64", "offset_ptr": "*i64", "peer_ptrs": "*i64", "parity_ptr": "*i32",
                  "h_ptr": "*bf16", "w_ptr": "*bf16"}
@@ -40,6 +43,60 @@ def sass_ops(kernel, constexprs: dict, num_warps: int, arch: int = 90) -> Counte
              if sig[n].startswith("*") or n in ALIGNED_INTS}
     compiled = triton.compile(ASTSource(kernel, sig, constexprs, attrs),
                               target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps))
+    return cubin_ops(compiled)
+
+
+def gluon_ops(strategy: str, num_samples: int = 1, need_mass: bool = False, B: int = 256,
+              D: int = 4096, arch: int = 90, **cfg) -> Counter:
+    """Opcode counts of the Hopper stage-1 kernel `strategy` ("ws" or "pp") as
+    tpsample.fused.{ws,pp}_records would launch it with this config (their defaults for the
+    keys not given): the launcher runs on CPU tensors and hands its kernel, arguments,
+    constexprs and options to a compile for sm_<arch> instead of a launch."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    V = 4096
+    hidden, weight = torch.empty(B, D, dtype=torch.bfloat16), torch.empty(V, D, dtype=torch.bfloat16)
+    row = torch.empty(B)
+    seed = torch.empty(B, dtype=torch.int64)
+    out = torch.empty(num_samples, B, V // fused.BLOCK_V, 4)
+    launch = {}
+    saved = fused.run_kernel, fused._num_sms
+    fused.run_kernel = lambda fn, grid, args, constexprs, options: launch.update(
+        fn=fn, args=args, constexprs=constexprs, options=options)
+    fused._num_sms = lambda device: 132
+    try:
+        if strategy == "ws":
+            cfg = dict(dict(BLOCK_B=128, NUM_STAGES=5, EPI_B=64), **cfg)
+            fused.ws_records(hidden, weight, row, row, seed, seed, out, num_samples, V, 0, False,
+                             need_mass, cfg, cfg.get("num_warps", 8), cfg.get("MAXNREG"))
+        elif strategy == "pp":
+            cfg = dict(dict(NUM_STAGES=6), **cfg)
+            fused.pp_records(hidden, weight, row, row, seed, seed, out, num_samples, V, 0, False,
+                             need_mass, cfg, cfg.get("MAXNREG"))
+        else:
+            raise ValueError(f"strategy must be 'ws' or 'pp', got {strategy!r}")
+    finally:
+        fused.run_kernel, fused._num_sms = saved
+    kernel = launch["fn"]
+    names = [n for n in inspect.signature(kernel.fn).parameters if n not in launch["constexprs"]]
+    sig = dict.fromkeys(launch["constexprs"], "constexpr")
+    for name, arg in zip(names, launch["args"]):
+        if isinstance(arg, GluonDescriptor):
+            sig[name] = f"tensordesc<bf16{list(arg.block_shape)},{arg.layout!r}>"
+        elif isinstance(arg, torch.Tensor):
+            sig[name] = {torch.float32: "*fp32", torch.int64: "*i64", torch.int32: "*i32"}[arg.dtype]
+        else:
+            sig[name] = "i32"
+    order = list(inspect.signature(kernel.fn).parameters)
+    attrs = {(order.index(n),): [["tt.divisibility", 16]] for n in names if sig[n].startswith("*")}
+    compiled = triton.compile(GluonASTSource(kernel, {n: sig[n] for n in order}, launch["constexprs"],
+                                             attrs),
+                              target=GPUTarget("cuda", arch, 32), options=launch["options"])
+    return cubin_ops(compiled)
+
+
+def cubin_ops(compiled) -> Counter:
+    """Opcode counts of a compiled kernel's cubin (nvdisasm)."""
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")
@@ -48,7 +105,7 @@ def sass_ops(kernel, constexprs: dict, num_warps: int, arch: int = 90) -> Counte
         text = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
     ops = Counter()
     for line in text.splitlines():
-        m = re.match(r"\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line)
+        m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line)
         if m:
             ops[m.group(1)] += 1
     return ops
@@ -79,6 +136,17 @@ def main(argv=None):
         ops = sass_ops(fused_sample_records_kernel, consts, nw, a.arch)
         print(f"fused kernel BLOCK_B={bb:3d} warps={nw}: {sum(ops.values())} instructions in the "
               f"binary (HGMMA {ops['HGMMA']}, MUFU {ops['MUFU']}, SHFL {ops['SHFL']}, BAR {ops['BAR']})")
+    if not gluon_sample.AVAILABLE:
+        print(f"ws and pp not counted: their Gluon API is not Triton {triton.__version__}'s "
+              f"(kernels/gluon_sample.GLUON_VERSIONS)")
+        return
+    for name, kw in (("ws BLOCK_B=128, 5 stages, one sample", dict(strategy="ws")),
+                     ("pp 6 stages, one sample", dict(strategy="pp")),
+                     ("pp 6 stages, one sample, log-masses", dict(strategy="pp", need_mass=True)),
+                     ("pp 6 stages, two samples", dict(strategy="pp", num_samples=2))):
+        ops = gluon_ops(arch=a.arch, **kw)
+        print(f"{name}: {sum(ops.values())} instructions in the binary, spilled words "
+              f"LDL {ops['LDL']} / STL {ops['STL']} (MUFU {ops['MUFU']}, HGMMA {ops['HGMMA']})")
 
 
 if __name__ == "__main__":
