@@ -35,7 +35,8 @@ if AVAILABLE:
                                                                   warpgroup_mma_wait)
 
     from .fused_sample import philox
-    from .gluon_sample import _exp_or_0, _nan_max, _store_peers, best_lane, noise_coef, transform
+    from .gluon_sample import (_exp_or_0, _nan_max, best_lane, noise_coef, store_records,
+                               transform)
 
     @gluon.jit
     def _loader(w_desc, h_desc, w_bufs, h_bufs, ready, empty, mma_done, part_a0, part_a1, part_b0,
@@ -312,15 +313,8 @@ if AVAILABLE:
         offs_b = b0 + gl.arange(0, 128, layout=col_l)
         mask_b = offs_b < B
         rec = offs_b.to(gl.int64) * rec_stride_b + pid_v.to(gl.int64) * rec_stride_t
-        if NUM_PEERS == 0:
-            at = rec_ptr + rec + s * rec_stride_s
-            gl.store(at + 0, best, mask=mask_b)
-            gl.store(at + 1, token, mask=mask_b)
-            gl.store(at + 2, logit, mask=mask_b)
-            gl.store(at + 3, lse, mask=mask_b)
-        else:
-            _store_peers(rec_ptr, peer_ptrs, parity_ptr, rec + s * rec_stride_s, best, token,
-                         logit, lse, mask_b, NUM_PEERS, 4)
+        store_records(rec_ptr, peer_ptrs, parity_ptr, rec + s * rec_stride_s, best, token, logit,
+                      lse, mask_b, NUM_PEERS, 4)
 
     @gluon.jit(do_not_specialize=["B"])
     def pp_records_kernel(

@@ -182,15 +182,23 @@ if AVAILABLE:
             else:
                 logit = gl.zeros_like(best)
             token = (tile_start + idx).to(gl.float32)
-            if NUM_PEERS == 0:
-                at = rec_ptr + rec + s * rec_stride_s
-                gl.store(at + 0, best, mask=mask_b)
-                gl.store(at + 1, token, mask=mask_b)
-                gl.store(at + 2, logit, mask=mask_b)
-                gl.store(at + 3, lse, mask=mask_b)
-            else:
-                _store_peers(rec_ptr, peer_ptrs, parity_ptr, rec + s * rec_stride_s, best, token,
-                             logit, lse, mask_b, NUM_PEERS, EPI_WARPS)
+            store_records(rec_ptr, peer_ptrs, parity_ptr, rec + s * rec_stride_s, best, token,
+                          logit, lse, mask_b, NUM_PEERS, EPI_WARPS)
+
+    @gluon.jit
+    def store_records(rec_ptr, peer_ptrs, parity_ptr, rec, best, token, logit, lse, mask_b,
+                      NUM_PEERS: gl.constexpr, EPI_WARPS: gl.constexpr):
+        """The records at rec_ptr + rec (element offsets) as four 4-byte stores, or with
+        NUM_PEERS > 0 into every peer's slot (_store_peers)."""
+        if NUM_PEERS == 0:
+            at = rec_ptr + rec
+            gl.store(at + 0, best, mask=mask_b)
+            gl.store(at + 1, token, mask=mask_b)
+            gl.store(at + 2, logit, mask=mask_b)
+            gl.store(at + 3, lse, mask=mask_b)
+        else:
+            _store_peers(rec_ptr, peer_ptrs, parity_ptr, rec, best, token, logit, lse, mask_b,
+                         NUM_PEERS, EPI_WARPS)
 
     @gluon.jit
     def _store_peers(rec_ptr, peer_ptrs, parity_ptr, rec, best, token, logit, lse, mask_b,

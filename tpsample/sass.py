@@ -46,8 +46,8 @@ def sass_ops(kernel, constexprs: dict, num_warps: int, arch: int = 90) -> Counte
     return cubin_ops(compiled)
 
 
-def gluon_ops(strategy: str, num_samples: int = 1, need_mass: bool = False, B: int = 256,
-              D: int = 4096, arch: int = 90, **cfg) -> Counter:
+def gluon_ops(strategy: str, num_samples: int = 1, need_mass: bool = False, num_peers: int = 0,
+              B: int = 256, D: int = 4096, arch: int = 90, **cfg) -> Counter:
     """Opcode counts of the Hopper stage-1 kernel `strategy` ("ws" or "pp") as
     tpsample.fused.{ws,pp}_records would launch it with this config (their defaults for the
     keys not given): the launcher runs on CPU tensors and hands its kernel, arguments,
@@ -59,6 +59,8 @@ def gluon_ops(strategy: str, num_samples: int = 1, need_mass: bool = False, B: i
     row = torch.empty(B)
     seed = torch.empty(B, dtype=torch.int64)
     out = torch.empty(num_samples, B, V // fused.BLOCK_V, 4)
+    peers = torch.empty(2, num_peers, dtype=torch.int64) if num_peers else None  # P2P fan-out
+    parity = torch.empty(1, dtype=torch.int32)
     launch = {}
     saved = fused.run_kernel, fused._num_sms
     fused.run_kernel = lambda fn, grid, args, constexprs, options: launch.update(
@@ -68,11 +70,12 @@ def gluon_ops(strategy: str, num_samples: int = 1, need_mass: bool = False, B: i
         if strategy == "ws":
             cfg = dict(dict(BLOCK_B=128, NUM_STAGES=5, EPI_B=64), **cfg)
             fused.ws_records(hidden, weight, row, row, seed, seed, out, num_samples, V, 0, False,
-                             need_mass, cfg, cfg.get("num_warps", 8), cfg.get("MAXNREG"))
+                             need_mass, cfg, cfg.get("num_warps", 8), cfg.get("MAXNREG"), peers,
+                             parity)
         elif strategy == "pp":
             cfg = dict(dict(NUM_STAGES=6), **cfg)
             fused.pp_records(hidden, weight, row, row, seed, seed, out, num_samples, V, 0, False,
-                             need_mass, cfg, cfg.get("MAXNREG"))
+                             need_mass, cfg, cfg.get("MAXNREG"), peers, parity)
         else:
             raise ValueError(f"strategy must be 'ws' or 'pp', got {strategy!r}")
     finally:

@@ -4,8 +4,9 @@ For every (D, V) shape and batch size it times every candidate configuration of
 tpsample.fused (strategy, BLOCK_B, BLOCK_D, NUM_STAGES, num_warps) with
 triton.testing.do_bench (median) of a CUDA-graph replay of stages 1 + 2 (device time;
 --timing eager for plain calls; --passes N, default 2, times every candidate N times in
-alternating forward and reverse order and ranks by the mean), checks that every configuration returns the SAME tokens
-(pathwise max merge: tokens may not depend on tiling), and writes the fastest per batch
+alternating forward and reverse order and ranks by the mean), checks that every
+configuration returns the SAME tokens (pathwise max merge: tokens may not depend on
+tiling), and writes the fastest per batch
 bucket to tpsample/configs/<device>.json, which tpsample.fused.kernel_config reads at
 import. Nothing is tuned at call time: this is the explicit offline step.
 
