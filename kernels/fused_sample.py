@@ -37,10 +37,22 @@ LOG1P_P = (0.14095425605773926, -0.15049511194229126, 0.13988324999809265,
 P7, P6, P5, P4, P3, P2, P1, P0 = (tl.constexpr(c) for c in LOG1P_P)
 ONE_MINUS_2M24 = tl.constexpr(1.0 - 2.0 ** -24)
 LN2_M23 = tl.constexpr(0.6931471805599453 / 8388608.0)
-# Philox's multiplies as one mul.wide.u32 each (inline PTX: not in the interpreter);
-# TPSAMPLE_WIDE_MUL=0 takes Triton's umulhi + mul (A/B timing). The words are the same.
-WIDE_MUL = tl.constexpr(not knobs.runtime.interpret
-                        and os.environ.get("TPSAMPLE_WIDE_MUL", "1") == "1")
+# How Philox's 32 x 32 -> 64-bit multiplies are computed (the words are the same in all):
+# "wide" one mul.wide.u32 each (inline PTX, GPU only), except the PHILOX_HALVES of the 20
+# that take four 16 x 16-bit partial products of the low word instead: on Hopper an
+# IMAD.WIDE steals ~5 tensor-core cycles from a wgmma in flight, the partial products none,
+# but they take longer to issue (perf notes v2.2); "umulhi" Triton's tl.philox.
+# TPSAMPLE_PHILOX_MUL / TPSAMPLE_PHILOX_HALVES choose for A/B timing; TPSAMPLE_WIDE_MUL=0 is
+# the old spelling of "umulhi".
+PHILOX_MULS = ("wide", "umulhi")
+_mul = os.environ.get("TPSAMPLE_PHILOX_MUL",
+                      "umulhi" if os.environ.get("TPSAMPLE_WIDE_MUL", "1") == "0" else "wide")
+if _mul not in PHILOX_MULS:
+    raise ValueError(f"TPSAMPLE_PHILOX_MUL must be one of {PHILOX_MULS}, got {_mul!r}")
+PHILOX_MUL = tl.constexpr("umulhi" if knobs.runtime.interpret else _mul)
+PHILOX_HALVES = tl.constexpr(int(os.environ.get("TPSAMPLE_PHILOX_HALVES", "0")))
+if not 0 <= PHILOX_HALVES.value <= 20:
+    raise ValueError(f"TPSAMPLE_PHILOX_HALVES must be in [0, 20], got {PHILOX_HALVES.value}")
 NOISE_COEF = tl.constexpr(-0.6931471805599453 if FAST_OUTER_LOG.value else -1.0)  # gumbel_log
 
 
@@ -85,29 +97,69 @@ def _mul_wide_b(a):
 
 
 @triton.jit
+def _mul_halves(a, M: tl.constexpr):
+    """(high, low) words of a * M, uint32, from the 16-bit halves: a * M = a1 M1 2**32 +
+    (a1 M0 + a0 M1) 2**16 + a0 M0, summed so that no partial sum exceeds 32 bits (mid and
+    mid2 are < 2**32 - 2**16). Only low-word IMADs, shifts, masks and adds."""
+    M0: tl.constexpr = M & 0xFFFF
+    M1: tl.constexpr = M >> 16
+    a0 = a & 0xFFFF
+    a1 = a >> 16
+    mid = a1 * M0 + ((a0 * M0) >> 16)
+    mid2 = a0 * M1 + (mid & 0xFFFF)
+    return a1 * M1 + (mid >> 16) + (mid2 >> 16), tl.mul(a, M, sanitize_overflow=False)
+
+
+@triton.jit
+def _mul(a, M: tl.constexpr, m: tl.constexpr, MUL: tl.constexpr, HALVES: tl.constexpr):
+    """(high, low) words of a * M, uint32, for Philox's multiply m of 20: from 16-bit partial
+    products where MUL is "halves" or where floor(m HALVES / 20) steps (HALVES of the 20,
+    spread evenly), else one wide multiply."""
+    if MUL == "halves" or (m * HALVES) // 20 != ((m + 1) * HALVES) // 20:
+        return _mul_halves(a, M)
+    elif M == 0xD2511F53:
+        return _mul_wide_a(a)
+    else:
+        return _mul_wide_b(a)
+
+
+@triton.jit
+def philox_rounds(k0, k1, c0, c1, c2, c3, MUL: tl.constexpr, HALVES: tl.constexpr):
+    """Philox4x32-10 on uint32 words (key k0, k1); the same words as tl.philox. MUL "wide":
+    HALVES of the 20 multiplies from 16-bit halves, the others wide; "halves": all from
+    16-bit halves (what the interpreter can test)."""
+    for r in tl.static_range(10):
+        hi_b, lo_b = _mul(c2, 0xCD9E8D57, 2 * r, MUL, HALVES)
+        hi_a, lo_a = _mul(c0, 0xD2511F53, 2 * r + 1, MUL, HALVES)
+        c0 = hi_b ^ c1 ^ k0
+        c2 = hi_a ^ c3 ^ k1
+        c1 = lo_b
+        c3 = lo_a
+        k0 = tl.add(k0, 0x9E3779B9, sanitize_overflow=False)
+        k1 = tl.add(k1, 0xBB67AE85, sanitize_overflow=False)
+    return c0, c1, c2, c3
+
+
+@triton.jit
 def philox(seed, c0, c1, c2, c3):
-    """tl.philox (Philox4x32-10, key = the int64 seed's low and high words), bit for bit; on
-    the GPU each round's two multiplies are one wide multiply each."""
-    if WIDE_MUL:
+    """tl.philox (Philox4x32-10, key = the int64 seed's low and high words), bit for bit,
+    with the multiplies PHILOX_MUL and PHILOX_HALVES name. (Globals read here, not default
+    arguments: Triton keys its compile cache on the globals a kernel reads.)"""
+    return philox_with(seed, c0, c1, c2, c3, PHILOX_MUL, PHILOX_HALVES)
+
+
+@triton.jit
+def philox_with(seed, c0, c1, c2, c3, MUL: tl.constexpr, HALVES: tl.constexpr = 0):
+    """philox with the multiplies MUL ("wide", "umulhi" or "halves") and HALVES name."""
+    if MUL == "umulhi":
+        return tl.philox(seed, c0, c1, c2, c3)
+    else:
         seed = seed.to(tl.uint64)
         k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
         k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
-        c0 = c0.to(tl.uint32, bitcast=True)
-        c1 = c1.to(tl.uint32, bitcast=True)
-        c2 = c2.to(tl.uint32, bitcast=True)
-        c3 = c3.to(tl.uint32, bitcast=True)
-        for _ in tl.static_range(10):
-            hi_b, lo_b = _mul_wide_b(c2)
-            hi_a, lo_a = _mul_wide_a(c0)
-            c0 = hi_b ^ c1 ^ k0
-            c2 = hi_a ^ c3 ^ k1
-            c1 = lo_b
-            c3 = lo_a
-            k0 = tl.add(k0, 0x9E3779B9, sanitize_overflow=False)
-            k1 = tl.add(k1, 0xBB67AE85, sanitize_overflow=False)
-        return c0, c1, c2, c3
-    else:
-        return tl.philox(seed, c0, c1, c2, c3)
+        return philox_rounds(k0, k1, c0.to(tl.uint32, bitcast=True), c1.to(tl.uint32, bitcast=True),
+                             c2.to(tl.uint32, bitcast=True), c3.to(tl.uint32, bitcast=True), MUL,
+                             HALVES)
 
 
 @triton.jit

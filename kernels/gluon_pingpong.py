@@ -42,9 +42,10 @@ if AVAILABLE:
     def _loader(w_desc, h_desc, w_bufs, h_bufs, ready, empty, mma_done, part_a0, part_a1, part_b0,
                 part_b1, params0, params1, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr, B,
                 n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b, rec_stride_t,
-                peer_ptrs, parity_ptr, num_tiles, num_b_tiles, k_steps, HAS_BIAS: gl.constexpr,
-                TILE_MASS: gl.constexpr, NUM_PEERS: gl.constexpr, STAGES: gl.constexpr,
-                SINGLE: gl.constexpr, WHICH: gl.constexpr):
+                peer_ptrs, parity_ptr, trace_ptr, num_tiles, num_b_tiles, k_steps,
+                HAS_BIAS: gl.constexpr, TILE_MASS: gl.constexpr, NUM_PEERS: gl.constexpr,
+                STAGES: gl.constexpr, SINGLE: gl.constexpr, WHICH: gl.constexpr,
+                TRACE: gl.constexpr):
         # (worker partitions share one signature: everything after mma_done is the consumer's)
         BLOCK_K: gl.constexpr = w_desc.block_type.shape[4]
         BLOCK_B: gl.constexpr = h_desc.block_type.shape[0]
@@ -66,9 +67,10 @@ if AVAILABLE:
     def _consumer(w_desc, h_desc, w_bufs, h_bufs, ready, empty, mma_done, part_a0, part_a1,
                   part_b0, part_b1, params0, params1, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr,
                   rec_ptr, B, n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b,
-                  rec_stride_t, peer_ptrs, parity_ptr, num_tiles, num_b_tiles, k_steps,
-                  HAS_BIAS: gl.constexpr, TILE_MASS: gl.constexpr, NUM_PEERS: gl.constexpr,
-                  STAGES: gl.constexpr, SINGLE: gl.constexpr, WHICH: gl.constexpr):
+                  rec_stride_t, peer_ptrs, parity_ptr, trace_ptr, num_tiles, num_b_tiles,
+                  k_steps, HAS_BIAS: gl.constexpr, TILE_MASS: gl.constexpr,
+                  NUM_PEERS: gl.constexpr, STAGES: gl.constexpr, SINGLE: gl.constexpr,
+                  WHICH: gl.constexpr, TRACE: gl.constexpr):
         BLOCK_K: gl.constexpr = w_desc.block_type.shape[4]
         BLOCK_B: gl.constexpr = h_desc.block_type.shape[0]
         layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -85,9 +87,13 @@ if AVAILABLE:
         j = 0
         for tile in range(gl.program_id(0) + WHICH * nprog, num_tiles, 2 * nprog):
             seq = 2 * j + WHICH  # the tile's place in this program's sequence (the loader's)
+            if TRACE:
+                gl.store(trace_ptr + 4 * tile, _clock())
             if seq > 0:  # the other consumer has issued every MMA of tile seq - 1
                 mbarrier.wait(mma_done.index(1 - WHICH), ((seq - 1) // 2) & 1)
             it = seq * k_steps
+            if TRACE:
+                gl.store(trace_ptr + 4 * tile + 1, _clock())
             acc = gl.zeros([128, BLOCK_B], gl.float32, layout)
             for k in range(k_steps):
                 s = it % STAGES
@@ -101,12 +107,21 @@ if AVAILABLE:
             mbarrier.arrive(mma_done.index(WHICH))
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
+            if TRACE:
+                gl.store(trace_ptr + 4 * tile + 2, _clock())
             _tile_records(acc, part_a, part_b, params, tile // num_b_tiles,
                           (tile % num_b_tiles) * BLOCK_B, bias_ptr,
                           inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr, B, n_real, vocab_start,
                           num_samples, rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs,
                           parity_ptr, HAS_BIAS, TILE_MASS, NUM_PEERS, SINGLE)
+            if TRACE:
+                gl.store(trace_ptr + 4 * tile + 3, _clock())
             j += 1
+
+    @gluon.jit
+    def _clock():
+        return gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64,
+                                         is_pure=False, pack=1)
 
     @gluon.jit
     def _quarters(x):
@@ -320,15 +335,18 @@ if AVAILABLE:
     def pp_records_kernel(
         w_desc, h_desc, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr,
         B, n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b, rec_stride_t,
-        peer_ptrs, parity_ptr, num_tiles, num_b_tiles, k_steps,
+        peer_ptrs, parity_ptr, trace_ptr, num_tiles, num_b_tiles, k_steps,
         HAS_BIAS: gl.constexpr, TILE_MASS: gl.constexpr, STAGES: gl.constexpr,
         LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, SINGLE: gl.constexpr = False,
-        NUM_PEERS: gl.constexpr = 0,
+        NUM_PEERS: gl.constexpr = 0, TRACE: gl.constexpr = False,
     ):
         """Records [S, B, T, 4] of the [128, 128] tiles (vocabulary × batch) of this program;
         see the module docstring. num_warps must be 4 (consumer 0). w_desc: the view
         [2, V_rows / 32, 2, 8, D] of W with block [2, 4, 2, 8, BLOCK_K]; h_desc: block
-        [128, BLOCK_K]. NUM_PEERS > 0: the records go to every peer, as in ws_records_kernel."""
+        [128, BLOCK_K]. NUM_PEERS > 0: the records go to every peer, as in ws_records_kernel.
+        TRACE: trace_ptr [num_tiles, 4] int64 ← the tile's consumer's SM clock (clock64)
+        before its wait for the other's MMAs, before its first MMA, once its MMAs are done
+        and once its records are out (tpsample.fused.PP_TRACE)."""
         BLOCK_K: gl.constexpr = w_desc.block_type.shape[4]
         BLOCK_B: gl.constexpr = h_desc.block_type.shape[0]
         w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape,
@@ -357,18 +375,18 @@ if AVAILABLE:
             w_desc, h_desc, w_bufs, h_bufs, ready, empty, mma_done, part_a0, part_a1, part_b0, part_b1,
             params0, params1, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr, B, n_real,
             vocab_start, num_samples, rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs,
-            parity_ptr, num_tiles, num_b_tiles, k_steps, HAS_BIAS, TILE_MASS, NUM_PEERS, STAGES,
-            SINGLE, 0)),
+            parity_ptr, trace_ptr, num_tiles, num_b_tiles, k_steps, HAS_BIAS, TILE_MASS, NUM_PEERS,
+            STAGES, SINGLE, 0, TRACE)),
             (_consumer, (
             w_desc, h_desc, w_bufs, h_bufs, ready, empty, mma_done, part_a0, part_a1, part_b0, part_b1,
             params0, params1, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr, B, n_real,
             vocab_start, num_samples, rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs,
-            parity_ptr, num_tiles, num_b_tiles, k_steps, HAS_BIAS, TILE_MASS, NUM_PEERS, STAGES,
-            SINGLE, 1)),
+            parity_ptr, trace_ptr, num_tiles, num_b_tiles, k_steps, HAS_BIAS, TILE_MASS, NUM_PEERS,
+            STAGES, SINGLE, 1, TRACE)),
             (_loader, (
             w_desc, h_desc, w_bufs, h_bufs, ready, empty, mma_done, part_a0, part_a1, part_b0, part_b1,
             params0, params1, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr, B, n_real,
             vocab_start, num_samples, rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs,
-            parity_ptr, num_tiles, num_b_tiles, k_steps, HAS_BIAS, TILE_MASS, NUM_PEERS, STAGES,
-            SINGLE, 1)),
+            parity_ptr, trace_ptr, num_tiles, num_b_tiles, k_steps, HAS_BIAS, TILE_MASS, NUM_PEERS,
+            STAGES, SINGLE, 1, TRACE)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

@@ -1,13 +1,10 @@
 """Single-GPU checks at real shapes (run on the device machine: pytest -m gpu)."""
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 import tpsample
 from tpsample import fused
 from tpsample.api import row_params
-from tpsample.kernels.fused_sample import philox
 from tpsample.reference import reference_sample
 
 from cases import exact_probs, lm_head_case
@@ -226,45 +223,3 @@ def test_sample_replay_equals_a_dispatched_call(B, S, with_bias, force, monkeypa
     want = tpsample.sample(**second)
     for a, b in zip(got, want):
         assert a.shape == b.shape and torch.equal(a, b)
-
-
-@triton.jit
-def _philox_both_kernel(seed_ptr, ctr_ptr, out_ptr, N: tl.constexpr):
-    i = tl.arange(0, N)
-    seed = tl.load(seed_ptr + i)
-    c0 = tl.load(ctr_ptr + 4 * i).to(tl.uint32, bitcast=True)
-    c1 = tl.load(ctr_ptr + 4 * i + 1).to(tl.uint32, bitcast=True)
-    c2 = tl.load(ctr_ptr + 4 * i + 2).to(tl.uint32, bitcast=True)
-    c3 = tl.load(ctr_ptr + 4 * i + 3).to(tl.uint32, bitcast=True)
-    a0, a1, a2, a3 = philox(seed, c0, c1, c2, c3)
-    b0, b1, b2, b3 = tl.philox(seed, c0, c1, c2, c3)
-    row = out_ptr + 8 * i
-    tl.store(row + 0, a0.to(tl.int32, bitcast=True))
-    tl.store(row + 1, a1.to(tl.int32, bitcast=True))
-    tl.store(row + 2, a2.to(tl.int32, bitcast=True))
-    tl.store(row + 3, a3.to(tl.int32, bitcast=True))
-    tl.store(row + 4, b0.to(tl.int32, bitcast=True))
-    tl.store(row + 5, b1.to(tl.int32, bitcast=True))
-    tl.store(row + 6, b2.to(tl.int32, bitcast=True))
-    tl.store(row + 7, b3.to(tl.int32, bitcast=True))
-
-
-def test_wide_multiply_philox_equals_tl_philox():
-    """fused_sample.philox (one mul.wide.u32 per multiply) is Triton's Philox4x32-10 bit for
-    bit, and both match the torch reference (noise.philox4x32), extremes included."""
-    from tpsample import noise
-    g = torch.Generator().manual_seed(11)
-    n = 4096
-    seed = torch.randint(-(2 ** 63), 2 ** 63 - 1, (n,), generator=g, dtype=torch.int64)
-    ctr = torch.randint(-(2 ** 31), 2 ** 31 - 1, (n, 4), generator=g, dtype=torch.int32)
-    seed[:2] = torch.tensor([-1, 0])
-    ctr[:2] = torch.tensor([[-1, -1, -1, -1], [0, 0, 0, 0]], dtype=torch.int32)
-    out = torch.empty(n, 8, dtype=torch.int32, device="cuda")
-    _philox_both_kernel[(1,)](seed.cuda(), ctr.cuda(), out, N=n)
-    out = out.cpu()
-    assert torch.equal(out[:, :4], out[:, 4:])
-    u32 = lambda t: t.to(torch.int64) & noise.MASK32  # noqa: E731
-    k0, k1 = noise.split64(seed)
-    want = noise.philox4x32(*(u32(ctr[:, k]) for k in range(4)), k0, k1)
-    for k in range(4):
-        assert torch.equal(u32(out[:, k]), want[k])

@@ -4,7 +4,7 @@ import triton
 import triton.language as tl
 
 from tpsample import noise
-from tpsample.kernels.fused_sample import neg_log_uniform
+from tpsample.kernels.fused_sample import neg_log_uniform, philox_with
 
 # Known-answer vectors of Philox4x32-10 from the Random123 distribution (kat_vectors).
 KAT = [
@@ -82,3 +82,51 @@ def test_kernel_inner_log_within_1p5_ulp_for_every_uniform(device):
     out_lo = torch.empty(4096, dtype=torch.float32, device=device)
     _neg_log_uniform_kernel[(1,)](lo, out_lo, BLOCK=4096)
     assert torch.equal(out_lo.cpu(), out[:4096].cpu())
+
+
+@triton.jit
+def _philox_both_kernel(seed_ptr, ctr_ptr, out_ptr, N: tl.constexpr, MUL: tl.constexpr,
+                        HALVES: tl.constexpr):
+    i = tl.arange(0, N)
+    seed = tl.load(seed_ptr + i)
+    c0 = tl.load(ctr_ptr + 4 * i).to(tl.uint32, bitcast=True)
+    c1 = tl.load(ctr_ptr + 4 * i + 1).to(tl.uint32, bitcast=True)
+    c2 = tl.load(ctr_ptr + 4 * i + 2).to(tl.uint32, bitcast=True)
+    c3 = tl.load(ctr_ptr + 4 * i + 3).to(tl.uint32, bitcast=True)
+    a0, a1, a2, a3 = philox_with(seed, c0, c1, c2, c3, MUL, HALVES)
+    b0, b1, b2, b3 = tl.philox(seed, c0, c1, c2, c3)
+    row = out_ptr + 8 * i
+    tl.store(row + 0, a0.to(tl.int32, bitcast=True))
+    tl.store(row + 1, a1.to(tl.int32, bitcast=True))
+    tl.store(row + 2, a2.to(tl.int32, bitcast=True))
+    tl.store(row + 3, a3.to(tl.int32, bitcast=True))
+    tl.store(row + 4, b0.to(tl.int32, bitcast=True))
+    tl.store(row + 5, b1.to(tl.int32, bitcast=True))
+    tl.store(row + 6, b2.to(tl.int32, bitcast=True))
+    tl.store(row + 7, b3.to(tl.int32, bitcast=True))
+
+
+@pytest.mark.parametrize("mul,halves", [("halves", 0), ("wide", 0), ("wide", 7), ("wide", 20)])
+def test_philox_multiplies_equal_tl_philox(device, mul, halves):
+    """fused_sample.philox with its multiplies from 16-bit partial products, as one
+    mul.wide.u32 each (GPU only: inline PTX) or a mix is Triton's Philox4x32-10 bit for bit,
+    and matches the torch reference (noise.philox4x32), extremes included (all-ones words
+    carry through every partial sum)."""
+    if mul == "wide" and device.type != "cuda":
+        pytest.skip("inline PTX: GPU only")
+    g = torch.Generator().manual_seed(11)
+    n = 4096
+    seed = torch.randint(-(2 ** 63), 2 ** 63 - 1, (n,), generator=g, dtype=torch.int64)
+    ctr = torch.randint(-(2 ** 31), 2 ** 31 - 1, (n, 4), generator=g, dtype=torch.int32)
+    seed[:3] = torch.tensor([-1, 0, -1])
+    ctr[:3] = torch.tensor([[-1, -1, -1, -1], [0, 0, 0, 0], [-65536, 65535, -1, 65535]],
+                           dtype=torch.int32)
+    out = torch.empty(n, 8, dtype=torch.int32, device=device)
+    _philox_both_kernel[(1,)](seed.to(device), ctr.to(device), out, N=n, MUL=mul, HALVES=halves)
+    out = out.cpu()
+    assert torch.equal(out[:, :4], out[:, 4:])
+    u32 = lambda t: t.to(torch.int64) & noise.MASK32  # noqa: E731
+    k0, k1 = noise.split64(seed)
+    want = noise.philox4x32(*(u32(ctr[:, k]) for k in range(4)), k0, k1)
+    for k in range(4):
+        assert torch.equal(u32(out[:, k]), want[k])

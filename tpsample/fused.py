@@ -379,6 +379,11 @@ def _pp_layouts(dtype: torch.dtype, block_k: int):
             gl.NVMMASharedLayout.get_default_for([128, block_k], gdt))
 
 
+# Profiling only (tpsample.probe --pp-trace): an int64 CUDA tensor [tiles, 4] that pp_records
+# fills with each tile's consumer clocks (kernels/gluon_pingpong.pp_records_kernel, TRACE).
+PP_TRACE = None
+
+
 def pp_records(hidden, weight, bias_arg, inv_temp, seed, offset, out, num_samples, n_real,
                vocab_start, has_bias, need_mass, cfg, maxnreg, peer_ptrs=None, parity=None):
     """Stage 1 by the ping-pong Hopper kernel (kernels/gluon_pingpong.py): a persistent grid
@@ -403,14 +408,18 @@ def pp_records(hidden, weight, bias_arg, inv_temp, seed, offset, out, num_sample
     constexprs = dict(
         HAS_BIAS=has_bias, TILE_MASS=need_mass, STAGES=cfg["NUM_STAGES"],
         LOADER_REGS=cfg.get("LOADER_REGS", 24), CONSUMER_REGS=cfg.get("CONSUMER_REGS", 240),
-        SINGLE=num_samples == 1, NUM_PEERS=0 if peer_ptrs is None else peer_ptrs.shape[-1])
+        SINGLE=num_samples == 1, NUM_PEERS=0 if peer_ptrs is None else peer_ptrs.shape[-1],
+        TRACE=PP_TRACE is not None)
+    if PP_TRACE is not None and PP_TRACE.shape != (tiles, 4):
+        raise ValueError(f"PP_TRACE must be int64 [{tiles}, 4] for this call, got {tuple(PP_TRACE.shape)}")
     # 4 warps per consumer and 4 for the loader's warpgroup: the register file split evenly
     # before setmaxnreg moves the loader's to the consumers
     options = dict(num_warps=4, maxnreg=maxnreg or 168)
     run_kernel(gluon_pingpong.pp_records_kernel, grid, (
         w_desc, h_desc, bias_arg, inv_temp, seed, offset, out, B, n_real, vocab_start,
         num_samples, *out.stride()[:3], peer_ptrs if peer_ptrs is not None else seed,
-        parity if parity is not None else seed, tiles, nb, cdiv(D, block_k)), constexprs, options)
+        parity if parity is not None else seed, PP_TRACE if PP_TRACE is not None else seed, tiles,
+        nb, cdiv(D, block_k)), constexprs, options)
     return out
 
 

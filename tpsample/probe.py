@@ -26,6 +26,10 @@
     python -m tpsample.probe --host [--profile]
         host (Python) time per call of each piece of the call path, at tiny shapes so the GPU
         never becomes the bottleneck (µs, no synchronisation inside the timed loop)
+    python -m tpsample.probe --pp-trace [--shape ...] [--batches 128,256]
+        the ping-pong stage 1 (kernels/gluon_pingpong.py) with per-tile SM clocks: each
+        consumer's wait for the other's MMAs, its MMAs, its epilogue, and the cycles the
+        tensor cores wait because the next tile's MMAs are not issued yet (S = 0 and 1)
     ncu --clock-control none -k regex:records --launch-skip 2 --launch-count 1 \\
         python -m tpsample.probe --ncu --batches 64
         three plain stage-1 launches for Nsight Compute
@@ -379,6 +383,41 @@ def api_paths(D, V, B) -> dict:
     return r
 
 
+def pp_trace(D, V, B) -> dict:
+    """Per-tile clocks of pp (fused.PP_TRACE) with S = 0 (no noise) and S = 1, medians over
+    tiles, in SM cycles. A program's tiles alternate consumers: tile n + 2's MMAs are issued
+    by tile n's consumer once its epilogue is done, so the tensor cores idle for
+    max(0, issue(n + 2) - mma_done(n + 1)) whenever an epilogue outlasts the other tile's
+    MMAs; idle_share is the sum of those gaps over the programs' spans."""
+    h, w, p, stage1 = setup(D, V, B)
+    cfg = fused.kernel_config(B, D, h.dtype)
+    if cfg["strategy"] != "pp":
+        cfg = dict(strategy="pp", BLOCK_B=128, NUM_STAGES=5, num_warps=4)
+    tiles = triton.cdiv(V, 128) * triton.cdiv(B, 128)
+    nprog = min(tiles, torch.cuda.get_device_properties(0).multi_processor_count)
+    out = dict(B=B, D=D, stages=cfg["NUM_STAGES"])
+    for S in (0, 1):
+        trace = torch.zeros(tiles, 4, dtype=torch.int64, device="cuda")
+        fused.PP_TRACE = trace
+        try:
+            for _ in range(3):
+                stage1(S=S, config=cfg)
+            torch.cuda.synchronize()
+        finally:
+            fused.PP_TRACE = None
+        t = trace.cpu()
+        wait, mma, epi = (t[:, 1] - t[:, 0]), (t[:, 2] - t[:, 1]), (t[:, 3] - t[:, 2])
+        idle = span = 0
+        for prog in range(nprog):
+            seq = t[prog::nprog]
+            span += int(seq[:, 3].max() - seq[:, 0].min())
+            idle += int((seq[2:, 1] - seq[1:-1, 2]).clamp(min=0).sum())
+        med = lambda x: float(x.double().median())  # noqa: E731
+        out.update({f"S{S}_wait": med(wait), f"S{S}_mma": med(mma), f"S{S}_epilogue": med(epi),
+                    f"S{S}_idle_share": idle / span, f"S{S}_span": span / nprog})
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="4096x151936")
@@ -393,6 +432,7 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true", help="with --host: cProfile of sample()")
     ap.add_argument("--ws", action="store_true", help="warp-specialized Hopper stage 1")
     ap.add_argument("--api", action="store_true", help="host vs device time of sample()")
+    ap.add_argument("--pp-trace", action="store_true", help="per-tile clocks of the pp kernel")
     args = ap.parse_args(argv)
     if args.host:
         launch_paths()
@@ -413,7 +453,7 @@ def main(argv=None):
     if args.ws:
         rows.append(dict(check=ws_check()))
     for B in batches:
-        rows.append((api_paths if args.api else ws_sweep if args.ws else ab_parts if args.ab else logits_pass if args.logits else chunked_hybrid
+        rows.append((pp_trace if args.pp_trace else api_paths if args.api else ws_sweep if args.ws else ab_parts if args.ab else logits_pass if args.logits else chunked_hybrid
                      if args.chunks else noise_placement if args.noise else device_parts)(D, V, B))
         print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in rows[-1].items()),
               flush=True)
