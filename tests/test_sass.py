@@ -17,6 +17,10 @@ COUNT = ("from tpsample import sass; per, ops = sass.records_pass_per_token(16, 
 BOUND = {"3.6": 66, "3.9": 65}
 VERSION = ".".join(triton.__version__.split(".")[:2])
 
+# kernel knobs (kernels/fused_sample.py) that would change what is compiled
+KNOBS = ("TPSAMPLE_EXACT_LOGS", "TPSAMPLE_LIBDEVICE_INNER_LOG", "TPSAMPLE_WIDE_MUL",
+         "TPSAMPLE_PHILOX_MUL", "TPSAMPLE_PHILOX_HALVES")
+
 
 @pytest.mark.skipif(not os.path.exists(NVDISASM), reason="Triton ships no nvdisasm here")
 @pytest.mark.skipif(VERSION not in BOUND, reason=f"no count measured with Triton {VERSION}")
@@ -26,7 +30,7 @@ def test_records_pass_instructions_per_token(tmp_path):
     multiplies, Triton 3.6). A rise above the bound is a regression to look at."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns unless it is set
-    for knob in ("TPSAMPLE_EXACT_LOGS", "TPSAMPLE_LIBDEVICE_INNER_LOG", "TPSAMPLE_WIDE_MUL"):
+    for knob in KNOBS:
         env.pop(knob, None)  # count the shipped kernel, not an A/B arm
     # cwd away from the checkout: `python -c` would import the source tree, not the package
     out = subprocess.run([sys.executable, "-c", COUNT], env=env, cwd=tmp_path, capture_output=True,
@@ -44,6 +48,45 @@ GLUON = ("from tpsample import sass\n"
          "    print(ops['LDL'] + ops['STL'], ops['HGMMA'], sum(ops.values()))\n")
 
 
+CONTENTION = (
+    "import torch\n"
+    "from tpsample import contention, fused, sass\n"
+    "for kind, op in (('ffma', 'FFMA'), ('fmul', 'FMUL'), ('imad', 'IMAD'), ('lop3', 'LOP3'),\n"
+    "                 ('iadd3', 'IADD3'), ('lea_hi', 'LEA'), ('shf', 'SHF'), ('mufu', 'MUFU'),\n"
+    "                 ('hfma2', 'HFMA2'), ('fmnmx', 'FMNMX'), ('i2f', 'I2FP'), ('f2i', 'F2I')):\n"
+    "    ops = contention.compiled_ops(kind)\n"
+    "    print(kind, ops[op], contention.OPS_PER_STEP[kind])\n"
+    "fused.PP_TRACE = torch.empty(64, 4, dtype=torch.int64)\n"
+    "ops = sass.gluon_ops('pp')\n"
+    "print('pp_trace', ops['LDL'] + ops['STL'], 0)\n"
+    "fused.PP_TRACE = torch.empty(63, 4, dtype=torch.int64)\n"
+    "try:\n"
+    "    sass.gluon_ops('pp')\n"
+    "except ValueError as e:\n"
+    "    print('pp_trace_shape', int('PP_TRACE' in str(e)), 1)\n")
+
+
+@pytest.mark.skipif(not os.path.exists(NVDISASM), reason="Triton ships no nvdisasm here")
+def test_contention_microbenchmark_keeps_the_instructions_it_times(tmp_path):
+    """tpsample.contention's cost per instruction divides by OPS_PER_STEP: each kind's loop
+    must hold that many of its instruction after ptxas (which fuses chained LOP3s, folds
+    repeated conversions and turns some adds into IMADs, so a careless chain times less
+    than it claims). Also: pp's clock trace compiles without spills and checks its shape."""
+    from tpsample.kernels import gluon_sample
+    if not gluon_sample.AVAILABLE:
+        pytest.skip(f"the Gluon kernels are not written for Triton {triton.__version__}")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET" and k not in KNOBS}
+    out = subprocess.run([sys.executable, "-c", CONTENTION], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line.split() for line in out.stdout.splitlines() if line.strip()]
+    assert len(rows) == 14, out.stdout
+    for name, got, want in rows[:-2]:
+        # the loop body once (plus a few outside it), not folded to fewer
+        assert int(want) <= int(got) <= int(want) + 40, (name, got, want)
+    assert rows[-2] == ["pp_trace", "0", "0"] and rows[-1] == ["pp_trace_shape", "1", "1"]
+
+
 @pytest.mark.skipif(not os.path.exists(NVDISASM), reason="Triton ships no nvdisasm here")
 def test_hopper_kernels_compile_without_spills(tmp_path):
     """ws and pp as tpsample.fused launches them (shipped register budgets) compile for sm_90
@@ -54,7 +97,7 @@ def test_hopper_kernels_compile_without_spills(tmp_path):
         pytest.skip(f"the Gluon kernels are not written for Triton {triton.__version__}")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    for knob in ("TPSAMPLE_EXACT_LOGS", "TPSAMPLE_LIBDEVICE_INNER_LOG", "TPSAMPLE_WIDE_MUL"):
+    for knob in KNOBS:
         env.pop(knob, None)
     out = subprocess.run([sys.executable, "-c", GLUON], env=env, cwd=tmp_path, capture_output=True,
                          text=True, timeout=600)

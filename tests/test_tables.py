@@ -73,3 +73,24 @@ def test_hopper_kernels_fall_back_with_one_warning_without_their_gluon_api(monke
         warnings.simplefilter("error")
         assert not fused.ws_supported(h, h, 0) and not fused.pp_supported(h, h, 0)
     fused._warn_no_gluon.cache_clear()
+
+
+def test_ab_arm_specs_are_checked():
+    """tpsample.ab: arms are NAME:VAR=VALUE[,...]; at least two are needed."""
+    from tpsample import ab
+    for argv in (["--arm", "a:X=1"], ["--arm", "a:X=1", "--arm", "bX=1"],
+                 ["--arm", "a:X=1", "--arm", "b:X"]):
+        with pytest.raises(SystemExit) as e:
+            ab.main(argv)
+        assert e.value.code == 2  # argparse's usage error, before any arm runs
+
+
+def test_philox_knobs_are_checked():
+    """A bad TPSAMPLE_PHILOX_MUL / TPSAMPLE_PHILOX_HALVES fails at import, naming the knob."""
+    import os
+    import subprocess
+    import sys
+    for var, value in (("TPSAMPLE_PHILOX_MUL", "narrow"), ("TPSAMPLE_PHILOX_HALVES", "21")):
+        out = subprocess.run([sys.executable, "-c", "import tpsample.kernels.fused_sample"],
+                             env=dict(os.environ, **{var: value}), capture_output=True, text=True)
+        assert out.returncode != 0 and var in out.stderr, out.stderr[-500:]

@@ -70,7 +70,7 @@ def main(argv=None):
     for spec in a.arm:
         name, _, env = spec.partition(":")
         pairs = [kv.split("=", 1) for kv in env.split(",") if kv]
-        if not name or any(len(kv) != 2 for kv in pairs):
+        if not name or "=" in name or any(len(kv) != 2 for kv in pairs):
             ap.error(f"--arm must be NAME:VAR=VALUE[,VAR=VALUE...], got {spec!r}")
         arms.append((name, dict(pairs)))
     cache_root = tempfile.mkdtemp(prefix="tpsample-ab-")

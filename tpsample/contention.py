@@ -20,6 +20,21 @@ import torch
 from .kernels import gluon_contention as gc
 
 
+def compiled_ops(kind: str, arch: int = 90):
+    """Opcode counts of the microbenchmark for `kind`, compiled for sm_<arch> (no GPU): a
+    check that ptxas kept every timed instruction (tests/test_sass.py)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from .sass import cubin_ops
+    sig = dict(a_ptr="*bf16", b_ptr="*bf16", clk_ptr="*i64", out_ptr="*fp32", n_mma="i32",
+               n_alu="i32", KIND="constexpr", ALU_REGS="constexpr")
+    src = GluonASTSource(gc.contention_kernel, sig, dict(KIND=kind, ALU_REGS=232), {})
+    return cubin_ops(triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                                    options=dict(num_warps=4)))
+
+
 def run(kind: str, n_mma: int, n_alu: int, alu_regs: int = 232) -> dict:
     """Median over SMs of the elapsed cycles of both loops (one CTA per SM)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
