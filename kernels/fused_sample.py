@@ -45,11 +45,11 @@ LN2_M23 = tl.constexpr(0.6931471805599453 / 8388608.0)
 # TPSAMPLE_PHILOX_MUL / TPSAMPLE_PHILOX_HALVES choose for A/B timing; TPSAMPLE_WIDE_MUL=0 is
 # the old spelling of "umulhi".
 PHILOX_MULS = ("wide", "umulhi")
-_mul = os.environ.get("TPSAMPLE_PHILOX_MUL",
-                      "umulhi" if os.environ.get("TPSAMPLE_WIDE_MUL", "1") == "0" else "wide")
-if _mul not in PHILOX_MULS:
-    raise ValueError(f"TPSAMPLE_PHILOX_MUL must be one of {PHILOX_MULS}, got {_mul!r}")
-PHILOX_MUL = tl.constexpr("umulhi" if knobs.runtime.interpret else _mul)
+_mul_env = os.environ.get("TPSAMPLE_PHILOX_MUL",
+                          "umulhi" if os.environ.get("TPSAMPLE_WIDE_MUL", "1") == "0" else "wide")
+if _mul_env not in PHILOX_MULS:
+    raise ValueError(f"TPSAMPLE_PHILOX_MUL must be one of {PHILOX_MULS}, got {_mul_env!r}")
+PHILOX_MUL = tl.constexpr("umulhi" if knobs.runtime.interpret else _mul_env)
 PHILOX_HALVES = tl.constexpr(int(os.environ.get("TPSAMPLE_PHILOX_HALVES", "0")))
 if not 0 <= PHILOX_HALVES.value <= 20:
     raise ValueError(f"TPSAMPLE_PHILOX_HALVES must be in [0, 20], got {PHILOX_HALVES.value}")

@@ -13,7 +13,8 @@ from .gluon_sample import AVAILABLE
 
 # ALU kinds: 16 dependent instructions per chain per loop step; a thread runs CHAINS chains
 KINDS = ("ffma", "fmul", "fadd", "fmnmx", "hfma2", "dfma", "imad", "imad_hi", "imad_wide",
-         "iadd", "iadd3", "lea_hi", "lop3", "lop_iadd", "shf", "prmt", "i2f", "f2i", "mufu", "noise_wide", "noise_halves")
+         "iadd", "iadd3", "lea_hi", "lop3", "lop_iadd", "shf", "prmt", "i2f", "f2i", "mufu",
+         "noise_wide", "noise_halves")
 CHAINS = 8
 STEP = 16
 
@@ -25,6 +26,7 @@ if AVAILABLE:
                                                                   warpgroup_mma_wait)
 
     from .fused_sample import gumbel_log, philox_with
+    from .gluon_sample import sm_clock
 
     CHAINS_C = gl.constexpr(CHAINS)
 
@@ -52,9 +54,9 @@ if AVAILABLE:
     IMAD_HI = _asm("mad.hi.u32 $0, $0, 0xD2511F53, 0x7F4A7C15;")
     IADD = _asm("add.u32 $0, $0, $1;", "add.u32 $1, $1, $0;")
     # four registers, so ptxas cannot fuse two LOP3s into one (each has > 3 inputs)
-    LOP3 = gl.constexpr("{ " + " ".join(["lop3.b32 $0, $0, $1, $2, 0x96; lop3.b32 $1, $1, $2, $3, 0xE8; "
-                                        "lop3.b32 $2, $2, $3, $0, 0x96; lop3.b32 $3, $3, $0, $1, 0xE8;"]
-                                       * (STEP // 4)) + " }")
+    LOP3 = gl.constexpr("{ " + " ".join(
+        ["lop3.b32 $0, $0, $1, $2, 0x96; lop3.b32 $1, $1, $2, $3, 0xE8; "
+         "lop3.b32 $2, $2, $3, $0, 0x96; lop3.b32 $3, $3, $0, $1, 0xE8;"] * (STEP // 4)) + " }")
     IADD3 = gl.constexpr("{ .reg .u32 t; " + " ".join(
         ["add.u32 t, $0, $1; add.u32 $0, t, $2; add.u32 t, $1, $2; add.u32 $1, t, $3; "
          "add.u32 t, $2, $3; add.u32 $2, t, $0; add.u32 t, $3, $0; add.u32 $3, t, $1;"]
@@ -67,11 +69,6 @@ if AVAILABLE:
     PRMT = _asm("prmt.b32 $0, $0, $1, 0x5410;", "prmt.b32 $1, $1, $0, 0x3276;")
     I2F = _asm("cvt.rn.f32.u32 f, $0;", "mov.b32 $0, f;")  # the float's bits feed the next
     F2I = _asm("mov.b32 f, $0;", "cvt.rzi.u32.f32 $0, f;")
-
-    @gluon.jit
-    def _clock():
-        return gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64,
-                                         is_pure=False, pack=1)
 
     @gluon.jit
     def _one(x, ASM: gl.constexpr):
@@ -150,12 +147,12 @@ if AVAILABLE:
         layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, 128, 16])
         acc = gl.zeros([128, 128], gl.float32, layout)
-        t0 = _clock()
+        t0 = sm_clock()
         for i in range(n_mma):
             acc = warpgroup_mma(a_s, b_s.permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        t1 = _clock()
+        t1 = sm_clock()
         pid = gl.program_id(0)
         gl.store(clk_ptr + 3 * pid, t1 - t0)
         smid = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32,
@@ -168,10 +165,10 @@ if AVAILABLE:
         layout: gl.constexpr = gl.BlockedLayout([CHAINS_C], [32], [4], [0])
         pid = gl.program_id(0)
         i = gl.arange(0, 128 * CHAINS_C, layout=layout) + pid * 128 * CHAINS_C
-        t0 = _clock()
+        t0 = sm_clock()
         if KIND == "noise_wide" or KIND == "noise_halves":
-            # the epilogue's noise: Philox words (multiplies as fused_sample.PHILOX_MULS) →
-            # Gumbel log, 4 per call
+            # the epilogue's noise: Philox words (multiplies wide or from 16-bit halves) →
+            # Gumbel logs, 4 per call
             acc = gl.zeros([128 * CHAINS_C], gl.float32, layout)
             ctr = i.to(gl.uint32)
             zero = gl.zeros_like(ctr)
@@ -199,7 +196,7 @@ if AVAILABLE:
             for s in range(n_alu):
                 x, y = _alu_step(x, y, KIND)
             x = x ^ y
-        t1 = _clock()
+        t1 = sm_clock()
         gl.store(clk_ptr + 3 * pid + 1, t1 - t0)
         gl.store(out_ptr + 2 * pid + 1, gl.sum(x.to(gl.float32), axis=0))
 
@@ -207,8 +204,9 @@ if AVAILABLE:
     def contention_kernel(a_ptr, b_ptr, clk_ptr, out_ptr, n_mma, n_alu, KIND: gl.constexpr,
                           ALU_REGS: gl.constexpr):
         """a, b: [128, 64] bf16 (the wgmma's operands, copied to shared memory once);
-        clk [grid, 3] int64 ← elapsed cycles of (wgmma loop, ALU loop) and the SM id; out [grid, 2] fp32 ←
-        their results, so neither loop is dead code. n_mma = 0 or n_alu = 0 runs one loop alone."""
+        clk [grid, 3] int64 ← elapsed cycles of (wgmma loop, ALU loop) and the SM id;
+        out [grid, 2] fp32 ← their results, so neither loop is dead code. n_mma = 0 or
+        n_alu = 0 runs one loop alone."""
         smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
                                                     rank=2)
         ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])

@@ -35,8 +35,8 @@ if AVAILABLE:
                                                                   warpgroup_mma_wait)
 
     from .fused_sample import philox
-    from .gluon_sample import (_exp_or_0, _nan_max, best_lane, noise_coef, store_records,
-                               transform)
+    from .gluon_sample import (_exp_or_0, _nan_max, best_lane, noise_coef, sm_clock,
+                               store_records, transform)
 
     @gluon.jit
     def _loader(w_desc, h_desc, w_bufs, h_bufs, ready, empty, mma_done, part_a0, part_a1, part_b0,
@@ -88,12 +88,12 @@ if AVAILABLE:
         for tile in range(gl.program_id(0) + WHICH * nprog, num_tiles, 2 * nprog):
             seq = 2 * j + WHICH  # the tile's place in this program's sequence (the loader's)
             if TRACE:
-                gl.store(trace_ptr + 4 * tile, _clock())
+                gl.store(trace_ptr + 4 * tile, sm_clock())
             if seq > 0:  # the other consumer has issued every MMA of tile seq - 1
                 mbarrier.wait(mma_done.index(1 - WHICH), ((seq - 1) // 2) & 1)
             it = seq * k_steps
             if TRACE:
-                gl.store(trace_ptr + 4 * tile + 1, _clock())
+                gl.store(trace_ptr + 4 * tile + 1, sm_clock())
             acc = gl.zeros([128, BLOCK_B], gl.float32, layout)
             for k in range(k_steps):
                 s = it % STAGES
@@ -108,20 +108,15 @@ if AVAILABLE:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
             if TRACE:
-                gl.store(trace_ptr + 4 * tile + 2, _clock())
+                gl.store(trace_ptr + 4 * tile + 2, sm_clock())
             _tile_records(acc, part_a, part_b, params, tile // num_b_tiles,
                           (tile % num_b_tiles) * BLOCK_B, bias_ptr,
                           inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr, B, n_real, vocab_start,
                           num_samples, rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs,
                           parity_ptr, HAS_BIAS, TILE_MASS, NUM_PEERS, SINGLE)
             if TRACE:
-                gl.store(trace_ptr + 4 * tile + 3, _clock())
+                gl.store(trace_ptr + 4 * tile + 3, sm_clock())
             j += 1
-
-    @gluon.jit
-    def _clock():
-        return gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64,
-                                         is_pure=False, pack=1)
 
     @gluon.jit
     def _quarters(x):

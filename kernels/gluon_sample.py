@@ -260,6 +260,13 @@ if AVAILABLE:
         return gl.maximum(z, zb), za
 
     @gluon.jit
+    def sm_clock():
+        """The SM's cycle counter (clock64): for profiling traces; the power cap's clock
+        does not enter a difference of two."""
+        return gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64,
+                                         is_pure=False, pack=1)
+
+    @gluon.jit
     def noise_coef(inv_t):
         """Per column: NOISE_COEF, or 0 for a greedy column (inv_t == 0), for _perturb."""
         return gl.where(inv_t == 0.0, 0.0, NOISE_COEF)

@@ -55,8 +55,8 @@ def run(kind: str, n_mma: int, n_alu: int, alu_regs: int = 232) -> dict:
 # ALU warp-instructions per loop step (SASS of kernels/gluon_contention.py, sm_90; the
 # movs of "i2f"/"f2i" vanish, "dfma" adds two conversions per chain)
 OPS_PER_STEP = dict(ffma=128, fmul=128, fadd=128, fmnmx=128, hfma2=128, dfma=128, imad=128,
-                    imad_hi=128, iadd=128, iadd3=128, lea_hi=128, lop3=128, lop_iadd=128, shf=128, prmt=128, i2f=64,
-                    f2i=64, mufu=128)
+                    imad_hi=128, iadd=128, iadd3=128, lea_hi=128, lop3=128, lop_iadd=128,
+                    shf=128, prmt=128, i2f=64, f2i=64, mufu=128)
 
 
 def measure(kind: str, n_mma: int, fraction: float) -> dict:
@@ -88,8 +88,8 @@ def main(argv=None):
         for f in (float(x) for x in a.fractions.split(",")):
             r = measure(kind, a.mma_steps, f)
             rows.append(r)
-            print(f"{kind:10s} ALU {f:.2f} x wgmma: wgmma {r['mma_alone']:.0f} -> {r['mma_both']:.0f} "
-                  f"cycles, ALU {r['alu_alone']:.0f} -> {r['alu_both']:.0f}; serialized "
+            print(f"{kind:10s} ALU {f:.2f} x wgmma: wgmma {r['mma_alone']:.0f} -> "
+                  f"{r['mma_both']:.0f} cycles, ALU {r['alu_alone']:.0f} -> {r['alu_both']:.0f}; serialized "
                   f"{r['serialized']:.2f}, {r['mma_cycles_per_alu_op'] or float('nan'):.2f} wgmma "
                   f"cycles per ALU op  ({r['mma_flop_per_cycle']:.0f} flop/cycle alone, "
                   f"{r['distinct_sms']} SMs)", flush=True)
