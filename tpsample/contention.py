@@ -28,9 +28,10 @@ def compiled_ops(kind: str, arch: int = 90):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from .sass import cubin_ops
+    consts = dict(gc.constexprs(kind), ALU_REGS=232)
     sig = dict(a_ptr="*bf16", b_ptr="*bf16", clk_ptr="*i64", out_ptr="*fp32", n_mma="i32",
-               n_alu="i32", KIND="constexpr", ALU_REGS="constexpr")
-    src = GluonASTSource(gc.contention_kernel, sig, dict(KIND=kind, ALU_REGS=232), {})
+               n_alu="i32", **dict.fromkeys(consts, "constexpr"))
+    src = GluonASTSource(gc.contention_kernel, sig, consts, {})
     return cubin_ops(triton.compile(src, target=GPUTarget("cuda", arch, 32),
                                     options=dict(num_warps=4)))
 
@@ -44,19 +45,15 @@ def run(kind: str, n_mma: int, n_alu: int, alu_regs: int = 232) -> dict:
     clk = torch.zeros(sms, 3, dtype=torch.int64, device="cuda")
     out = torch.zeros(sms, 2, device="cuda")
     for _ in range(2):  # the first launch compiles and warms up
-        gc.contention_kernel[(sms, )](a, b, clk, out, n_mma, n_alu, KIND=kind, ALU_REGS=alu_regs,
-                                      num_warps=4)
+        gc.contention_kernel[(sms, )](a, b, clk, out, n_mma, n_alu, **gc.constexprs(kind),
+                                      ALU_REGS=alu_regs, num_warps=4)
     torch.cuda.synchronize()
     c = clk.cpu()
     return dict(mma=statistics.median(c[:, 0].tolist()), alu=statistics.median(c[:, 1].tolist()),
                 distinct_sms=len(set(c[:, 2].tolist())), ctas=sms)
 
 
-# ALU warp-instructions per loop step (SASS of kernels/gluon_contention.py, sm_90; the
-# movs of "i2f"/"f2i" vanish, "dfma" adds two conversions per chain)
-OPS_PER_STEP = dict(ffma=128, fmul=128, fadd=128, fmnmx=128, hfma2=128, dfma=128, imad=128,
-                    imad_hi=128, iadd=128, iadd3=128, lea_hi=128, lop3=128, lop_iadd=128,
-                    shf=128, prmt=128, i2f=64, f2i=64, mufu=128)
+OPS_PER_STEP = {k: v[3] for k, v in gc.ALU_KINDS.items() if v[3] is not None}
 
 
 def measure(kind: str, n_mma: int, fraction: float) -> dict:
