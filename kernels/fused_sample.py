@@ -53,6 +53,8 @@ PHILOX_MUL = tl.constexpr("umulhi" if knobs.runtime.interpret else _mul_env)
 PHILOX_HALVES = tl.constexpr(int(os.environ.get("TPSAMPLE_PHILOX_HALVES", "0")))
 if not 0 <= PHILOX_HALVES.value <= 20:
     raise ValueError(f"TPSAMPLE_PHILOX_HALVES must be in [0, 20], got {PHILOX_HALVES.value}")
+CDF_STREAM = tl.constexpr(1 << 30)  # noise.CDF_STREAM, CDF_PICK_STREAM
+CDF_PICK_STREAM = tl.constexpr((1 << 30) | (1 << 29))
 NOISE_COEF = tl.constexpr(-0.6931471805599453 if FAST_OUTER_LOG.value else -1.0)  # gumbel_log
 
 
@@ -253,6 +255,7 @@ def tile_records_epilogue(
     parity_ptr, HAS_BIAS: tl.constexpr, ALIGNED4: tl.constexpr, BLOCK_V: tl.constexpr,
     BLOCK_B: tl.constexpr, NUM_PEERS: tl.constexpr, HALVINGS: tl.constexpr, TILE_MASS: tl.constexpr,
     SAMPLES: tl.constexpr = 0, g_pre=None, PRE_NOISE: tl.constexpr = False,
+    CDF: tl.constexpr = False,
 ):
     """acc [BLOCK_V, BLOCK_B] raw fp32 logits of tile pid_v → one record per (sample, row).
 
@@ -261,7 +264,8 @@ def tile_records_epilogue(
     rank's slot in each peer's exchange buffer, for each of two alternating buffers, and every
     record is stored to all peers of buffer parity_ptr[0] (P2P fan-out). The parity lives on
     the device so a captured CUDA graph alternates buffers too. PRE_NOISE: g_pre holds the
-    noise of the only sample (computed inside the main loop, see tile_logits)."""
+    noise of the only sample (computed inside the main loop, see tile_logits). CDF: the token
+    by inverse CDF (cdf_index) instead of Gumbel-max; needs TILE_MASS, not PRE_NOISE."""
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     if HALVINGS > 0:  # B <= BLOCK_B >> HALVINGS: drop padding columns before the noise
         acc = leading_columns(acc, BLOCK_V, BLOCK_B, HALVINGS)
@@ -302,23 +306,27 @@ def tile_records_epilogue(
         for s in tl.static_range(SAMPLES):
             sample_and_store(s, l, greedy, seed, off_lo, off_hi, tile_start, local, mask_b, lse,
                              rec_ptr, rec + s * rec_stride_s, peer_ptrs, parity_ptr, ALIGNED4,
-                             BLOCK_V, BLOCK_B >> HALVINGS, NUM_PEERS, TILE_MASS)
+                             BLOCK_V, BLOCK_B >> HALVINGS, NUM_PEERS, TILE_MASS, CDF=CDF)
     else:
         for s in range(num_samples):
             sample_and_store(s, l, greedy, seed, off_lo, off_hi, tile_start, local, mask_b, lse,
                              rec_ptr, rec + s * rec_stride_s, peer_ptrs, parity_ptr, ALIGNED4,
-                             BLOCK_V, BLOCK_B >> HALVINGS, NUM_PEERS, TILE_MASS)
+                             BLOCK_V, BLOCK_B >> HALVINGS, NUM_PEERS, TILE_MASS, CDF=CDF)
 
 
 @triton.jit
 def sample_and_store(s, l, greedy, seed, off_lo, off_hi, tile_start, local, mask_b, lse, rec_ptr,
                      rec, peer_ptrs, parity_ptr, ALIGNED4: tl.constexpr, BLOCK_V: tl.constexpr,
                      BLOCK_B: tl.constexpr, NUM_PEERS: tl.constexpr, TILE_MASS: tl.constexpr,
-                     g_pre=None, PRE_NOISE: tl.constexpr = False):
+                     g_pre=None, PRE_NOISE: tl.constexpr = False, CDF: tl.constexpr = False):
     """Sample s of one tile: Gumbel-max over the tile and its record (see the epilogue).
     Without TILE_MASS no log-prob is wanted: the winner's logit (a masked gather, one more
-    cross-thread reduction) is not extracted and the record holds 0 there."""
-    if PRE_NOISE:
+    cross-thread reduction) is not extracted and the record holds 0 there. CDF: the token by
+    inverse CDF (greedy columns: the first maximum), the score field its logit."""
+    if CDF:
+        z = l
+        pick = cdf_index(l, seed, off_lo, off_hi, tl.cast(s, tl.uint32), tile_start, BLOCK_V)
+    elif PRE_NOISE:
         z = tl.where(greedy[None, :], l, l + g_pre)
     else:
         if ALIGNED4:
@@ -333,10 +341,14 @@ def sample_and_store(s, l, greedy, seed, off_lo, off_hi, tile_start, local, mask
     # tl.max(return_indices=True), which carries the index through every comparison
     best = tl.max(z, axis=0)
     idx = tl.min(tl.where(z == best[None, :], local, BLOCK_V), axis=0)
+    if CDF:
+        idx = tl.where(greedy, idx, pick)
     if TILE_MASS:
         logit = tl.sum(tl.where(local == idx[None, :], l, 0.0), axis=0)
     else:
         logit = tl.zeros_like(best)
+    if CDF:
+        best = logit
     token = (tile_start + idx).to(tl.float32)
     if NUM_PEERS == 0:
         store_record(rec_ptr, rec, best, token, logit, lse, mask_b)
@@ -348,6 +360,46 @@ def sample_and_store(s, l, greedy, seed, off_lo, off_hi, tile_start, local, mask
             delta = (tl.load(peer_ptrs + row + p) - rec_ptr.to(tl.int64, bitcast=True)) >> 2
             store_record_16b(rec_ptr + tl.multiple_of(delta, 4), rec, best, token, logit, lse,
                              mask_b)
+
+
+@triton.jit
+def _first_crossing(weight, target, pos, AXIS: tl.constexpr, N: tl.constexpr):
+    """merge.inverse_cdf along AXIS of weight (>= 0) for target = u (a broadcastable [..]
+    with AXIS kept at 1): the first position whose running sum exceeds u times the total
+    among those of positive weight, else the last of positive weight, else 0."""
+    csum = tl.cumsum(weight, axis=AXIS)
+    total = tl.sum(tl.where(pos == N - 1, csum, 0.0), axis=AXIS, keep_dims=True)  # the scan's own
+    positive = weight > 0.0
+    first = tl.min(tl.where((csum > target * total) & positive, pos, N), axis=AXIS)
+    last = tl.max(tl.where(positive, pos, 0), axis=AXIS)
+    return tl.where(first < N, first, last), total
+
+
+@triton.jit
+def cdf_index(l, seed, off_lo, off_hi, s, tile_start, BLOCK_V: tl.constexpr):
+    """The tile's token by inverse CDF (tpsample/merge.py, fact 6), per column of the
+    transformed logits l [BLOCK_V, BB] (NaN already -inf): 4 subgroups of BLOCK_V / 4 ids each
+    pick one with their uniform, then one more uniform picks the subgroup by its mass. The
+    uniforms are noise.cdf_uniforms'. Returns the index in the tile [BB] int32."""
+    SUB: tl.constexpr = BLOCK_V // 4
+    x = tl.reshape(l, (4, SUB, l.shape[1]))
+    m = tl.max(x, axis=1)  # [4, BB]
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    e = tl.exp(x - m_safe[:, None, :])
+    k = tl.arange(0, 4)[:, None]
+    u_sub = philox_word(seed, off_lo, off_hi, s | CDF_STREAM, tile_start + k)
+    u_sub = ((u_sub >> 9).to(tl.float32) + 0.5) * TWO_POW_M23
+    within, total = _first_crossing(e, u_sub[:, None, :], tl.arange(0, SUB)[None, :, None], 1,
+                                    SUB)
+    top = tl.max(m, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    mass = tl.where(m == float("-inf"), 0.0, tl.reshape(total, (4, l.shape[1]))
+                    * tl.exp(m_safe - top[None, :]))
+    u_pick = philox_word(seed, off_lo, off_hi, s | CDF_PICK_STREAM,
+                         tile_start + tl.zeros((1, 1), dtype=tl.int32))
+    u_pick = ((u_pick >> 9).to(tl.float32) + 0.5) * TWO_POW_M23  # [1, BB]
+    sub, _ = _first_crossing(mass, u_pick, k, 0, 4)
+    return sub * SUB + tl.sum(tl.where(k == sub[None, :], within, 0), axis=0)
 
 
 @triton.jit
@@ -471,6 +523,7 @@ def fused_sample_records_kernel(
     NUM_STAGES: tl.constexpr, NUM_PEERS: tl.constexpr, HALVINGS: tl.constexpr,
     TILE_MASS: tl.constexpr, PDL: tl.constexpr, W_DESC: tl.constexpr = False,
     NOISE_AT: tl.constexpr = -1, NOISE_CHUNKS: tl.constexpr = 1, NOISE_EVERY: tl.constexpr = 0,
+    CDF: tl.constexpr = False,
 ):
     """NOISE_AT >= 0 requires num_samples == 1 and ALIGNED4 (the launcher checks)."""
     pid_b = tl.program_id(0)  # batch tiles vary fastest: neighbours share the W tile in L2
@@ -485,7 +538,7 @@ def fused_sample_records_kernel(
                           offset_ptr, rec_ptr, V_rows, n_real, vocab_start, num_samples,
                           rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr, HAS_BIAS,
                           ALIGNED4, BLOCK_V, BLOCK_B, NUM_PEERS, HALVINGS, TILE_MASS, 0, g,
-                          NOISE_AT >= 0)
+                          NOISE_AT >= 0, CDF)
 
 
 @triton.jit
@@ -496,7 +549,7 @@ def fused_sample_records_persistent_kernel(
     HAS_BIAS: tl.constexpr, EVEN_D: tl.constexpr, FP32_DOT: tl.constexpr, ALIGNED4: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, SAMPLES: tl.constexpr, NUM_PEERS: tl.constexpr,
-    HALVINGS: tl.constexpr, TILE_MASS: tl.constexpr, PDL: tl.constexpr,
+    HALVINGS: tl.constexpr, TILE_MASS: tl.constexpr, PDL: tl.constexpr, CDF: tl.constexpr = False,
 ):
     """Same records; a fixed grid of programs walks the tiles, and the (tile, D-step) loop
     nest is flattened so the loads of the next tile are in flight during this epilogue."""
@@ -513,7 +566,7 @@ def fused_sample_records_persistent_kernel(
                               offset_ptr, rec_ptr, V_rows, n_real, vocab_start, SAMPLES,
                               rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr,
                               HAS_BIAS, ALIGNED4, BLOCK_V, BLOCK_B, NUM_PEERS, HALVINGS, TILE_MASS,
-                              SAMPLES)
+                              SAMPLES, CDF=CDF)
 
 
 @triton.jit
@@ -523,6 +576,7 @@ def logits_records_kernel(
     peer_ptrs, parity_ptr,
     HAS_BIAS: tl.constexpr, ALIGNED4: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr,
     NUM_PEERS: tl.constexpr, HALVINGS: tl.constexpr, TILE_MASS: tl.constexpr, PDL: tl.constexpr,
+    CDF: tl.constexpr = False,
 ):
     """The same records from fp32 logits [B, V_rows] computed elsewhere (cuBLAS, large B)."""
     pid_b = tl.program_id(0)
@@ -537,4 +591,4 @@ def logits_records_kernel(
     tile_records_epilogue(acc, pid_v, offs_b, mask_b, B, bias_ptr, inv_temp_ptr, seed_ptr,
                           offset_ptr, rec_ptr, V_rows, n_real, vocab_start, num_samples,
                           rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr, HAS_BIAS,
-                          ALIGNED4, BLOCK_V, BLOCK_B, NUM_PEERS, HALVINGS, TILE_MASS)
+                          ALIGNED4, BLOCK_V, BLOCK_B, NUM_PEERS, HALVINGS, TILE_MASS, CDF=CDF)

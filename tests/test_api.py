@@ -59,6 +59,7 @@ BAD = [
     (lambda h, w: dict(vocab_size=301), ValueError, "vocab_size"),
     (lambda h, w: dict(vocab_size=2.5), ValueError, "vocab_size"),
     (lambda h, w: dict(num_samples=0), ValueError, "num_samples"),
+    (lambda h, w: dict(num_samples=1 << 29), ValueError, "num_samples"),
     (lambda h, w: dict(merge="sum"), ValueError, "merge"),
     (lambda h, w: dict(backend="cuda"), ValueError, "backend"),
 ]
@@ -86,7 +87,7 @@ def test_device_mismatch_is_an_error():
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-@pytest.mark.parametrize("merge", ["max", "logmass"])
+@pytest.mark.parametrize("merge", ["max", "logmass", "cdf"])
 def test_degenerate_rows(backend, merge, device):
     """All -inf → token 0, logz -inf; any NaN → token 0, logz NaN; normal rows unaffected."""
     h, w = random_inputs(4, 16, 300, torch.float32, device)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tpsample
-from tpsample import noise
+from tpsample import merge, noise
 from tpsample.online import OnlineSampler
 
 from cases import exact_probs, lm_head_case
@@ -22,7 +22,7 @@ def draw(h, w, n_rows, n_samples, *, backend, seed_base=0, **kw):
                            backend=backend, **kw)
 
 
-@pytest.mark.parametrize("merge", ["max", "logmass"])
+@pytest.mark.parametrize("merge", ["max", "logmass", "cdf"])
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
 @pytest.mark.parametrize("kind", ["flat", "peaked", "zipf"])
 def test_chi2_torch_path(kind, temperature, merge):
@@ -32,7 +32,7 @@ def test_chi2_torch_path(kind, temperature, merge):
     assert chi2_pvalue(tokens, p) > ALPHA
 
 
-@pytest.mark.parametrize("merge", ["max", "logmass"])
+@pytest.mark.parametrize("merge", ["max", "logmass", "cdf"])
 def test_chi2_with_bias_padded_vocab_bf16(merge):
     h, w = lm_head_case("zipf", V=320, dtype=torch.bfloat16, seed=2)
     bias = torch.randn(320, generator=torch.Generator().manual_seed(1))
@@ -43,7 +43,7 @@ def test_chi2_with_bias_padded_vocab_bf16(merge):
     assert chi2_pvalue(tokens, exact_probs(h, w, temperature=0.8, bias=bias, vocab_size=300)[:300]) > ALPHA
 
 
-@pytest.mark.parametrize("merge", ["max", "logmass"])
+@pytest.mark.parametrize("merge", ["max", "logmass", "cdf"])
 def test_chi2_triton_kernel(merge, device):
     """The real Triton kernels (interpreted on CPU): 3 tiles, padded vocab, T = 0.7."""
     h, w = lm_head_case("zipf", V=300, device=device, seed=5)
@@ -102,6 +102,20 @@ def test_control_group_choice_without_fresh_noise_is_rejected():
     ids = heavy * 128 + torch.arange(128)[None, :]
     tokens = torch.stack([(groups[heavy] + noise.gumbel(seeds, torch.zeros_like(seeds), s, ids)).argmax(-1)
                           for s in range(S)]) + heavy * 128
+    assert chi2_pvalue(tokens, exact_probs(h, w)) < ALPHA
+
+
+def test_control_cdf_subgroups_chosen_by_unscaled_sums_is_rejected():
+    """Fact 6 with the subgroups chosen by their sums S_j alone, without exp(m_j - M): wrong
+    wherever the subgroup maxima differ (the "peaked" head puts them nats apart)."""
+    h, w = lm_head_case("peaked", V=128, seed=2)
+    e = torch.softmax((h.float() @ w.float().T).view(4, 32), dim=-1)  # per-subgroup weights
+    n = 20000
+    seeds = torch.arange(n, dtype=torch.int64)
+    u_sub, u_pick = noise.cdf_uniforms(seeds, torch.zeros_like(seeds), 0, torch.zeros(1, dtype=torch.int64))
+    within = merge.inverse_cdf(e.expand(n, 1, 4, 32), u_sub)  # [n, 1, 4]
+    j = merge.inverse_cdf(e.sum(-1).expand(n, 1, 4), u_pick)  # [n, 1]
+    tokens = j * 32 + within.gather(-1, j[..., None])[..., 0]
     assert chi2_pvalue(tokens, exact_probs(h, w)) < ALPHA
 
 

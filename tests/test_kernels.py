@@ -66,6 +66,54 @@ def test_logmass_matches_reference(backend, device):
     assert out.max() < 590
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cdf_matches_reference(backend, device):
+    """merge="cdf": the same tokens as the reference (fact 6 in torch on the full row), greedy
+    rows (every 4th) included; log-probs and log Z as accurate as the other merges."""
+    B, D, V = 24, 48, 600
+    h, w = random_inputs(B, D, V, torch.float32, device, seed=4)
+    bias = torch.randn(V, device=device)
+    temp, seeds, offsets = params(B, device, seed=2)
+    out = tpsample.sample(h, w, temperature=temp, seed=seeds, offset=offsets, bias=bias,
+                          num_samples=3, merge="cdf", vocab_size=590, return_logprobs=True,
+                          backend=backend)
+    ref = reference_sample(h.cpu(), w.cpu(), temperature=temp.cpu(), seed=seeds.cpu(),
+                           offset=offsets.cpu(), bias=bias.cpu(), num_samples=3, merge="cdf",
+                           vocab_size=590)
+    # the interval boundaries of fact 6 are running sums: another summation order could move
+    # a token only if its uniform lay within rounding of a boundary (~1e-6 per draw)
+    assert torch.equal(out.tokens.cpu(), ref.tokens)
+    assert out.tokens.max() < 590
+    assert torch.allclose(out.logprobs.cpu().double(), ref.logprobs, atol=1e-4, rtol=0)
+    assert torch.allclose(out.logz.cpu().double(), ref.logz, atol=1e-4, rtol=0)
+    greedy = temp.cpu() == 0
+    assert torch.equal(ref.tokens[greedy], ref.scores[greedy].argmax(-1))
+
+
+@pytest.mark.parametrize("strategy", ["fused", "persistent", "logits"])
+def test_cdf_records_of_every_strategy_match_torch(strategy, device):
+    """Every Triton strategy writes the torch path's cdf records, also for a shard starting at
+    an id that is not a multiple of 4 (the uniforms are keyed by the tile's first id)."""
+    from tpsample.torch_records import records_torch
+    B, D, V = 10, 64, 300
+    h, w = random_inputs(B, D, V, torch.float32, device, seed=22)
+    temp, seeds, offsets = params(B, device, seed=5)
+    p = row_params(h, temp, seeds, offsets)
+    cfg = dict(strategy=strategy, BLOCK_B=16, BLOCK_D=32, NUM_STAGES=1, num_warps=4, PROGRAMS_PER_SM=2)
+    for start in (0, 6):
+        kw = dict(bias=None, inv_temp=p.inv_temp, seed=p.seed, offset=p.offset, num_samples=2,
+                  n_real=V - 5, vocab_start=start)
+        got = fused.fused_records(h, w, config=cfg, cdf=True, **kw).cpu()
+        want = records_torch(h.cpu(), w.cpu(), **{k: v.cpu() if torch.is_tensor(v) else v
+                                                  for k, v in kw.items()}, cdf=True)
+        assert torch.equal(got[..., 1], want[..., 1])
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+        if start == 0:  # not the records of the Gumbel-max path
+            assert not torch.equal(got[..., 1], fused.fused_records(h, w, config=cfg, **kw).cpu()[..., 1])
+    with pytest.raises(ValueError, match="need_mass"):
+        fused.fused_records(h, w, config=cfg, cdf=True, need_mass=False, **kw)
+
+
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-3), (torch.float16, 1e-3)])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_logprobs_and_logz_vs_float64(dtype, atol, backend, device):

@@ -59,19 +59,19 @@ def test_tp_tokens_equal_single_device_and_identical_on_ranks(world, backend, ex
     assert torch.allclose(outs[0].logz, single.logz, atol=1e-5)
 
 
-def tp_chi2(rank, world, rows, samples):
+def tp_chi2(rank, world, rows, samples, merge="logmass"):
     h, w = lm_head_case("zipf", V=300, seed=12)
     bias = torch.linspace(-1, 1, 300)
     lo, hi = shard_bounds(rank, world, 300)
-    sampler = VocabParallelSampler(w[lo:hi].contiguous(), vocab_size=290, merge="logmass", backend="torch")
+    sampler = VocabParallelSampler(w[lo:hi].contiguous(), vocab_size=290, merge=merge, backend="torch")
     seeds = torch.arange(rows, dtype=torch.int64) * 31
     return sampler(h.expand(rows, -1).contiguous(), temperature=0.8, seed=seeds, bias=bias[lo:hi],
                    num_samples=samples)
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_tp_logmass_chi2(world):
-    outs = run_world(world, tp_chi2, 400, 25)
+@pytest.mark.parametrize("world,merge", [(2, "logmass"), (3, "logmass"), (2, "cdf")])
+def test_tp_group_merge_chi2(world, merge):
+    outs = run_world(world, tp_chi2, 400, 25, merge)
     assert all(torch.equal(o, outs[0]) for o in outs)
     h, w = lm_head_case("zipf", V=300, seed=12)
     p = exact_probs(h, w, temperature=0.8, bias=torch.linspace(-1, 1, 300), vocab_size=290)

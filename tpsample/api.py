@@ -8,10 +8,11 @@ from typing import NamedTuple
 import torch
 
 from . import merge as merge_math
+from . import noise
 from .torch_records import records_torch
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MERGES = ("max", "logmass")
+MERGES = ("max", "logmass", "cdf")
 BACKENDS = ("auto", "triton", "torch")
 MAX_VOCAB = 1 << 24  # token ids travel as float32 in the records
 SEED_HIGH = 1 << 62
@@ -140,8 +141,9 @@ def check_bias(bias, rows: int, device, name: str = "bias"):
 
 
 def check_options(num_samples, merge, backend):
-    if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples < 1:
-        raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
+    if (not isinstance(num_samples, int) or isinstance(num_samples, bool)
+            or not 1 <= num_samples < noise.MAX_SAMPLES):
+        raise ValueError(f"num_samples must be an int in [1, 2**29), got {num_samples!r}")
     if merge not in MERGES:
         raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
     if backend not in BACKENDS:
@@ -187,8 +189,10 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, *, temperature=1.0, seed=
         bias: optional Tensor[V] (used as float32), added before the temperature.
         vocab_size: rows [0, vocab_size) of weight are real tokens (padded vocabulary).
         num_samples: independent samples per row (with replacement).
-        merge: "max" (pathwise Gumbel-max, tiling/TP invariant) or "logmass"
-            (Group-Gumbel-Max over 128-token groups). Both are exact.
+        merge: "max" (pathwise Gumbel-max, tiling/TP invariant), "logmass"
+            (Group-Gumbel-Max over 128-token groups) or "cdf" (the same groups, the token in
+            each by inverse CDF: five uniforms per group instead of a Gumbel per token, the
+            cheapest stage 1; tokens depend on the tiling). All are exact (tpsample.merge).
         return_logprobs: also return log p(token) and log Z.
         backend: "auto" (Triton on CUDA or under TRITON_INTERPRET=1, else the chunked torch
             path), "triton" or "torch". All give the same tokens for the same seed.
@@ -220,13 +224,13 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, *, temperature=1.0, seed=
     hidden = hidden.contiguous()
 
     backend = resolve_backend(backend, hidden.device)
-    need_mass = return_logprobs or merge == "logmass"
+    need_mass = return_logprobs or merge != "max"
     if backend == "triton" and hidden.is_cuda:
         tokens, logprobs, logz = _sample_cuda(hidden, weight, bias, params, vocab_size,
                                               num_samples, merge, need_mass)
         return package(tokens, logprobs, logz, num_samples, return_logprobs)
     rec = compute_records(backend, hidden, weight, bias=bias, params=params, num_samples=num_samples,
-                          n_real=vocab_size, need_mass=need_mass)
+                          n_real=vocab_size, need_mass=need_mass, cdf=merge == "cdf")
     tokens, logprobs, logz = reduce_records(backend, rec[None], params, merge)
     return package(tokens, logprobs, logz, num_samples, return_logprobs)
 
@@ -267,7 +271,7 @@ def _sample_cuda(hidden, weight, bias, params: RowParams, n_real: int, num_sampl
     with replay.record() as log1:
         fused.fused_records(hidden, weight, bias=bias, inv_temp=params.inv_temp, seed=params.seed,
                             offset=params.offset, num_samples=num_samples, n_real=n_real,
-                            out=records, need_mass=need_mass)
+                            out=records, need_mass=need_mass, cdf=merge == "cdf")
     with replay.record() as log2:
         view = records[None]
         tokens, logprobs, logz = fused.reduce_records(view, params.inv_temp, params.seed,
@@ -279,23 +283,27 @@ def _sample_cuda(hidden, weight, bias, params: RowParams, n_real: int, num_sampl
 
 def compute_records(backend: str, hidden, weight, *, bias, params: RowParams, num_samples: int,
                     n_real: int, vocab_start: int = 0, tiles=None, out=None, fanout=None,
-                    need_mass: bool = True):
+                    need_mass: bool = True, cdf: bool = False):
     """Stage 1 with the chosen backend → records [S, B, T, 4] (written into `out` if given;
     with `fanout` = (peer_ptrs, parity, _) stored into every peer's buffer instead).
     need_mass=False lets the Triton path skip the tile log-masses (see fused.fused_records):
-    only for the max merge without log-probs, and never where ranks might disagree on it."""
+    only for the max merge without log-probs, and never where ranks might disagree on it.
+    cdf: the records of the "cdf" merge (tpsample.merge, fact 6; needs need_mass)."""
+    if cdf and not need_mass:
+        raise ValueError("cdf records need the tile log-masses (need_mass=True)")
     if backend == "triton":
         from . import fused
         peer_ptrs, parity = fanout[:2] if fanout is not None else (None, None)
         return fused.fused_records(hidden, weight, bias=bias, inv_temp=params.inv_temp,
                                    seed=params.seed, offset=params.offset, num_samples=num_samples,
                                    n_real=n_real, vocab_start=vocab_start, tiles=tiles, out=out,
-                                   peer_ptrs=peer_ptrs, parity=parity, need_mass=need_mass)
+                                   peer_ptrs=peer_ptrs, parity=parity, need_mass=need_mass,
+                                   cdf=cdf)
     if fanout is not None:
         raise ValueError("P2P fan-out needs the Triton backend on CUDA")
     rec = records_torch(hidden, weight, bias=bias, inv_temp=params.inv_temp, seed=params.seed,
                         offset=params.offset, num_samples=num_samples, n_real=n_real,
-                        vocab_start=vocab_start, num_tiles=tiles)
+                        vocab_start=vocab_start, num_tiles=tiles, cdf=cdf)
     if out is not None:
         out.copy_(rec)
         return out

@@ -14,6 +14,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .kernels import (fused_sample_records_kernel, fused_sample_records_persistent_kernel,
                       gluon_pingpong, gluon_sample, logits_records_kernel, reduce_records_kernel)
+from .merge import GROUP_MERGES
 from .torch_records import DEFAULT_TILE
 
 BLOCK_V = DEFAULT_TILE  # one record per 128 tokens everywhere: logmass partitions agree
@@ -181,7 +182,7 @@ def logits_fp32(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, n_real,
                   vocab_start=0, out=None, tiles=None, config=None, peer_ptrs=None,
-                  parity=None, need_mass=True) -> torch.Tensor:
+                  parity=None, need_mass=True, cdf=False) -> torch.Tensor:
     """Stage 1 on (a shard of) the LM head → records [S, B, T, 4] fp32, written into `out`
     if given (any strides that check_records_layout accepts: e.g. this rank's slot of an
     exchange buffer, through records_view). peer_ptrs: int64 CUDA tensor [2, P] of the
@@ -191,7 +192,11 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
     stores each record to all P peers of that buffer instead of `out`. need_mass=False (max
     merge, no log-probs wanted) stores the tile max instead of the tile log-mass and 0 instead
     of the winner's logit: the reduce's log Z and log-probs are then meaningless, but the
-    tokens and the degenerate-row rule are unchanged."""
+    tokens and the degenerate-row rule are unchanged. cdf: the records of the "cdf" merge
+    (tpsample/merge.py, fact 6; needs need_mass); the Hopper kernels run it only where
+    CDF_GLUON allows, else the cuBLAS + records pass does."""
+    if cdf and not need_mass:
+        raise ValueError("cdf records need the tile log-masses (need_mass=True)")
     B, D = hidden.shape
     V_rows = weight.shape[0]
     T = tiles if tiles is not None else num_tiles(V_rows)
@@ -206,6 +211,8 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
                              f"got {cfg['BLOCK_B']!r}")
         if not pp_supported(hidden, weight, vocab_start):
             cfg = dict(PP_FALLBACK)
+    if cdf and cfg["strategy"] in ("pp", "ws") and not CDF_GLUON:
+        cfg = dict(WS_FALLBACK)
     if cfg["strategy"] == "ws" and not ws_supported(hidden, weight, vocab_start):
         cfg = dict(WS_FALLBACK)  # what the warp-specialized kernel does not take
     strategy, nw = cfg.pop("strategy"), cfg.pop("num_warps")
@@ -220,7 +227,8 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
     halvings = (cfg["BLOCK_B"] // next_pow2(B)).bit_length() - 1 if trim and B > 0 else 0
     consts = dict(HAS_BIAS=bias is not None, ALIGNED4=vocab_start % 4 == 0, BLOCK_V=BLOCK_V,
                   BLOCK_B=cfg["BLOCK_B"], NUM_PEERS=0 if peer_ptrs is None else peer_ptrs.shape[-1],
-                  HALVINGS=max(halvings, 0), TILE_MASS=need_mass, PDL=use_pdl(hidden.device))
+                  HALVINGS=max(halvings, 0), TILE_MASS=need_mass, PDL=use_pdl(hidden.device),
+                  CDF=cdf)
     options = dict(num_warps=nw, **({"maxnreg": maxnreg} if maxnreg else {}))
     peers = peer_ptrs if peer_ptrs is not None else seed  # never read when NUM_PEERS == 0
     parity = parity if parity is not None else seed
@@ -257,7 +265,7 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
         # aligned rows, otherwise the pointer path below)
         w_arg = TensorDescriptor.from_tensor(weight, block_shape=[BLOCK_V, cfg["BLOCK_D"]])
         consts["W_DESC"] = True
-    if noise_step is not None and num_samples == 1 and vocab_start % 4 == 0:
+    if noise_step is not None and num_samples == 1 and vocab_start % 4 == 0 and not cdf:
         steps = cdiv(D, cfg["BLOCK_D"])  # measured best near a quarter of the loop (perf notes)
         # all blocks must land inside the loop: shrink the spacing, then the first step
         every = min(noise_every, (steps - 1) // (noise_chunks - 1)) if noise_chunks > 1 else 0
@@ -272,6 +280,9 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
 
 
 WS_BLOCK_K = 64
+# The "cdf" records in the Hopper kernels (pp): not yet run on a GPU, so off unless
+# TPSAMPLE_CDF_GLUON=1 (for the GPU tests and A/B); off, the cuBLAS + records pass makes them
+CDF_GLUON = os.environ.get("TPSAMPLE_CDF_GLUON", "0") == "1"
 # TPSAMPLE_WS=0: never the warp-specialized kernel (its fallback instead; A/B timing)
 WS_ENABLED = os.environ.get("TPSAMPLE_WS", "1") != "0"
 WS_FALLBACK = dict(strategy="logits", BLOCK_B=64, BLOCK_D=0, NUM_STAGES=0, num_warps=8)
@@ -450,7 +461,7 @@ def reduce_records(records: torch.Tensor, inv_temp, seed, offset, merge: str, pa
         records, inv_temp, seed, offset, tokens, logprobs, logz,
         B, S, N, T, *records.stride()[:4],
         parity if parity is not None else seed, parity_stride),
-        dict(LOGMASS=merge == "logmass", BLOCK_R=block_r, BLOCK_N=block_n,
+        dict(LOGMASS=merge in GROUP_MERGES, BLOCK_R=block_r, BLOCK_N=block_n,
              USE_PARITY=parity is not None, PDL=pdl),
         dict(num_warps=num_warps, **({"launch_pdl": True} if pdl else {})))
     return tokens, logprobs, logz

@@ -22,6 +22,20 @@ logsumexp(l over k)).
    1 / (1 + exp(L_A - L_B)). By induction the state after the last group is an exact
    sample from p and L = log Z.
 5. log Z = logsumexp_k L_k in every mode, and log p(token) = l_token - log Z.
+6. Inverse CDF ("cdf" merge: fact 3 without per-token noise). Group k (a 128-token tile) is
+   split into 4 subgroups j of 32 consecutive ids. Subgroup j, with max m_j, weights
+   e_i = exp(l_i - m_j) and S_j = sum e_i, picks the first i (in id order) whose running
+   sum C_i exceeds u_j S_j, u_j uniform: P(i | j) = e_i / S_j = exp(l_i) / Z_j. The group
+   then picks subgroup j the same way with one more uniform over W_j = S_j exp(m_j - M),
+   M = max_j m_j: P(j | k) = Z_j / Z_k. So i*_k ~ softmax(l over k), independently of the
+   other groups (the uniforms are keyed by (seed, offset, sample, tile), noise.cdf_uniforms),
+   which is all fact 3 needs: with its group choice P(i) = p_i. Five uniforms per (row,
+   tile) replace 128 Gumbels, and no logarithm is taken. In float32 each interval boundary
+   is rounded (~2**-24 of the running sum) and u has 23 bits: a total-variation distortion
+   of at most ~32 * 2**-23 = 4e-6 per choice, and a token whose share of its subgroup is
+   below ~2**-24 can be unreachable, as the Gumbel tails' truncation (noise.py) makes tokens
+   ~19.5 nats below the max unreachable. A token of weight 0 is never chosen; if rounding
+   puts u S at or above every running sum, the last token of positive weight is.
 
 Degenerate rows (log Z not finite: every logit -inf, a NaN, or +inf) return token 0,
 logprob NaN and their non-finite log Z, so callers detect them with isfinite(logz)
@@ -33,6 +47,7 @@ import torch
 
 from . import noise
 
+GROUP_MERGES = ("logmass", "cdf")  # merges that choose among the records by log-mass
 NO_TOKEN = float(1 << 24)  # above every valid token id (ids are stored as float32)
 
 
@@ -52,6 +67,20 @@ def group_gumbel_choice(log_mass: torch.Tensor, seed: torch.Tensor, offset: torc
     index = torch.arange(log_mass.shape[-1], device=log_mass.device)[None, :]
     h = noise.gumbel(seed[:, None], offset[:, None], sample, index, stream=noise.GROUP_STREAM)
     return (log_mass + h).nan_to_num(nan=float("-inf")).argmax(dim=-1)
+
+
+def inverse_cdf(weight: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Fact 6's choice along the last dim: the first index whose running sum exceeds u times
+    the total among those of positive weight, else the last of positive weight, else 0.
+    weight [..., n] >= 0 float32, u [...] in (0, 1) → index int64 [...]."""
+    csum = weight.cumsum(dim=-1)
+    positive = weight > 0
+    cross = (csum > (u * csum[..., -1])[..., None]) & positive
+    n = weight.shape[-1]
+    pos = torch.arange(n, device=weight.device)
+    first = torch.where(cross, pos, n).amin(dim=-1)
+    last = torch.where(positive, pos, -1).amax(dim=-1).clamp(min=0)
+    return torch.where(first < n, first, last)
 
 
 def binary_merge(log_mass_a: torch.Tensor, log_mass_b: torch.Tensor,
@@ -86,7 +115,7 @@ def reduce_records(records: torch.Tensor, seed: torch.Tensor, offset: torch.Tens
     score, token, logit, lse = records.unbind(dim=-1)
     logz = torch.logsumexp(lse[0], dim=-1)
     pick = pathwise_max(score, token)  # [S, B]
-    if merge == "logmass":
+    if merge in GROUP_MERGES:
         by_mass = torch.stack([group_gumbel_choice(lse[s], seed, offset, s)
                                for s in range(S)])
         pick = torch.where(greedy[None, :], pick, by_mass)

@@ -9,9 +9,11 @@ The uniform for (row b, token i, sample s) is a fixed function of
     u = ((x >> 9) + 0.5) * 2**-23                 # in [2**-24, 1 - 2**-24], exact in fp32
 
 One Philox call yields four words; token i uses word i & 3 of counter i >> 2, so four
-neighbouring tokens share one call. `stream` is 0 for token noise and 2**31 for the
-group-level noise of the log-mass merge (where i is the group's record index), so the
-two never reuse a counter. Because nothing depends on the batch position, the tile size
+neighbouring tokens share one call. `stream` is 0 for token noise, 2**31 for the
+group-level noise of the log-mass merge (where i is the group's record index), and 2**30
+(2**30 + 2**29) for the subgroup (subgroup-choice) uniforms of the inverse-CDF mode (where
+i is the tile's first global id, plus the subgroup for the former: merge.py, fact 6), so no
+two of them reuse a counter. Because nothing depends on the batch position, the tile size
 or the tensor-parallel layout, the same seed gives the same tokens everywhere.
 
 The Gumbel tails are truncated at u = 2**-24 and 1 - 2**-24 (|g| <= 16.6): a
@@ -44,6 +46,9 @@ PHILOX_W0 = 0x9E3779B9
 PHILOX_W1 = 0xBB67AE85
 PHILOX_ROUNDS = 10
 GROUP_STREAM = 1 << 31  # counter word 1 flag for the log-mass merge's group noise
+CDF_STREAM = 1 << 30  # ... for the inverse-CDF mode's subgroup uniforms
+CDF_PICK_STREAM = (1 << 30) | (1 << 29)  # ... and for its choice among the subgroups
+MAX_SAMPLES = 1 << 29  # the sample index shares counter word 1 with these flags
 
 
 def _mulhilo32(a: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,3 +104,17 @@ def uniform(seed, offset, sample, index, stream: int = 0) -> torch.Tensor:
 def gumbel(seed, offset, sample, index, stream: int = 0) -> torch.Tensor:
     """Standard Gumbel noise g = -log(-log u), float32."""
     return -torch.log(-torch.log(uniform(seed, offset, sample, index, stream)))
+
+
+def cdf_uniforms(seed, offset, sample, tile_start: torch.Tensor, subgroups: int = 4):
+    """The inverse-CDF mode's uniforms for tiles starting at global ids tile_start [T]:
+    (subgroup uniforms [B, T, subgroups], subgroup-choice uniform [B, T]) for seed/offset
+    [B] int64 (merge.py, fact 6). Subgroup k of a tile uses id tile_start + k of the stream
+    CDF_STREAM, the choice id tile_start of CDF_PICK_STREAM."""
+    seed, offset = seed[:, None, None], offset[:, None, None]
+    ids = tile_start.to(torch.int64)[None, :, None]
+    u_sub = uniform(seed, offset, sample, ids + torch.arange(subgroups, device=ids.device),
+                    stream=CDF_STREAM)
+    u_pick = uniform(seed, offset, sample, ids, stream=CDF_PICK_STREAM)[..., 0]
+    return u_sub, u_pick
+

@@ -34,7 +34,8 @@ class VocabParallelSampler:
             larger calls grow it (a collective re-allocation on every rank).
         transport: "auto" | "symm_mem" | "nccl" | "gloo" (see tpsample.transport).
         merge: "max" (pathwise; tokens identical to tpsample.sample on the full weight, for
-            any world size) or "logmass" (exact, but tokens depend on the partition).
+            any world size), "logmass" or "cdf" (exact, but tokens depend on the partition;
+            see tpsample.sample).
         timeout_s: how long an exchange may wait for peers before ExchangeTimeout.
         check_inputs: every call, all ranks compare (B, D, num_samples, merge, dtypes) and
             raise on disagreement. On CUDA this costs a tiny all-gather and a host sync per
@@ -78,7 +79,8 @@ class VocabParallelSampler:
         if not isinstance(logprobs, bool):
             raise TypeError(f"logprobs must be a bool, got {type(logprobs).__name__}")
         if not logprobs and merge != "max":
-            raise ValueError("logprobs=False needs merge='max' (the log-mass merge needs the tile masses)")
+            raise ValueError(f"logprobs=False needs merge='max' (merge={merge!r} needs the tile "
+                             "masses)")
         self.weight = weight_shard
         self.logprobs = logprobs
         self.device = weight_shard.device
@@ -212,7 +214,8 @@ class VocabParallelSampler:
                                 num_samples=num_samples, n_real=self.n_real,
                                 vocab_start=self.vocab_start, tiles=self.tiles,
                                 out=records_view(mine, num_samples, B, self.tiles, tile_major),
-                                fanout=fanout, need_mass=self.logprobs)
+                                fanout=fanout, need_mass=self.logprobs,
+                                cdf=self.merge == "cdf")
         self.transport.exchange(mine, full)
         with replay.record() as log2:
             records = records_view(full, num_samples, B, self.tiles, tile_major)

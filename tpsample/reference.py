@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 
 from . import noise
-from .torch_records import DEFAULT_TILE
+from .torch_records import DEFAULT_TILE, cdf_pick
 
 
 class ReferenceOutput(NamedTuple):
@@ -38,7 +38,8 @@ def transformed_logits(hidden, weight, *, temperature=1.0, bias=None, vocab_size
 
 def reference_sample(hidden, weight, *, temperature=1.0, seed=0, offset=0, bias=None,
                      vocab_size=None, num_samples=1, merge="max", tile=DEFAULT_TILE):
-    """Full-row Gumbel-max (merge="max") or Group-Gumbel-Max over `tile`-token groups."""
+    """Full-row Gumbel-max (merge="max") or Group-Gumbel-Max over `tile`-token groups, the
+    token in the chosen group by Gumbel-max ("logmass") or inverse CDF ("cdf")."""
     B, V = hidden.shape[0], weight.shape[0]
     dev = hidden.device
     l = transformed_logits(hidden, weight, temperature=temperature, bias=bias, vocab_size=vocab_size)
@@ -53,7 +54,7 @@ def reference_sample(hidden, weight, *, temperature=1.0, seed=0, offset=0, bias=
         z = torch.where(greedy[:, None], l, l + noise.gumbel(seed, offset, s, ids))
         scores.append(z)
         tok = z.argmax(dim=-1)
-        if merge == "logmass":
+        if merge in ("logmass", "cdf"):
             T = -(-V // tile)
             pad = T * tile - V
             zt = torch.nn.functional.pad(z, (0, pad), value=float("-inf")).view(B, T, tile)
@@ -62,7 +63,13 @@ def reference_sample(hidden, weight, *, temperature=1.0, seed=0, offset=0, bias=
             h = noise.gumbel(seed, offset, s, torch.arange(T, device=dev)[None, :],
                              stream=noise.GROUP_STREAM)
             group = (mass + h).argmax(dim=-1)
-            in_group = zt[torch.arange(B, device=dev), group].argmax(dim=-1)
+            if merge == "cdf":
+                l32 = torch.nn.functional.pad(l, (0, pad), value=float("-inf")).view(B, T, tile)
+                picks = cdf_pick(l32.nan_to_num(nan=float("-inf")), seed[:, 0], offset[:, 0], s,
+                                 torch.arange(T, device=dev) * tile)
+                in_group = picks[torch.arange(B, device=dev), group]
+            else:
+                in_group = zt[torch.arange(B, device=dev), group].argmax(dim=-1)
             tok = torch.where(greedy, tok, group * tile + in_group)
         tokens.append(tok)
     tokens = torch.stack(tokens, dim=1)

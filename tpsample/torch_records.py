@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from . import noise
+from . import merge, noise
 
 DEFAULT_TILE = 128
+CDF_SUBGROUPS = 4  # inverse-CDF mode: a tile is 4 subgroups of 32 ids (merge.py, fact 6)
 
 
 def transform(logits: torch.Tensor, bias: torch.Tensor | None, inv_temp: torch.Tensor,
@@ -25,8 +26,10 @@ def transform(logits: torch.Tensor, bias: torch.Tensor | None, inv_temp: torch.T
 
 
 def tile_records(l: torch.Tensor, gid: torch.Tensor, greedy: torch.Tensor, seed: torch.Tensor,
-                 offset: torch.Tensor, num_samples: int, tile: int) -> torch.Tensor:
-    """Transformed logits l [B, n] (n a multiple of `tile`) with global ids gid [n] → [S, B, n/tile, 4]."""
+                 offset: torch.Tensor, num_samples: int, tile: int, cdf: bool = False) -> torch.Tensor:
+    """Transformed logits l [B, n] (n a multiple of `tile`) with global ids gid [n] → [S, B, n/tile, 4].
+    cdf: the tile's token by inverse CDF (merge.py, fact 6) for rows that are not greedy;
+    their record's score is then the token's logit (the log-mass merge does not read it)."""
     B, n = l.shape
     is_nan = torch.isnan(l)
     l = l.masked_fill(is_nan, float("-inf"))
@@ -35,9 +38,14 @@ def tile_records(l: torch.Tensor, gid: torch.Tensor, greedy: torch.Tensor, seed:
     lse = lse.masked_fill(is_nan.view(B, n // tile, tile).any(dim=-1), float("nan"))
     out = []
     for s in range(num_samples):
-        g = noise.gumbel(seed[:, None], offset[:, None], s, gid[None, :])
-        z = torch.where(greedy[:, None], l, l + g).view(B, n // tile, tile)
-        idx = z.argmax(dim=-1)  # first maximal index, as tl.max(..., tie_break_left=True)
+        if cdf:
+            z = l.view(B, n // tile, tile)
+            idx = torch.where(greedy[:, None], z.argmax(dim=-1),
+                              cdf_pick(lt, seed, offset, s, gid.view(n // tile, tile)[:, 0]))
+        else:
+            g = noise.gumbel(seed[:, None], offset[:, None], s, gid[None, :])
+            z = torch.where(greedy[:, None], l, l + g).view(B, n // tile, tile)
+            idx = z.argmax(dim=-1)  # first maximal index, as tl.max(..., tie_break_left=True)
         best = z.gather(-1, idx[..., None])[..., 0]
         tok = gid.view(n // tile, tile)[torch.arange(n // tile)[None, :], idx]
         logit = lt.gather(-1, idx[..., None])[..., 0]
@@ -45,15 +53,35 @@ def tile_records(l: torch.Tensor, gid: torch.Tensor, greedy: torch.Tensor, seed:
     return torch.stack(out)
 
 
+def cdf_pick(lt: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor, sample: int,
+             tile_start: torch.Tensor) -> torch.Tensor:
+    """Fact 6 of merge.py: lt [B, T, tile] transformed logits (NaN already -inf), tiles
+    starting at global ids tile_start [T] → the index in each tile [B, T] int64."""
+    B, T, tile = lt.shape
+    sub = lt.view(B, T, CDF_SUBGROUPS, tile // CDF_SUBGROUPS)
+    m = sub.amax(dim=-1)  # [B, T, 4]
+    m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+    e = torch.exp(sub - m_safe[..., None])
+    u_sub, u_pick = noise.cdf_uniforms(seed, offset, sample, tile_start, CDF_SUBGROUPS)
+    within = merge.inverse_cdf(e, u_sub)  # [B, T, 4]
+    top = m.amax(dim=-1, keepdim=True)  # the largest finite subgroup max (if any) as the
+    top = torch.where(top == float("-inf"), torch.zeros_like(top), top)  # reference: no underflow
+    weight = torch.where(m == float("-inf"), torch.zeros_like(m),
+                         e.cumsum(dim=-1)[..., -1] * torch.exp(m_safe - top))
+    j = merge.inverse_cdf(weight, u_pick)  # [B, T]
+    return j * (tile // CDF_SUBGROUPS) + within.gather(-1, j[..., None])[..., 0]
+
+
 def records_torch(hidden: torch.Tensor, weight: torch.Tensor, *, bias, inv_temp, seed, offset,
                   num_samples: int, n_real: int, vocab_start: int = 0, num_tiles: int | None = None,
-                  tile: int = DEFAULT_TILE, chunk_tiles: int = 64) -> torch.Tensor:
+                  tile: int = DEFAULT_TILE, chunk_tiles: int = 64, cdf: bool = False) -> torch.Tensor:
     """Records for rows [0, weight.shape[0]) of a (shard of the) LM head.
 
     hidden [B, D], weight [V_rows, D] any float dtype (computed in fp32); bias [V_rows]
     fp32 or None; inv_temp [B] fp32 (0 = greedy); seed/offset [B] int64; rows
     [n_real, V_rows) are padding. num_tiles >= ceil(V_rows / tile) pads the tile axis
-    with empty tiles (as the kernel does for uneven shards). Returns [S, B, T, 4] fp32.
+    with empty tiles (as the kernel does for uneven shards). cdf: see tile_records.
+    Returns [S, B, T, 4] fp32.
     """
     B = hidden.shape[0]
     V_rows = weight.shape[0]
@@ -75,5 +103,5 @@ def records_torch(hidden: torch.Tensor, weight: torch.Tensor, *, bias, inv_temp,
             b[: max(r1 - t0, 0)] = bias[t0:r1]
         l = transform(logits, b, inv_temp, (rows < n_real)[None, :])
         out[:, :, t0 // tile: t1 // tile] = tile_records(l, vocab_start + rows, greedy, seed,
-                                                         offset, num_samples, tile)
+                                                         offset, num_samples, tile, cdf)
     return out
