@@ -34,7 +34,7 @@ if AVAILABLE:
     from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
-    from .fused_sample import philox
+    from .fused_sample import CDF_PICK_STREAM, CDF_STREAM, TWO_POW_M23, philox
     from .gluon_sample import (_exp_or_0, _nan_max, best_lane, noise_coef, sm_clock,
                                store_records, transform)
 
@@ -45,7 +45,7 @@ if AVAILABLE:
                 peer_ptrs, parity_ptr, trace_ptr, num_tiles, num_b_tiles, k_steps,
                 HAS_BIAS: gl.constexpr, TILE_MASS: gl.constexpr, NUM_PEERS: gl.constexpr,
                 STAGES: gl.constexpr, SINGLE: gl.constexpr, WHICH: gl.constexpr,
-                TRACE: gl.constexpr):
+                TRACE: gl.constexpr, CDF: gl.constexpr):
         # (worker partitions share one signature: everything after mma_done is the consumer's)
         BLOCK_K: gl.constexpr = w_desc.block_type.shape[4]
         BLOCK_B: gl.constexpr = h_desc.block_type.shape[0]
@@ -70,7 +70,7 @@ if AVAILABLE:
                   rec_stride_t, peer_ptrs, parity_ptr, trace_ptr, num_tiles, num_b_tiles,
                   k_steps, HAS_BIAS: gl.constexpr, TILE_MASS: gl.constexpr,
                   NUM_PEERS: gl.constexpr, STAGES: gl.constexpr, SINGLE: gl.constexpr,
-                  WHICH: gl.constexpr, TRACE: gl.constexpr):
+                  WHICH: gl.constexpr, TRACE: gl.constexpr, CDF: gl.constexpr):
         BLOCK_K: gl.constexpr = w_desc.block_type.shape[4]
         BLOCK_B: gl.constexpr = h_desc.block_type.shape[0]
         layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -113,7 +113,7 @@ if AVAILABLE:
                           (tile % num_b_tiles) * BLOCK_B, bias_ptr,
                           inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr, B, n_real, vocab_start,
                           num_samples, rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs,
-                          parity_ptr, HAS_BIAS, TILE_MASS, NUM_PEERS, SINGLE)
+                          parity_ptr, HAS_BIAS, TILE_MASS, NUM_PEERS, SINGLE, CDF)
             if TRACE:
                 gl.store(trace_ptr + 4 * tile + 3, sm_clock())
             j += 1
@@ -131,7 +131,8 @@ if AVAILABLE:
     def _tile_records(acc, part_a, part_b, params, pid_v, b0, bias_ptr, inv_temp_ptr, seed_ptr,
                       offset_ptr, rec_ptr, B, n_real, vocab_start, num_samples, rec_stride_s,
                       rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr, HAS_BIAS: gl.constexpr,
-                      TILE_MASS: gl.constexpr, NUM_PEERS: gl.constexpr, SINGLE: gl.constexpr):
+                      TILE_MASS: gl.constexpr, NUM_PEERS: gl.constexpr, SINGLE: gl.constexpr,
+                      CDF: gl.constexpr):
         """Records of the tile (pid_v, columns [b0, b0 + 128)) from the accumulator
         acc [128, 128] in wgmma layout, in 8 chunks of 16 columns (per-column keys and scales
         for 4 columns per thread).
@@ -147,8 +148,15 @@ if AVAILABLE:
         registers, so the code is one chunk long: unrolled, the 8 chunks × 2 consumers
         (~290 KB of SASS) missed the instruction cache on most issues (ncu: "no instruction"
         was the top stall). Otherwise the transformed logits of all chunks stay in registers
-        for the sample loop (unrolled; S > 1 is the rare case)."""
+        for the sample loop (unrolled; S > 1 is the rare case).
+
+        CDF (one sample, with TILE_MASS): the records of the "cdf" merge (tpsample/merge.py,
+        fact 6). A warp's 32 rows of a column are one subgroup: each warp picks its token by
+        inverse CDF over the weights its log-mass already computes (_chunk_cdf), and
+        _merge_warps picks the warp by mass. The five uniforms per column are drawn once per
+        tile with the parameters (_stage_params): no per-token noise."""
         gl.static_assert(acc.shape[1] == 128, "ping-pong tiles are [128, 128]")
+        gl.static_assert(not CDF or (SINGLE and TILE_MASS), "CDF needs SINGLE and TILE_MASS")
         # rows 64r + 16w + 8h + j, columns 64c2 + 32c1 + 16c0 + n → (w, j, n, r, h, c2, c1, c0)
         x = gl.permute(gl.reshape(acc, [2, 4, 2, 8, 2, 2, 2, 16]), [1, 3, 7, 0, 2, 4, 5, 6])
         k0, k1, k2, k3 = _quarters(x)  # chunks 2·c1 + c0 (+ 4 where c2 = 1)
@@ -158,17 +166,22 @@ if AVAILABLE:
         k3, k7 = gl.split(k3)
         tile_start = vocab_start + pid_v * 128
         gl.thread_barrier()  # the previous tile's partials and parameters have been read
-        _stage_params(params, b0, inv_temp_ptr, seed_ptr, offset_ptr, B)
+        _stage_params(params, b0, tile_start, inv_temp_ptr, seed_ptr, offset_ptr, B, CDF)
         gl.thread_barrier()
         if SINGLE:
             for c in range(8):
-                lanes = _chunk_logits(k0, c, part_a, params, pid_v, bias_ptr, n_real, HAS_BIAS,
-                                      TILE_MASS)
-                _chunk_noise(lanes, c, part_b, params, gl.to_tensor(0), tile_start, TILE_MASS)
+                if CDF:
+                    _chunk_cdf(k0, c, part_a, part_b, params, pid_v, bias_ptr, n_real, HAS_BIAS)
+                else:
+                    lanes = _chunk_logits(k0, c, part_a, params, pid_v, bias_ptr, n_real,
+                                          HAS_BIAS, TILE_MASS)
+                    _chunk_noise(lanes, c, part_b, params, gl.to_tensor(0), tile_start,
+                                 TILE_MASS)
                 k0, k1, k2, k3, k4, k5, k6, k7 = k1, k2, k3, k4, k5, k6, k7, k0
             gl.thread_barrier()
-            _merge_warps(part_a, part_b, pid_v, b0, 0, tile_start, rec_ptr, B, rec_stride_s,
-                         rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr, TILE_MASS, NUM_PEERS)
+            _merge_warps(part_a, part_b, params, pid_v, b0, 0, tile_start, rec_ptr, B,
+                         rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr,
+                         TILE_MASS, NUM_PEERS, CDF)
         else:
             l0 = _chunk_logits(k0, 0, part_a, params, pid_v, bias_ptr, n_real, HAS_BIAS, TILE_MASS)
             l1 = _chunk_logits(k1, 1, part_a, params, pid_v, bias_ptr, n_real, HAS_BIAS, TILE_MASS)
@@ -189,15 +202,18 @@ if AVAILABLE:
                 _chunk_noise(l6, 6, part_b, params, s, tile_start, TILE_MASS)
                 _chunk_noise(l7, 7, part_b, params, s, tile_start, TILE_MASS)
                 gl.thread_barrier()
-                _merge_warps(part_a, part_b, pid_v, b0, s, tile_start, rec_ptr, B, rec_stride_s,
-                             rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr, TILE_MASS,
-                             NUM_PEERS)
+                _merge_warps(part_a, part_b, params, pid_v, b0, s, tile_start, rec_ptr, B,
+                             rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr,
+                             TILE_MASS, NUM_PEERS, False)
 
     @gluon.jit
-    def _stage_params(params, b0, inv_temp_ptr, seed_ptr, offset_ptr, B):
-        """params [64, 16] int32, row 8k + chunk ← word k of the tile's columns: 1 / T (bits),
-        seed and offset (low and high words). One coalesced load per thread instead of one per
-        chunk."""
+    def _stage_params(params, b0, tile_start, inv_temp_ptr, seed_ptr, offset_ptr, B,
+                      CDF: gl.constexpr):
+        """params [64, 16] int32 ([128, 16] with CDF), row 8k + chunk ← word k of the tile's
+        columns: 1 / T (bits), seed and offset (low and high words). One coalesced load per
+        thread instead of one per chunk. CDF: rows 40 + chunk ← the subgroup-choice uniform
+        (bits), rows 64 + 4·chunk + w ← the uniform of warp w's subgroup
+        (noise.cdf_uniforms: one Philox call each, sample 0)."""
         col_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         offs = b0 + gl.arange(0, 128, layout=col_l)
         mask = offs < B
@@ -210,6 +226,27 @@ if AVAILABLE:
         rows.slice(16, 8).store(gl.reshape((seed >> 32).to(gl.int32), [8, 16]))
         rows.slice(24, 8).store(gl.reshape(off.to(gl.int32), [8, 16]))
         rows.slice(32, 8).store(gl.reshape((off >> 32).to(gl.int32), [8, 16]))
+        if CDF:
+            zero = gl.zeros_like(offs).to(gl.uint32)
+            key = seed + zero.to(gl.int64)
+            c0 = (tile_start >> 2).to(gl.uint32) + zero
+            off_lo = off.to(gl.uint32) + zero
+            off_hi = (off >> 32).to(gl.uint32) + zero
+            r0, r1, r2, r3 = philox(key, c0, zero + CDF_STREAM, off_lo, off_hi)
+            p0, _p1, _p2, _p3 = philox(key, c0, zero + CDF_PICK_STREAM, off_lo, off_hi)
+            rows.slice(40, 8).store(gl.reshape(_uniform_bits(p0), [8, 16]))
+            u = gl.join(gl.join(_uniform_bits(r0), _uniform_bits(r2)),
+                        gl.join(_uniform_bits(r1), _uniform_bits(r3)))  # [128, 2, 2]: word 2i + k
+            u = gl.permute(gl.reshape(u, [8, 16, 4]), [0, 2, 1])  # [chunk, w, column]
+            per_warp = params._reinterpret(gl.int32, [32, 4, 16],
+                                           gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+            per_warp.slice(16, 8, dim=0).store(u)  # rows 64 + 4·chunk + w
+
+    @gluon.jit
+    def _uniform_bits(x):
+        """noise.bits_to_uniform of Philox words x, as int32 bits (for the parameter rows)."""
+        u = ((x >> 9).to(gl.float32) + 0.5) * TWO_POW_M23
+        return u.to(gl.int32, bitcast=True)
 
     @gluon.jit
     def _chunk_param(params, k: gl.constexpr, c, lane):
@@ -252,6 +289,93 @@ if AVAILABLE:
         return l0, l1, l2, l3
 
     @gluon.jit
+    def _chunk_cdf(x, c, part_a, part_b, params, pid_v, bias_ptr, n_real, HAS_BIAS: gl.constexpr):
+        """Chunk c of the tile for the "cdf" records: what _chunk_logits stores to part_a
+        (each warp's max and log-mass), and each warp's token by inverse CDF to part_b[c, w, n]
+        (as _chunk_noise lays it out: the token's logit, its row, its logit). Warp w's rows
+        are the tile's ids 32w + [0, 32): a subgroup of fact 6 (tpsample/merge.py). Greedy
+        columns take the warp's first maximum."""
+        a0, a1, a2, a3 = _quarters(x)
+        w, j = _chunk_index(a0)
+        inv_t = _chunk_param(params, 0, c, a0).to(gl.float32, bitcast=True)
+        scale = gl.where(inv_t == 0.0, 1.0, inv_t)
+        row0 = pid_v * 128 + 4 * (8 * w + j)
+        l0 = transform(a0, row0, scale, bias_ptr, n_real, HAS_BIAS)
+        l1 = transform(a1, row0 + 1, scale, bias_ptr, n_real, HAS_BIAS)
+        l2 = transform(a2, row0 + 2, scale, bias_ptr, n_real, HAS_BIAS)
+        l3 = transform(a3, row0 + 3, scale, bias_ptr, n_real, HAS_BIAS)
+        m = gl.reduce(_nan_max(_nan_max(l0, l1), _nan_max(l2, l3)), 1, _nan_max)  # [4, N]
+        m3 = gl.expand_dims(m, 1)
+        m_safe = gl.where(m3 == float("-inf"), 0.0, m3)
+        # the weights and their running sums in id order (4q + a), as the log-mass sums them
+        e0 = _weight(l0, m_safe)
+        e1 = _weight(l1, m_safe)
+        e2 = _weight(l2, m_safe)
+        e3 = _weight(l3, m_safe)
+        c1 = e0 + e1
+        c2 = c1 + e2
+        c3 = c2 + e3
+        mass = gl.sum(c3, axis=1)
+        part_a.index(c).store(gl.join(m, mass))
+        # the warp's sum over lanes j' < j; Gluon scans blocked layouts only: this one holds
+        # the same elements in the same threads as the accumulator's [4, 8, 16] view
+        scan_l: gl.constexpr = gl.BlockedLayout([1, 1, 2], [1, 8, 4], [4, 1, 1], [2, 1, 0])
+        before = gl.associative_scan(gl.convert_layout(c3, scan_l), 1, _add)
+        before = gl.convert_layout(before, c3.type.layout) - c3
+        u_layout: gl.constexpr = gl.SliceLayout(1, a0.type.layout)
+        # (a layout of one rank less than the view: .index drops the leading dimension)
+        u = params._reinterpret(gl.int32, [32, 4, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        u = gl.expand_dims(u.index(16 + c).load(u_layout).to(gl.float32, bitcast=True), 1)
+        target = u * gl.expand_dims(mass, 1)
+        greedy = inv_t == 0.0
+        pos = 4 * j
+        k, lg = _cdf_key(l3, e3, before + c3, target, m3, greedy, pos + 3)
+        k, lg = _cdf_lower(k, lg, _cdf_key(l2, e2, before + c2, target, m3, greedy, pos + 2))
+        k, lg = _cdf_lower(k, lg, _cdf_key(l1, e1, before + c1, target, m3, greedy, pos + 1))
+        k, lg = _cdf_lower(k, lg, _cdf_key(l0, e0, before + e0, target, m3, greedy, pos))
+        key, logit = gl.reduce((k, lg), 1, _cdf_min)  # [4, N]
+        idx = gl.where(key < 32, key, gl.where(key < 127, 95 - key, 0))
+        idx = 32 * gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(1, key.type.layout)),
+                                  1) + idx  # the warp's first id in the tile
+        part = gl.join(gl.join(logit, logit), gl.join(idx.to(gl.float32), logit))
+        part_b.index(c).store(gl.reshape(part, [4, l0.shape[2], 4]))
+
+    @gluon.jit
+    def _weight(la, m):
+        """exp(la - m) on the MUFU, denormal results flushed to 0 (a token 87 nats below its
+        subgroup's max cannot be drawn, as it cannot at 19.5 nats in the Gumbel-max path). A NaN
+        logit needs no mapping: it made m NaN, so its row is degenerate (tpsample/merge.py)."""
+        x = (la - m) * 1.4426950408889634
+        return gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x],
+                                         dtype=gl.float32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _cdf_key(la, ea, run, target, m, greedy, pos):
+        """merge.inverse_cdf as a key to minimise over the subgroup: pos (the id in it) where
+        the running sum `run` first exceeds the target with a positive weight, 95 - pos for
+        the other positive weights (the last of them if nothing crosses), 127 for weight 0;
+        greedy columns: pos at the maximum. Returns (key, la)."""
+        cross = gl.where(greedy, la == m, (run > target) & (ea > 0.0))
+        key = gl.where(cross, pos, gl.where(ea > 0.0, 95 - pos, 127))
+        return key, la
+
+    @gluon.jit
+    def _cdf_lower(k, lg, other):
+        """The smaller key of (k, lg) and other = (key, logit); keys are distinct."""
+        k2, lg2 = other
+        take = k2 < k
+        return gl.where(take, k2, k), gl.where(take, lg2, lg)
+
+    @gluon.jit
+    def _cdf_min(k1, l1, k2, l2):
+        take = k2 < k1
+        return gl.where(take, k2, k1), gl.where(take, l2, l1)
+
+    @gluon.jit
+    def _add(a, b):
+        return a + b
+
+    @gluon.jit
     def _chunk_noise(lanes, c, part_b, params, s, tile_start,
                      TILE_MASS: gl.constexpr):
         """Sample s of chunk c (lanes: _chunk_logits' four [4, 8, N]): each warp's best
@@ -290,13 +414,15 @@ if AVAILABLE:
         return gl.where(take2, b2, b1), gl.where(take2, i2, i1), gl.where(take2, l2, l1)
 
     @gluon.jit
-    def _merge_warps(part_a, part_b, pid_v, b0, s, tile_start, rec_ptr, B, rec_stride_s,
+    def _merge_warps(part_a, part_b, params, pid_v, b0, s, tile_start, rec_ptr, B, rec_stride_s,
                      rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr, TILE_MASS: gl.constexpr,
-                     NUM_PEERS: gl.constexpr):
+                     NUM_PEERS: gl.constexpr, CDF: gl.constexpr):
         """Sample s's records of the tile's 128 columns from the 4 warps' partials: a thread
         holds one column's four. The same values as one reduction over the column (the best
         score, the smallest row among equal scores, its logit); the log-mass is merged from
-        per-warp masses, so its last bits can differ from the ws kernel's."""
+        per-warp masses, so its last bits can differ from the ws kernel's. CDF: the warps'
+        picks (_chunk_cdf) are chosen among by inverse CDF over their masses (greedy columns:
+        as above), and the score field is the token's logit."""
         # [chunk, warp, column, field]: a thread holds the 4 warps × fields of one column
         a_l: gl.constexpr = gl.BlockedLayout([1, 4, 1, 2], [2, 1, 16, 1], [4, 1, 1, 1],
                                              [3, 1, 2, 0])
@@ -310,10 +436,35 @@ if AVAILABLE:
         m = gl.reduce(m_w, 1, _nan_max)
         if TILE_MASS:
             m_safe = gl.where(m == float("-inf"), 0.0, m)
-            mass = gl.sum(mass_w * gl.exp(m_w - gl.expand_dims(m_safe, 1)), axis=1)
-            lse = gl.where(m != m, m, m_safe + gl.log(mass))
+            scaled = mass_w * gl.exp(m_w - gl.expand_dims(m_safe, 1))  # the warps' Z_w / e^M
+            lse = gl.where(m != m, m, m_safe + gl.log(gl.sum(scaled, axis=1)))
         else:
             lse = m
+        if CDF:
+            cl: gl.constexpr = gl.SliceLayout(1, m_w.type.layout)
+            rows = params._reinterpret(gl.int32, [128, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+            greedy = rows.slice(0, 8).load(cl).to(gl.float32, bitcast=True) == 0.0
+            u = rows.slice(40, 8).load(cl).to(gl.float32, bitcast=True)
+            wi = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, m_w.type.layout)))
+            wi = gl.expand_dims(gl.expand_dims(wi, 0), 2)  # [1, 4, 1]
+            scan_l: gl.constexpr = gl.BlockedLayout([1, 4, 1], [2, 1, 16], [4, 1, 1], [1, 2, 0])
+            run = gl.associative_scan(gl.convert_layout(scaled, scan_l), 1, _add)
+            run = gl.convert_layout(run, scaled.type.layout)  # (both: a_l without its last dim)
+            total = gl.sum(gl.where(wi == 3, run, 0.0), axis=1)
+            positive = scaled > 0.0
+            cross = (run > gl.expand_dims(u * total, 1)) & positive
+            key = gl.min(gl.where(cross, wi, gl.where(positive, 7 - wi, 15)), axis=1)
+            pick = gl.expand_dims(gl.where(key < 4, key, gl.where(key < 15, 7 - key, 0)), 1)
+            # (the same threads hold a column's partials in both: a register-only conversion)
+            idx_c = gl.sum(gl.where(wi == pick, gl.convert_layout(idx_w, m_w.type.layout), 0.0), 1)
+            logit_c = gl.sum(gl.where(wi == pick, gl.convert_layout(logit_w, m_w.type.layout), 0.0),
+                             1)
+            idx_c = gl.convert_layout(idx_c, idx.type.layout)
+            logit_c = gl.convert_layout(logit_c, logit.type.layout)
+            greedy = gl.convert_layout(greedy, idx.type.layout)
+            idx = gl.where(greedy, idx, idx_c)
+            logit = gl.where(greedy, logit, logit_c)
+            best = logit
         col_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # column c·16 + n
         best = gl.convert_layout(gl.reshape(best, [128]), col_l)
         idx = gl.convert_layout(gl.reshape(idx, [128]), col_l)
@@ -333,7 +484,7 @@ if AVAILABLE:
         peer_ptrs, parity_ptr, trace_ptr, num_tiles, num_b_tiles, k_steps,
         HAS_BIAS: gl.constexpr, TILE_MASS: gl.constexpr, STAGES: gl.constexpr,
         LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, SINGLE: gl.constexpr = False,
-        NUM_PEERS: gl.constexpr = 0, TRACE: gl.constexpr = False,
+        NUM_PEERS: gl.constexpr = 0, TRACE: gl.constexpr = False, CDF: gl.constexpr = False,
     ):
         """Records [S, B, T, 4] of the [128, 128] tiles (vocabulary × batch) of this program;
         see the module docstring. num_warps must be 4 (consumer 0). w_desc: the view
@@ -341,7 +492,8 @@ if AVAILABLE:
         [128, BLOCK_K]. NUM_PEERS > 0: the records go to every peer, as in ws_records_kernel.
         TRACE: trace_ptr [num_tiles, 4] int64 ← the tile's consumer's SM clock (clock64)
         before its wait for the other's MMAs, before its first MMA, once its MMAs are done
-        and once its records are out (tpsample.fused.PP_TRACE)."""
+        and once its records are out (tpsample.fused.PP_TRACE). CDF: the "cdf" merge's records
+        (_tile_records; SINGLE and TILE_MASS only)."""
         BLOCK_K: gl.constexpr = w_desc.block_type.shape[4]
         BLOCK_B: gl.constexpr = h_desc.block_type.shape[0]
         w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape,
@@ -357,8 +509,9 @@ if AVAILABLE:
         part_a1 = gl.allocate_shared_memory(gl.float32, [8, 4, 16, 2], part_l)
         part_b0 = gl.allocate_shared_memory(gl.float32, [8, 4, 16, 4], part_l)
         part_b1 = gl.allocate_shared_memory(gl.float32, [8, 4, 16, 4], part_l)
-        params0 = gl.allocate_shared_memory(gl.int32, [64, 16], param_l)
-        params1 = gl.allocate_shared_memory(gl.int32, [64, 16], param_l)
+        P_ROWS: gl.constexpr = 128 if CDF else 64  # CDF: the uniforms too (_stage_params)
+        params0 = gl.allocate_shared_memory(gl.int32, [P_ROWS, 16], param_l)
+        params1 = gl.allocate_shared_memory(gl.int32, [P_ROWS, 16], param_l)
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
@@ -371,17 +524,17 @@ if AVAILABLE:
             params0, params1, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr, B, n_real,
             vocab_start, num_samples, rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs,
             parity_ptr, trace_ptr, num_tiles, num_b_tiles, k_steps, HAS_BIAS, TILE_MASS, NUM_PEERS,
-            STAGES, SINGLE, 0, TRACE)),
+            STAGES, SINGLE, 0, TRACE, CDF)),
             (_consumer, (
             w_desc, h_desc, w_bufs, h_bufs, ready, empty, mma_done, part_a0, part_a1, part_b0, part_b1,
             params0, params1, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr, B, n_real,
             vocab_start, num_samples, rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs,
             parity_ptr, trace_ptr, num_tiles, num_b_tiles, k_steps, HAS_BIAS, TILE_MASS, NUM_PEERS,
-            STAGES, SINGLE, 1, TRACE)),
+            STAGES, SINGLE, 1, TRACE, CDF)),
             (_loader, (
             w_desc, h_desc, w_bufs, h_bufs, ready, empty, mma_done, part_a0, part_a1, part_b0, part_b1,
             params0, params1, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr, B, n_real,
             vocab_start, num_samples, rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs,
             parity_ptr, trace_ptr, num_tiles, num_b_tiles, k_steps, HAS_BIAS, TILE_MASS, NUM_PEERS,
-            STAGES, SINGLE, 1, TRACE)),
+            STAGES, SINGLE, 1, TRACE, CDF)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

@@ -43,7 +43,8 @@ def test_records_pass_instructions_per_token(tmp_path):
 
 GLUON = ("from tpsample import sass\n"
          "for kw in (dict(strategy='ws'), dict(strategy='pp'), dict(strategy='pp', need_mass=True),\n"
-         "           dict(strategy='pp', num_samples=2)):\n"
+         "           dict(strategy='pp', num_samples=2),\n"
+         "           dict(strategy='pp', need_mass=True, cdf=True)):\n"
          "    ops = sass.gluon_ops(**kw)\n"
          "    print(ops['LDL'] + ops['STL'], ops['HGMMA'], sum(ops.values()))\n")
 
@@ -90,8 +91,8 @@ def test_contention_microbenchmark_keeps_the_instructions_it_times(tmp_path):
 @pytest.mark.skipif(not os.path.exists(NVDISASM), reason="Triton ships no nvdisasm here")
 def test_hopper_kernels_compile_without_spills(tmp_path):
     """ws and pp as tpsample.fused launches them (shipped register budgets) compile for sm_90
-    with no spilled words, one sample or two (perf notes v2.1: pp's S > 1 path spilled 134
-    words in v2.0)."""
+    with no spilled words, one sample or two, and pp with the cdf records (perf notes v2.1:
+    pp's S > 1 path spilled 134 words in v2.0)."""
     from tpsample.kernels import gluon_sample
     if not gluon_sample.AVAILABLE:
         pytest.skip(f"the Gluon kernels are not written for Triton {triton.__version__}")
@@ -103,6 +104,30 @@ def test_hopper_kernels_compile_without_spills(tmp_path):
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [tuple(int(x) for x in line.split()) for line in out.stdout.split("\n") if line.strip()]
-    assert len(rows) == 4
+    assert len(rows) == 5
     for spilled, hgmma, total in rows:
         assert spilled == 0 and hgmma > 0 and total > 1000, (spilled, hgmma, total)
+
+
+PP_LOOPS = ("from tpsample import sass\n"
+            "for kw in (dict(), dict(need_mass=True), dict(need_mass=True, cdf=True)):\n"
+            "    per, body = sass.pp_chunk_loop(**kw)\n"
+            "    print(per, body['MUFU'], body['SHFL'], body['IMAD'] + body['IMAD.WIDE'])\n")
+
+
+@pytest.mark.skipif(not os.path.exists(NVDISASM), reason="Triton ships no nvdisasm here")
+def test_pp_cdf_records_loop_is_the_cheapest(tmp_path):
+    """pp's records loop per token (16 tokens per thread per pass; perf notes v2.3): the cdf
+    records, which draw no per-token noise, take at most 42 instructions (39.9 on Triton 3.6),
+    under 0.7 of the max merge's (59.2), whose log-mass variant takes 71.9."""
+    from tpsample.kernels import gluon_sample
+    if not gluon_sample.AVAILABLE:
+        pytest.skip(f"the Gluon kernels are not written for Triton {triton.__version__}")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET" and k not in KNOBS}
+    out = subprocess.run([sys.executable, "-c", PP_LOOPS], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (plain, *_), (mass, *_), (cdf, mufu, shfl, imad) = [
+        [float(x) for x in line.split()] for line in out.stdout.splitlines() if line.strip()]
+    assert 50 < plain < mass and mufu == 16 and shfl > 0
+    assert cdf <= 42 and cdf < 0.7 * plain, (cdf, plain, mass)

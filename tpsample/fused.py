@@ -211,8 +211,9 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
                              f"got {cfg['BLOCK_B']!r}")
         if not pp_supported(hidden, weight, vocab_start):
             cfg = dict(PP_FALLBACK)
-    if cdf and cfg["strategy"] in ("pp", "ws") and not CDF_GLUON:
-        cfg = dict(WS_FALLBACK)
+    if cdf and cfg["strategy"] in ("pp", "ws"):  # ws has no cdf epilogue; pp one sample only
+        use_pp = CDF_GLUON and num_samples == 1 and pp_supported(hidden, weight, vocab_start)
+        cfg = (cfg if cfg["strategy"] == "pp" else dict(PP_CDF)) if use_pp else dict(WS_FALLBACK)
     if cfg["strategy"] == "ws" and not ws_supported(hidden, weight, vocab_start):
         cfg = dict(WS_FALLBACK)  # what the warp-specialized kernel does not take
     strategy, nw = cfg.pop("strategy"), cfg.pop("num_warps")
@@ -236,7 +237,7 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
     if strategy == "pp":
         return pp_records(hidden, weight, bias_arg, inv_temp, seed, offset, out, num_samples,
                           n_real, vocab_start, bias is not None, need_mass, cfg, maxnreg,
-                          peer_ptrs, parity)
+                          peer_ptrs, parity, cdf)
     if strategy == "ws":
         return ws_records(hidden, weight, bias_arg, inv_temp, seed, offset, out, num_samples,
                           n_real, vocab_start, bias is not None, need_mass, cfg, nw, maxnreg,
@@ -374,6 +375,7 @@ def ws_records(hidden, weight, bias_arg, inv_temp, seed, offset, out, num_sample
 
 # what the ping-pong kernel does not take goes to the warp-specialized kernel's 128-row tile
 PP_FALLBACK = dict(strategy="ws", BLOCK_B=128, NUM_STAGES=5, EPI_B=64, num_warps=8)
+PP_CDF = dict(strategy="pp", BLOCK_B=128, NUM_STAGES=5, num_warps=4)  # cdf where a table says ws
 
 
 def pp_supported(hidden, weight, vocab_start: int) -> bool:
@@ -396,12 +398,16 @@ PP_TRACE = None
 
 
 def pp_records(hidden, weight, bias_arg, inv_temp, seed, offset, out, num_samples, n_real,
-               vocab_start, has_bias, need_mass, cfg, maxnreg, peer_ptrs=None, parity=None):
+               vocab_start, has_bias, need_mass, cfg, maxnreg, peer_ptrs=None, parity=None,
+               cdf=False):
     """Stage 1 by the ping-pong Hopper kernel (kernels/gluon_pingpong.py): a persistent grid
     of one program per SM over [128, 128] tiles, two consumer warpgroups taking turns. W
     [V_rows, D] is handed to TMA as the view [2, V_rows / 32, 2, 8, D] (row 32t + 4j + 2r + h
     at [r, t, h, j]), so a thread's accumulator rows are one Philox group. Arguments as
-    ws_records (cfg: NUM_STAGES, optional BLOCK_K, CONSUMER_REGS)."""
+    ws_records (cfg: NUM_STAGES, optional BLOCK_K, CONSUMER_REGS); cdf: the "cdf" records
+    (one sample, need_mass)."""
+    if cdf and (num_samples != 1 or not need_mass):
+        raise ValueError("the ping-pong kernel's cdf records need num_samples == 1 and need_mass")
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
     B, D = hidden.shape
     V_rows = weight.shape[0]
@@ -420,7 +426,7 @@ def pp_records(hidden, weight, bias_arg, inv_temp, seed, offset, out, num_sample
         HAS_BIAS=has_bias, TILE_MASS=need_mass, STAGES=cfg["NUM_STAGES"],
         LOADER_REGS=cfg.get("LOADER_REGS", 24), CONSUMER_REGS=cfg.get("CONSUMER_REGS", 240),
         SINGLE=num_samples == 1, NUM_PEERS=0 if peer_ptrs is None else peer_ptrs.shape[-1],
-        TRACE=PP_TRACE is not None)
+        TRACE=PP_TRACE is not None, CDF=cdf)
     if PP_TRACE is not None and PP_TRACE.shape != (tiles, 4):
         raise ValueError(f"PP_TRACE must be int64 [{tiles}, 4] for this call, got {tuple(PP_TRACE.shape)}")
     # 4 warps per consumer and 4 for the loader's warpgroup: the register file split evenly

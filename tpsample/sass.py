@@ -47,11 +47,18 @@ def sass_ops(kernel, constexprs: dict, num_warps: int, arch: int = 90) -> Counte
 
 
 def gluon_ops(strategy: str, num_samples: int = 1, need_mass: bool = False, num_peers: int = 0,
-              B: int = 256, D: int = 4096, arch: int = 90, **cfg) -> Counter:
+              B: int = 256, D: int = 4096, arch: int = 90, cdf: bool = False, **cfg) -> Counter:
     """Opcode counts of the Hopper stage-1 kernel `strategy` ("ws" or "pp") as
     tpsample.fused.{ws,pp}_records would launch it with this config (their defaults for the
     keys not given): the launcher runs on CPU tensors and hands its kernel, arguments,
     constexprs and options to a compile for sm_<arch> instead of a launch."""
+    return cubin_ops(gluon_compile(strategy, num_samples, need_mass, num_peers, B, D, arch, cdf,
+                                   **cfg))
+
+
+def gluon_compile(strategy: str, num_samples: int = 1, need_mass: bool = False, num_peers: int = 0,
+                  B: int = 256, D: int = 4096, arch: int = 90, cdf: bool = False, **cfg):
+    """The compiled kernel behind gluon_ops."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
     V = 4096
@@ -75,7 +82,7 @@ def gluon_ops(strategy: str, num_samples: int = 1, need_mass: bool = False, num_
         elif strategy == "pp":
             cfg = dict(dict(NUM_STAGES=6), **cfg)
             fused.pp_records(hidden, weight, row, row, seed, seed, out, num_samples, V, 0, False,
-                             need_mass, cfg, cfg.get("MAXNREG"), peers, parity)
+                             need_mass, cfg, cfg.get("MAXNREG"), peers, parity, cdf)
         else:
             raise ValueError(f"strategy must be 'ws' or 'pp', got {strategy!r}")
     finally:
@@ -92,32 +99,68 @@ def gluon_ops(strategy: str, num_samples: int = 1, need_mass: bool = False, num_
             sig[name] = "i32"
     order = list(inspect.signature(kernel.fn).parameters)
     attrs = {(order.index(n),): [["tt.divisibility", 16]] for n in names if sig[n].startswith("*")}
-    compiled = triton.compile(GluonASTSource(kernel, {n: sig[n] for n in order}, launch["constexprs"],
-                                             attrs),
-                              target=GPUTarget("cuda", arch, 32), options=launch["options"])
-    return cubin_ops(compiled)
+    return triton.compile(GluonASTSource(kernel, {n: sig[n] for n in order}, launch["constexprs"],
+                                         attrs),
+                          target=GPUTarget("cuda", arch, 32), options=launch["options"])
 
 
-def cubin_ops(compiled) -> Counter:
-    """Opcode counts of a compiled kernel's cubin (nvdisasm)."""
+INSTRUCTION = re.compile(r"\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)(\S*)(.*)")
+
+
+def disassemble(compiled) -> str:
+    """The SASS of a compiled kernel's cubin (nvdisasm)."""
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")
         with open(path, "wb") as f:
             f.write(compiled.asm["cubin"])
-        text = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
+
+
+def cubin_ops(compiled) -> Counter:
+    """Opcode counts of a compiled kernel's cubin (nvdisasm)."""
     ops = Counter()
-    for line in text.splitlines():
-        m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line)
+    for line in disassemble(compiled).splitlines():
+        m = INSTRUCTION.match(line)
         if m:
             ops[m.group(1)] += 1
     return ops
 
 
-def records_pass_per_token(block_b: int = 16, num_warps: int = 4, arch: int = 90) -> tuple[float, Counter]:
-    """Instructions per token of the hybrid's records pass ([128, block_b] tile)."""
+def loop_bodies(text: str) -> list[Counter]:
+    """Opcode counts of every loop of a disassembly: the instructions from a backward branch's
+    target label to the branch."""
+    ops, labels, loops = [], {}, []
+    for line in text.splitlines():
+        label = re.match(r"\s*\.(L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = len(ops)
+        m = INSTRUCTION.match(line)
+        if m:
+            ops.append(m.group(1))
+            target = re.search(r"`\(\.(L_x_\d+)\)", m.group(3)) if m.group(1) == "BRA" else None
+            if target and labels.get(target.group(1), len(ops)) < len(ops) - 1:
+                loops.append(Counter(ops[labels[target.group(1)]:]))
+    return loops
+
+
+def pp_chunk_loop(need_mass: bool = False, cdf: bool = False, arch: int = 90) -> tuple[float, Counter]:
+    """pp's records loop (one sample): instructions per token and opcode counts of one pass,
+    which turns a 16-column chunk of the tile into records (16 tokens per thread). It is the
+    innermost loop with the chunk's 16 MUFU (the noise's outer log2, or the weights' exp2)."""
+    loops = [c for c in loop_bodies(disassemble(gluon_compile("pp", need_mass=need_mass, arch=arch,
+                                                              cdf=cdf)))
+             if c["MUFU"] >= 16 and c["HGMMA"] == 0]
+    body = min(loops, key=lambda c: sum(c.values()))
+    return sum(body.values()) / 16, body
+
+
+def records_pass_per_token(block_b: int = 16, num_warps: int = 4, arch: int = 90,
+                           cdf: bool = False) -> tuple[float, Counter]:
+    """Instructions per token of the hybrid's records pass ([128, block_b] tile); cdf: the
+    "cdf" records (with the log-masses they need) instead of the max merge's."""
     consts = dict(HAS_BIAS=False, ALIGNED4=True, BLOCK_V=128, BLOCK_B=block_b, NUM_PEERS=0,
-                  HALVINGS=0, TILE_MASS=False, PDL=True)
+                  HALVINGS=0, TILE_MASS=cdf, PDL=True, CDF=cdf)
     ops = sass_ops(logits_records_kernel, consts, num_warps, arch)
     return sum(ops.values()) / (128 * block_b / (32 * num_warps)), ops
 
@@ -131,11 +174,13 @@ def main(argv=None):
         per, ops = records_pass_per_token(bb, nw, a.arch)
         top = ", ".join(f"{k} {v}" for k, v in ops.most_common(8))
         print(f"records pass BLOCK_B={bb:3d} warps={nw}: {per:6.1f} instructions/token  ({top})")
+        per, ops = records_pass_per_token(bb, nw, a.arch, cdf=True)
+        print(f"  the same, cdf records:           {per:6.1f} instructions/token")
     for bb, nw in ((16, 4), (64, 8)):
         consts = dict(HAS_BIAS=False, EVEN_D=True, FP32_DOT=False, ALIGNED4=True, BLOCK_V=128,
                       BLOCK_B=bb, BLOCK_D=128, NUM_STAGES=4, NUM_PEERS=0, HALVINGS=0,
                       TILE_MASS=False, PDL=True, W_DESC=False, NOISE_AT=-1, NOISE_CHUNKS=1,
-                      NOISE_EVERY=0)
+                      NOISE_EVERY=0, CDF=False)
         ops = sass_ops(fused_sample_records_kernel, consts, nw, a.arch)
         print(f"fused kernel BLOCK_B={bb:3d} warps={nw}: {sum(ops.values())} instructions in the "
               f"binary (HGMMA {ops['HGMMA']}, MUFU {ops['MUFU']}, SHFL {ops['SHFL']}, BAR {ops['BAR']})")
@@ -143,10 +188,16 @@ def main(argv=None):
         print(f"ws and pp not counted: their Gluon API is not Triton {triton.__version__}'s "
               f"(kernels/gluon_sample.GLUON_VERSIONS)")
         return
+    for name, kw in (("max", {}), ("max with log-masses", dict(need_mass=True)),
+                     ("cdf", dict(need_mass=True, cdf=True))):
+        per, body = pp_chunk_loop(arch=a.arch, **kw)
+        top = ", ".join(f"{k} {v}" for k, v in body.most_common(8))
+        print(f"pp records loop, {name}: {per:5.1f} instructions/token  ({top})")
     for name, kw in (("ws BLOCK_B=128, 5 stages, one sample", dict(strategy="ws")),
                      ("pp 6 stages, one sample", dict(strategy="pp")),
                      ("pp 6 stages, one sample, log-masses", dict(strategy="pp", need_mass=True)),
-                     ("pp 6 stages, two samples", dict(strategy="pp", num_samples=2))):
+                     ("pp 6 stages, two samples", dict(strategy="pp", num_samples=2)),
+                     ("pp 6 stages, one sample, cdf", dict(strategy="pp", need_mass=True, cdf=True))):
         ops = gluon_ops(arch=a.arch, **kw)
         print(f"{name}: {sum(ops.values())} instructions in the binary, spilled words "
               f"LDL {ops['LDL']} / STL {ops['STL']} (MUFU {ops['MUFU']}, HGMMA {ops['HGMMA']})")
