@@ -370,9 +370,12 @@ def _first_crossing(weight, target, pos, AXIS: tl.constexpr, N: tl.constexpr):
     csum = tl.cumsum(weight, axis=AXIS)
     total = tl.sum(tl.where(pos == N - 1, csum, 0.0), axis=AXIS, keep_dims=True)  # the scan's own
     positive = weight > 0.0
-    first = tl.min(tl.where((csum > target * total) & positive, pos, N), axis=AXIS)
-    last = tl.max(tl.where(positive, pos, 0), axis=AXIS)
-    return tl.where(first < N, first, last), total
+    # one reduction for both rules: crossings keep their position, the other positive weights
+    # rank after them in reverse order (so the last comes first), weight 0 after everything
+    key = tl.where((csum > target * total) & positive, pos,
+                   tl.where(positive, 2 * N - 1 - pos, 2 * N))
+    key = tl.min(key, axis=AXIS)
+    return tl.where(key < N, key, tl.where(key < 2 * N, 2 * N - 1 - key, 0)), total
 
 
 @triton.jit

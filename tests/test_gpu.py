@@ -138,14 +138,58 @@ def test_peer_fanout_stores_the_local_records(cfg):
     assert bufs[0].isnan().all() and bufs[1, :, n:].isnan().all() and mine.isnan().all()
 
 
-@pytest.mark.parametrize("merge", ["max", "logmass"])
-def test_chi2_on_gpu_bf16(merge):
-    h, w = lm_head_case("zipf", V=1000, dtype=torch.bfloat16, device="cuda", seed=3)
-    rows, S = 2000, 20
+@pytest.mark.skipif(not hopper(), reason="the ping-pong kernel is Hopper-only")
+@pytest.mark.parametrize("B,with_bias,D,vocab_start", [(256, True, 96, 0), (130, False, 256, 4096),
+                                                       (1, True, 4096, 0)])
+def test_pp_cdf_records_match_torch_records(B, with_bias, D, vocab_start, monkeypatch):
+    """The ping-pong kernel's cdf records (TPSAMPLE_CDF_GLUON) against the torch path's on the
+    same bf16 inputs (fp32 logits there): the same tokens but where rounding of the logits or
+    of a running sum moves an interval boundary across a uniform (expected: none in these
+    ~10^4 draws; allowed: 1 in 2000), each record's logit that of its token, the log-masses to
+    rounding, greedy rows (every 7th) the first maximum, padded rows never."""
+    from tpsample.torch_records import records_torch
+    monkeypatch.setattr(fused, "CDF_GLUON", True)
+    V = 2048 if D < 4096 else 151936
+    g = torch.Generator(device="cuda").manual_seed(B * 11 + D)
+    w = (torch.randn(V, D, device="cuda", generator=g) * 0.05).bfloat16()
+    h = torch.randn(B, D, device="cuda", generator=g).bfloat16()
+    bias = torch.randn(V, device="cuda", generator=g) if with_bias else None
+    temp = torch.rand(B, device="cuda", generator=g) + 0.5
+    temp[::7] = 0.0
+    p = row_params(h, temp, torch.arange(B, device="cuda") * 13 + 5, 9)
+    kw = dict(bias=bias, inv_temp=p.inv_temp, seed=p.seed, offset=p.offset, num_samples=1,
+              n_real=V - 29, vocab_start=vocab_start)
+    pp = dict(strategy="pp", BLOCK_B=128, NUM_STAGES=5, num_warps=4)
+    got = fused.fused_records(h, w, config=pp, cdf=True, **kw)
+    want = records_torch(h, w, cdf=True, **kw)
+    same = got[..., 1] == want[..., 1]
+    assert (~same).sum().item() <= max(1, same.numel() // 2000), (~same).sum().item()
+    assert got[..., 1].max().item() < vocab_start + V - 29
+    assert torch.allclose(got[..., 2][same], want[..., 2][same], rtol=1e-4, atol=1e-4)
+    assert torch.equal(got[..., 0], got[..., 2])  # the score field holds the token's logit
+    assert torch.allclose(got[..., 3], want[..., 3], rtol=1e-5, atol=1e-4)
+    greedy = (temp == 0)[None, :, None].expand_as(same)
+    assert same[greedy].all()
+
+
+@pytest.mark.parametrize("merge,cdf_gluon", [("max", False), ("logmass", False), ("cdf", False),
+                                             ("cdf", True)])
+def test_chi2_on_gpu_bf16(merge, cdf_gluon, monkeypatch):
+    """2000 rows: the tables' large-batch kernel (pp or ws), or for cdf the cuBLAS + records
+    pass unless CDF_GLUON lets pp make the cdf records (one sample, V a multiple of 32)."""
+    monkeypatch.setattr(fused, "CDF_GLUON", cdf_gluon)
+    V, S = (1024, 1) if cdf_gluon else (1000, 20)
+    h, w = lm_head_case("zipf", V=V, dtype=torch.bfloat16, device="cuda", seed=3)
+    rows = 40000 // S
     seeds = torch.arange(rows, device="cuda") * 7919
+    calls = []
+    real_pp = fused.pp_records
+    monkeypatch.setattr(fused, "pp_records", lambda *a, **k: calls.append(a[-1]) or real_pp(*a, **k))
     tokens = tpsample.sample(h.expand(rows, -1).contiguous(), w, temperature=0.9, seed=seeds,
                              num_samples=S, merge=merge)
     assert chi2_pvalue(tokens, exact_probs(h, w, temperature=0.9)) > ALPHA
+    if cdf_gluon and hopper():
+        assert calls == [True]  # pp made the cdf records
 
 
 def test_cuda_graph_capture_and_replay_equals_eager():

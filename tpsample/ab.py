@@ -11,6 +11,14 @@ notes v2.0). Each process times stage 1 + stage 2 with the shipped tables as a C
 replay (tune.device_ms) and checksums the tokens and records, so an arm that changes the
 samples shows. Last, a table of each arm's mean time over the rounds and its ratio to the
 first arm.
+
+Two variables belong to the worker, not the kernels: TPSAMPLE_AB_MERGE (max | logmass | cdf,
+default max) is the merge it samples with, TPSAMPLE_AB_MASS=0 drops the log-masses (the max
+merge's default in tpsample.sample) where the merge allows it. E.g. the cdf records in pp
+against the default path:
+
+    python -m tpsample.ab --arm max:TPSAMPLE_AB_MASS=0 \
+        --arm cdf:TPSAMPLE_AB_MERGE=cdf,TPSAMPLE_CDF_GLUON=1 --batches 64,128,256
 """
 import argparse
 import json
@@ -26,6 +34,10 @@ def worker(shapes, batches, reps_ms: int):
     from . import fused
     from .api import row_params
     from .tune import device_ms
+    merge = os.environ.get("TPSAMPLE_AB_MERGE", "max")
+    if merge not in ("max", "logmass", "cdf"):
+        sys.exit(f"TPSAMPLE_AB_MERGE must be max, logmass or cdf, got {merge!r}")
+    need_mass = merge != "max" or os.environ.get("TPSAMPLE_AB_MASS", "1") != "0"
     for D, V in shapes:
         w = torch.randn(V, D, device="cuda", dtype=torch.bfloat16,
                         generator=torch.Generator(device="cuda").manual_seed(D)) * 0.02
@@ -36,8 +48,9 @@ def worker(shapes, batches, reps_ms: int):
 
             def run():
                 rec = fused.fused_records(h, w, bias=None, inv_temp=p.inv_temp, seed=p.seed,
-                                          offset=p.offset, num_samples=1, n_real=V)
-                return rec, fused.reduce_records(rec[None], p.inv_temp, p.seed, p.offset, "max")[0]
+                                          offset=p.offset, num_samples=1, n_real=V,
+                                          need_mass=need_mass, cdf=merge == "cdf")
+                return rec, fused.reduce_records(rec[None], p.inv_temp, p.seed, p.offset, merge)[0]
 
             rec, tokens = run()
             ms = device_ms(lambda: run(), reps_ms)

@@ -2,7 +2,7 @@
 
     python -m tpsample.bench [--shapes 2048x151936,4096x151936,5120x151936,8192x128256]
                              [--batches 1,2,4,...,256]
-                             [--out bench_out] [--dtype bf16] [--merge max|logmass]
+                             [--out bench_out] [--dtype bf16] [--merge max|logmass|cdf]
                              [--no-compile] [--device-name LABEL] [--variants mm,tpsample,...]
                              [--passes N]
 
@@ -254,7 +254,9 @@ def parse_args(argv, cuda: bool):
                    else "1,4,16")
     p.add_argument("--out", default="bench_out")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    p.add_argument("--merge", default="max", choices=["max", "logmass"])
+    p.add_argument("--merge", default="max", choices=["max", "logmass", "cdf"],
+                   help="the merge tpsample samples with (cdf in the Hopper kernel: set "
+                        "TPSAMPLE_CDF_GLUON=1)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     p.add_argument("--variants", default=None,
                    help="comma list: run only these variants (e.g. mm,flashinfer,tpsample)")
