@@ -175,7 +175,7 @@ def test_pp_cdf_records_match_torch_records(B, with_bias, D, vocab_start, monkey
 @pytest.mark.parametrize("merge,cdf_gluon", [("max", False), ("logmass", False), ("cdf", False),
                                              ("cdf", True)])
 def test_chi2_on_gpu_bf16(merge, cdf_gluon, monkeypatch):
-    """2000 rows: the tables' large-batch kernel (pp or ws), or for cdf the cuBLAS + records
+    """40 000 draws: the tables' large-batch kernel (pp or ws), or for cdf the cuBLAS + records
     pass unless CDF_GLUON lets pp make the cdf records (one sample, V a multiple of 32)."""
     monkeypatch.setattr(fused, "CDF_GLUON", cdf_gluon)
     V, S = (1024, 1) if cdf_gluon else (1000, 20)

@@ -17,8 +17,8 @@ default max) is the merge it samples with, TPSAMPLE_AB_MASS=0 drops the log-mass
 merge's default in tpsample.sample) where the merge allows it. E.g. the cdf records in pp
 against the default path:
 
-    python -m tpsample.ab --arm max:TPSAMPLE_AB_MASS=0 \
-        --arm cdf:TPSAMPLE_AB_MERGE=cdf,TPSAMPLE_CDF_GLUON=1 --batches 64,128,256
+    python -m tpsample.ab --arm max:TPSAMPLE_AB_MASS=0 --arm cdf:TPSAMPLE_AB_MERGE=cdf \
+        --batches 64,128,256
 """
 import argparse
 import json

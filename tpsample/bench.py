@@ -255,8 +255,7 @@ def parse_args(argv, cuda: bool):
     p.add_argument("--out", default="bench_out")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--merge", default="max", choices=["max", "logmass", "cdf"],
-                   help="the merge tpsample samples with (cdf in the Hopper kernel: set "
-                        "TPSAMPLE_CDF_GLUON=1)")
+                   help="the merge tpsample samples with")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     p.add_argument("--variants", default=None,
                    help="comma list: run only these variants (e.g. mm,flashinfer,tpsample)")

@@ -193,8 +193,8 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
     merge, no log-probs wanted) stores the tile max instead of the tile log-mass and 0 instead
     of the winner's logit: the reduce's log Z and log-probs are then meaningless, but the
     tokens and the degenerate-row rule are unchanged. cdf: the records of the "cdf" merge
-    (tpsample/merge.py, fact 6; needs need_mass); the Hopper kernels run it only where
-    CDF_GLUON allows, else the cuBLAS + records pass does."""
+    (tpsample/merge.py, fact 6; needs need_mass): on Hopper pp makes them for one sample
+    (CDF_GLUON), else the cuBLAS + records pass does."""
     if cdf and not need_mass:
         raise ValueError("cdf records need the tile log-masses (need_mass=True)")
     B, D = hidden.shape
@@ -281,9 +281,9 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
 
 
 WS_BLOCK_K = 64
-# The "cdf" records in the Hopper kernels (pp): not yet run on a GPU, so off unless
-# TPSAMPLE_CDF_GLUON=1 (for the GPU tests and A/B); off, the cuBLAS + records pass makes them
-CDF_GLUON = os.environ.get("TPSAMPLE_CDF_GLUON", "0") == "1"
+# The "cdf" records in the Hopper kernels (pp, one sample; where a table says ws too: ws has no
+# cdf epilogue). TPSAMPLE_CDF_GLUON=0 (A/B timing) makes them with cuBLAS + the records pass.
+CDF_GLUON = os.environ.get("TPSAMPLE_CDF_GLUON", "1") != "0"
 # TPSAMPLE_WS=0: never the warp-specialized kernel (its fallback instead; A/B timing)
 WS_ENABLED = os.environ.get("TPSAMPLE_WS", "1") != "0"
 WS_FALLBACK = dict(strategy="logits", BLOCK_B=64, BLOCK_D=0, NUM_STAGES=0, num_warps=8)
