@@ -287,7 +287,10 @@ def tile_records_epilogue(
     # max stands in: log Z is then wrong but unused, and it is still finite exactly when the
     # true one is (degenerate rows agree); the records' logit field is then 0 (see
     # sample_and_store).
-    if TILE_MASS:
+    if CDF:  # the log-mass from the subgroups' weights, which the inverse CDF reuses
+        e, e_sum, scaled, top = cdf_weights(l, BLOCK_V)
+        lse = tl.where(m != m, m, top + tl.log(tl.sum(scaled, axis=0)))
+    elif TILE_MASS:
         m_safe = tl.where(m == float("-inf"), 0.0, m)
         lse = m_safe + tl.log(tl.sum(tl.exp(l - m_safe[None, :]), axis=0))
     else:
@@ -306,26 +309,32 @@ def tile_records_epilogue(
         for s in tl.static_range(SAMPLES):
             sample_and_store(s, l, greedy, seed, off_lo, off_hi, tile_start, local, mask_b, lse,
                              rec_ptr, rec + s * rec_stride_s, peer_ptrs, parity_ptr, ALIGNED4,
-                             BLOCK_V, BLOCK_B >> HALVINGS, NUM_PEERS, TILE_MASS, CDF=CDF)
+                             BLOCK_V, BLOCK_B >> HALVINGS, NUM_PEERS, TILE_MASS, CDF=CDF,
+                             cdf_w=(e, e_sum, scaled) if CDF else None)
     else:
         for s in range(num_samples):
             sample_and_store(s, l, greedy, seed, off_lo, off_hi, tile_start, local, mask_b, lse,
                              rec_ptr, rec + s * rec_stride_s, peer_ptrs, parity_ptr, ALIGNED4,
-                             BLOCK_V, BLOCK_B >> HALVINGS, NUM_PEERS, TILE_MASS, CDF=CDF)
+                             BLOCK_V, BLOCK_B >> HALVINGS, NUM_PEERS, TILE_MASS, CDF=CDF,
+                             cdf_w=(e, e_sum, scaled) if CDF else None)
 
 
 @triton.jit
 def sample_and_store(s, l, greedy, seed, off_lo, off_hi, tile_start, local, mask_b, lse, rec_ptr,
                      rec, peer_ptrs, parity_ptr, ALIGNED4: tl.constexpr, BLOCK_V: tl.constexpr,
                      BLOCK_B: tl.constexpr, NUM_PEERS: tl.constexpr, TILE_MASS: tl.constexpr,
-                     g_pre=None, PRE_NOISE: tl.constexpr = False, CDF: tl.constexpr = False):
+                     g_pre=None, PRE_NOISE: tl.constexpr = False, CDF: tl.constexpr = False,
+                     cdf_w=None):
     """Sample s of one tile: Gumbel-max over the tile and its record (see the epilogue).
     Without TILE_MASS no log-prob is wanted: the winner's logit (a masked gather, one more
     cross-thread reduction) is not extracted and the record holds 0 there. CDF: the token by
-    inverse CDF (greedy columns: the first maximum), the score field its logit."""
+    inverse CDF (greedy columns: the first maximum), the score field its logit; cdf_w: what
+    cdf_weights returned for l."""
     if CDF:
         z = l
-        pick = cdf_index(l, seed, off_lo, off_hi, tl.cast(s, tl.uint32), tile_start, BLOCK_V)
+        e, e_sum, scaled = cdf_w
+        pick = cdf_index(e, e_sum, scaled, seed, off_lo, off_hi, tl.cast(s, tl.uint32),
+                         tile_start, ALIGNED4)
     elif PRE_NOISE:
         z = tl.where(greedy[None, :], l, l + g_pre)
     else:
@@ -364,44 +373,60 @@ def sample_and_store(s, l, greedy, seed, off_lo, off_hi, tile_start, local, mask
 
 @triton.jit
 def _first_crossing(weight, target, pos, AXIS: tl.constexpr, N: tl.constexpr):
-    """merge.inverse_cdf along AXIS of weight (>= 0) for target = u (a broadcastable [..]
-    with AXIS kept at 1): the first position whose running sum exceeds u times the total
-    among those of positive weight, else the last of positive weight, else 0."""
+    """merge.inverse_cdf along AXIS of weight (>= 0), target = u times the total (broadcastable,
+    AXIS kept at 1): the first position whose running sum exceeds the target among those of
+    positive weight, else the last of positive weight, else 0. (The total may be summed in
+    another order than the running sums: a target at or above their last is the fallback.)"""
     csum = tl.cumsum(weight, axis=AXIS)
-    total = tl.sum(tl.where(pos == N - 1, csum, 0.0), axis=AXIS, keep_dims=True)  # the scan's own
     positive = weight > 0.0
     # one reduction for both rules: crossings keep their position, the other positive weights
     # rank after them in reverse order (so the last comes first), weight 0 after everything
-    key = tl.where((csum > target * total) & positive, pos,
-                   tl.where(positive, 2 * N - 1 - pos, 2 * N))
+    key = tl.where((csum > target) & positive, pos, tl.where(positive, 2 * N - 1 - pos, 2 * N))
     key = tl.min(key, axis=AXIS)
-    return tl.where(key < N, key, tl.where(key < 2 * N, 2 * N - 1 - key, 0)), total
+    return tl.where(key < N, key, tl.where(key < 2 * N, 2 * N - 1 - key, 0))
 
 
 @triton.jit
-def cdf_index(l, seed, off_lo, off_hi, s, tile_start, BLOCK_V: tl.constexpr):
-    """The tile's token by inverse CDF (tpsample/merge.py, fact 6), per column of the
-    transformed logits l [BLOCK_V, BB] (NaN already -inf): 4 subgroups of BLOCK_V / 4 ids each
-    pick one with their uniform, then one more uniform picks the subgroup by its mass. The
-    uniforms are noise.cdf_uniforms'. Returns the index in the tile [BB] int32."""
+def cdf_weights(l, BLOCK_V: tl.constexpr):
+    """fact 6's weights (tpsample/merge.py) of the transformed logits l [BLOCK_V, BB] (NaN
+    already -inf), in 4 subgroups of BLOCK_V / 4 ids: e = exp(l - m_j) [4, SUB, BB], their sums
+    S_j [4, 1, BB], the subgroups' masses S_j exp(m_j - M) [4, BB] (0 where the subgroup is
+    empty) and M [BB] (0 where the whole tile is): log Z of the tile = M + log(sum of masses)."""
     SUB: tl.constexpr = BLOCK_V // 4
     x = tl.reshape(l, (4, SUB, l.shape[1]))
     m = tl.max(x, axis=1)  # [4, BB]
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     e = tl.exp(x - m_safe[:, None, :])
-    k = tl.arange(0, 4)[:, None]
-    u_sub = philox_word(seed, off_lo, off_hi, s | CDF_STREAM, tile_start + k)
-    u_sub = ((u_sub >> 9).to(tl.float32) + 0.5) * TWO_POW_M23
-    within, total = _first_crossing(e, u_sub[:, None, :], tl.arange(0, SUB)[None, :, None], 1,
-                                    SUB)
+    e_sum = tl.sum(e, axis=1, keep_dims=True)
     top = tl.max(m, axis=0)
     top = tl.where(top == float("-inf"), 0.0, top)
-    mass = tl.where(m == float("-inf"), 0.0, tl.reshape(total, (4, l.shape[1]))
-                    * tl.exp(m_safe - top[None, :]))
+    scaled = tl.where(m == float("-inf"), 0.0,
+                      tl.reshape(e_sum, (4, l.shape[1])) * tl.exp(m_safe - top[None, :]))
+    return e, e_sum, scaled, top
+
+
+@triton.jit
+def cdf_index(e, e_sum, scaled, seed, off_lo, off_hi, s, tile_start, ALIGNED4: tl.constexpr):
+    """The tile's token by inverse CDF (tpsample/merge.py, fact 6) from cdf_weights' e, e_sum
+    and scaled: each subgroup picks one with its uniform, then one more uniform picks the
+    subgroup by its mass. The uniforms are noise.cdf_uniforms' (ALIGNED4: tile_start % 4 == 0,
+    the four subgroups' words are one Philox call's). The index in the tile [BB]."""
+    SUB: tl.constexpr = e.shape[1]
+    k = tl.arange(0, 4)[:, None]
+    if ALIGNED4:
+        zero = tl.zeros_like(seed).to(tl.uint32)
+        r0, r1, r2, r3 = philox(seed, (tile_start >> 2).to(tl.uint32) + zero,
+                                (s | CDF_STREAM) + zero, off_lo + zero, off_hi + zero)
+        u_sub = tl.where(k == 0, r0, tl.where(k == 1, r1, tl.where(k == 2, r2, r3)))
+    else:
+        u_sub = philox_word(seed, off_lo, off_hi, s | CDF_STREAM, tile_start + k)
+    u_sub = ((u_sub >> 9).to(tl.float32) + 0.5) * TWO_POW_M23
+    within = _first_crossing(e, u_sub[:, None, :] * e_sum, tl.arange(0, SUB)[None, :, None], 1,
+                             SUB)
     u_pick = philox_word(seed, off_lo, off_hi, s | CDF_PICK_STREAM,
                          tile_start + tl.zeros((1, 1), dtype=tl.int32))
     u_pick = ((u_pick >> 9).to(tl.float32) + 0.5) * TWO_POW_M23  # [1, BB]
-    sub, _ = _first_crossing(mass, u_pick, k, 0, 4)
+    sub = _first_crossing(scaled, u_pick * tl.sum(scaled, axis=0)[None, :], k, 0, 4)
     return sub * SUB + tl.sum(tl.where(k == sub[None, :], within, 0), axis=0)
 
 
