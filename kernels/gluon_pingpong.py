@@ -361,7 +361,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _cdf_lower(k, lg, other):
-        """The smaller key of (k, lg) and other = (key, logit); keys are distinct."""
+        """The smaller key of (k, lg) and other = (key, logit) (keys below 127 are distinct)."""
         k2, lg2 = other
         take = k2 < k
         return gl.where(take, k2, k), gl.where(take, lg2, lg)
@@ -442,7 +442,8 @@ if AVAILABLE:
             lse = m
         if CDF:
             cl: gl.constexpr = gl.SliceLayout(1, m_w.type.layout)
-            rows = params._reinterpret(gl.int32, [128, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+            row_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+            rows = params._reinterpret(gl.int32, [128, 16], row_l)
             greedy = rows.slice(0, 8).load(cl).to(gl.float32, bitcast=True) == 0.0
             u = rows.slice(40, 8).load(cl).to(gl.float32, bitcast=True)
             wi = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, m_w.type.layout)))
@@ -456,9 +457,10 @@ if AVAILABLE:
             key = gl.min(gl.where(cross, wi, gl.where(positive, 7 - wi, 15)), axis=1)
             pick = gl.expand_dims(gl.where(key < 4, key, gl.where(key < 15, 7 - key, 0)), 1)
             # (the same threads hold a column's partials in both: a register-only conversion)
-            idx_c = gl.sum(gl.where(wi == pick, gl.convert_layout(idx_w, m_w.type.layout), 0.0), 1)
-            logit_c = gl.sum(gl.where(wi == pick, gl.convert_layout(logit_w, m_w.type.layout), 0.0),
-                             1)
+            idx_w = gl.convert_layout(idx_w, m_w.type.layout)
+            logit_w = gl.convert_layout(logit_w, m_w.type.layout)
+            idx_c = gl.sum(gl.where(wi == pick, idx_w, 0.0), axis=1)
+            logit_c = gl.sum(gl.where(wi == pick, logit_w, 0.0), axis=1)
             idx_c = gl.convert_layout(idx_c, idx.type.layout)
             logit_c = gl.convert_layout(logit_c, logit.type.layout)
             greedy = gl.convert_layout(greedy, idx.type.layout)

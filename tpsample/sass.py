@@ -144,7 +144,8 @@ def loop_bodies(text: str) -> list[Counter]:
     return loops
 
 
-def pp_chunk_loop(need_mass: bool = False, cdf: bool = False, arch: int = 90) -> tuple[float, Counter]:
+def pp_chunk_loop(need_mass: bool = False, cdf: bool = False,
+                  arch: int = 90) -> tuple[float, Counter]:
     """pp's records loop (one sample): instructions per token and opcode counts of one pass,
     which turns a 16-column chunk of the tile into records (16 tokens per thread). It is the
     innermost loop with the chunk's 16 MUFU (the noise's outer log2, or the weights' exp2)."""
