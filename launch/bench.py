@@ -53,6 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default="bench_tp_out")
     p.add_argument("--transports", help="default symm_mem,nccl (CPU: gloo)")
     p.add_argument("--no-graph", action="store_true")
+    p.add_argument("--merge", default="max", choices=["max", "logmass", "cdf"],
+                   help="the merge the samplers use")
     p.add_argument("--profile", action="store_true", help="per-kernel device time of tpsample calls")
     p.add_argument("--cpu", action="store_true", help="gloo + CPU tensors even where CUDA exists")
     p.add_argument("--plot", nargs="+", metavar="JSON", help="plot tp*.json files (no torchrun)")
@@ -173,16 +175,18 @@ def make_shard(D, V, rank, world, dev) -> torch.Tensor:
     g = torch.Generator(device=dev).manual_seed(1000 + rank)
     return torch.randn(split_rows(V, world)[rank], D, generator=g, device=dev, dtype=torch.bfloat16).mul_(D ** -0.5)
 
-def make_samplers(W, V, transports, max_batch, dev) -> dict:
+def make_samplers(W, V, transports, max_batch, dev, merge="max") -> dict:
     """{variant: sampler}; a transport that fails on any rank is skipped on all of them."""
     import tpsample
     out, backend = {}, "auto" if dev.type == "cuda" else "torch"
     for t in transports:
         s, why = None, "failed on another rank"
         try:
-            # tokens only, like the baselines: no log-probs (stage 1 skips the log-masses)
+            # tokens only, like the baselines: no log-probs (stage 1 skips the log-masses where
+            # the merge allows it)
             s = tpsample.VocabParallelSampler(W, vocab_size=V, transport=t, check_inputs=False,
-                                              max_batch=max_batch, backend=backend, logprobs=False)
+                                              max_batch=max_batch, backend=backend, merge=merge,
+                                              logprobs=merge != "max")
         except Exception as e:  # noqa: BLE001 - report the reason and go on
             why = f"{type(e).__name__}: {e}"
         if all_ranks(int(s is not None), dev, dist.ReduceOp.MIN, torch.int32):
@@ -272,7 +276,7 @@ def run(args):
     shapes, warns = [], []
     for D, V in args.shapes:
         W = make_shard(D, V, rank, world, dev)
-        samplers = make_samplers(W, V, args.transports, max(args.batches), dev)
+        samplers = make_samplers(W, V, args.transports, max(args.batches), dev, args.merge)
         shapes.append({"D": D, "V": V, "shard_rows": split_rows(V, world), "results": {}})
         for B in args.batches:
             t0 = time.perf_counter()

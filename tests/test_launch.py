@@ -1,4 +1,5 @@
 """The README's main commands run end to end on a CPU machine (torchrun + gloo)."""
+import json
 import os
 import subprocess
 import sys
@@ -27,10 +28,12 @@ def test_tp_demo_two_ranks(tmp_path):
 
 
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed next to python")
-def test_tp_bench_cpu_sweep(tmp_path):
+@pytest.mark.parametrize("merge", ["max", "cdf"])
+def test_tp_bench_cpu_sweep(tmp_path, merge):
     run([str(TORCHRUN), "--standalone", "--nproc-per-node=2", "-m", "tpsample.launch.bench",
-         "--batches", "1,4", "--iters", "3", "--out", str(tmp_path)], tmp_path)
-    assert (tmp_path / "tp2.json").exists()
+         "--batches", "1,4", "--iters", "3", "--merge", merge, "--out", str(tmp_path)], tmp_path)
+    meta = json.loads((tmp_path / "tp2.json").read_text())
+    assert meta["config"]["merge"] == merge
 
 
 def test_single_device_bench_cpu_sweep(tmp_path):
