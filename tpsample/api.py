@@ -192,9 +192,8 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, *, temperature=1.0, seed=
         merge: "max" (pathwise Gumbel-max, tiling/TP invariant), "logmass"
             (Group-Gumbel-Max over 128-token groups) or "cdf" (the same groups, the token in
             each by inverse CDF: five uniforms per group instead of a Gumbel per token; tokens
-            depend on the tiling). All are exact (tpsample.merge). On Hopper at B >= 128 cdf
-            is the fastest (H100: 0.99-1.04x the matmul alone, perf notes v2.3); at B <= 64
-            its Triton kernels are slower than max's.
+            depend on the tiling). All are exact (tpsample.merge). On Hopper at B = 256 cdf
+            is 6-12% faster than max (perf notes v2.3); at B <= 64 it is slower.
         return_logprobs: also return log p(token) and log Z.
         backend: "auto" (Triton on CUDA or under TRITON_INTERPRET=1, else the chunked torch
             path), "triton" or "torch". All give the same tokens for the same seed.

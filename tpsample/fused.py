@@ -193,8 +193,9 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
     merge, no log-probs wanted) stores the tile max instead of the tile log-mass and 0 instead
     of the winner's logit: the reduce's log Z and log-probs are then meaningless, but the
     tokens and the degenerate-row rule are unchanged. cdf: the records of the "cdf" merge
-    (tpsample/merge.py, fact 6; needs need_mass): on Hopper pp makes them for one sample
-    (CDF_GLUON), else the cuBLAS + records pass does."""
+    (tpsample/merge.py, fact 6; needs need_mass): where a Hopper table (or `config`) says pp
+    or ws, pp makes them for one sample at B > 64 (CDF_GLUON), else the cuBLAS + records pass
+    does."""
     if cdf and not need_mass:
         raise ValueError("cdf records need the tile log-masses (need_mass=True)")
     B, D = hidden.shape
@@ -212,8 +213,13 @@ def fused_records(hidden, weight, *, bias, inv_temp, seed, offset, num_samples, 
         if not pp_supported(hidden, weight, vocab_start):
             cfg = dict(PP_FALLBACK)
     if cdf and cfg["strategy"] in ("pp", "ws"):  # ws has no cdf epilogue; pp one sample only
-        use_pp = CDF_GLUON and num_samples == 1 and pp_supported(hidden, weight, vocab_start)
-        cfg = (cfg if cfg["strategy"] == "pp" else dict(PP_CDF)) if use_pp else dict(WS_FALLBACK)
+        # (a table's cell at B <= 64 takes the hybrid: at B = 64 on H200 pp took 1.06-1.12x its
+        # time, the fused kernel 1.24-1.53x, perf notes v2.3; an explicit pp/ws config is kept)
+        if (CDF_GLUON and num_samples == 1 and (B > 64 or config is not None)
+                and pp_supported(hidden, weight, vocab_start)):
+            cfg = cfg if cfg["strategy"] == "pp" else dict(PP_CDF)
+        else:
+            cfg = dict(WS_FALLBACK)
     if cfg["strategy"] == "ws" and not ws_supported(hidden, weight, vocab_start):
         cfg = dict(WS_FALLBACK)  # what the warp-specialized kernel does not take
     strategy, nw = cfg.pop("strategy"), cfg.pop("num_warps")
