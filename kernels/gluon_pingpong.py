@@ -25,7 +25,18 @@ bits as fused_sample.gumbel_noise_tile. W is read as the view [2, V/32, 2, 8, D]
 + w, h, j, k), which needs V_rows % 32 == 0 (tpsample.fused.pp_supported).
 """
 
+import os
+
+import triton.language as tl
+
 from .gluon_sample import AVAILABLE
+
+# Chunks per pass of pp's one-sample records loop (1, 2 or 4): the loop rotates the chunks
+# not yet done through its registers, 112 moves per pass at 1 (perf notes v2.3). For A/B
+# timing: TPSAMPLE_PP_UNROLL. (A global, so Triton's compile cache keys on it.)
+PP_UNROLL = tl.constexpr(int(os.environ.get("TPSAMPLE_PP_UNROLL", "1")))
+if PP_UNROLL.value not in (1, 2, 4):
+    raise ValueError(f"TPSAMPLE_PP_UNROLL must be 1, 2 or 4, got {PP_UNROLL.value}")
 
 
 if AVAILABLE:
@@ -169,15 +180,23 @@ if AVAILABLE:
         _stage_params(params, b0, tile_start, inv_temp_ptr, seed_ptr, offset_ptr, B, CDF)
         gl.thread_barrier()
         if SINGLE:
-            for c in range(8):
-                if CDF:
-                    _chunk_cdf(k0, c, part_a, part_b, params, pid_v, bias_ptr, n_real, HAS_BIAS)
+            for c in range(0, 8, PP_UNROLL):
+                _chunk_one_sample(k0, c, part_a, part_b, params, pid_v, bias_ptr, n_real,
+                                  tile_start, HAS_BIAS, TILE_MASS, CDF)
+                if PP_UNROLL == 1:
+                    k0, k1, k2, k3, k4, k5, k6, k7 = k1, k2, k3, k4, k5, k6, k7, k0
+                elif PP_UNROLL == 2:
+                    _chunk_one_sample(k1, c + 1, part_a, part_b, params, pid_v, bias_ptr, n_real,
+                                      tile_start, HAS_BIAS, TILE_MASS, CDF)
+                    k0, k1, k2, k3, k4, k5, k6, k7 = k2, k3, k4, k5, k6, k7, k0, k1
                 else:
-                    lanes = _chunk_logits(k0, c, part_a, params, pid_v, bias_ptr, n_real,
-                                          HAS_BIAS, TILE_MASS)
-                    _chunk_noise(lanes, c, part_b, params, gl.to_tensor(0), tile_start,
-                                 TILE_MASS)
-                k0, k1, k2, k3, k4, k5, k6, k7 = k1, k2, k3, k4, k5, k6, k7, k0
+                    _chunk_one_sample(k1, c + 1, part_a, part_b, params, pid_v, bias_ptr, n_real,
+                                      tile_start, HAS_BIAS, TILE_MASS, CDF)
+                    _chunk_one_sample(k2, c + 2, part_a, part_b, params, pid_v, bias_ptr, n_real,
+                                      tile_start, HAS_BIAS, TILE_MASS, CDF)
+                    _chunk_one_sample(k3, c + 3, part_a, part_b, params, pid_v, bias_ptr, n_real,
+                                      tile_start, HAS_BIAS, TILE_MASS, CDF)
+                    k0, k1, k2, k3, k4, k5, k6, k7 = k4, k5, k6, k7, k0, k1, k2, k3
             gl.thread_barrier()
             _merge_warps(part_a, part_b, params, pid_v, b0, 0, tile_start, rec_ptr, B,
                          rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr,
@@ -205,6 +224,17 @@ if AVAILABLE:
                 _merge_warps(part_a, part_b, params, pid_v, b0, s, tile_start, rec_ptr, B,
                              rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr,
                              TILE_MASS, NUM_PEERS, False)
+
+    @gluon.jit
+    def _chunk_one_sample(x, c, part_a, part_b, params, pid_v, bias_ptr, n_real, tile_start,
+                          HAS_BIAS: gl.constexpr, TILE_MASS: gl.constexpr, CDF: gl.constexpr):
+        """The partials of chunk c (x: its accumulator registers) for the one-sample records."""
+        if CDF:
+            _chunk_cdf(x, c, part_a, part_b, params, pid_v, bias_ptr, n_real, HAS_BIAS)
+        else:
+            lanes = _chunk_logits(x, c, part_a, params, pid_v, bias_ptr, n_real, HAS_BIAS,
+                                  TILE_MASS)
+            _chunk_noise(lanes, c, part_b, params, gl.to_tensor(0), tile_start, TILE_MASS)
 
     @gluon.jit
     def _stage_params(params, b0, tile_start, inv_temp_ptr, seed_ptr, offset_ptr, B,

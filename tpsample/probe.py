@@ -54,9 +54,10 @@ def setup(D, V, B):
     h = torch.randn(B, D, device="cuda", dtype=torch.bfloat16)
     p = row_params(h, 1.0, torch.arange(B, device="cuda"), 0)
 
-    def stage1(S=1, start=0, config=None):
+    def stage1(S=1, start=0, config=None, cdf=False):
         return fused.fused_records(h, w, bias=None, inv_temp=p.inv_temp, seed=p.seed, offset=p.offset,
-                                   num_samples=S, n_real=V, vocab_start=start, config=config)
+                                   num_samples=S, n_real=V, vocab_start=start, config=config,
+                                   cdf=cdf)
     return h, w, p, stage1
 
 
@@ -384,8 +385,8 @@ def api_paths(D, V, B) -> dict:
 
 
 def pp_trace(D, V, B) -> dict:
-    """Per-tile clocks of pp (fused.PP_TRACE) with S = 0 (no noise) and S = 1, medians over
-    tiles, in SM cycles. A program's tiles alternate consumers: tile n + 2's MMAs are issued
+    """Per-tile clocks of pp (fused.PP_TRACE) with S = 0 (no noise), S = 1 and the cdf records
+    (keys S0_*, S1_*, cdf_*), medians over tiles, in SM cycles. A program's tiles alternate consumers: tile n + 2's MMAs are issued
     by tile n's consumer once its epilogue is done, so the tensor cores idle for
     max(0, issue(n + 2) - mma_done(n + 1)) whenever an epilogue outlasts the other tile's
     MMAs; idle_share is the sum of those gaps over the programs' spans."""
@@ -396,12 +397,12 @@ def pp_trace(D, V, B) -> dict:
     tiles = triton.cdiv(V, 128) * triton.cdiv(B, 128)
     nprog = min(tiles, torch.cuda.get_device_properties(0).multi_processor_count)
     out = dict(B=B, D=D, stages=cfg["NUM_STAGES"])
-    for S in (0, 1):
+    for name, S, cdf in (("S0", 0, False), ("S1", 1, False), ("cdf", 1, True)):
         trace = torch.zeros(tiles, 4, dtype=torch.int64, device="cuda")
         fused.PP_TRACE = trace
         try:
             for _ in range(3):
-                stage1(S=S, config=cfg)
+                stage1(S=S, config=cfg, cdf=cdf)
             torch.cuda.synchronize()
         finally:
             fused.PP_TRACE = None
@@ -413,8 +414,9 @@ def pp_trace(D, V, B) -> dict:
             span += int(seq[:, 3].max() - seq[:, 0].min())
             idle += int((seq[2:, 1] - seq[1:-1, 2]).clamp(min=0).sum())
         med = lambda x: float(x.double().median())  # noqa: E731
-        out.update({f"S{S}_wait": med(wait), f"S{S}_mma": med(mma), f"S{S}_epilogue": med(epi),
-                    f"S{S}_idle_share": idle / span, f"S{S}_span": span / nprog})
+        out.update({f"{name}_wait": med(wait), f"{name}_mma": med(mma),
+                    f"{name}_epilogue": med(epi), f"{name}_idle_share": idle / span,
+                    f"{name}_span": span / nprog})
     return out
 
 

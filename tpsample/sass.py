@@ -27,7 +27,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from . import fused
-from .kernels import fused_sample_records_kernel, gluon_sample, logits_records_kernel
+from .kernels import (fused_sample_records_kernel, gluon_pingpong, gluon_sample,
+                      logits_records_kernel)
 
 POINTER_TYPES = {"seed_ptr": "*i64", "offset_ptr": "*i64", "peer_ptrs": "*i64", "parity_ptr": "*i32",
                  "h_ptr": "*bf16", "w_ptr": "*bf16"}
@@ -147,13 +148,14 @@ def loop_bodies(text: str) -> list[Counter]:
 def pp_chunk_loop(need_mass: bool = False, cdf: bool = False,
                   arch: int = 90) -> tuple[float, Counter]:
     """pp's records loop (one sample): instructions per token and opcode counts of one pass,
-    which turns a 16-column chunk of the tile into records (16 tokens per thread). It is the
-    innermost loop with the chunk's 16 MUFU (the noise's outer log2, or the weights' exp2)."""
+    which turns PP_UNROLL 16-column chunks of the tile into records (16 tokens per thread
+    each). It is the innermost loop with the chunks' MUFU (16 per chunk: the noise's outer
+    log2, or the weights' exp2)."""
     loops = [c for c in loop_bodies(disassemble(gluon_compile("pp", need_mass=need_mass, arch=arch,
                                                               cdf=cdf)))
              if c["MUFU"] >= 16 and c["HGMMA"] == 0]
     body = min(loops, key=lambda c: sum(c.values()))
-    return sum(body.values()) / 16, body
+    return sum(body.values()) / (16 * gluon_pingpong.PP_UNROLL.value), body
 
 
 def records_pass_per_token(block_b: int = 16, num_warps: int = 4, arch: int = 90,
