@@ -19,7 +19,7 @@ VERSION = ".".join(triton.__version__.split(".")[:2])
 
 # kernel knobs (kernels/fused_sample.py) that would change what is compiled
 KNOBS = ("TPSAMPLE_EXACT_LOGS", "TPSAMPLE_LIBDEVICE_INNER_LOG", "TPSAMPLE_WIDE_MUL",
-         "TPSAMPLE_PHILOX_MUL", "TPSAMPLE_PHILOX_HALVES")
+         "TPSAMPLE_PHILOX_MUL", "TPSAMPLE_PHILOX_HALVES", "TPSAMPLE_PP_UNROLL")
 
 
 @pytest.mark.skipif(not os.path.exists(NVDISASM), reason="Triton ships no nvdisasm here")

@@ -85,14 +85,15 @@ def test_ab_arm_specs_are_checked():
         assert e.value.code == 2  # argparse's usage error, before any arm runs
 
 
-def test_philox_knobs_are_checked(tmp_path):
-    """A bad TPSAMPLE_PHILOX_MUL / TPSAMPLE_PHILOX_HALVES fails at import, naming the knob.
-    (Run outside the checkout, so the installed package is imported.)"""
+def test_kernel_knobs_are_checked(tmp_path):
+    """A bad TPSAMPLE_PHILOX_MUL / TPSAMPLE_PHILOX_HALVES / TPSAMPLE_PP_UNROLL fails at
+    import, naming the knob. (Run outside the checkout, so the installed package is imported.)"""
     import os
     import subprocess
     import sys
-    for var, value in (("TPSAMPLE_PHILOX_MUL", "narrow"), ("TPSAMPLE_PHILOX_HALVES", "21")):
-        out = subprocess.run([sys.executable, "-c", "import tpsample.kernels.fused_sample"],
+    for var, value in (("TPSAMPLE_PHILOX_MUL", "narrow"), ("TPSAMPLE_PHILOX_HALVES", "21"),
+                       ("TPSAMPLE_PP_UNROLL", "3")):
+        out = subprocess.run([sys.executable, "-c", "import tpsample.kernels"],
                              env=dict(os.environ, **{var: value}), cwd=tmp_path,
                              capture_output=True, text=True)
         assert out.returncode != 0 and var in out.stderr, out.stderr[-500:]
