@@ -294,11 +294,10 @@ if AVAILABLE:
         return gl.expand_dims(gl.expand_dims(w, 1), 2), gl.expand_dims(gl.expand_dims(j, 0), 2)
 
     @gluon.jit
-    def _chunk_logits(x, c, part_a, params, pid_v, bias_ptr, n_real,
-                      HAS_BIAS: gl.constexpr, TILE_MASS: gl.constexpr):
+    def _chunk_lanes(x, c, params, pid_v, bias_ptr, n_real, HAS_BIAS: gl.constexpr):
         """Chunk c of the tile, x [4, 8, N, 2, 2] (w, j, n, r, h): its four lanes' transformed
-        logits [4, 8, N] (lane a = 2r + h holds token 4(8w + j) + a); each warp's max and
-        log-mass (0 without TILE_MASS) over its rows go to part_a[c, w, n]."""
+        logits [4, 8, N] (lane a = 2r + h holds token 4(8w + j) + a), each warp's max over
+        its rows [4, N] (NaN if any is NaN) and the columns' 1 / T [1, 1, N]."""
         a0, a1, a2, a3 = _quarters(x)
         w, j = _chunk_index(a0)
         inv_t = _chunk_param(params, 0, c, a0).to(gl.float32, bitcast=True)
@@ -308,7 +307,15 @@ if AVAILABLE:
         l1 = transform(a1, row0 + 1, scale, bias_ptr, n_real, HAS_BIAS)
         l2 = transform(a2, row0 + 2, scale, bias_ptr, n_real, HAS_BIAS)
         l3 = transform(a3, row0 + 3, scale, bias_ptr, n_real, HAS_BIAS)
-        m = gl.reduce(_nan_max(_nan_max(l0, l1), _nan_max(l2, l3)), 1, _nan_max)  # [4, N]
+        m = gl.reduce(_nan_max(_nan_max(l0, l1), _nan_max(l2, l3)), 1, _nan_max)
+        return l0, l1, l2, l3, m, inv_t
+
+    @gluon.jit
+    def _chunk_logits(x, c, part_a, params, pid_v, bias_ptr, n_real,
+                      HAS_BIAS: gl.constexpr, TILE_MASS: gl.constexpr):
+        """Chunk c of the tile: _chunk_lanes' transformed logits; each warp's max and log-mass
+        (0 without TILE_MASS) over its rows go to part_a[c, w, n]."""
+        l0, l1, l2, l3, m, inv_t = _chunk_lanes(x, c, params, pid_v, bias_ptr, n_real, HAS_BIAS)
         if TILE_MASS:
             m_safe = gl.expand_dims(gl.where(m == float("-inf"), 0.0, m), 1)
             mass = _exp_or_0(l0, m_safe) + _exp_or_0(l1, m_safe)
@@ -325,16 +332,8 @@ if AVAILABLE:
         (as _chunk_noise lays it out: the token's logit, its row, its logit). Warp w's rows
         are the tile's ids 32w + [0, 32): a subgroup of fact 6 (tpsample/merge.py). Greedy
         columns take the warp's first maximum."""
-        a0, a1, a2, a3 = _quarters(x)
-        w, j = _chunk_index(a0)
-        inv_t = _chunk_param(params, 0, c, a0).to(gl.float32, bitcast=True)
-        scale = gl.where(inv_t == 0.0, 1.0, inv_t)
-        row0 = pid_v * 128 + 4 * (8 * w + j)
-        l0 = transform(a0, row0, scale, bias_ptr, n_real, HAS_BIAS)
-        l1 = transform(a1, row0 + 1, scale, bias_ptr, n_real, HAS_BIAS)
-        l2 = transform(a2, row0 + 2, scale, bias_ptr, n_real, HAS_BIAS)
-        l3 = transform(a3, row0 + 3, scale, bias_ptr, n_real, HAS_BIAS)
-        m = gl.reduce(_nan_max(_nan_max(l0, l1), _nan_max(l2, l3)), 1, _nan_max)  # [4, N]
+        l0, l1, l2, l3, m, inv_t = _chunk_lanes(x, c, params, pid_v, bias_ptr, n_real, HAS_BIAS)
+        _w, j = _chunk_index(l0)
         m3 = gl.expand_dims(m, 1)
         m_safe = gl.where(m3 == float("-inf"), 0.0, m3)
         # the weights and their running sums in id order (4q + a), as the log-mass sums them
@@ -352,7 +351,7 @@ if AVAILABLE:
         scan_l: gl.constexpr = gl.BlockedLayout([1, 1, 2], [1, 8, 4], [4, 1, 1], [2, 1, 0])
         before = gl.associative_scan(gl.convert_layout(c3, scan_l), 1, _add)
         before = gl.convert_layout(before, c3.type.layout) - c3
-        u_layout: gl.constexpr = gl.SliceLayout(1, a0.type.layout)
+        u_layout: gl.constexpr = gl.SliceLayout(1, l0.type.layout)
         # (a layout of one rank less than the view: .index drops the leading dimension)
         u = params._reinterpret(gl.int32, [32, 4, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         u = gl.expand_dims(u.index(16 + c).load(u_layout).to(gl.float32, bitcast=True), 1)

@@ -68,6 +68,19 @@ def test_ws_kernel_chi2_and_hybrid_records(merge):
     assert chi2_pvalue(tokens, exact_probs(h, w, temperature=0.9)) > ALPHA
 
 
+def pp_case(B, D, with_bias, seed):
+    """bf16 h [B, D] and W [V, D] (V = 151936 at D >= 4096, else 2048: a multiple of 32), an
+    optional bias, temperatures with every 7th row greedy, and their row parameters."""
+    V = 2048 if D < 4096 else 151936
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = (torch.randn(V, D, device="cuda", generator=g) * 0.05).bfloat16()
+    h = torch.randn(B, D, device="cuda", generator=g).bfloat16()
+    bias = torch.randn(V, device="cuda", generator=g) if with_bias else None
+    temp = torch.rand(B, device="cuda", generator=g) + 0.5
+    temp[::7] = 0.0  # greedy rows
+    return V, h, w, bias, temp, row_params(h, temp, torch.arange(B, device="cuda") * 13 + 5, 9)
+
+
 @pytest.mark.skipif(not hopper(), reason="the ping-pong kernel is Hopper-only")
 @pytest.mark.parametrize("B,S,with_bias,need_mass,D,vocab_start",
                          [(200, 2, True, True, 96, 0), (256, 1, False, True, 96, 0),
@@ -79,14 +92,7 @@ def test_pp_kernel_records_equal_ws_records(B, S, with_bias, need_mass, D, vocab
     (S = 1 takes its chunk loop, S = 2 the unrolled sample loop; D = 96 ends on a partial TMA
     box; B = 130 and 200 end on a partial batch tile). Its log-masses are merged per warp, so
     they agree to rounding. Also through the P2P fan-out path (two local stand-in peers)."""
-    V = 2048 if D < 4096 else 151936
-    g = torch.Generator(device="cuda").manual_seed(B * 7 + S)
-    w = (torch.randn(V, D, device="cuda", generator=g) * 0.05).bfloat16()
-    h = torch.randn(B, D, device="cuda", generator=g).bfloat16()
-    bias = torch.randn(V, device="cuda", generator=g) if with_bias else None
-    temp = torch.rand(B, device="cuda", generator=g) + 0.5
-    temp[::7] = 0.0  # greedy rows
-    p = row_params(h, temp, torch.arange(B, device="cuda") * 13 + 5, 9)
+    V, h, w, bias, temp, p = pp_case(B, D, with_bias, seed=B * 7 + S)
     kw = dict(bias=bias, inv_temp=p.inv_temp, seed=p.seed, offset=p.offset, num_samples=S,
               n_real=V - 29, vocab_start=vocab_start, need_mass=need_mass)
     pp = dict(strategy="pp", BLOCK_B=128, NUM_STAGES=6, num_warps=4)
@@ -149,14 +155,7 @@ def test_pp_cdf_records_match_torch_records(B, with_bias, D, vocab_start, monkey
     rounding, greedy rows (every 7th) the first maximum, padded rows never."""
     from tpsample.torch_records import records_torch
     monkeypatch.setattr(fused, "CDF_GLUON", True)
-    V = 2048 if D < 4096 else 151936
-    g = torch.Generator(device="cuda").manual_seed(B * 11 + D)
-    w = (torch.randn(V, D, device="cuda", generator=g) * 0.05).bfloat16()
-    h = torch.randn(B, D, device="cuda", generator=g).bfloat16()
-    bias = torch.randn(V, device="cuda", generator=g) if with_bias else None
-    temp = torch.rand(B, device="cuda", generator=g) + 0.5
-    temp[::7] = 0.0
-    p = row_params(h, temp, torch.arange(B, device="cuda") * 13 + 5, 9)
+    V, h, w, bias, temp, p = pp_case(B, D, with_bias, seed=B * 11 + D)
     kw = dict(bias=bias, inv_temp=p.inv_temp, seed=p.seed, offset=p.offset, num_samples=1,
               n_real=V - 29, vocab_start=vocab_start)
     pp = dict(strategy="pp", BLOCK_B=128, NUM_STAGES=5, num_warps=4)

@@ -67,21 +67,29 @@ CONTENTION = (
     "    print('pp_trace_shape', int('PP_TRACE' in str(e)), 1)\n")
 
 
+def run_gluon_script(script: str, tmp_path) -> list[list[str]]:
+    """The whitespace-split lines `script` prints, run in a fresh process with the shipped
+    kernel knobs (none of KNOBS set, no interpreter); skips where the Gluon kernels do not
+    compile (another Triton)."""
+    from tpsample.kernels import gluon_sample
+    if not gluon_sample.AVAILABLE:
+        pytest.skip(f"the Gluon kernels are not written for Triton {triton.__version__}")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET" and k not in KNOBS}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    out = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return [line.split() for line in out.stdout.splitlines() if line.strip()]
+
+
 @pytest.mark.skipif(not os.path.exists(NVDISASM), reason="Triton ships no nvdisasm here")
 def test_contention_microbenchmark_keeps_the_instructions_it_times(tmp_path):
     """tpsample.contention's cost per instruction divides by OPS_PER_STEP: each kind's loop
     must hold that many of its instruction after ptxas (which fuses chained LOP3s, folds
     repeated conversions and turns some adds into IMADs, so a careless chain times less
     than it claims). Also: pp's clock trace compiles without spills and checks its shape."""
-    from tpsample.kernels import gluon_sample
-    if not gluon_sample.AVAILABLE:
-        pytest.skip(f"the Gluon kernels are not written for Triton {triton.__version__}")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET" and k not in KNOBS}
-    out = subprocess.run([sys.executable, "-c", CONTENTION], env=env, cwd=tmp_path,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    rows = [line.split() for line in out.stdout.splitlines() if line.strip()]
-    assert len(rows) == 14, out.stdout
+    rows = run_gluon_script(CONTENTION, tmp_path)
+    assert len(rows) == 14, rows
     for name, got, want in rows[:-2]:
         # the loop body once (plus a few outside it), not folded to fewer
         assert int(want) <= int(got) <= int(want) + 40, (name, got, want)
@@ -93,17 +101,7 @@ def test_hopper_kernels_compile_without_spills(tmp_path):
     """ws and pp as tpsample.fused launches them (shipped register budgets) compile for sm_90
     with no spilled words, one sample or two, and pp with the cdf records (perf notes v2.1:
     pp's S > 1 path spilled 134 words in v2.0)."""
-    from tpsample.kernels import gluon_sample
-    if not gluon_sample.AVAILABLE:
-        pytest.skip(f"the Gluon kernels are not written for Triton {triton.__version__}")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    for knob in KNOBS:
-        env.pop(knob, None)
-    out = subprocess.run([sys.executable, "-c", GLUON], env=env, cwd=tmp_path, capture_output=True,
-                         text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    rows = [tuple(int(x) for x in line.split()) for line in out.stdout.split("\n") if line.strip()]
+    rows = [tuple(int(x) for x in row) for row in run_gluon_script(GLUON, tmp_path)]
     assert len(rows) == 5
     for spilled, hgmma, total in rows:
         assert spilled == 0 and hgmma > 0 and total > 1000, (spilled, hgmma, total)
@@ -112,7 +110,7 @@ def test_hopper_kernels_compile_without_spills(tmp_path):
 PP_LOOPS = ("from tpsample import sass\n"
             "for kw in (dict(), dict(need_mass=True), dict(need_mass=True, cdf=True)):\n"
             "    per, body = sass.pp_chunk_loop(**kw)\n"
-            "    print(per, body['MUFU'], body['SHFL'], body['IMAD'] + body['IMAD.WIDE'])\n")
+            "    print(per, body['MUFU'], body['SHFL'])\n")
 
 
 @pytest.mark.skipif(not os.path.exists(NVDISASM), reason="Triton ships no nvdisasm here")
@@ -120,14 +118,7 @@ def test_pp_cdf_records_loop_is_the_cheapest(tmp_path):
     """pp's records loop per token (16 tokens per thread per pass; perf notes v2.3): the cdf
     records, which draw no per-token noise, take at most 42 instructions (39.9 on Triton 3.6),
     under 0.7 of the max merge's (59.2), whose log-mass variant takes 71.9."""
-    from tpsample.kernels import gluon_sample
-    if not gluon_sample.AVAILABLE:
-        pytest.skip(f"the Gluon kernels are not written for Triton {triton.__version__}")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET" and k not in KNOBS}
-    out = subprocess.run([sys.executable, "-c", PP_LOOPS], env=env, cwd=tmp_path,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    (plain, *_), (mass, *_), (cdf, mufu, shfl, imad) = [
-        [float(x) for x in line.split()] for line in out.stdout.splitlines() if line.strip()]
+    (plain, *_), (mass, *_), (cdf, mufu, shfl) = [
+        [float(x) for x in row] for row in run_gluon_script(PP_LOOPS, tmp_path)]
     assert 50 < plain < mass and mufu == 16 and shfl > 0
     assert cdf <= 42 and cdf < 0.7 * plain, (cdf, plain, mass)
