@@ -7,11 +7,16 @@ by strides (any, the last one 1). N = slots × tiles_per_slot groups per row; re
 slot n // tiles, tile n % tiles, as in merge.reduce_records. Each (sample, row) pair walks
 its N records in chunks, carrying the pathwise winner, the log-mass winner and an online
 logsumexp; a program handles BLOCK_R (sample, row) pairs at once.
+
+A chunk costs three cross-thread reductions (one over (score, token, logit) tuples, one over
+(lse max, NaN flag), one sum), four with the log-mass merge, and the group noise one Philox
+call per four records (its four words: the same words as gumbel_noise). v2.3 took six or
+eight reductions and a Philox call per record (perf notes v2.4).
 """
 import triton
 import triton.language as tl
 
-from .fused_sample import gumbel_noise
+from .fused_sample import bits_to_gumbel, philox
 
 NO_TOKEN = tl.constexpr(16777216.0)  # 2**24, above every valid id
 GROUP_STREAM = tl.constexpr(0x80000000)
@@ -24,17 +29,50 @@ def _better(score_a, tok_a, score_b, tok_b):
 
 
 @triton.jit
+def _pathwise(s1, t1, l1, s2, t2, l2):
+    """Combine for the pathwise winner: _better, and a NaN score loses to any number (as a
+    NaN-ignoring max would; a NaN score only comes with a degenerate row, whose token is 0)."""
+    take = _better(s1, t1, s2, t2) | ((s1 != s1) & (s2 == s2))
+    return tl.where(take, s2, s1), tl.where(take, t2, t1), tl.where(take, l2, l1)
+
+
+@triton.jit
+def _max_and_flag(m1, f1, m2, f2):
+    return tl.maximum(m1, m2), tl.maximum(f1, f2)
+
+
+@triton.jit
+def _keyed(k1, n1, t1, l1, k2, n2, t2, l2):
+    """Combine for the group choice: larger key, ties to the smaller record index."""
+    take = (k2 > k1) | ((k2 == k1) & (n2 < n1))
+    return tl.where(take, k2, k1), tl.where(take, n2, n1), tl.where(take, t2, t1), tl.where(take, l2, l1)
+
+
+@triton.jit
+def _group_gumbels(seed, off_lo, off_hi, c1, n0, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """gumbel_noise of records n0 + [0, BLOCK_N) (n0 % 4 == 0) for each of BLOCK_R rows:
+    one Philox call per four records, whose four words are the four records' words."""
+    q = (n0 // 4 + tl.arange(0, BLOCK_N // 4))[None, :]
+    zero = tl.zeros((BLOCK_R, BLOCK_N // 4), dtype=tl.uint32)
+    r0, r1, r2, r3 = philox(seed + zero.to(tl.int64), q.to(tl.uint32) + zero, c1 + zero,
+                            off_lo + zero, off_hi + zero)
+    x = tl.join(tl.join(r0, r2), tl.join(r1, r3))  # [R, N/4, k, a] holds word 2k + a
+    return bits_to_gumbel(tl.reshape(x, (BLOCK_R, BLOCK_N)))
+
+
+@triton.jit
 def reduce_records_kernel(
     rec_ptr, inv_temp_ptr, seed_ptr, offset_ptr, tokens_ptr, logprobs_ptr, logz_ptr,
     B, S, N, tiles_per_slot, rec_stride_slot, rec_stride_s, rec_stride_b, rec_stride_t, parity_ptr,
     parity_stride,
     LOGMASS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, USE_PARITY: tl.constexpr,
-    PDL: tl.constexpr = False,
+    ONE_SLOT: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     # USE_PARITY: the records are in buffer parity_ptr[0] of two, parity_stride elements apart;
     # parity_ptr[1] counts finished programs, and the last one flips the parity for the next
     # call (one launch less than a separate flip; in a CUDA graph it alternates all the same)
     # A program reduces BLOCK_R (sample, row) pairs; pair r is sample r // B of row r % B.
+    # ONE_SLOT: slots == 1 (N == tiles_per_slot): no integer division per record.
     # PDL: launched as a programmatic dependent of stage 1; wait until its records are visible.
     if PDL:
         tl.extra.cuda.gdc_wait()
@@ -52,7 +90,7 @@ def reduce_records_kernel(
     if USE_PARITY:
         parity = tl.load(parity_ptr)
         rec_ptr += parity.to(tl.int64) * parity_stride
-    row = rec_ptr + (s.to(tl.int64) * rec_stride_s + b.to(tl.int64) * rec_stride_b)[:, None]
+    row = (s.to(tl.int64) * rec_stride_s + b.to(tl.int64) * rec_stride_b)[:, None]
     inf = float("inf")
     best_s = tl.full((BLOCK_R,), -inf, tl.float32)
     best_t = tl.full((BLOCK_R,), NO_TOKEN, tl.float32)
@@ -66,17 +104,18 @@ def reduce_records_kernel(
     for n0 in range(0, N, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)[None, :]
         ok = (n < N) & r_ok[:, None]
-        at = (row + (n // tiles_per_slot).to(tl.int64) * rec_stride_slot
-              + (n % tiles_per_slot) * rec_stride_t)
-        sc = tl.load(at + 0, mask=ok, other=-inf)
-        tk = tl.load(at + 1, mask=ok, other=NO_TOKEN)
-        lg = tl.load(at + 2, mask=ok, other=0.0)
-        ls = tl.load(at + 3, mask=ok, other=-inf)
+        if ONE_SLOT:
+            at = row + n.to(tl.int64) * rec_stride_t
+        else:
+            at = (row + (n // tiles_per_slot).to(tl.int64) * rec_stride_slot
+                  + (n % tiles_per_slot) * rec_stride_t)
+        sc = tl.load(rec_ptr + at + 0, mask=ok, other=-inf)
+        tk = tl.load(rec_ptr + at + 1, mask=ok, other=NO_TOKEN)
+        lg = tl.load(rec_ptr + at + 2, mask=ok, other=0.0)
+        ls = tl.load(rec_ptr + at + 3, mask=ok, other=-inf)
 
         # pathwise max, smallest token among equal scores (merge.pathwise_max)
-        c_s = tl.max(sc, axis=1)
-        c_t = tl.min(tl.where(sc == c_s[:, None], tk, NO_TOKEN), axis=1)
-        c_l = tl.sum(tl.where((sc == c_s[:, None]) & (tk == c_t[:, None]), lg, 0.0), axis=1)
+        c_s, c_t, c_l = tl.reduce((sc, tk, lg), 1, _pathwise)
         take = _better(best_s, best_t, c_s, c_t) | (n0 == 0)
         best_s = tl.where(take, c_s, best_s)
         best_t = tl.where(take, c_t, best_t)
@@ -84,23 +123,24 @@ def reduce_records_kernel(
 
         # online logsumexp of the group log-masses (a NaN poisons the row)
         is_nan = ls != ls
-        any_nan = tl.maximum(any_nan, tl.max(is_nan.to(tl.int32), axis=1))
         ls = tl.where(is_nan, -inf, ls)
-        new_m = tl.maximum(run_m, tl.max(ls, axis=1))
+        c_m, c_nan = tl.reduce((ls, is_nan.to(tl.int32)), 1, _max_and_flag)
+        any_nan = tl.maximum(any_nan, c_nan)
+        new_m = tl.maximum(run_m, c_m)
         safe_m = tl.where(tl.abs(new_m) == inf, 0.0, new_m)
         run_sum = run_sum * tl.exp(run_m - safe_m) + tl.sum(tl.exp(ls - safe_m[:, None]), axis=1)
         run_m = new_m
 
         if LOGMASS:
-            # Group-Gumbel-Max (merge.group_gumbel_choice): argmax_k (L_k + h_k)
-            h = gumbel_noise(seed, off_lo, off_hi, c1, n)
+            # Group-Gumbel-Max (merge.group_gumbel_choice): argmax_k (L_k + h_k), the first
+            # index among equal keys
+            h = _group_gumbels(seed, off_lo, off_hi, c1, n0, BLOCK_R, BLOCK_N)
             key = tl.where(ok, ls + h, -inf)
-            k_s, k_i = tl.max(key, axis=1, return_indices=True, return_indices_tie_break_left=True)
-            k_sel = tl.arange(0, BLOCK_N)[None, :] == k_i[:, None]
+            k_s, _, k_t, k_l = tl.reduce((key, n + tl.zeros_like(r)[:, None], tk, lg), 1, _keyed)
             take_m = (k_s > mass_s) | (n0 == 0)
             mass_s = tl.where(take_m, k_s, mass_s)
-            mass_t = tl.where(take_m, tl.sum(tl.where(k_sel, tk, 0.0), axis=1), mass_t)
-            mass_l = tl.where(take_m, tl.sum(tl.where(k_sel, lg, 0.0), axis=1), mass_l)
+            mass_t = tl.where(take_m, k_t, mass_t)
+            mass_l = tl.where(take_m, k_l, mass_l)
 
     if LOGMASS:
         best_t = tl.where(greedy, best_t, mass_t)

@@ -275,7 +275,7 @@ def random_records(slots, S, B, T, seed=0):
     return torch.stack([score, token, logit, lse], dim=-1).contiguous()
 
 
-@pytest.mark.parametrize("launch", [None, (1, 128, 4), (1, 64, 4)])  # one pass / several chunks
+@pytest.mark.parametrize("launch", [None, (1, 128, 4), (1, 64, 4), (4, 32, 4)])  # one pass / chunks
 @pytest.mark.parametrize("merge_mode", ["max", "logmass"])
 def test_reduce_kernel_equals_merge_module(merge_mode, launch, device):
     slots, S, B, T = 3, 2, 6, 37

@@ -464,18 +464,20 @@ def reduce_records(records: torch.Tensor, inv_temp, seed, offset, merge: str, pa
     if launch is not None:
         block_r, block_n, num_warps = launch
     elif dev.type == "cuda":  # one (sample, row) per program, all its records in one pass
-        block_r, block_n = 1, min(4096, next_pow2(N))
+        block_r, block_n = 1, min(4096, max(4, next_pow2(N)))
         if merge in GROUP_MERGES:  # a Gumbel per record: 8 warps hide its latency better
             num_warps = 8  # (H200, D = 4096: 10.5-16.5 -> 9.1-12.5 us; max: no change)
     else:  # the interpreter pays per program, not per element
-        block_n = min(1024, next_pow2(N))
+        block_n = min(1024, max(4, next_pow2(N)))
         block_r = min(max(16384 // block_n, 1), next_pow2(B * S))
+    if block_n < 4 or block_n & (block_n - 1):
+        raise ValueError(f"launch BLOCK_N must be a power of 2 >= 4, got {block_n}")
     pdl = use_pdl(dev)
     run_kernel(reduce_records_kernel, (cdiv(B * S, block_r),), (
         records, inv_temp, seed, offset, tokens, logprobs, logz,
         B, S, N, T, *records.stride()[:4],
         parity if parity is not None else seed, parity_stride),
         dict(LOGMASS=merge in GROUP_MERGES, BLOCK_R=block_r, BLOCK_N=block_n,
-             USE_PARITY=parity is not None, PDL=pdl),
+             USE_PARITY=parity is not None, ONE_SLOT=slots == 1, PDL=pdl),
         dict(num_warps=num_warps, **({"launch_pdl": True} if pdl else {})))
     return tokens, logprobs, logz
