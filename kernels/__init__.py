@@ -1,9 +1,10 @@
-"""Triton kernels of tpsample (installed as tpsample.kernels). No torch.distributed here."""
-from .fused_sample import (fused_sample_records_kernel,
-                           fused_sample_records_persistent_kernel, gumbel_noise,
-                           logits_records_kernel)
-from . import gluon_pingpong, gluon_sample  # Hopper-only, warp-specialized (Gluon)
-from .reduce_records import reduce_records_kernel
+"""Triton and Gluon kernels of tpsample (installed as tpsample.kernels). No torch.distributed here.
 
-__all__ = ["fused_sample_records_kernel", "fused_sample_records_persistent_kernel",
-           "gluon_pingpong", "gluon_sample", "gumbel_noise", "logits_records_kernel", "reduce_records_kernel"]
+    fused_sample    stage 1: the fused LM-head + noise kernel and the records pass over logits
+    gluon_sample    stage 1 on Hopper: the warp-specialized kernel ("ws")
+    gluon_pingpong  stage 1 on Hopper: the ping-pong kernel ("pp")
+    reduce_records  stage 2: records → tokens, log-probs, log Z
+"""
+from . import fused_sample, gluon_pingpong, gluon_sample, reduce_records
+
+__all__ = ["fused_sample", "gluon_pingpong", "gluon_sample", "reduce_records"]

@@ -11,22 +11,18 @@ D, applies bias / temperature / padded-vocabulary mask, and writes one record pe
 Token ids are stored as float32 (exact below 2**24; the API checks vocab_size). The
 [B, V] logits never leave registers. See tpsample/merge.py for why the records suffice.
 """
-import os
-
 import triton
 import triton.language as tl
 from triton import knobs
 
+from .. import records
+
 TWO_POW_M23 = tl.constexpr(1.0 / 8388608.0)
 # The outer log of the noise on the MUFU (lg2.approx) instead of libdevice's logf (~30
-# instructions); the interpreter has no inline PTX and keeps tl.log (see noise.py for why
-# the approximation is harmless there and not for the inner log).
-# A/B timing: TPSAMPLE_EXACT_LOGS=1 takes libdevice's logf for both logs,
-# TPSAMPLE_LIBDEVICE_INNER_LOG=1 for the inner one only (the v2.0 noise).
-EXACT_LOGS = os.environ.get("TPSAMPLE_EXACT_LOGS", "0") == "1"
-FAST_OUTER_LOG = tl.constexpr(not knobs.runtime.interpret and not EXACT_LOGS)
-POLY_INNER_LOG = tl.constexpr(not EXACT_LOGS
-                              and os.environ.get("TPSAMPLE_LIBDEVICE_INNER_LOG", "0") != "1")
+# instructions); the interpreter has no inline PTX and keeps tl.log (tpsample/noise.py says
+# why the approximation is harmless there and not for the inner log, which neg_log_uniform
+# computes to full relative accuracy).
+FAST_OUTER_LOG = tl.constexpr(not knobs.runtime.interpret)
 # -ln(u) = -(n ln 2 + log1p(f)), u = 2**n (1 + f), f in [-1/3, 1/3); log1p(f) = f + f^2 P(f).
 # P: degree-7 fit to (log1p(f) - f) / f^2 (float32 coefficients, highest first). Over every
 # uniform the noise can produce the result is within 1.5 ulp of -ln(u) (tests/test_noise.py,
@@ -37,24 +33,12 @@ LOG1P_P = (0.14095425605773926, -0.15049511194229126, 0.13988324999809265,
 P7, P6, P5, P4, P3, P2, P1, P0 = (tl.constexpr(c) for c in LOG1P_P)
 ONE_MINUS_2M24 = tl.constexpr(1.0 - 2.0 ** -24)
 LN2_M23 = tl.constexpr(0.6931471805599453 / 8388608.0)
-# How Philox's 32 x 32 -> 64-bit multiplies are computed (the words are the same in all):
-# "wide" one mul.wide.u32 each (inline PTX, GPU only), except the PHILOX_HALVES of the 20
-# that take four 16 x 16-bit partial products of the low word instead: on Hopper an
-# IMAD.WIDE steals ~5 tensor-core cycles from a wgmma in flight, the partial products none,
-# but they take longer to issue (perf notes v2.2); "umulhi" Triton's tl.philox.
-# TPSAMPLE_PHILOX_MUL / TPSAMPLE_PHILOX_HALVES choose for A/B timing; TPSAMPLE_WIDE_MUL=0 is
-# the old spelling of "umulhi".
-PHILOX_MULS = ("wide", "umulhi")
-_mul_env = os.environ.get("TPSAMPLE_PHILOX_MUL",
-                          "umulhi" if os.environ.get("TPSAMPLE_WIDE_MUL", "1") == "0" else "wide")
-if _mul_env not in PHILOX_MULS:
-    raise ValueError(f"TPSAMPLE_PHILOX_MUL must be one of {PHILOX_MULS}, got {_mul_env!r}")
-PHILOX_MUL = tl.constexpr("umulhi" if knobs.runtime.interpret else _mul_env)
-PHILOX_HALVES = tl.constexpr(int(os.environ.get("TPSAMPLE_PHILOX_HALVES", "0")))
-if not 0 <= PHILOX_HALVES.value <= 20:
-    raise ValueError(f"TPSAMPLE_PHILOX_HALVES must be in [0, 20], got {PHILOX_HALVES.value}")
-CDF_STREAM = tl.constexpr(1 << 30)  # noise.CDF_STREAM, CDF_PICK_STREAM
-CDF_PICK_STREAM = tl.constexpr((1 << 30) | (1 << 29))
+# Philox's 32 x 32 -> 64-bit multiplies: one mul.wide.u32 each (inline PTX) on the GPU, where
+# Triton's tl.philox spends a umulhi and a mul; the same words (GPU test against tl.philox).
+# The interpreter runs tl.philox.
+PHILOX_MUL = tl.constexpr("umulhi" if knobs.runtime.interpret else "wide")
+CDF_STREAM = tl.constexpr(records.CDF_STREAM)
+CDF_PICK_STREAM = tl.constexpr(records.CDF_PICK_STREAM)
 NOISE_COEF = tl.constexpr(-0.6931471805599453 if FAST_OUTER_LOG.value else -1.0)  # gumbel_log
 
 
@@ -99,40 +83,20 @@ def _mul_wide_b(a):
 
 
 @triton.jit
-def _mul_halves(a, M: tl.constexpr):
-    """(high, low) words of a * M, uint32, from the 16-bit halves: a * M = a1 M1 2**32 +
-    (a1 M0 + a0 M1) 2**16 + a0 M0, summed so that no partial sum exceeds 32 bits (mid and
-    mid2 are < 2**32 - 2**16). Only low-word IMADs, shifts, masks and adds."""
-    M0: tl.constexpr = M & 0xFFFF
-    M1: tl.constexpr = M >> 16
-    a0 = a & 0xFFFF
-    a1 = a >> 16
-    mid = a1 * M0 + ((a0 * M0) >> 16)
-    mid2 = a0 * M1 + (mid & 0xFFFF)
-    return a1 * M1 + (mid >> 16) + (mid2 >> 16), tl.mul(a, M, sanitize_overflow=False)
-
-
-@triton.jit
-def _mul(a, M: tl.constexpr, m: tl.constexpr, MUL: tl.constexpr, HALVES: tl.constexpr):
-    """(high, low) words of a * M, uint32, for Philox's multiply m of 20: from 16-bit partial
-    products where MUL is "halves" or where floor(m HALVES / 20) steps (HALVES of the 20,
-    spread evenly), else one wide multiply."""
-    if MUL == "halves" or (m * HALVES) // 20 != ((m + 1) * HALVES) // 20:
-        return _mul_halves(a, M)
-    elif M == 0xD2511F53:
+def _mul(a, M: tl.constexpr):
+    """(high, low) words of a * M, uint32: one wide multiply."""
+    if M == 0xD2511F53:
         return _mul_wide_a(a)
     else:
         return _mul_wide_b(a)
 
 
 @triton.jit
-def philox_rounds(k0, k1, c0, c1, c2, c3, MUL: tl.constexpr, HALVES: tl.constexpr):
-    """Philox4x32-10 on uint32 words (key k0, k1); the same words as tl.philox. MUL "wide":
-    HALVES of the 20 multiplies from 16-bit halves, the others wide; "halves": all from
-    16-bit halves (what the interpreter can test)."""
+def philox_rounds(k0, k1, c0, c1, c2, c3):
+    """Philox4x32-10 on uint32 words (key k0, k1) with wide multiplies; the words of tl.philox."""
     for r in tl.static_range(10):
-        hi_b, lo_b = _mul(c2, 0xCD9E8D57, 2 * r, MUL, HALVES)
-        hi_a, lo_a = _mul(c0, 0xD2511F53, 2 * r + 1, MUL, HALVES)
+        hi_b, lo_b = _mul(c2, 0xCD9E8D57)
+        hi_a, lo_a = _mul(c0, 0xD2511F53)
         c0 = hi_b ^ c1 ^ k0
         c2 = hi_a ^ c3 ^ k1
         c1 = lo_b
@@ -145,14 +109,14 @@ def philox_rounds(k0, k1, c0, c1, c2, c3, MUL: tl.constexpr, HALVES: tl.constexp
 @triton.jit
 def philox(seed, c0, c1, c2, c3):
     """tl.philox (Philox4x32-10, key = the int64 seed's low and high words), bit for bit,
-    with the multiplies PHILOX_MUL and PHILOX_HALVES name. (Globals read here, not default
-    arguments: Triton keys its compile cache on the globals a kernel reads.)"""
-    return philox_with(seed, c0, c1, c2, c3, PHILOX_MUL, PHILOX_HALVES)
+    with the multiplies PHILOX_MUL names. (A global read here, not a default argument:
+    Triton keys its compile cache on the globals a kernel reads.)"""
+    return philox_with(seed, c0, c1, c2, c3, PHILOX_MUL)
 
 
 @triton.jit
-def philox_with(seed, c0, c1, c2, c3, MUL: tl.constexpr, HALVES: tl.constexpr = 0):
-    """philox with the multiplies MUL ("wide", "umulhi" or "halves") and HALVES name."""
+def philox_with(seed, c0, c1, c2, c3, MUL: tl.constexpr):
+    """philox with the multiplies MUL names: "wide" (GPU only) or "umulhi" (tl.philox)."""
     if MUL == "umulhi":
         return tl.philox(seed, c0, c1, c2, c3)
     else:
@@ -160,8 +124,7 @@ def philox_with(seed, c0, c1, c2, c3, MUL: tl.constexpr, HALVES: tl.constexpr = 
         k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
         k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
         return philox_rounds(k0, k1, c0.to(tl.uint32, bitcast=True), c1.to(tl.uint32, bitcast=True),
-                             c2.to(tl.uint32, bitcast=True), c3.to(tl.uint32, bitcast=True), MUL,
-                             HALVES)
+                             c2.to(tl.uint32, bitcast=True), c3.to(tl.uint32, bitcast=True))
 
 
 @triton.jit
@@ -187,10 +150,7 @@ def philox_word(seed, off_lo, off_hi, c1, gid):
 def gumbel_log(x):
     """The outer log of the noise of Philox words x in the units NOISE_COEF turns into
     Gumbel noise: g = NOISE_COEF * gumbel_log(x). log2 on the MUFU (the interpreter: ln)."""
-    if POLY_INNER_LOG:
-        e = neg_log_uniform(x)  # Exp(1); needs full relative accuracy near u = 1
-    else:
-        e = -tl.log(((x >> 9).to(tl.float32) + 0.5) * TWO_POW_M23)
+    e = neg_log_uniform(x)  # Exp(1); needs full relative accuracy near u = 1
     if FAST_OUTER_LOG:
         return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=f,f", [e],
                                          dtype=tl.float32, is_pure=True, pack=1)
@@ -254,8 +214,7 @@ def tile_records_epilogue(
     V_rows, n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs,
     parity_ptr, HAS_BIAS: tl.constexpr, ALIGNED4: tl.constexpr, BLOCK_V: tl.constexpr,
     BLOCK_B: tl.constexpr, NUM_PEERS: tl.constexpr, HALVINGS: tl.constexpr, TILE_MASS: tl.constexpr,
-    SAMPLES: tl.constexpr = 0, g_pre=None, PRE_NOISE: tl.constexpr = False,
-    CDF: tl.constexpr = False,
+    g_pre=None, PRE_NOISE: tl.constexpr = False, CDF: tl.constexpr = False,
 ):
     """acc [BLOCK_V, BLOCK_B] raw fp32 logits of tile pid_v → one record per (sample, row).
 
@@ -305,12 +264,6 @@ def tile_records_epilogue(
         sample_and_store(0, l, greedy, seed, off_lo, off_hi, tile_start, local, mask_b, lse,
                          rec_ptr, rec, peer_ptrs, parity_ptr, ALIGNED4, BLOCK_V,
                          BLOCK_B >> HALVINGS, NUM_PEERS, TILE_MASS, g_pre, True)
-    elif SAMPLES > 0:  # compile-time count: the persistent kernel needs a loop-free epilogue
-        for s in tl.static_range(SAMPLES):
-            sample_and_store(s, l, greedy, seed, off_lo, off_hi, tile_start, local, mask_b, lse,
-                             rec_ptr, rec + s * rec_stride_s, peer_ptrs, parity_ptr, ALIGNED4,
-                             BLOCK_V, BLOCK_B >> HALVINGS, NUM_PEERS, TILE_MASS, CDF=CDF,
-                             cdf_w=(e, e_sum, scaled) if CDF else None)
     else:
         for s in range(num_samples):
             sample_and_store(s, l, greedy, seed, off_lo, off_hi, tile_start, local, mask_b, lse,
@@ -443,7 +396,7 @@ def store_record(base, rec, best, token, logit, lse, mask):
 def store_record_16b(base, rec, best, token, logit, lse, mask):
     """The same as one [BB, 4] store of whole records, for stores into peers over NVLink, where
     every partial-sector write is its own transaction (with the tile-major exchange layout a
-    program's records are one contiguous run: perf notes v1.6). rec: multiples of 4, base
+    program's records are one contiguous run). rec: multiples of 4, base
     16-byte aligned: vector stores as wide as the layout gives a thread (2 fields at
     BLOCK_B = 64 with 4 warps, 4 where a thread holds a whole record)."""
     # join stacks on a new last axis: [BB, j, k] holds field 2j + k
@@ -565,36 +518,8 @@ def fused_sample_records_kernel(
     tile_records_epilogue(acc, pid_v, offs_b, mask_b, B, bias_ptr, inv_temp_ptr, seed_ptr,
                           offset_ptr, rec_ptr, V_rows, n_real, vocab_start, num_samples,
                           rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr, HAS_BIAS,
-                          ALIGNED4, BLOCK_V, BLOCK_B, NUM_PEERS, HALVINGS, TILE_MASS, 0, g,
+                          ALIGNED4, BLOCK_V, BLOCK_B, NUM_PEERS, HALVINGS, TILE_MASS, g,
                           NOISE_AT >= 0, CDF)
-
-
-@triton.jit
-def fused_sample_records_persistent_kernel(
-    h_ptr, w_ptr, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr,
-    B, D, V_rows, n_real, vocab_start, num_v_tiles,
-    stride_hb, stride_wv, rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr,
-    HAS_BIAS: tl.constexpr, EVEN_D: tl.constexpr, FP32_DOT: tl.constexpr, ALIGNED4: tl.constexpr,
-    BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr, SAMPLES: tl.constexpr, NUM_PEERS: tl.constexpr,
-    HALVINGS: tl.constexpr, TILE_MASS: tl.constexpr, PDL: tl.constexpr, CDF: tl.constexpr = False,
-):
-    """Same records; a fixed grid of programs walks the tiles, and the (tile, D-step) loop
-    nest is flattened so the loads of the next tile are in flight during this epilogue."""
-    num_b_tiles = tl.cdiv(B, BLOCK_B)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    for tile in tl.range(tl.program_id(0), num_v_tiles * num_b_tiles, NUM_PROGRAMS, flatten=True):
-        pid_b = tile % num_b_tiles
-        pid_v = tile // num_b_tiles
-        acc, offs_b, mask_b, _ = tile_logits(h_ptr, w_ptr, pid_v, pid_b, B, D, V_rows, stride_hb,
-                                             stride_wv, EVEN_D, FP32_DOT, BLOCK_V, BLOCK_B, BLOCK_D,
-                                             None)
-        tile_records_epilogue(acc, pid_v, offs_b, mask_b, B, bias_ptr, inv_temp_ptr, seed_ptr,
-                              offset_ptr, rec_ptr, V_rows, n_real, vocab_start, SAMPLES,
-                              rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr,
-                              HAS_BIAS, ALIGNED4, BLOCK_V, BLOCK_B, NUM_PEERS, HALVINGS, TILE_MASS,
-                              SAMPLES, CDF=CDF)
 
 
 @triton.jit

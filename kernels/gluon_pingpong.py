@@ -22,21 +22,9 @@ Philox groups in registers: a wgmma accumulator [128, N] gives each thread the r
 token 32w + 4j + 2r + h of the tile at that row, so a thread's four rows with the same
 (w, j) are tokens 4q + a (q = 8w + j, a = 2r + h): one Philox call, four tokens, the same
 bits as fused_sample.gumbel_noise_tile. W is read as the view [2, V/32, 2, 8, D] (r, 4·tile
-+ w, h, j, k), which needs V_rows % 32 == 0 (tpsample.fused.pp_supported).
++ w, h, j, k), which needs V_rows % 32 == 0 (tpsample.plan.gluon_refusal).
 """
-
-import os
-
-import triton.language as tl
-
 from .gluon_sample import AVAILABLE
-
-# Chunks per pass of pp's one-sample records loop (1, 2 or 4): the loop rotates the chunks
-# not yet done through its registers, 112 moves per pass at 1 (perf notes v2.3). For A/B
-# timing: TPSAMPLE_PP_UNROLL. (A global, so Triton's compile cache keys on it.)
-PP_UNROLL = tl.constexpr(int(os.environ.get("TPSAMPLE_PP_UNROLL", "1")))
-if PP_UNROLL.value not in (1, 2, 4):
-    raise ValueError(f"TPSAMPLE_PP_UNROLL must be 1, 2 or 4, got {PP_UNROLL.value}")
 
 
 if AVAILABLE:
@@ -180,23 +168,10 @@ if AVAILABLE:
         _stage_params(params, b0, tile_start, inv_temp_ptr, seed_ptr, offset_ptr, B, CDF)
         gl.thread_barrier()
         if SINGLE:
-            for c in range(0, 8, PP_UNROLL):
+            for c in range(0, 8):  # rotate the chunks not yet done through the registers
                 _chunk_one_sample(k0, c, part_a, part_b, params, pid_v, bias_ptr, n_real,
                                   tile_start, HAS_BIAS, TILE_MASS, CDF)
-                if PP_UNROLL == 1:
-                    k0, k1, k2, k3, k4, k5, k6, k7 = k1, k2, k3, k4, k5, k6, k7, k0
-                elif PP_UNROLL == 2:
-                    _chunk_one_sample(k1, c + 1, part_a, part_b, params, pid_v, bias_ptr, n_real,
-                                      tile_start, HAS_BIAS, TILE_MASS, CDF)
-                    k0, k1, k2, k3, k4, k5, k6, k7 = k2, k3, k4, k5, k6, k7, k0, k1
-                else:
-                    _chunk_one_sample(k1, c + 1, part_a, part_b, params, pid_v, bias_ptr, n_real,
-                                      tile_start, HAS_BIAS, TILE_MASS, CDF)
-                    _chunk_one_sample(k2, c + 2, part_a, part_b, params, pid_v, bias_ptr, n_real,
-                                      tile_start, HAS_BIAS, TILE_MASS, CDF)
-                    _chunk_one_sample(k3, c + 3, part_a, part_b, params, pid_v, bias_ptr, n_real,
-                                      tile_start, HAS_BIAS, TILE_MASS, CDF)
-                    k0, k1, k2, k3, k4, k5, k6, k7 = k4, k5, k6, k7, k0, k1, k2, k3
+                k0, k1, k2, k3, k4, k5, k6, k7 = k1, k2, k3, k4, k5, k6, k7, k0
             gl.thread_barrier()
             _merge_warps(part_a, part_b, params, pid_v, b0, 0, tile_start, rec_ptr, B,
                          rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr,
@@ -523,7 +498,7 @@ if AVAILABLE:
         [128, BLOCK_K]. NUM_PEERS > 0: the records go to every peer, as in ws_records_kernel.
         TRACE: trace_ptr [num_tiles, 4] int64 ← the tile's consumer's SM clock (clock64)
         before its wait for the other's MMAs, before its first MMA, once its MMAs are done
-        and once its records are out (tpsample.fused.PP_TRACE). CDF: the "cdf" merge's records
+        and once its records are out (a plan with trace=True: tools/probe.py). CDF: the "cdf" merge's records
         (_tile_records; SINGLE and TILE_MASS only)."""
         BLOCK_K: gl.constexpr = w_desc.block_type.shape[4]
         BLOCK_B: gl.constexpr = h_desc.block_type.shape[0]

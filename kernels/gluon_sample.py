@@ -13,8 +13,7 @@ partitions that talk through mbarriers:
 
 While the epilogue turns tile i into records, the mma warps already accumulate tile i + 1
 and the loader keeps the HBM stream going: the noise runs in other warps than the matmul,
-where in the Triton kernels it kept them ≥ 1.10 × cuBLAS at B ≥ 128 (docs/perf-notes.md,
-v1.7; v2.1 for what it still costs at B = 256).
+where in the Triton kernels it kept them ≥ 1.10 × cuBLAS at B ≥ 128 on H100 (docs/design.md).
 
 The noise is bit-identical to fused_sample.gumbel_noise_tile: Philox (seed_b; id >> 2, s,
 offset_b) word id & 3 for the token with global id `id`. The epilogue reads the tile from
@@ -30,7 +29,7 @@ import triton.language as tl
 # The Triton versions whose Gluon API these kernels (and gluon_pingpong's) are written for
 # and run on (the devices' 3.6). Gluon is experimental and changes between releases (3.9
 # renamed thread_barrier and removed async_copy_global_to_shared), so elsewhere the kernels
-# are not used: tpsample.fused falls back to the cuBLAS + records-pass path and says so once.
+# are not used: tpsample.plan falls back to the cuBLAS + records-pass path and says so once.
 GLUON_VERSIONS = ((3, 6),)
 TRITON_VERSION = tuple(int(x) for x in triton.__version__.split(".")[:2])
 

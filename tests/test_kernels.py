@@ -1,26 +1,17 @@
-"""Deterministic checks: kernels (Triton, interpreted on CPU) == reference == torch path."""
+"""Stage-1 Triton kernels (interpreted on CPU): records == torch path, tokens == reference."""
 import pytest
 import torch
 
 import tpsample
-from tpsample import fused, merge, noise
-from tpsample.api import row_params
+from tpsample import merge, noise, records
+from tpsample.params import row_params
 from tpsample.reference import reference_sample
 
+import kernel_cases as kc
 from cases import random_inputs
+from kernel_cases import near_tie_ok
 
 BACKENDS = ["triton", "torch"]
-
-
-def near_tie_ok(ref, tokens, scale):
-    """Rows where tokens differ from the reference must be fp32 near-ties of the reference's
-    own perturbed scores (|z_a - z_b| within rounding of logits of size `scale`)."""
-    B, S = tokens.shape
-    for b, s in (tokens != ref.tokens).nonzero().tolist():
-        z = ref.scores[b, s]
-        gap = (z[ref.tokens[b, s]] - z[tokens[b, s]]).abs().item()
-        assert gap <= 1e-5 * scale, f"row {b} sample {s}: tokens differ with score gap {gap}"
-    return int((tokens != ref.tokens).sum())
 
 
 def params(B, device, seed=0):
@@ -90,7 +81,7 @@ def test_cdf_matches_reference(backend, device):
     assert torch.equal(ref.tokens[greedy], ref.scores[greedy].argmax(-1))
 
 
-@pytest.mark.parametrize("strategy", ["fused", "persistent", "logits"])
+@pytest.mark.parametrize("strategy", ["fused", "logits"])
 def test_cdf_records_of_every_strategy_match_torch(strategy, device):
     """Every Triton strategy writes the torch path's cdf records, also for a shard starting at
     an id that is not a multiple of 4 (the uniforms are keyed by the tile's first id)."""
@@ -99,19 +90,19 @@ def test_cdf_records_of_every_strategy_match_torch(strategy, device):
     h, w = random_inputs(B, D, V, torch.float32, device, seed=22)
     temp, seeds, offsets = params(B, device, seed=5)
     p = row_params(h, temp, seeds, offsets)
-    cfg = dict(strategy=strategy, BLOCK_B=16, BLOCK_D=32, NUM_STAGES=1, num_warps=4, PROGRAMS_PER_SM=2)
+    cfg = dict(strategy=strategy, BLOCK_B=16, BLOCK_D=32, NUM_STAGES=1, num_warps=4)
     for start in (0, 6):
         kw = dict(bias=None, inv_temp=p.inv_temp, seed=p.seed, offset=p.offset, num_samples=2,
                   n_real=V - 5, vocab_start=start)
-        got = fused.fused_records(h, w, config=cfg, cdf=True, **kw).cpu()
+        got = kc.fused_records(h, w, config=cfg, cdf=True, **kw).cpu()
         want = records_torch(h.cpu(), w.cpu(), **{k: v.cpu() if torch.is_tensor(v) else v
                                                   for k, v in kw.items()}, cdf=True)
         assert torch.equal(got[..., 1], want[..., 1])
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
         if start == 0:  # not the records of the Gumbel-max path
-            assert not torch.equal(got[..., 1], fused.fused_records(h, w, config=cfg, **kw).cpu()[..., 1])
+            assert not torch.equal(got[..., 1], kc.fused_records(h, w, config=cfg, **kw).cpu()[..., 1])
     with pytest.raises(ValueError, match="need_mass"):
-        fused.fused_records(h, w, config=cfg, cdf=True, need_mass=False, **kw)
+        kc.fused_records(h, w, config=cfg, cdf=True, need_mass=False, **kw)
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-3), (torch.float16, 1e-3)])
@@ -163,8 +154,8 @@ def test_tokens_invariant_to_tile_sizes_and_backend(device):
                 dict(strategy="ws", BLOCK_B=128, NUM_STAGES=4, EPI_B=64, num_warps=8),
                 # and the ping-pong kernel's: "ws", then "logits"
                 dict(strategy="pp", BLOCK_B=128, NUM_STAGES=6, num_warps=4)]:
-        rec = fused.fused_records(h, w, config=cfg, **kw)
-        results.append(fused.reduce_records(rec[None], p.inv_temp, p.seed, p.offset, "max")[0].cpu())
+        rec = kc.fused_records(h, w, config=cfg, **kw)
+        results.append(kc.reduce_records(rec[None], p.inv_temp, p.seed, p.offset, "max")[0].cpu())
     from tpsample.torch_records import records_torch
     for tile in (64, 128, 256):
         rec = records_torch(h.cpu(), w.cpu(), tile=tile, **{k: (v.cpu() if torch.is_tensor(v) else v)
@@ -174,7 +165,7 @@ def test_tokens_invariant_to_tile_sizes_and_backend(device):
     for r in results[1:]:
         assert torch.equal(r, results[0])
     with pytest.raises(ValueError, match="BLOCK_B of the ping-pong kernel"):
-        fused.fused_records(h, w, config=dict(strategy="pp", BLOCK_B=64, NUM_STAGES=6,
+        kc.fused_records(h, w, config=dict(strategy="pp", BLOCK_B=64, NUM_STAGES=6,
                                               num_warps=4), **kw)
 
 
@@ -193,8 +184,8 @@ def test_padding_column_trim_is_invisible(B, device):
               n_real=V - 7)
     cfg = dict(strategy="fused", BLOCK_B=16, BLOCK_D=32, NUM_STAGES=1, num_warps=4)
     for start in (0, 5):
-        trimmed = fused.fused_records(h, w, vocab_start=start, config=cfg, **kw)
-        full = fused.fused_records(h, w, vocab_start=start, config=dict(cfg, TRIM=False), **kw)
+        trimmed = kc.fused_records(h, w, vocab_start=start, config=cfg, **kw)
+        full = kc.fused_records(h, w, vocab_start=start, config=dict(cfg, TRIM=False), **kw)
         assert torch.equal(trimmed[..., :3], full[..., :3])
         torch.testing.assert_close(trimmed[..., 3], full[..., 3], rtol=1e-6, atol=1e-6)
 
@@ -207,8 +198,8 @@ def test_tma_weight_loads_match_pointer_loads(D, device):
     p = row_params(h, 0.8, torch.arange(B, device=device), 1)
     kw = dict(bias=None, inv_temp=p.inv_temp, seed=p.seed, offset=p.offset, num_samples=1, n_real=V)
     cfg = dict(strategy="fused", BLOCK_B=16, BLOCK_D=32, NUM_STAGES=1, num_warps=4)
-    assert torch.equal(fused.fused_records(h, w, config=dict(cfg, TMA=True), **kw),
-                       fused.fused_records(h, w, config=cfg, **kw))
+    assert torch.equal(kc.fused_records(h, w, config=dict(cfg, TMA=True), **kw),
+                       kc.fused_records(h, w, config=cfg, **kw))
 
 
 def test_skipping_tile_mass_keeps_tokens_and_degenerate_rows(device):
@@ -221,11 +212,11 @@ def test_skipping_tile_mass_keeps_tokens_and_degenerate_rows(device):
     bias = torch.zeros(V, device=device)
     p = row_params(h, 1.0, torch.arange(B, device=device), 3)
     kw = dict(bias=bias, inv_temp=p.inv_temp, seed=p.seed, offset=p.offset, num_samples=2, n_real=V)
-    with_mass = fused.fused_records(h, w, **kw)
-    without = fused.fused_records(h, w, need_mass=False, **kw)
+    with_mass = kc.fused_records(h, w, **kw)
+    without = kc.fused_records(h, w, need_mass=False, **kw)
     assert torch.equal(with_mass[..., :2], without[..., :2])
-    t_with = fused.reduce_records(with_mass[None], p.inv_temp, p.seed, p.offset, "max")[0]
-    t_without = fused.reduce_records(without[None], p.inv_temp, p.seed, p.offset, "max")[0]
+    t_with = kc.reduce_records(with_mass[None], p.inv_temp, p.seed, p.offset, "max")[0]
+    t_without = kc.reduce_records(without[None], p.inv_temp, p.seed, p.offset, "max")[0]
     assert torch.equal(t_with, t_without)
     assert (t_with[1] == 0).all()
     out = tpsample.sample(h, w, bias=torch.full((V,), float("-inf"), device=device), seed=1)
@@ -239,7 +230,7 @@ def test_unaligned_vocab_start_noise_path_matches(device):
     p = row_params(h, 1.0, torch.arange(B, device=device), 0)
     kw = dict(bias=None, inv_temp=p.inv_temp, seed=p.seed, offset=p.offset, num_samples=2, n_real=V)
     for start in (0, 3, 130):
-        rec = fused.fused_records(h, w, vocab_start=start, **kw).cpu()
+        rec = kc.fused_records(h, w, vocab_start=start, **kw).cpu()
         g = noise.gumbel(p.seed.cpu()[:, None], p.offset.cpu()[:, None], 1,
                          start + torch.arange(V)[None, :])
         l = h.cpu() @ w.cpu().T
@@ -284,7 +275,7 @@ def test_reduce_kernel_equals_merge_module(merge_mode, launch, device):
     seed = torch.arange(B) * 1000 + 1
     off = torch.arange(B)
     want = merge.reduce_records(rec, seed, off, inv_temp == 0, merge_mode)
-    got = fused.reduce_records(rec.to(device), inv_temp.to(device), seed.to(device), off.to(device),
+    got = kc.reduce_records(rec.to(device), inv_temp.to(device), seed.to(device), off.to(device),
                                merge_mode, launch=launch)
     assert torch.equal(got[0].cpu(), want[0])
     assert torch.allclose(got[1].cpu(), want[1], atol=1e-5, equal_nan=True)
@@ -298,7 +289,7 @@ def test_fanout_stores_into_every_peer_buffer_of_the_selected_parity(parity_valu
     B, D, V, world, rank = 5, 32, 300, 3, 1
     h, w = random_inputs(B, D, V, torch.float32, device, seed=8)
     p = row_params(h, 1.0, torch.arange(B, device=device), 0)
-    T = fused.num_tiles(V)
+    T = records.num_tiles(V)
     numel = 2 * B * T * 4  # S = 2
     half = world * numel
     peers = [torch.full((2 * half,), -7.0, device=device) for _ in range(world)]
@@ -306,9 +297,9 @@ def test_fanout_stores_into_every_peer_buffer_of_the_selected_parity(parity_valu
                         dtype=torch.int64, device=device)
     parity = torch.tensor([parity_value, 0], dtype=torch.int32, device=device)
     kw = dict(bias=None, inv_temp=p.inv_temp, seed=p.seed, offset=p.offset, num_samples=2, n_real=V)
-    want = fused.fused_records(h, w, **kw)
-    view = lambda flat: fused.records_view(flat, 2, B, T, tile_major=True)  # noqa: E731 (as VocabParallelSampler)
-    fused.fused_records(h, w, out=view(torch.empty(numel, device=device)), peer_ptrs=ptrs, parity=parity, **kw)
+    want = kc.fused_records(h, w, **kw)
+    view = lambda flat: records.records_view(flat, 2, B, T, tile_major=True)  # noqa: E731 (as VocabParallelSampler)
+    kc.fused_records(h, w, out=view(torch.empty(numel, device=device)), peer_ptrs=ptrs, parity=parity, **kw)
     for t in peers:
         got = view(t.view(2, world, numel)[parity_value, rank])
         assert torch.equal(got, want)
@@ -318,10 +309,10 @@ def test_fanout_stores_into_every_peer_buffer_of_the_selected_parity(parity_valu
     view(peers[0].view(2, world, numel)[parity_value]).copy_(
         want[None].expand(world, *want.shape))  # every slot valid
     assert parity.tolist() == [parity_value, 0]  # stage 1 reads the parity, never flips it
-    got = fused.reduce_records(full, p.inv_temp, p.seed, p.offset, "max", parity=parity, parity_stride=half)
+    got = kc.reduce_records(full, p.inv_temp, p.seed, p.offset, "max", parity=parity, parity_stride=half)
     assert parity.tolist() == [1 - parity_value, 0]  # stage 2's last program flipped it, reset the count
     parity[0] = parity_value  # one program per (sample, row): 10 programs, still one flip
-    again = fused.reduce_records(full, p.inv_temp, p.seed, p.offset, "max", parity=parity, parity_stride=half,
+    again = kc.reduce_records(full, p.inv_temp, p.seed, p.offset, "max", parity=parity, parity_stride=half,
                                  launch=(1, 256, 4))
     assert parity.tolist() == [1 - parity_value, 0] and torch.equal(again[0], got[0])
     ref = merge.reduce_records(want[None].expand(world, *want.shape).cpu(), p.seed.cpu(), p.offset.cpu(),
@@ -329,7 +320,7 @@ def test_fanout_stores_into_every_peer_buffer_of_the_selected_parity(parity_valu
     assert torch.equal(got[0].cpu(), ref[0])
 
 
-@pytest.mark.parametrize("strategy", ["fused", "persistent", "logits"])
+@pytest.mark.parametrize("strategy", ["fused", "logits"])
 def test_records_land_the_same_in_any_layout(strategy, device):
     """Stage 1 writes through strides: the default row-major buffer, a tile-major [S, T, B, 4]
     one seen as [S, B, T, 4] and a padded slot get identical records; a misaligned or
@@ -337,40 +328,27 @@ def test_records_land_the_same_in_any_layout(strategy, device):
     B, D, V = 6, 64, 300
     h, w = random_inputs(B, D, V, torch.float32, device, seed=21)
     p = row_params(h, 0.7, torch.arange(B, device=device), 1)
-    T = fused.num_tiles(V)
-    cfg = dict(strategy=strategy, BLOCK_B=16, BLOCK_D=32, NUM_STAGES=1, num_warps=4, PROGRAMS_PER_SM=2)
+    T = records.num_tiles(V)
+    cfg = dict(strategy=strategy, BLOCK_B=16, BLOCK_D=32, NUM_STAGES=1, num_warps=4)
     kw = dict(bias=None, inv_temp=p.inv_temp, seed=p.seed, offset=p.offset, num_samples=2, n_real=V - 5,
               config=cfg)
-    want = fused.fused_records(h, w, **kw)
+    want = kc.fused_records(h, w, **kw)
     assert want.stride() == (B * T * 4, T * 4, 4, 1)
     tiles = torch.full((2, T, B, 4), -3.0, device=device).transpose(1, 2)
     padded = torch.full((2, B, T + 1, 4), -3.0, device=device)[:, :, :T]
     for out in (tiles, padded):
-        fused.fused_records(h, w, out=out, **kw)
+        kc.fused_records(h, w, out=out, **kw)
         assert torch.equal(out, want)
     assert (padded.as_strided((2, B, 4), (B * (T + 1) * 4, (T + 1) * 4, 1), T * 4) == -3.0).all()
     for merge_mode in ("max", "logmass"):  # stage 2 reads through strides too
-        ref = fused.reduce_records(want[None], p.inv_temp, p.seed, p.offset, merge_mode)
-        got = fused.reduce_records(tiles[None], p.inv_temp, p.seed, p.offset, merge_mode)
+        ref = kc.reduce_records(want[None], p.inv_temp, p.seed, p.offset, merge_mode)
+        got = kc.reduce_records(tiles[None], p.inv_temp, p.seed, p.offset, merge_mode)
         assert all(torch.equal(a, b) for a, b in zip(got, ref))
     bad = torch.empty(2 * B * T * 4 + 1, device=device)[1:].view(2, B, T, 4)
     with pytest.raises(ValueError, match="16-byte aligned"):
-        fused.fused_records(h, w, out=bad, **kw)
+        kc.fused_records(h, w, out=bad, **kw)
     with pytest.raises(ValueError, match="strides multiples of 4"):
-        fused.fused_records(h, w, out=torch.empty(2, B, T, 8, device=device)[..., ::2], **kw)
-
-
-def test_persistent_strategy_matches_tiled(device):
-    B, D, V = 20, 64, 700
-    h, w = random_inputs(B, D, V, torch.float32, device, seed=12)
-    p = row_params(h, 0.9, torch.arange(B, device=device), 2)
-    kw = dict(bias=torch.randn(V, device=device), inv_temp=p.inv_temp, seed=p.seed, offset=p.offset,
-              num_samples=2, n_real=650)
-    want = fused.fused_records(h, w, **kw)
-    got = fused.fused_records(h, w, config=dict(strategy="persistent", BLOCK_B=16, BLOCK_D=32,
-                                                NUM_STAGES=2, num_warps=4, PROGRAMS_PER_SM=3), **kw)
-    assert torch.allclose(got, want, atol=1e-5, rtol=1e-6)
-    assert torch.equal(got[..., 1], want[..., 1])
+        kc.fused_records(h, w, out=torch.empty(2, B, T, 8, device=device)[..., ::2], **kw)
 
 
 @pytest.mark.parametrize("B,D,noise_step,chunks", [(3, 64, 0.5, 1), (20, 40, 0.0, 1), (20, 40, 1.0, 1),
@@ -389,8 +367,8 @@ def test_noise_drawn_in_main_loop_is_invisible(B, D, noise_step, chunks, device)
     for samples, start in ((1, 0), (1, 6), (2, 0)):
         kw = dict(bias=bias, inv_temp=p.inv_temp, seed=p.seed, offset=p.offset,
                   num_samples=samples, n_real=V - 3, vocab_start=start)
-        early = fused.fused_records(h, w, config=dict(cfg, NOISE_STEP=noise_step, NOISE_CHUNKS=chunks), **kw)
-        assert torch.equal(early, fused.fused_records(h, w, config=cfg, **kw))
+        early = kc.fused_records(h, w, config=dict(cfg, NOISE_STEP=noise_step, NOISE_CHUNKS=chunks), **kw)
+        assert torch.equal(early, kc.fused_records(h, w, config=cfg, **kw))
 
 
 def test_kernel_noise_matches_reference_noise(device):
@@ -408,7 +386,7 @@ def test_kernel_noise_matches_reference_noise(device):
     bias[chosen] = 0.0
     seeds = torch.arange(B, dtype=torch.int64) * 7919 - 5
     p = row_params(h, 1.0, seeds.to(device), 3)
-    rec = fused.fused_records(h, w, bias=bias.to(device), inv_temp=p.inv_temp, seed=p.seed,
+    rec = kc.fused_records(h, w, bias=bias.to(device), inv_temp=p.inv_temp, seed=p.seed,
                               offset=p.offset, num_samples=1, n_real=V).cpu()
     ref = noise.gumbel(seeds[:, None], torch.full((B, 1), 3), 0, chosen[None, :])
     assert torch.equal(rec[0, :, :, 1], chosen[None, :].float().expand(B, -1))

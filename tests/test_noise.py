@@ -85,15 +85,14 @@ def test_kernel_inner_log_within_1p5_ulp_for_every_uniform(device):
 
 
 @triton.jit
-def _philox_both_kernel(seed_ptr, ctr_ptr, out_ptr, N: tl.constexpr, MUL: tl.constexpr,
-                        HALVES: tl.constexpr):
+def _philox_both_kernel(seed_ptr, ctr_ptr, out_ptr, N: tl.constexpr, MUL: tl.constexpr):
     i = tl.arange(0, N)
     seed = tl.load(seed_ptr + i)
     c0 = tl.load(ctr_ptr + 4 * i).to(tl.uint32, bitcast=True)
     c1 = tl.load(ctr_ptr + 4 * i + 1).to(tl.uint32, bitcast=True)
     c2 = tl.load(ctr_ptr + 4 * i + 2).to(tl.uint32, bitcast=True)
     c3 = tl.load(ctr_ptr + 4 * i + 3).to(tl.uint32, bitcast=True)
-    a0, a1, a2, a3 = philox_with(seed, c0, c1, c2, c3, MUL, HALVES)
+    a0, a1, a2, a3 = philox_with(seed, c0, c1, c2, c3, MUL)
     b0, b1, b2, b3 = tl.philox(seed, c0, c1, c2, c3)
     row = out_ptr + 8 * i
     tl.store(row + 0, a0.to(tl.int32, bitcast=True))
@@ -106,12 +105,11 @@ def _philox_both_kernel(seed_ptr, ctr_ptr, out_ptr, N: tl.constexpr, MUL: tl.con
     tl.store(row + 7, b3.to(tl.int32, bitcast=True))
 
 
-@pytest.mark.parametrize("mul,halves", [("halves", 0), ("wide", 0), ("wide", 7), ("wide", 20)])
-def test_philox_multiplies_equal_tl_philox(device, mul, halves):
-    """fused_sample.philox with its multiplies from 16-bit partial products, as one
-    mul.wide.u32 each (GPU only: inline PTX) or a mix is Triton's Philox4x32-10 bit for bit,
-    and matches the torch reference (noise.philox4x32), extremes included (all-ones words
-    carry through every partial sum)."""
+@pytest.mark.parametrize("mul", ["umulhi", "wide"])
+def test_philox_multiplies_equal_tl_philox(device, mul):
+    """fused_sample.philox with its multiplies as one mul.wide.u32 each (GPU only: inline PTX)
+    is Triton's Philox4x32-10 bit for bit, and both match the torch reference
+    (noise.philox4x32), extremes included (all-ones words)."""
     if mul == "wide" and device.type != "cuda":
         pytest.skip("inline PTX: GPU only")
     g = torch.Generator().manual_seed(11)
@@ -122,7 +120,7 @@ def test_philox_multiplies_equal_tl_philox(device, mul, halves):
     ctr[:3] = torch.tensor([[-1, -1, -1, -1], [0, 0, 0, 0], [-65536, 65535, -1, 65535]],
                            dtype=torch.int32)
     out = torch.empty(n, 8, dtype=torch.int32, device=device)
-    _philox_both_kernel[(1,)](seed.to(device), ctr.to(device), out, N=n, MUL=mul, HALVES=halves)
+    _philox_both_kernel[(1,)](seed.to(device), ctr.to(device), out, N=n, MUL=mul)
     out = out.cpu()
     assert torch.equal(out[:, :4], out[:, 4:])
     u32 = lambda t: t.to(torch.int64) & noise.MASK32  # noqa: E731

@@ -108,18 +108,33 @@ def test_replay_reruns_torch_steps_and_keeps_no_tensors():
                for a in args)
 
 
-def test_call_replays_keep_only_replayable_calls_up_to_the_limit():
-    """CallReplays (api._REPLAYS) keeps a call whose stage 1 is all replayable launches, drops
-    everything when full, and reports its size (the GPU replay test relies on len and clear)."""
-    from tpsample import fused
+def test_call_replays_keep_only_complete_calls_up_to_the_limit():
+    """CallReplays keeps a call with both stages recorded and launches that have Triton's
+    launcher API, drops everything when full, and reports its size (the GPU replay test
+    relies on len and clear)."""
     calls = replay.CallReplays(limit=2)
-    step = [(fused.logits_fp32, None, None, (), None)]
-    calls.add("a", step, {}, [], {})
-    calls.add("b", [(print, None, None, (), None)], {}, [], {})  # not replayable: not kept
-    calls.add(None, step, {}, [], {})  # no key: not kept
+    step = [(print, None, None, (), None)]
+    launch = [(FakeJit, FakeCompiled(), (1,), (None, None, None, 3), {"BLOCK": 2})]
+    calls.add("a", step, {}, launch, {})
+    calls.add("b", step, {}, [], {})  # stage 2 not recorded: not kept
+    calls.add(None, step, {}, launch, {})  # no key: not kept
+    calls.add("e", step, {}, [(FakeJit, object(), (1,), (), {})], {})  # no launcher API: not kept
     assert len(calls) == 1 and calls.get("a") is not None and calls.get("b") is None
-    calls.add("c", step, {}, [], {})
-    calls.add("d", step, {}, [], {})  # full: the earlier calls are dropped
+    calls.add("c", step, {}, launch, {})
+    calls.add("d", step, {}, launch, {})  # full: the earlier calls are dropped
     assert len(calls) == 1 and calls.get("d") is not None
     calls.clear()
     assert len(calls) == 0
+
+
+def test_replay_is_gated_on_the_tested_triton_versions(monkeypatch):
+    assert replay.SUPPORTED == (replay.TRITON_VERSION in replay.TESTED_TRITON)
+    monkeypatch.setattr(replay, "ENABLED", False)
+    assert not replay.Replay.usable()
+
+
+def test_recorder_logs_launches_and_steps_only_inside_record():
+    replay.run_step(lambda x: x + 1, (1,))
+    with replay.record() as log:
+        assert replay.run_step(lambda x: x + 1, (1,)) == 2
+    assert len(log) == 1 and log[0][1] is None and log[0][4] == 2

@@ -1,10 +1,18 @@
-"""tpsample: exact fused LM-head sampling (FlashSampling) for single GPU and tensor parallel."""
-from .api import SampleOutput, sample
+"""tpsample: exact fused LM-head sampling (FlashSampling) for single GPU and tensor parallel.
+
+    sample(hidden, weight, ...)          one device                  (tpsample/api.py)
+    VocabParallelSampler(shard, ...)     a vocabulary-parallel head  (tpsample/parallel.py)
+    OnlineSampler(B, ...)                logits arriving in chunks   (tpsample/online.py)
+    explain(B, D, V, ...)                which kernels run, and why  (tpsample/plan.py)
+"""
+from . import merge, noise, reference
+from .api import sample
 from .online import OnlineSampler
 from .parallel import VocabParallelSampler
+from .params import SampleOutput
+from .plan import Plan, explain
 from .transport import ExchangeTimeout
-from . import merge, noise, reference
 
 __all__ = ["sample", "SampleOutput", "OnlineSampler", "VocabParallelSampler", "ExchangeTimeout",
-           "merge", "noise", "reference"]
-__version__ = "0.1.0"
+           "explain", "Plan", "merge", "noise", "reference"]
+__version__ = "0.2.0"

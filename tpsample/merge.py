@@ -46,9 +46,9 @@ from __future__ import annotations
 import torch
 
 from . import noise
+from .records import NO_TOKEN
 
 GROUP_MERGES = ("logmass", "cdf")  # merges that choose among the records by log-mass
-NO_TOKEN = float(1 << 24)  # above every valid token id (ids are stored as float32)
 
 
 def pathwise_max(score: torch.Tensor, token: torch.Tensor) -> torch.Tensor:

@@ -33,11 +33,13 @@ a polynomial) minus the branches for zeros, infinities and denormals, which u ne
 (kernels/fused_sample.neg_log_uniform): within 1.5 ulp of -ln(u) for each of the 2**23
 uniforms (tested exhaustively), so the error on g = -ln(e) is at most 1.8e-7, inside the outer
 log's bound. This module (the reference) computes both logs exactly as torch does; tests
-compare kernel tokens with it up to such near-ties (tests/test_kernels.near_tie_ok).
+compare kernel tokens with it up to such near-ties (tests/kernel_cases.near_tie_ok).
 """
 from __future__ import annotations
 
 import torch
+
+from .records import CDF_PICK_STREAM, CDF_STREAM, GROUP_STREAM, MAX_SAMPLES, TOKEN_STREAM  # noqa: F401
 
 MASK32 = 0xFFFFFFFF
 PHILOX_M0 = 0xD2511F53
@@ -45,10 +47,6 @@ PHILOX_M1 = 0xCD9E8D57
 PHILOX_W0 = 0x9E3779B9
 PHILOX_W1 = 0xBB67AE85
 PHILOX_ROUNDS = 10
-GROUP_STREAM = 1 << 31  # counter word 1 flag for the log-mass merge's group noise
-CDF_STREAM = 1 << 30  # ... for the inverse-CDF mode's subgroup uniforms
-CDF_PICK_STREAM = (1 << 30) | (1 << 29)  # ... and for its choice among the subgroups
-MAX_SAMPLES = 1 << 29  # the sample index shares counter word 1 with these flags
 
 
 def _mulhilo32(a: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:

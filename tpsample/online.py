@@ -5,7 +5,7 @@ import torch
 
 from . import merge as merge_math
 from . import noise
-from .api import SampleOutput, row_params
+from .params import SampleOutput, row_params
 
 
 class OnlineSampler:

@@ -11,11 +11,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import api, replay
-from .fused import num_tiles, records_view
+from . import params as P
+from .pipeline import Pipeline
+from .records import num_tiles
 from .transport import ExchangeTimeout, all_gather_flat, make_transport
 
-MERGE_IDS = {m: i for i, m in enumerate(api.MERGES)}
+MERGE_IDS = {m: i for i, m in enumerate(P.MERGES)}
 
 
 class VocabParallelSampler:
@@ -59,19 +60,19 @@ class VocabParallelSampler:
     """
 
     def __init__(self, weight_shard: torch.Tensor, *, vocab_size: int, vocab_start: int | None = None,
-                 group=None, max_batch: int = 256, transport: str = "auto", merge: str = "max",
-                 timeout_s: float = 300.0, check_inputs: bool = True, backend: str = "auto",
-                 logprobs: bool = True):
+                 group: dist.ProcessGroup | None = None, max_batch: int = 256,
+                 transport: str = "auto", merge: str = "max", timeout_s: float = 300.0,
+                 check_inputs: bool = True, backend: str = "auto", logprobs: bool = True):
         if not dist.is_initialized():
             raise RuntimeError("VocabParallelSampler needs torch.distributed to be initialised "
                                "(torchrun + dist.init_process_group)")
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
-        api._check_matrix("weight_shard", weight_shard)
+        P.check_matrix("weight_shard", weight_shard)
         if weight_shard.stride(1) != 1:
             raise ValueError("weight_shard rows must be contiguous (stride(1) == 1)")
-        api.check_options(1, merge, backend)
+        P.check_options(1, merge, backend)
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
         if vocab_start is not None and (not isinstance(vocab_start, int) or vocab_start < 0):
@@ -86,7 +87,7 @@ class VocabParallelSampler:
         self.device = weight_shard.device
         self.merge = merge
         self.check_inputs = check_inputs
-        self.backend = api.resolve_backend(backend, self.device)
+        self.backend = P.resolve_backend(backend, self.device)
         self.transport = make_transport(transport, self.group, self.device, timeout_s)
 
         V_r, D = weight_shard.shape
@@ -106,11 +107,11 @@ class VocabParallelSampler:
         self.tiles = max(num_tiles(v) for (v, _, _, _) in layouts)
         self.transport.reserve(max_batch * self.tiles * 4)
 
-        base = torch.randint(0, api.SEED_HIGH, (1,), dtype=torch.int64)
+        base = torch.randint(0, P.SEED_HIGH, (1,), dtype=torch.int64)
         base = self._broadcast_cpu(base)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(int(base))
-        self._replays = replay.CallReplays()  # by call key (tpsample.replay)
+        self.pipeline = Pipeline(self.backend, self.device, self.transport)
 
     # -- construction helpers ------------------------------------------------------------
     def _all_gather_object(self, obj):
@@ -148,16 +149,12 @@ class VocabParallelSampler:
                         f"or overlaps; got (start, rows) per rank {[(l[3], l[0]) for l in layouts]}")
                 pos += sizes[r]
         total = sum(sizes)
-        if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or not 1 <= vocab_size <= total:
-            raise ValueError(f"vocab_size must be an int in [1, {total}] (the rows all shards cover), "
-                             f"got {vocab_size!r}")
-        if vocab_size > api.MAX_VOCAB:
-            raise ValueError(f"vocab_size must be <= 2**24, got {vocab_size}")
+        P.check_vocab_size(vocab_size, total, "the rows all shards cover")
 
     # -- the call ----------------------------------------------------------------------------
     def _check_call(self, hidden, num_samples):
         meta = torch.tensor([hidden.shape[0], hidden.shape[1], num_samples, MERGE_IDS[self.merge],
-                             api.FLOAT_DTYPES.index(hidden.dtype)], dtype=torch.int64, device=self.device)
+                             P.FLOAT_DTYPES.index(hidden.dtype)], dtype=torch.int64, device=self.device)
         allm = torch.empty(self.world, meta.numel(), dtype=torch.int64, device=self.device)
         work = all_gather_flat(allm.view(-1), meta, group=self.group, async_op=True)
         self.transport.wait(work, "the per-call input check")
@@ -168,63 +165,30 @@ class VocabParallelSampler:
             raise ValueError(f"ranks disagree on {', '.join(bad)}: per-rank (B, D, num_samples, merge, dtype) = "
                              f"{allm.tolist()}; every rank must call the sampler with the same batch")
 
-    def __call__(self, hidden: torch.Tensor, temperature=1.0, seed=None, offset=0, bias=None,
-                 num_samples: int = 1, return_logprobs: bool = False):
-        api.check_hidden_weight(hidden, self.weight, "weight_shard")
-        api.check_options(num_samples, self.merge, "auto")
+    def __call__(self, hidden: torch.Tensor, temperature: float | torch.Tensor = 1.0,
+                 seed: int | torch.Tensor | None = None, offset: int | torch.Tensor = 0,
+                 bias: torch.Tensor | None = None, num_samples: int = 1,
+                 return_logprobs: bool = False) -> torch.Tensor | P.SampleOutput:
+        P.check_hidden_weight(hidden, self.weight, "weight_shard")
+        P.check_options(num_samples, self.merge)
         if return_logprobs and not self.logprobs:
             raise ValueError("return_logprobs=True, but this sampler was built with logprobs=False")
-        bias = api.check_bias(bias, self.weight.shape[0], hidden.device)
+        bias = P.check_bias(bias, self.weight.shape[0], hidden.device)
         capturing = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
         if self.check_inputs and not capturing:  # a host sync cannot be captured
             self._check_call(hidden, num_samples)
         B = hidden.shape[0]
         if seed is None:
-            seed = torch.randint(0, api.SEED_HIGH, (B,), dtype=torch.int64, device=self.device,
+            seed = torch.randint(0, P.SEED_HIGH, (B,), dtype=torch.int64, device=self.device,
                                  generator=self.generator)
-        params = api.row_params(hidden, temperature, seed, offset)
+        row = P.row_params(hidden, temperature, seed, offset)
         if B == 0:
-            return api.empty_result(hidden.device, num_samples, return_logprobs)
-        hidden = hidden.contiguous()
-
-        per_slot = num_samples * B * self.tiles * 4
-        mine, full = self.transport.slots(per_slot)
-        fanout = self.transport.fanout()
-        tile_major = fanout is not None  # P2P stores: one contiguous run per stage-1 program
-        names = dict(hidden=hidden, inv_temp=params.inv_temp, seed=params.seed,
-                     offset=params.offset, bias=bias)  # what changes per call
-        key = None
-        if (replay.ENABLED and self.backend == "triton" and hidden.is_cuda
-                and replay.Replay.usable()):
-            key = (B, num_samples, hidden.stride(), mine.data_ptr(), full.data_ptr(),
-                   replay.tensor_key(tuple(names.values())))
-        replays = self._replays.get(key)
-        if replays is not None:  # the same call as before: re-issue its launches directly
-            stage1, stage2 = replays
-            stream = replay.current_stream(self.device.index)
-            stage1(stream, **names)
-            self.transport.exchange(mine, full)
-            out = replay.reduce_outputs(B, num_samples, self.device)
-            stage2(stream, **out, **names)
-            return api.package(out["tokens"], out["logprobs"], out["logz"], num_samples,
-                               return_logprobs)
-
-        with replay.record() as log1:
-            api.compute_records(self.backend, hidden, self.weight, bias=bias, params=params,
-                                num_samples=num_samples, n_real=self.n_real,
-                                vocab_start=self.vocab_start, tiles=self.tiles,
-                                out=records_view(mine, num_samples, B, self.tiles, tile_major),
-                                fanout=fanout, need_mass=self.logprobs,
-                                cdf=self.merge == "cdf")
-        self.transport.exchange(mine, full)
-        with replay.record() as log2:
-            records = records_view(full, num_samples, B, self.tiles, tile_major)
-            tokens, logprobs, logz = api.reduce_records(self.backend, records, params, self.merge,
-                                                        fanout=fanout)
-        # kept if stage 1 is launches the replay knows (the hybrid's GEMM is a recorded step)
-        self._replays.add(key, log1, names, log2,
-                          dict(names, tokens=tokens, logprobs=logprobs, logz=logz))
-        return api.package(tokens, logprobs, logz, num_samples, return_logprobs)
+            return P.empty_result(hidden.device, num_samples, return_logprobs)
+        tokens, logprobs, logz = self.pipeline.run(
+            hidden.contiguous(), self.weight, bias, row, n_real=self.n_real, merge=self.merge,
+            num_samples=num_samples, need_mass=self.logprobs, vocab_start=self.vocab_start,
+            tiles=self.tiles)
+        return P.package(tokens, logprobs, logz, num_samples, return_logprobs)
 
 
 __all__ = ["VocabParallelSampler", "ExchangeTimeout"]

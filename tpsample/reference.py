@@ -1,8 +1,10 @@
 """Reference sampler: the full row in plain torch, with the SAME noise function.
 
-Slow and memory-hungry on purpose ([B, V] logits in fp32, log Z in float64): it is what
-the fused kernels are tested against. Tokens agree with tpsample.sample except for rows
-whose top-2 perturbed scores are within fp32 rounding of the logits.
+Slow and memory-hungry on purpose ([B, V] logits in fp32, log Z and the inverse-CDF choices
+in float64): it is what the kernels are tested against, so it shares only the noise
+(tpsample/noise.py) and the argument checks (tpsample/params.py) with them. Tokens agree with
+tpsample.sample except for rows whose top-2 perturbed scores are within fp32 rounding of
+the logits (merge "cdf": a uniform within rounding of a cumulative-probability boundary).
 """
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ from typing import NamedTuple
 import torch
 
 from . import noise
-from .torch_records import DEFAULT_TILE, cdf_pick
+from . import params as P
+from .records import CDF_SUBGROUPS, TILE
 
 
 class ReferenceOutput(NamedTuple):
@@ -22,54 +25,95 @@ class ReferenceOutput(NamedTuple):
     logits: torch.Tensor    # float32 [B, V] transformed logits (-inf beyond vocab_size)
 
 
-def transformed_logits(hidden, weight, *, temperature=1.0, bias=None, vocab_size=None):
-    """l = ((h @ W.T)[:, :vocab] + bias) / T in fp32; T = 0 rows use T = 1. [B, V]."""
+def transformed_logits(hidden: torch.Tensor, weight: torch.Tensor, *,
+                       temperature: float | torch.Tensor = 1.0, bias: torch.Tensor | None = None,
+                       vocab_size: int | None = None) -> torch.Tensor:
+    """l = ((h @ W.T) + bias) / T in fp32, -inf from vocab_size on; T = 0 rows use T = 1,
+    and temperatures take the limits tpsample.sample gives them. [B, V]."""
     V = weight.shape[0]
     vocab_size = V if vocab_size is None else vocab_size
     logits = hidden.float() @ weight.float().T
     if bias is not None:
         logits = logits + bias.float()
-    t = torch.as_tensor(temperature, dtype=torch.float32, device=hidden.device).expand(hidden.shape[0])
-    inv = torch.where(t == 0, torch.ones_like(t), 1.0 / t)
-    logits = logits * inv[:, None]
+    inv = P.row_params(hidden, temperature, 0, 0).inv_temp.to(logits.device)
+    logits = logits * torch.where(inv == 0, torch.ones_like(inv), inv)[:, None]
     logits[:, vocab_size:] = float("-inf")
     return logits
 
 
-def reference_sample(hidden, weight, *, temperature=1.0, seed=0, offset=0, bias=None,
-                     vocab_size=None, num_samples=1, merge="max", tile=DEFAULT_TILE):
+def _first_above(cum: torch.Tensor, u: torch.Tensor, positive: torch.Tensor) -> torch.Tensor:
+    """The first index whose cumulative probability exceeds u, restricted to positive
+    weights; past the end (rounding) the last positive one; none positive: 0."""
+    n = cum.shape[-1]
+    pos = torch.arange(n, device=cum.device)
+    first = torch.where((cum > u[..., None]) & positive, pos, n).amin(dim=-1)
+    last = torch.where(positive, pos, -1).amax(dim=-1).clamp(min=0)
+    return torch.where(first < n, first, last)
+
+
+def inverse_cdf_in_tiles(l: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor, sample: int,
+                         tile: int) -> torch.Tensor:
+    """Merge "cdf"'s token in every tile (tpsample/merge.py, fact 6), in float64 from the
+    definition: subgroup j (tile // 4 consecutive ids) picks id i with probability
+    exp(l_i) / Z_j by its uniform; the tile picks subgroup j with probability Z_j / Z_tile by
+    one more. l [B, T * tile] float32 (-inf padded), seed/offset [B] → index in tile [B, T]."""
+    B = l.shape[0]
+    T = l.shape[1] // tile
+    sub = l.double().nan_to_num(nan=float("-inf")).view(B, T, CDF_SUBGROUPS, tile // CDF_SUBGROUPS)
+    u_sub, u_pick = noise.cdf_uniforms(seed, offset, sample,
+                                       torch.arange(T, device=l.device) * tile, CDF_SUBGROUPS)
+    log_z = torch.logsumexp(sub, dim=-1)  # [B, T, 4]
+    p_in = torch.exp(sub - log_z.nan_to_num(neginf=0.0)[..., None])
+    within = _first_above(p_in.cumsum(-1), u_sub.double(), sub > float("-inf"))
+    p_sub = torch.exp(log_z - torch.logsumexp(log_z, -1, keepdim=True).nan_to_num(neginf=0.0))
+    j = _first_above(p_sub.cumsum(-1), u_pick.double(), log_z > float("-inf"))
+    return j * (tile // CDF_SUBGROUPS) + within.gather(-1, j[..., None])[..., 0]
+
+
+def reference_sample(hidden: torch.Tensor, weight: torch.Tensor, *,
+                     temperature: float | torch.Tensor = 1.0, seed: int | torch.Tensor | None = 0,
+                     offset: int | torch.Tensor = 0, bias: torch.Tensor | None = None,
+                     vocab_size: int | None = None, num_samples: int = 1, merge: str = "max",
+                     tile: int = TILE) -> ReferenceOutput:
     """Full-row Gumbel-max (merge="max") or Group-Gumbel-Max over `tile`-token groups, the
-    token in the chosen group by Gumbel-max ("logmass") or inverse CDF ("cdf")."""
+    token in the chosen group by Gumbel-max ("logmass") or inverse CDF ("cdf"). Arguments
+    as tpsample.sample (checked the same way); tile: a positive multiple of 4."""
+    P.check_hidden_weight(hidden, weight)
     B, V = hidden.shape[0], weight.shape[0]
+    vocab_size = P.check_vocab_size(V if vocab_size is None else vocab_size, V)
+    P.check_options(num_samples, merge)
+    if not isinstance(tile, int) or isinstance(tile, bool) or tile < 4 or tile % 4:
+        raise ValueError(f"tile must be a positive multiple of 4, got {tile!r}")
+    bias = P.check_bias(bias, V, hidden.device)
+    row = P.row_params(hidden, temperature, seed, offset)
     dev = hidden.device
     l = transformed_logits(hidden, weight, temperature=temperature, bias=bias, vocab_size=vocab_size)
-    greedy = torch.as_tensor(temperature, device=dev).expand(B) == 0
-    seed = torch.as_tensor(seed, dtype=torch.int64, device=dev).expand(B)[:, None]
-    offset = torch.as_tensor(offset, dtype=torch.int64, device=dev).expand(B)[:, None]
+    greedy = row.inv_temp == 0
+    seed, offset = row.seed, row.offset
     ids = torch.arange(V, device=dev)[None, :]
     l64 = l.double()
     logz = torch.logsumexp(l64, dim=-1)
+    T = -(-V // tile)
+    pad = torch.nn.functional.pad
     tokens, scores = [], []
     for s in range(num_samples):
-        z = torch.where(greedy[:, None], l, l + noise.gumbel(seed, offset, s, ids))
+        z = torch.where(greedy[:, None], l, l + noise.gumbel(seed[:, None], offset[:, None], s, ids))
         scores.append(z)
         tok = z.argmax(dim=-1)
         if merge in ("logmass", "cdf"):
-            T = -(-V // tile)
-            pad = T * tile - V
-            zt = torch.nn.functional.pad(z, (0, pad), value=float("-inf")).view(B, T, tile)
-            lt = torch.nn.functional.pad(l64, (0, pad), value=float("-inf")).view(B, T, tile)
+            lt = pad(l64, (0, T * tile - V), value=float("-inf")).view(B, T, tile)
             mass = torch.logsumexp(lt, dim=-1).float()
-            h = noise.gumbel(seed, offset, s, torch.arange(T, device=dev)[None, :],
+            h = noise.gumbel(seed[:, None], offset[:, None], s, torch.arange(T, device=dev)[None, :],
                              stream=noise.GROUP_STREAM)
             group = (mass + h).argmax(dim=-1)
+            rows = torch.arange(B, device=dev)
             if merge == "cdf":
-                l32 = torch.nn.functional.pad(l, (0, pad), value=float("-inf")).view(B, T, tile)
-                picks = cdf_pick(l32.nan_to_num(nan=float("-inf")), seed[:, 0], offset[:, 0], s,
-                                 torch.arange(T, device=dev) * tile)
-                in_group = picks[torch.arange(B, device=dev), group]
+                picks = inverse_cdf_in_tiles(pad(l, (0, T * tile - V), value=float("-inf")),
+                                             seed, offset, s, tile)
+                in_group = picks[rows, group]
             else:
-                in_group = zt[torch.arange(B, device=dev), group].argmax(dim=-1)
+                zt = pad(z, (0, T * tile - V), value=float("-inf")).view(B, T, tile)
+                in_group = zt[rows, group].argmax(dim=-1)
             tok = torch.where(greedy, tok, group * tile + in_group)
         tokens.append(tok)
     tokens = torch.stack(tokens, dim=1)

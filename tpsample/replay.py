@@ -2,51 +2,74 @@
 
 A decode step repeats the same call: same batch size, same sampler, new hidden states and
 parameters. `fn[grid](...)` re-binds and re-specializes every argument each time (26–36 µs
-per launch on the lent H100/H200 hosts, against 8 µs for the compiled kernel's own launcher:
-`python -m tpsample.probe --host`), which makes an eager tensor-parallel call host-bound.
+per launch on the lent H100/H200 hosts, against 8 µs for the compiled kernel's own
+launcher), which makes an eager tensor-parallel call host-bound.
 
-`record()` logs the launches tpsample.fused makes during one call (compiled kernel, grid,
-arguments, constexprs). `Replay` re-issues them through the compiled kernels, with the
-tensors that change per call substituted by name. It is only valid while everything Triton
-specialized on is unchanged — every scalar argument and each pointer's 16-byte alignment —
-so the caller keys replays by those (see VocabParallelSampler).
+The launchers (tpsample/launchers.py) launch through `run_kernel` / `run_step`; inside
+`record()` those are logged (compiled kernel, grid, arguments, constexprs). `Replay`
+re-issues them through the compiled kernels, with the tensors that change per call
+substituted by name. It is only valid while everything Triton specialized on is unchanged —
+every scalar argument and each pointer's 16-byte alignment — so the pipeline keys replays by
+those (tpsample/pipeline.py).
+
+Re-issuing goes through Triton's private launcher API (CompiledKernel.run with the packed
+metadata), so it is gated: SUPPORTED is true only on the Triton versions it was tested on
+and where the compiled kernel has what it calls; elsewhere every call is dispatched by
+Triton as usual (same kernels, more host time). TPSAMPLE_REPLAY=0 turns it off.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
 import inspect
-import os
+import threading
 
 import torch
-from triton import knobs
+import triton
 from triton.runtime import driver
 
-from . import fused
-from .kernels import (fused_sample_records_kernel, fused_sample_records_persistent_kernel,
-                      gluon_pingpong, gluon_sample, logits_records_kernel)
+from . import knobs
 
-# TPSAMPLE_REPLAY=0 turns the launch replay off (A/B timing, debugging)
-ENABLED = os.environ.get("TPSAMPLE_REPLAY", "1") != "0"
+# Triton versions whose launcher API the replay was run against (GPU tests: replays equal
+# dispatched calls): 3.6 on the device machines, 3.9 in a measured run.
+TESTED_TRITON = ((3, 6), (3, 7), (3, 8), (3, 9))
+TRITON_VERSION = tuple(int(x) for x in triton.__version__.split(".")[:2])
+SUPPORTED = TRITON_VERSION in TESTED_TRITON
+ENABLED = knobs.REPLAY and SUPPORTED
 
-# what a recorded stage 1 may consist of: launches and steps Replay knows how to re-issue
-REPLAYABLE_STAGE1 = (fused_sample_records_kernel, fused_sample_records_persistent_kernel,
-                     logits_records_kernel, fused.logits_fp32) + (
-                         (gluon_sample.ws_records_kernel, gluon_pingpong.pp_records_kernel)
-                         if gluon_sample.AVAILABLE else ())
+_RECORDER = threading.local()  # the log of the record() block this thread is in, if any
+
+
+def run_kernel(fn, grid, args: tuple, constexprs: dict, options: dict):
+    """fn[grid](*args, **constexprs, **options), logged when inside record()."""
+    compiled = fn[grid](*args, **constexprs, **options)
+    log = getattr(_RECORDER, "log", None)
+    if log is not None:
+        log.append((fn, compiled, grid, args, constexprs))
+    return compiled
+
+
+def run_step(fn, args: tuple):
+    """fn(*args) for a torch step between launches (the hybrid's GEMM); logged as
+    (fn, None, None, args, result) so a replay re-runs it and feeds its new result on."""
+    result = fn(*args)
+    log = getattr(_RECORDER, "log", None)
+    if log is not None:
+        log.append((fn, None, None, args, result))
+    return result
 
 
 @contextlib.contextmanager
 def record():
-    """Collect the launches tpsample.fused makes inside the block (on this thread) into the
-    yielded list."""
+    """Collect the launches made through run_kernel / run_step inside the block (on this
+    thread) into the yielded list."""
     log: list = []
-    previous = getattr(fused.RECORDER, "log", None)
-    fused.RECORDER.log = log
+    previous = getattr(_RECORDER, "log", None)
+    _RECORDER.log = log
     try:
         yield log
     finally:
-        fused.RECORDER.log = previous
+        _RECORDER.log = previous
 
 
 def current_stream(device_index: int) -> int:
@@ -73,7 +96,7 @@ def tensor_key(tensors) -> tuple:
 class Replay:
     """The launches of one recorded call. named: {name: tensor of the recorded call}; each
     launch argument that IS one of them becomes a slot filled from replay(**tensors). A torch
-    step (fused.run_step) is re-run with its slots filled, and its result fills the slots of
+    step (run_step) is re-run with its slots filled, and its result fills the slots of
     the launches that took the recorded result. A TMA descriptor argument whose base is one
     of them is passed rebased on the new tensor (_Rebased; shape and strides are part of the
     call key). No slot keeps a tensor between calls."""
@@ -100,9 +123,14 @@ class Replay:
 
     @staticmethod
     def usable() -> bool:
-        """No launch hooks registered (Triton 3.6 keeps them as HookChain objects, never None;
-        profilers such as proton add to them and then need Triton's normal launch path)."""
-        return not knobs.runtime.launch_enter_hook.calls and not knobs.runtime.launch_exit_hook.calls
+        """Enabled, and no launch hooks registered (profilers such as proton add them and
+        then need Triton's normal launch path; Triton >= 3.6 keeps them as HookChain
+        objects, never None)."""
+        if not ENABLED:
+            return False
+        rt = triton.knobs.runtime
+        return not any(getattr(getattr(rt, hook, None), "calls", None)
+                       for hook in ("launch_enter_hook", "launch_exit_hook"))
 
     def __call__(self, stream: int, **tensors):
         """Launch on `stream` (a raw CUDA stream handle, see current_stream)."""
@@ -177,9 +205,14 @@ class CallReplays:
         self.calls.clear()
 
     def add(self, key, log1: list, named1: dict, log2: list, named2: dict) -> None:
-        """Keep the call if stage 1 consists only of launches Replay can re-issue."""
-        if key is None or not log1 or not all(entry[0] in REPLAYABLE_STAGE1 for entry in log1):
+        """Keep the call if both stages were recorded and every launch has what Replay
+        calls (Triton's launcher API: run, function, packed_metadata)."""
+        if key is None or not log1 or not log2:
             return
+        for _, compiled, *_ in log1 + log2:
+            if compiled is not None and not all(hasattr(compiled, a) for a in
+                                                ("run", "function", "packed_metadata")):
+                return
         if len(self.calls) >= self.limit:
             self.calls.clear()
         self.calls[key] = (Replay(log1, named1), Replay(log2, named2))

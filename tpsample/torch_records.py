@@ -1,6 +1,6 @@
-"""Candidate records computed with torch ops, chunk by chunk (the CPU path).
+"""Stage 1 in torch ops, chunk by chunk (the CPU path).
 
-Produces exactly the record layout of kernels/fused_sample.py: [S, B, T, 4] with
+Produces exactly the records of the kernels (tpsample/records.py): [S, B, T, 4] with
 (best perturbed score, global token id, transformed logit, tile log-mass) per
 (sample, row, tile of `tile` tokens). Only a [B, chunk] slice of logits exists at a time,
 so the full [B, V] row is never materialised.
@@ -10,9 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import merge, noise
-
-DEFAULT_TILE = 128
-CDF_SUBGROUPS = 4  # inverse-CDF mode: a tile is 4 subgroups of 32 ids (merge.py, fact 6)
+from .records import CDF_SUBGROUPS, TILE
 
 
 def transform(logits: torch.Tensor, bias: torch.Tensor | None, inv_temp: torch.Tensor,
@@ -74,7 +72,7 @@ def cdf_pick(lt: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor, sample:
 
 def records_torch(hidden: torch.Tensor, weight: torch.Tensor, *, bias, inv_temp, seed, offset,
                   num_samples: int, n_real: int, vocab_start: int = 0, num_tiles: int | None = None,
-                  tile: int = DEFAULT_TILE, chunk_tiles: int = 64, cdf: bool = False) -> torch.Tensor:
+                  tile: int = TILE, chunk_tiles: int = 64, cdf: bool = False) -> torch.Tensor:
     """Records for rows [0, weight.shape[0]) of a (shard of the) LM head.
 
     hidden [B, D], weight [V_rows, D] any float dtype (computed in fp32); bias [V_rows]

@@ -2,8 +2,10 @@
 
 A transport owns an exchange buffer laid out as [world, capacity] float32: rank r's
 records live in slot r. Per call, `slots(numel)` hands out the slot views of the buffer
-for this call, the kernel (or torch) writes this rank's records, and `exchange()` makes
-every slot valid on every rank. Only records travel, never logits.
+for this call, stage 1 writes this rank's records, and `exchange()` makes every slot valid
+on every rank. Only records travel, never logits.
+
+  local     one device, no peers (tpsample.sample): a fresh [1, numel] buffer per call.
 
   symm_mem  CUDA + P2P: the buffer is torch symmetric memory; the kernel stores its records
             straight into every peer's slot (fan-out from the epilogue) and `exchange` is
@@ -18,7 +20,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,11 @@ class ExchangeTimeout(TimeoutError):
 
 class Transport:
     name = "base"
+
+    def key(self) -> tuple:
+        """What a recorded call's launches depend on besides its tensors (the fan-out
+        addresses): changes whenever the buffers are re-allocated."""
+        return ()
 
     def __init__(self, group, device: torch.device, timeout_s: float):
         self.group = group
@@ -75,6 +81,22 @@ class Transport:
             ) from e
 
 
+class LocalTransport(Transport):
+    """No exchange: the records of one device, in a fresh buffer per call (outputs and
+    records are never shared between calls)."""
+    name = "local"
+
+    def __init__(self, device: torch.device):
+        self.rank, self.world, self.device, self.capacity = 0, 1, device, 0
+
+    def slots(self, numel):
+        mine = torch.empty(numel, dtype=torch.float32, device=self.device)
+        return mine, mine.view(1, numel)
+
+    def exchange(self, mine, full):
+        pass
+
+
 class CollectiveTransport(Transport):
     """all_gather_into_tensor over a process group (nccl on CUDA, gloo on CPU)."""
 
@@ -110,6 +132,9 @@ class SymmMemTransport(Transport):
         super().__init__(group, device, timeout_s)
         self._views: dict = {}  # numel -> (mine, full) slot views of the current buffer
 
+    def key(self):
+        return (self.buf.data_ptr(), self.capacity) if self.capacity else ()
+
     def _allocate(self, numel):
         import torch.distributed._symmetric_memory as symm_mem
         half = self.world * numel  # one buffer; two alternate halves
@@ -141,11 +166,11 @@ class SymmMemTransport(Transport):
 
 
 def symm_mem_usable(group, device) -> tuple[bool, str]:
+    """Whether every rank of the group can store into every peer's memory (P2P on one host).
+    tpsample only uses symmetric memory's P2P pointers and barrier, never NVLink multicast;
+    hosts where multicast must stay off set TORCH_SYMM_MEM_DISABLE_MULTICAST=1 for torch."""
     if device.type != "cuda":
         return False, "tensors are on the CPU"
-    if os.environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST") != "1":
-        # never touch NVLink multicast on shared hosts: require the opt-out to be explicit
-        return False, "TORCH_SYMM_MEM_DISABLE_MULTICAST=1 is not set"
     try:
         import torch.distributed._symmetric_memory as symm_mem  # noqa: F401
     except ImportError as e:

@@ -1,0 +1,113 @@
+"""Single-GPU checks of the whole call: exactness through tpsample.sample, CUDA graphs, the
+launch replay (pytest -m gpu)."""
+import pytest
+import torch
+
+import tpsample
+from tpsample.plan import DeviceKind
+
+from cases import exact_probs, lm_head_case
+from stats import ALPHA, chi2_pvalue
+
+pytestmark = pytest.mark.gpu
+
+
+def hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.parametrize("merge,V", [("max", 1000), ("logmass", 1000), ("cdf", 1000), ("cdf", 1024)])
+def test_chi2_on_gpu_bf16(merge, V):
+    """40 000 draws through tpsample.sample: the tables' large-batch kernel (pp or ws); for
+    cdf at V = 1000 the cuBLAS + records pass, at V = 1024 (a multiple of 32, one sample) the
+    ping-pong kernel's cdf records on Hopper."""
+    S = 1 if V == 1024 else 20
+    h, w = lm_head_case("zipf", V=V, dtype=torch.bfloat16, device="cuda", seed=3)
+    rows = 40000 // S
+    seeds = torch.arange(rows, device="cuda") * 7919
+    hh = h.expand(rows, -1).contiguous()
+    tokens = tpsample.sample(hh, w, temperature=0.9, seed=seeds, num_samples=S, merge=merge)
+    assert chi2_pvalue(tokens, exact_probs(h, w, temperature=0.9)) > ALPHA
+    plan = tpsample.explain(rows, h.shape[0], V, merge=merge, num_samples=S)
+    gluon = DeviceKind.of(hh.device).gluon_missing is None
+    if merge == "cdf" and gluon and plan.source.endswith("bucket 256"):
+        assert plan.strategy == ("pp" if V == 1024 else "logits"), str(plan)
+
+
+def test_cuda_graph_capture_and_replay_equals_eager():
+    D, V, B = 1024, 32000, 8
+    h = torch.randn(B, D, device="cuda").bfloat16()
+    w = (torch.randn(V, D, device="cuda") * 0.05).bfloat16()
+    seeds = torch.arange(B, device="cuda")
+    offset = torch.zeros(B, dtype=torch.int64, device="cuda")
+    eager = tpsample.sample(h, w, seed=seeds, offset=offset)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        tpsample.sample(h, w, seed=seeds, offset=offset)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tpsample.sample(h, w, seed=seeds, offset=offset)
+    graph.replay()
+    assert torch.equal(out, eager)
+    offset += 1
+    graph.replay()
+    assert torch.equal(out, tpsample.sample(h, w, seed=seeds, offset=offset))
+
+
+
+
+@pytest.mark.parametrize("B,S,with_bias,force", [(1, 1, False, None), (3, 2, True, None),
+                                                  (64, 1, False, None), (200, 1, True, None),
+                                                  (200, 2, False, "logits"), (200, 1, True, "pp")])
+def test_sample_replay_equals_a_dispatched_call(B, S, with_bias, force, monkeypatch):
+    """A call with the key of an earlier one re-issues its recorded launches (the pipeline's
+    replays):
+    with new hidden, weight, bias and per-row parameters it returns bit for bit what a
+    dispatched call returns. D = 512 takes the thin-head table entries (TMA descriptors of
+    W, rebased on the new weight); B = 200 the warp-specialized kernel on Hopper (descriptors
+    of h and W); "logits" the hybrid (its GEMM re-run as a recorded torch step); "pp" the
+    ping-pong kernel on Hopper (its 5-d W descriptor; V a multiple of 32)."""
+    from tpsample import api, launchers, pipeline, replay
+    if force == "pp":
+        cfg = dict(strategy="pp", BLOCK_B=128, NUM_STAGES=6, num_warps=4)
+    elif force is not None:
+        cfg = dict(strategy=force, BLOCK_B=64, num_warps=8)
+    if force is not None:
+        real = pipeline.make_plan
+        monkeypatch.setattr(pipeline, "make_plan", lambda *a, **k: real(*a, **dict(k, config=cfg)))
+    api._PIPELINES.clear()
+    D, V = 512, 5024 if force == "pp" else 5000
+    g = torch.Generator(device="cuda").manual_seed(B)
+
+    def inputs():
+        h = torch.randn(B, D, device="cuda", generator=g).bfloat16()
+        w = (torch.randn(V, D, device="cuda", generator=g) * 0.1).bfloat16()
+        bias = torch.randn(V, device="cuda", generator=g) if with_bias else None
+        temp = torch.rand(B, device="cuda", generator=g) + 0.5
+        temp[::3] = 0.0
+        seed = torch.randint(0, 1 << 40, (B,), device="cuda", generator=g)
+        return dict(hidden=h, weight=w, temperature=temp, seed=seed, offset=7, bias=bias,
+                    num_samples=S, return_logprobs=True)
+
+    first = inputs()
+    tpsample.sample(**first)
+    (pipe,) = api._PIPELINES.values()
+    assert len(pipe.replays) == 1
+    if force == "pp" and hopper():  # the recorded stage 1 is the ping-pong kernel's launch
+        from tpsample.kernels import gluon_pingpong
+        stage1 = next(iter(pipe.replays.calls.values()))[0]
+        assert [fn for fn, *_ in stage1.launches] == [gluon_pingpong.pp_records_kernel]
+    second = inputs()
+
+    def dispatched(*a, **k):
+        raise AssertionError("the second call must be a replay")
+    with monkeypatch.context() as m:
+        m.setattr(launchers, "stage1", dispatched)
+        m.setattr(launchers, "stage2", dispatched)
+        got = tpsample.sample(**second)
+    monkeypatch.setattr(replay, "ENABLED", False)
+    want = tpsample.sample(**second)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and torch.equal(a, b)

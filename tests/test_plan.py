@@ -1,0 +1,124 @@
+"""The plan: a pure function from a call's shape to its kernels (no GPU needed)."""
+import json
+import warnings
+
+import pytest
+import torch
+
+import tpsample
+from tpsample import plan as P
+from tpsample.plan import DeviceKind, Layout, make_plan
+
+H100 = DeviceKind("cuda", "h100", (9, 0), 132, gluon_missing=None)
+H100_NO_GLUON = DeviceKind("cuda", "h100", (9, 0), 132, gluon_missing="Triton 9.9 (test)")
+A100 = DeviceKind("cuda", None, (8, 0), 108, gluon_missing="A100 is not a Hopper GPU (sm_90)")
+CPU = DeviceKind(interpret=True)
+
+
+def plan(device=H100, B=256, D=4096, V=151936, dtype=torch.bfloat16, **kw):
+    return make_plan(device, B=B, D=D, V=V, dtype=dtype, **kw)
+
+
+def test_table_config_buckets_and_thin_head_overrides():
+    buckets = {16: dict(strategy="fused"), 64: dict(strategy="ws"), 256: dict(strategy="pp")}
+    by_max_d = {2048: {64: dict(strategy="logits")}, 5120: {16: dict(strategy="ws")}}
+
+    def look(b, d):
+        return P.table_config(buckets, by_max_d, b, d)[0]["strategy"]
+    assert [look(b, 8192) for b in (1, 16, 17, 64, 65, 256, 1000)] == \
+        ["fused", "fused", "ws", "ws", "pp", "pp", "pp"]
+    assert look(64, 2048) == "logits" and look(64, 2049) == "ws" and look(16, 4096) == "ws"
+    assert look(16, 6000) == "fused"
+
+
+@pytest.mark.parametrize("name", ["h100", "h200"])
+def test_shipped_tables_hold_only_what_the_plan_reads(name):
+    data = json.loads((P.CONFIG_DIR / f"{name}.json").read_text())
+    assert set(data) <= {"device", "buckets", "by_max_d"}
+    keys = {"strategy", "BLOCK_B", "BLOCK_D", "NUM_STAGES", "num_warps", "EPI_B", "TMA",
+            "NOISE_STEP", "NOISE_CHUNKS", "NOISE_EVERY", "BLOCK_K"}
+    configs = list(data["buckets"].values()) + [c for o in data["by_max_d"].values() for c in o.values()]
+    for cfg in configs:
+        assert cfg["strategy"] in ("fused", "ws", "pp") and set(cfg) <= keys, cfg
+    for B in (1, 8, 32, 64, 128, 256):  # every shipped cell resolves without a fallback
+        p = plan(DeviceKind("cuda", name, (9, 0), 132, gluon_missing=None), B=B)
+        assert p.strategy in ("fused", "ws", "pp") and not p.fallbacks, str(p)
+
+
+def test_h100_table_choices():
+    assert plan(B=1).strategy == "fused" and plan(B=128).strategy == "ws"
+    assert plan(B=256).strategy == "pp" and plan(B=256).source == "h100 table, bucket 256"
+    p32 = plan(B=32, num_samples=1)
+    assert p32.cfg["NOISE_CHUNKS"] == 4 and "NOISE_AT" in p32.cfg  # noise inside the loop
+    assert "NOISE_AT" not in plan(B=32, num_samples=2).cfg  # one sample only
+    assert "NOISE_AT" not in plan(B=32, layout=Layout(vocab_start=6)).cfg  # aligned ids only
+    assert plan(B=64).cfg["W_DESC"] and not plan(B=64, layout=Layout(tma=False)).cfg["W_DESC"]
+    assert plan(B=64, D=2048).strategy == "ws"  # thin-head override
+
+
+def test_fallbacks_are_recorded_with_their_reason():
+    p = plan(B=256, V=151937)  # V not a multiple of 4: no Gluon kernel
+    assert p.strategy == "logits"
+    assert [s for s, _ in p.fallbacks] == ["pp -> ws", "ws -> logits"]
+    assert "multiple of 4" in p.fallbacks[1][1]
+    p = plan(B=256, V=151940)  # multiple of 4, not of 32: ws takes it
+    assert p.strategy == "ws" and "multiple of 32" in p.fallbacks[0][1]
+    p = plan(H100_NO_GLUON, B=256)
+    assert p.strategy == "logits" and all("Triton 9.9" in why for _, why in p.fallbacks)
+    assert plan(B=256, dtype=torch.float32).strategy == "logits"  # fp32 default: ws -> logits
+    assert plan(A100, B=256).strategy == "logits" and "not a Hopper" in plan(A100, B=256).fallbacks[0][1]
+    assert plan(A100, B=16).strategy == "fused" and not plan(A100, B=16).fallbacks
+
+
+def test_cdf_takes_pp_at_large_batch_and_the_records_pass_elsewhere():
+    assert plan(B=256, merge="cdf").strategy == "pp"
+    p = plan(B=128, merge="cdf")  # the table says ws, which has no cdf epilogue
+    assert p.strategy == "pp" and p.fallbacks == (("ws -> pp", "the warp-specialized kernel has no cdf epilogue"),)
+    assert plan(B=64, merge="cdf", D=2048).strategy == "logits"
+    assert plan(B=256, merge="cdf", num_samples=2).strategy == "logits"
+    assert plan(B=256, merge="cdf", V=151940).strategy == "logits"
+    with pytest.raises(ValueError, match="need_mass"):
+        plan(merge="cdf", need_mass=False)
+    with pytest.raises(ValueError, match="BLOCK_B of the ping-pong kernel"):
+        plan(config=dict(strategy="pp", BLOCK_B=64, NUM_STAGES=5, num_warps=4))
+    with pytest.raises(ValueError, match="strategy"):
+        plan(config=dict(strategy="persistent", BLOCK_B=64))
+
+
+def test_stage2_launch_and_pdl():
+    assert plan(B=8).reduce == (1, 2048, 4) and plan(B=8).pdl
+    assert plan(B=8, merge="logmass").reduce[2] == 8  # group noise: 8 warps
+    assert plan(B=8, slots=2).reduce == (1, 4096, 4)
+    assert not plan(A100, B=8).pdl
+    cpu = plan(CPU, B=3, D=64, V=1000, num_samples=2)
+    assert cpu.strategy == "fused" and cpu.reduce == (8, 8, 4) and not cpu.pdl
+
+
+def test_plans_are_frozen_hashable_and_printable():
+    p = plan(B=128)
+    assert hash(p) == hash(plan(B=128)) and p == plan(B=128)
+    with pytest.raises(Exception):
+        p.strategy = "fused"
+    text = str(plan(B=256, V=151940))
+    assert "stage 1: ws" in text and "fallback pp -> ws" in text and "stage 2: reduce_records" in text
+    assert P.with_options(p, pdl=False).pdl is False
+
+
+def test_explain_is_public_and_checks_its_device():
+    p = tpsample.explain(256, 4096, 151936, device="h100")
+    assert isinstance(p, tpsample.Plan) and p.B == 256 and p.device.startswith("h100")
+    assert tpsample.explain(4, 64, 1000, device="cpu").backend in ("triton", "torch")
+    with pytest.raises(ValueError, match="device"):
+        tpsample.explain(4, 64, 1000, device="b200")
+
+
+def test_gluon_fallback_warns_once_per_process(monkeypatch):
+    from tpsample import pipeline
+    monkeypatch.setattr(pipeline, "_WARNED", set())
+    p = plan(H100_NO_GLUON, B=256)
+    with pytest.warns(RuntimeWarning, match="Triton 9.9"):
+        pipeline._warn_gluon_fallback(p, H100_NO_GLUON)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipeline._warn_gluon_fallback(p, H100_NO_GLUON)
+        pipeline._warn_gluon_fallback(plan(H100_NO_GLUON, B=8), H100_NO_GLUON)  # no fallback

@@ -1,0 +1,74 @@
+"""Environment knobs: every TPSAMPLE_* variable tpsample reads, read and validated once here.
+
+    python -m tpsample.knobs        # lists them with their current values
+
+A bad value raises ValueError naming the variable at import. A TPSAMPLE_* variable that is
+not a knob (a misspelling, or a switch that no longer exists) gets one warning.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Knob:
+    name: str
+    default: str
+    choices: tuple[str, ...]
+    doc: str
+
+
+KNOBS = (
+    Knob("TPSAMPLE_REPLAY", "1", ("0", "1"),
+         "1: a call with the shapes, strides, alignments and options of an earlier one "
+         "re-issues that call's compiled launches (no plan lookup, no Triton dispatch); "
+         "0: every call goes through Triton's dispatcher (debugging)"),
+    Knob("TPSAMPLE_GLUON", "1", ("0", "1"),
+         "0: never the Hopper Gluon kernels (ws, pp); the cuBLAS + records-pass path runs "
+         "where the plan would take them"),
+)
+_BY_NAME = {k.name: k for k in KNOBS}
+
+# switches that were removed: the measured default is what runs now
+RETIRED = {
+    "TPSAMPLE_WS": "use TPSAMPLE_GLUON=0",
+    "TPSAMPLE_CDF_GLUON": "merge='cdf' takes the ping-pong kernel wherever it applies",
+    "TPSAMPLE_EXACT_LOGS": "the noise's logs are fixed (tpsample/noise.py gives their error)",
+    "TPSAMPLE_LIBDEVICE_INNER_LOG": "the noise's logs are fixed",
+    "TPSAMPLE_PHILOX_MUL": "Philox's multiplies are one mul.wide.u32 each on the GPU",
+    "TPSAMPLE_WIDE_MUL": "Philox's multiplies are one mul.wide.u32 each on the GPU",
+    "TPSAMPLE_PHILOX_HALVES": "Philox's multiplies are one mul.wide.u32 each on the GPU",
+    "TPSAMPLE_PP_UNROLL": "the ping-pong records loop takes one chunk per pass",
+}
+
+
+def _read(knob: Knob) -> str:
+    value = os.environ.get(knob.name, knob.default).strip()
+    if value not in knob.choices:
+        raise ValueError(f"{knob.name} must be one of {', '.join(knob.choices)}, got {value!r}")
+    return value
+
+
+def _warn_unknown() -> None:
+    for name in sorted(os.environ):
+        if name.startswith("TPSAMPLE_") and name not in _BY_NAME:
+            why = RETIRED.get(name, "not a tpsample knob; see python -m tpsample.knobs")
+            warnings.warn(f"{name} is ignored: {why}", RuntimeWarning, stacklevel=3)
+
+
+VALUES = {k.name: _read(k) for k in KNOBS}
+_warn_unknown()
+
+REPLAY = VALUES["TPSAMPLE_REPLAY"] == "1"
+GLUON = VALUES["TPSAMPLE_GLUON"] == "1"
+
+
+def describe() -> str:
+    """One line per knob: name, current value, default, what it does."""
+    return "\n".join(f"{k.name}={VALUES[k.name]} (default {k.default}): {k.doc}" for k in KNOBS)
+
+
+if __name__ == "__main__":
+    print(describe())

@@ -1,0 +1,229 @@
+"""Triton launches of stage 1 (records) and stage 2 (reduce) for a Plan.
+
+The plan (tpsample/plan.py) has already chosen the strategy and its parameters; this module
+only turns them into kernel arguments. Every launch goes through replay.run_kernel (and the
+hybrid's GEMM through replay.run_step), so the pipeline can record and re-issue it.
+
+Fan-out (tensor parallelism over symmetric memory): `fanout` = (peer_ptrs, parity), where
+peer_ptrs is an int64 CUDA tensor [2, P] of the addresses of this rank's slot in every
+peer's buffer for two alternating buffers, and parity an int32 CUDA tensor [2] whose first
+element selects the buffer; stage 1 then stores each record into all P peers instead of
+`out` (whose strides still address the slot), and stage 2 reads the buffer parity[0]
+selects and flips it once all its programs are done (so a captured CUDA graph alternates
+buffers too).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from . import records
+from .kernels import fused_sample, gluon_pingpong, gluon_sample, reduce_records
+from .params import RowParams
+from .plan import Plan, cdiv
+from .replay import run_kernel, run_step
+
+BLOCK_V = records.TILE
+WS_LOADER_REGS = 24
+PP_LOADER_REGS, PP_CONSUMER_REGS, PP_MAXNREG = 24, 240, 168
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _mm_out_fp32_supported() -> bool:
+    try:
+        a = torch.ones(16, 16, dtype=torch.bfloat16, device="cuda")
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError):
+        return False
+
+
+def logits_fp32(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """[B, V] fp32 logits with fp32 accumulation (cuBLAS on CUDA)."""
+    if hidden.is_cuda and hidden.dtype != torch.float32 and _mm_out_fp32_supported():
+        return torch.mm(hidden, weight.T, out_dtype=torch.float32)
+    return hidden.float() @ weight.float().T
+
+
+def stage1(plan: Plan, hidden: torch.Tensor, weight: torch.Tensor, bias, params: RowParams,
+           out: torch.Tensor, *, n_real: int, vocab_start: int = 0, fanout=None, trace=None):
+    """Records [S, B, T, 4] of (a shard of) the LM head into `out` (any strides that
+    records.check_layout accepts), by the plan's strategy.
+
+    hidden [B, D] and weight [V_rows, D] (16-bit or fp32, rows contiguous); bias fp32
+    [V_rows] or None; params: per-row (inv_temp, seed, offset); rows [n_real, V_rows) are
+    padding; fanout: see the module docstring; trace: the pp kernel's int64 [tiles, 4]
+    clock buffer when plan.trace (tools/probe.py)."""
+    S, B, T = plan.num_samples, hidden.shape[0], out.shape[2]
+    records.check_layout(out, (S, B, T, records.WIDTH))
+    cfg = plan.cfg
+    peers, parity = fanout if fanout is not None else (None, None)
+    common = dict(bias=bias, params=params, out=out, n_real=n_real, vocab_start=vocab_start,
+                  peers=peers, parity=parity)
+    if plan.strategy == "pp":
+        return _pp(plan, cfg, hidden, weight, trace=trace, **common)
+    if plan.strategy == "ws":
+        return _ws(plan, cfg, hidden, weight, **common)
+    return _triton(plan, cfg, hidden, weight, **common)
+
+
+def _triton(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start, peers, parity):
+    """The fused kernel or the records pass over cuBLAS logits ("logits")."""
+    B, D = hidden.shape
+    V_rows, T = weight.shape[0], out.shape[2]
+    seed = params.seed
+    consts = dict(HAS_BIAS=bias is not None, ALIGNED4=vocab_start % 4 == 0, BLOCK_V=BLOCK_V,
+                  BLOCK_B=cfg["BLOCK_B"], NUM_PEERS=0 if peers is None else peers.shape[-1],
+                  HALVINGS=cfg["HALVINGS"], TILE_MASS=plan.need_mass, PDL=plan.pdl,
+                  CDF=plan.cdf)
+    options = dict(num_warps=cfg["num_warps"])
+    grid = (cdiv(B, cfg["BLOCK_B"]), T)
+    peers = peers if peers is not None else seed  # never read when NUM_PEERS == 0
+    parity = parity if parity is not None else seed
+    bias_arg = bias if bias is not None else params.inv_temp  # never read without HAS_BIAS
+    if plan.strategy == "logits":
+        logits = run_step(logits_fp32, (hidden, weight))
+        run_kernel(fused_sample.logits_records_kernel, grid, (
+            logits, bias_arg, params.inv_temp, seed, params.offset, out, B, V_rows, n_real,
+            vocab_start, plan.num_samples, logits.stride(0), *out.stride()[:3], peers, parity),
+            consts, options)
+        return out
+    w_arg = weight
+    if cfg["W_DESC"]:  # W through the tensor-memory accelerator (host-built descriptor)
+        w_arg = TensorDescriptor.from_tensor(weight, block_shape=[BLOCK_V, cfg["BLOCK_D"]])
+    consts.update(EVEN_D=cfg["EVEN_D"], BLOCK_D=cfg["BLOCK_D"], FP32_DOT=cfg["FP32_DOT"],
+                  NUM_STAGES=cfg["NUM_STAGES"], W_DESC=cfg["W_DESC"])
+    if "NOISE_AT" in cfg:
+        consts.update(NOISE_AT=cfg["NOISE_AT"], NOISE_CHUNKS=cfg["NOISE_CHUNKS"],
+                      NOISE_EVERY=cfg["NOISE_EVERY"])
+    run_kernel(fused_sample.fused_sample_records_kernel, grid, (
+        hidden, w_arg, bias_arg, params.inv_temp, seed, params.offset, out,
+        B, D, V_rows, n_real, vocab_start, plan.num_samples,
+        hidden.stride(0), weight.stride(0), *out.stride()[:3], peers, parity), consts, options)
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _ws_layouts(dtype: torch.dtype, block_b: int, block_k: int):
+    from triton.experimental.gluon import language as gl
+    gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return (gl.NVMMASharedLayout.get_default_for([4, BLOCK_V // 4, block_k], gdt),
+            gl.NVMMASharedLayout.get_default_for([block_b, block_k], gdt))
+
+
+def _ws(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start, peers, parity):
+    """The warp-specialized Hopper kernel (kernels/gluon_sample.py): a persistent grid of one
+    program per SM over [BLOCK_V, BLOCK_B] tiles. W [V_rows, D] is handed to TMA as the view
+    [4, V_rows / 4, D] (row 4q + a at [a, q]), so each tile lands in shared memory in lane
+    order. The descriptors' base is the tensor itself (TMA reads only the base address), so
+    a replay can rebase them on another call's hidden and weight."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    B, D = hidden.shape
+    V_rows = weight.shape[0]
+    block_b, block_k, num_warps = cfg["BLOCK_B"], cfg["BLOCK_K"], cfg["num_warps"]
+    mma_warps = 8 if block_b > 128 else 4  # one warpgroup holds at most a [128, 128] fp32 tile
+    w_layout, h_layout = _ws_layouts(hidden.dtype, block_b, block_k)
+    row = weight.stride(0)
+    w_desc = GluonDescriptor(weight, [4, V_rows // 4, D], [row, 4 * row, 1],
+                             [4, BLOCK_V // 4, block_k], w_layout)
+    h_desc = GluonDescriptor(hidden, list(hidden.shape), list(hidden.stride()),
+                             [block_b, block_k], h_layout)
+    nb = cdiv(B, block_b)
+    tiles = out.shape[2] * nb
+    grid = (min(tiles, _num_sms(hidden.device)),)
+    constexprs = dict(
+        HAS_BIAS=bias is not None, TILE_MASS=plan.need_mass, STAGES=cfg["NUM_STAGES"],
+        EPI_B=cfg["EPI_B"], LOADER_REGS=WS_LOADER_REGS, MMA_REGS=168 if mma_warps == 4 else 160,
+        MMA_WARPS=mma_warps, NUM_PEERS=0 if peers is None else peers.shape[-1])
+    # the register file split evenly over all warps (epilogue + mma + 4 for the loader)
+    # before setmaxnreg moves registers from the loader to the others
+    options = dict(num_warps=num_warps,
+                   maxnreg=65536 // (32 * (num_warps + mma_warps + 4)) // 8 * 8)
+    seed = params.seed
+    run_kernel(gluon_sample.ws_records_kernel, grid, (
+        w_desc, h_desc, bias if bias is not None else params.inv_temp, params.inv_temp, seed,
+        params.offset, out, B, n_real, vocab_start, plan.num_samples, *out.stride()[:3],
+        peers if peers is not None else seed, parity if parity is not None else seed, tiles, nb,
+        cdiv(D, block_k)), constexprs, options)
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _pp_layouts(dtype: torch.dtype, block_k: int):
+    from triton.experimental.gluon import language as gl
+    gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return (gl.NVMMASharedLayout.get_default_for([2, 4, 2, 8, block_k], gdt),
+            gl.NVMMASharedLayout.get_default_for([128, block_k], gdt))
+
+
+def _pp(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start, peers, parity,
+        trace=None):
+    """The ping-pong Hopper kernel (kernels/gluon_pingpong.py): a persistent grid of one
+    program per SM over [128, 128] tiles, two consumer warpgroups taking turns. W [V_rows, D]
+    is handed to TMA as the view [2, V_rows / 32, 2, 8, D] (row 32t + 4j + 2r + h at
+    [r, t, h, j]), so a thread's accumulator rows are one Philox group."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    B, D = hidden.shape
+    V_rows = weight.shape[0]
+    block_k = cfg["BLOCK_K"]
+    w_layout, h_layout = _pp_layouts(hidden.dtype, block_k)
+    row = weight.stride(0)
+    w_desc = GluonDescriptor(weight, [2, V_rows // 32, 2, 8, D],
+                             [2 * row, 32 * row, row, 4 * row, 1], [2, 4, 2, 8, block_k], w_layout)
+    h_desc = GluonDescriptor(hidden, list(hidden.shape), list(hidden.stride()), [128, block_k],
+                             h_layout)
+    nb = cdiv(B, 128)
+    tiles = out.shape[2] * nb
+    if plan.trace and (trace is None or trace.shape != (tiles, 4) or trace.dtype != torch.int64):
+        raise ValueError(f"a plan with trace=True needs trace int64 [{tiles}, 4] for this call")
+    grid = (min(tiles, _num_sms(hidden.device)),)
+    constexprs = dict(
+        HAS_BIAS=bias is not None, TILE_MASS=plan.need_mass, STAGES=cfg["NUM_STAGES"],
+        LOADER_REGS=PP_LOADER_REGS, CONSUMER_REGS=PP_CONSUMER_REGS,
+        SINGLE=plan.num_samples == 1, NUM_PEERS=0 if peers is None else peers.shape[-1],
+        TRACE=plan.trace, CDF=plan.cdf)
+    # 4 warps per consumer and 4 for the loader's warpgroup: the register file split evenly
+    # before setmaxnreg moves the loader's to the consumers
+    seed = params.seed
+    run_kernel(gluon_pingpong.pp_records_kernel, grid, (
+        w_desc, h_desc, bias if bias is not None else params.inv_temp, params.inv_temp, seed,
+        params.offset, out, B, n_real, vocab_start, plan.num_samples, *out.stride()[:3],
+        peers if peers is not None else seed, parity if parity is not None else seed,
+        trace if plan.trace else seed, tiles, nb, cdiv(D, block_k)), constexprs,
+        dict(num_warps=4, maxnreg=PP_MAXNREG))
+    return out
+
+
+def stage2(plan: Plan, recs: torch.Tensor, params: RowParams, parity=None,
+           parity_stride: int = 0):
+    """records [slots, S, B, T, 4] (any strides, the last dim contiguous) → tokens int64
+    [B, S], logprobs fp32 [B, S], logz fp32 [B] by the plan's merge. With `parity` (the
+    fan-out's int32 [2]) the records are read parity[0] * parity_stride elements past
+    `recs`, and the kernel flips parity[0] once all its programs are done."""
+    slots, S, B, T, _ = recs.shape
+    assert recs.stride(4) == 1
+    dev = recs.device
+    tokens = torch.empty(B, S, dtype=torch.int64, device=dev)
+    logprobs = torch.empty(B, S, dtype=torch.float32, device=dev)
+    logz = torch.empty(B, dtype=torch.float32, device=dev)
+    block_r, block_n, num_warps = plan.reduce
+    if block_n < 4 or block_n & (block_n - 1):
+        raise ValueError(f"plan reduce BLOCK_N must be a power of 2 >= 4, got {block_n}")
+    run_kernel(reduce_records.reduce_records_kernel, (cdiv(B * S, block_r),), (
+        recs, params.inv_temp, params.seed, params.offset, tokens, logprobs, logz,
+        B, S, slots * T, T, *recs.stride()[:4],
+        parity if parity is not None else params.seed, parity_stride),
+        dict(LOGMASS=plan.merge in ("logmass", "cdf"), BLOCK_R=block_r, BLOCK_N=block_n,
+             USE_PARITY=parity is not None, ONE_SLOT=slots == 1, PDL=plan.pdl),
+        dict(num_warps=num_warps, **({"launch_pdl": True} if plan.pdl else {})))
+    return tokens, logprobs, logz

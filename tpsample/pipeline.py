@@ -1,0 +1,127 @@
+"""One call's data flow: stage 1 → exchange → stage 2, and the launch-replay cache.
+
+    plan      which kernels (tpsample/plan.py), resolved on the first call of a shape
+    stage 1   records of this device's rows into its exchange slot (tpsample/launchers.py,
+              or the torch path: tpsample/torch_records.py)
+    exchange  the transport makes every rank's slot valid on every rank (tpsample/transport.py;
+              one device: nothing to do)
+    stage 2   the records of all slots → tokens, log-probs, log Z (launchers.stage2, or the
+              torch merge: tpsample/merge.py)
+
+tpsample.sample runs a process-wide local pipeline; every VocabParallelSampler owns one
+with its transport. On CUDA, a call with the key of an earlier one (shapes, strides,
+dtypes, pointer alignments, options, exchange buffers) re-issues that call's recorded
+launches with the new tensors (tpsample/replay.py): no plan lookup and no Triton dispatch.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from . import launchers, merge, records, replay
+from .params import RowParams
+from .plan import DeviceKind, Layout, Plan, make_plan
+from .torch_records import records_torch
+from .transport import LocalTransport, Transport
+
+_WARNED: set = set()
+
+
+def _warn_gluon_fallback(plan: Plan, device: DeviceKind) -> None:
+    """One warning per process when a Hopper GPU cannot run the Gluon kernels its table
+    chose because of the installed Triton (the plan says so; other fallbacks are silent)."""
+    missing = device.gluon_missing
+    if (device.hopper and missing and missing not in _WARNED
+            and any(why == missing for _, why in plan.fallbacks)):
+        _WARNED.add(missing)
+        warnings.warn(f"tpsample: {missing}; the cuBLAS + records-pass path runs instead "
+                      "(same tokens, slower at B >= 64). tpsample.explain(...) shows the plan.",
+                      RuntimeWarning, stacklevel=4)
+
+
+class Pipeline:
+    """Stage 1 → exchange → stage 2 on one device for a given transport (default: local)."""
+
+    def __init__(self, backend: str, device: torch.device, transport: Transport | None = None):
+        self.backend = backend
+        self.device = device
+        self.transport = transport if transport is not None else LocalTransport(device)
+        self.replays = replay.CallReplays()
+
+    def plan(self, hidden: torch.Tensor, weight: torch.Tensor, *, merge: str, num_samples: int,
+             need_mass: bool, vocab_start: int = 0, tiles: int | None = None) -> Plan:
+        """The plan of a call with these tensors (what run() uses when given none)."""
+        kind = DeviceKind.of(hidden.device)
+        fan = self.transport.fanout()
+        layout = Layout.of(hidden, weight, vocab_start, 0 if fan is None else self.transport.world)
+        plan = make_plan(kind, B=hidden.shape[0], D=hidden.shape[1], V=weight.shape[0],
+                         dtype=hidden.dtype, merge=merge, num_samples=num_samples,
+                         need_mass=need_mass, layout=layout, tiles=tiles,
+                         slots=self.transport.world, backend=self.backend)
+        _warn_gluon_fallback(plan, kind)
+        return plan
+
+    def run(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            params: RowParams, *, n_real: int, merge: str, num_samples: int, need_mass: bool,
+            vocab_start: int = 0, tiles: int | None = None, plan: Plan | None = None,
+            trace: torch.Tensor | None = None):
+        """tokens int64 [B, S], logprobs fp32 [B, S], logz fp32 [B] of one call.
+
+        hidden [B, D] contiguous, weight [V_rows, D] (this device's rows: global ids
+        [vocab_start, vocab_start + V_rows)), bias fp32 [V_rows] or None, params per row;
+        rows [n_real, V_rows) are padding; tiles: tiles per slot (default: this weight's);
+        plan: an explicit plan (tools) instead of make_plan's; trace: see launchers.stage1."""
+        B = hidden.shape[0]
+        T = tiles if tiles is not None else records.num_tiles(weight.shape[0])
+        mine, full = self.transport.slots(num_samples * B * T * records.WIDTH)
+        if self.backend == "torch":
+            plan = plan or self.plan(hidden, weight, merge=merge, num_samples=num_samples,
+                                     need_mass=need_mass, vocab_start=vocab_start, tiles=T)
+            rec = records_torch(hidden, weight, bias=bias, inv_temp=params.inv_temp,
+                                seed=params.seed, offset=params.offset, num_samples=num_samples,
+                                n_real=n_real, vocab_start=vocab_start, num_tiles=T, cdf=plan.cdf)
+            records.records_view(mine, num_samples, B, T).copy_(rec)
+            self.transport.exchange(mine, full)
+            return merge_records(records.records_view(full, num_samples, B, T), params, merge)
+
+        fanout = self.transport.fanout()
+        per_call = dict(hidden=hidden, weight=weight, inv_temp=params.inv_temp, seed=params.seed,
+                        offset=params.offset, bias=bias)
+        key = None
+        if hidden.is_cuda and trace is None and replay.Replay.usable():
+            key = (plan, hidden.device, hidden.shape, hidden.stride(), weight.shape,
+                   weight.stride(), n_real, vocab_start, T, num_samples, merge, need_mass,
+                   self.transport.key(), replay.tensor_key(tuple(per_call.values()) + (mine, full)))
+            hit = self.replays.get(key)
+            if hit is not None:
+                stage1, stage2 = hit
+                stream = replay.current_stream(hidden.device.index)
+                stage1(stream, records=mine, **per_call)
+                self.transport.exchange(mine, full)
+                out = replay.reduce_outputs(B, num_samples, hidden.device)
+                stage2(stream, records=full, **out, **per_call)
+                return out["tokens"], out["logprobs"], out["logz"]
+
+        plan = plan or self.plan(hidden, weight, merge=merge, num_samples=num_samples,
+                                 need_mass=need_mass, vocab_start=vocab_start, tiles=T)
+        tile_major = fanout is not None  # P2P stores: one contiguous run per stage-1 program
+        out_view = records.records_view(mine, num_samples, B, T, tile_major)
+        with replay.record() as log1:
+            launchers.stage1(plan, hidden, weight, bias, params, out_view, n_real=n_real,
+                             vocab_start=vocab_start, fanout=fanout[:2] if fanout else None,
+                             trace=trace)
+        self.transport.exchange(mine, full)
+        full_view = records.records_view(full, num_samples, B, T, tile_major)
+        with replay.record() as log2:
+            tokens, logprobs, logz = launchers.stage2(
+                plan, full_view, params, *(fanout[1:] if fanout else ()))
+        self.replays.add(key, log1, dict(per_call, records=out_view), log2,
+                         dict(per_call, records=full_view, tokens=tokens, logprobs=logprobs,
+                              logz=logz))
+        return tokens, logprobs, logz
+
+
+def merge_records(recs: torch.Tensor, params: RowParams, merge_name: str):
+    """Stage 2 in torch (tpsample/merge.py): records [slots, S, B, T, 4] → tokens, logprobs, logz."""
+    return merge.reduce_records(recs, params.seed, params.offset, params.inv_temp == 0, merge_name)
