@@ -69,6 +69,7 @@ def tp_chi2(rank, world, rows, samples, merge="logmass"):
                    num_samples=samples)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,merge", [(2, "logmass"), (3, "logmass"), (2, "cdf")])
 def test_tp_group_merge_chi2(world, merge):
     outs = run_world(world, tp_chi2, 400, 25, merge)

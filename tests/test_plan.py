@@ -52,15 +52,15 @@ def test_h100_table_choices():
     assert p32.cfg["NOISE_CHUNKS"] == 4 and "NOISE_AT" in p32.cfg  # noise inside the loop
     assert "NOISE_AT" not in plan(B=32, num_samples=2).cfg  # one sample only
     assert "NOISE_AT" not in plan(B=32, layout=Layout(vocab_start=6)).cfg  # aligned ids only
-    assert plan(B=64).cfg["W_DESC"] and not plan(B=64, layout=Layout(tma=False)).cfg["W_DESC"]
-    assert plan(B=64, D=2048).strategy == "ws"  # thin-head override
+    assert plan(B=64, D=8192).cfg["W_DESC"] and not plan(B=64, D=8192, layout=Layout(tma=False)).cfg["W_DESC"]
+    assert plan(B=64, D=4096).strategy == "ws" and plan(B=64, D=8192).strategy == "fused"  # D <= 5120 override
 
 
 def test_fallbacks_are_recorded_with_their_reason():
     p = plan(B=256, V=151937)  # V not a multiple of 4: no Gluon kernel
     assert p.strategy == "logits"
     assert [s for s, _ in p.fallbacks] == ["pp -> ws", "ws -> logits"]
-    assert "multiple of 4" in p.fallbacks[1][1]
+    assert "multiples of 4" in p.fallbacks[1][1]
     p = plan(B=256, V=151940)  # multiple of 4, not of 32: ws takes it
     assert p.strategy == "ws" and "multiple of 32" in p.fallbacks[0][1]
     p = plan(H100_NO_GLUON, B=256)

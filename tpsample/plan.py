@@ -350,7 +350,11 @@ def explain(B: int, D: int, V: int, *, dtype: torch.dtype = torch.bfloat16, devi
     if isinstance(device, str) and device in ("h100", "h200"):
         kind = DeviceKind.named(device)
     else:
-        kind = DeviceKind.of(torch.device(device))
+        try:
+            kind = DeviceKind.of(torch.device(device))
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"device must be None, a torch.device, 'cpu', 'cuda[:i]', 'h100' or "
+                             f"'h200', got {device!r}") from e
     backend = "triton" if kind.type == "cuda" or kind.interpret else "torch"
     return make_plan(kind, B=B, D=D, V=V, dtype=dtype, merge=merge, num_samples=num_samples,
                      need_mass=return_logprobs or merge != "max",
