@@ -8,6 +8,16 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+try:
+    import tpsample.kernels  # noqa: F401  (kernels/ installs as tpsample.kernels)
+except ImportError as e:
+    import tpsample
+    pytest.exit(f"tpsample is imported from {os.path.dirname(tpsample.__file__)} without its kernels "
+                f"({e}). The checkout's kernels/ and launch/ only become tpsample.kernels and "
+                "tpsample.launch when installed: run `pip install -e .` once, or, with a non-editable "
+                "install, run `pytest` rather than `python -m pytest` from the repository root "
+                "(which puts the source tree first on sys.path).", returncode=4)
+
 HAS_CUDA = torch.cuda.is_available()
 KERNEL_OK = HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1"
 
