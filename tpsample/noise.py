@@ -58,7 +58,8 @@ def _mulhilo32(a: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
     return hi, lo
 
 
-def philox4x32(c0, c1, c2, c3, k0, k1, rounds: int = PHILOX_ROUNDS):
+def philox4x32(c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torch.Tensor,
+               k0: torch.Tensor, k1: torch.Tensor, rounds: int = PHILOX_ROUNDS) -> tuple:
     """Philox4x32 on int64 tensors holding uint32 values (broadcasting). Returns 4 words."""
     c0, c1, c2, c3, k0, k1 = torch.broadcast_tensors(c0, c1, c2, c3, k0, k1)
     for _ in range(rounds):
@@ -76,7 +77,7 @@ def split64(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x & MASK32, (x >> 32) & MASK32
 
 
-def philox_bits(seed: torch.Tensor, offset: torch.Tensor, sample, index: torch.Tensor,
+def philox_bits(seed: torch.Tensor, offset: torch.Tensor, sample: int | torch.Tensor, index: torch.Tensor,
                 stream: int = 0) -> torch.Tensor:
     """uint32 word (as int64) for each (row, index): seed/offset [B, 1], index [1, N] or [B, N]."""
     k0, k1 = split64(seed)
@@ -95,16 +96,19 @@ def bits_to_uniform(x: torch.Tensor) -> torch.Tensor:
     return ((x >> 9).to(torch.float32) + 0.5) * (2.0 ** -23)
 
 
-def uniform(seed, offset, sample, index, stream: int = 0) -> torch.Tensor:
+def uniform(seed: torch.Tensor, offset: torch.Tensor, sample: int | torch.Tensor,
+            index: torch.Tensor, stream: int = 0) -> torch.Tensor:
     return bits_to_uniform(philox_bits(seed, offset, sample, index, stream))
 
 
-def gumbel(seed, offset, sample, index, stream: int = 0) -> torch.Tensor:
+def gumbel(seed: torch.Tensor, offset: torch.Tensor, sample: int | torch.Tensor,
+           index: torch.Tensor, stream: int = 0) -> torch.Tensor:
     """Standard Gumbel noise g = -log(-log u), float32."""
     return -torch.log(-torch.log(uniform(seed, offset, sample, index, stream)))
 
 
-def cdf_uniforms(seed, offset, sample, tile_start: torch.Tensor, subgroups: int = 4):
+def cdf_uniforms(seed: torch.Tensor, offset: torch.Tensor, sample: int, tile_start: torch.Tensor,
+                 subgroups: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse-CDF mode's uniforms for tiles starting at global ids tile_start [T]:
     (subgroup uniforms [B, T, subgroups], subgroup-choice uniform [B, T]) for seed/offset
     [B] int64 (merge.py, fact 6). Subgroup k of a tile uses id tile_start + k of the stream

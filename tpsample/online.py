@@ -22,7 +22,9 @@ class OnlineSampler:
     chunk's first id. Exact in distribution (tpsample/merge.py, facts 3-4).
     """
 
-    def __init__(self, batch_size: int, *, seed=None, offset=0, num_samples: int = 1, device=None):
+    def __init__(self, batch_size: int, *, seed: int | torch.Tensor | None = None,
+                 offset: int | torch.Tensor = 0, num_samples: int = 1,
+                 device: torch.device | str | None = None):
         if not isinstance(batch_size, int) or batch_size < 0:
             raise ValueError(f"batch_size must be an int >= 0, got {batch_size!r}")
         if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples < 1:
