@@ -1,29 +1,58 @@
-"""Tensor-parallel scaling benchmark: tpsample.VocabParallelSampler vs all-gathering logits.
+"""The benchmark: tpsample against unfused LM-head sampling, on one device or under TP.
 
+    python -m tpsample.launch.bench [--shapes 2048x151936,4096x151936,8192x128256]
+        [--batches 1,2,4,...,256] [--merge max|logmass|cdf] [--out DIR] [--passes N]
+        [--no-compile] [--variants mm,tpsample,...] [--doc docs/performance.md --label H100]
     torchrun --nproc-per-node=N -m tpsample.launch.bench [--shapes 8192x128256,4096x151936]
-        [--batches 1,16,64,256] [--iters 100] [--out DIR] [--transports symm_mem,nccl] [--no-graph]
-        [--profile]
-    python -m tpsample.launch.bench --plot OUT/tp1.json OUT/tp2.json OUT/tp4.json --out OUT
+        [--batches 1,16,64,256] [--iters 100] [--transports symm_mem,nccl] [--no-graph]
+        [--profile] [--doc PATH --label TP2]
+    python -m tpsample.launch.bench --report DIR/tp1.json DIR/tp2.json [--doc PATH --label NAME]
 
-Each rank holds a random bf16 shard of a D x V LM head (first V % N ranks get one extra row);
-h [B, D] is equal on all ranks. Variants: mm_local, allgather_multinomial, allgather_gumbel
-(all-gathered logits, then sampling) and tpsample_<transport> (VocabParallelSampler). Latency:
-CUDA events around each call + host sync, median per rank, max over ranks: eager; eager with the
-ranks' GPUs lined up by a one-element all-reduce before each call (untimed, as the model's last
-collective lines them up in a decode step); CUDA-graph replay of one captured call.
-Writes OUT/tp<N>.json (rank 0); --plot: OUT/tp_scaling_<D>x<V>.png.
---profile: also the device time per call of each kernel of the tpsample calls (torch.profiler,
-rank 0; the barrier kernel's time includes waiting for the slowest peer).
-Without CUDA (or --cpu): gloo, D=256 V=8192, B=1,4,16, 20 iters, transport gloo, no graphs.
+One device (no torchrun; --mode single): on CUDA it first measures the copy bandwidth (a 2
+GiB bf16 device-to-device copy, bytes read + written / median time), then for each LM-head
+shape D x V and batch B times, with triton.testing.do_bench (median ms; every variant timed
+--passes times, alternately in forward and reverse order, and the mean reported: at B >= 64
+the GPUs run at their power cap and slow down as they heat, which would otherwise penalise
+the variants timed last), on random bf16 h [B, D] and W [V, D]:
+
+    mm                    h @ W.T (cuBLAS) alone: the matmul every unfused sampler pays
+    multinomial           matmul, fp32 softmax, torch.multinomial
+    multinomial_compiled  the same function under torch.compile (skipped with --no-compile)
+    gumbel_torch          matmul, argmax(logits - log(Exp(1) noise))
+    flashinfer            matmul, flashinfer.sampling.sampling_from_logits (bf16 logits)
+    flashinfer_topk_topp  matmul, top_k_top_p_sampling_from_logits(top_k=-1, top_p=1.0)
+                          (both only if `import flashinfer` works)
+    tpsample              tpsample.sample(h, W, seed=1234, offset=step, merge=--merge)
+
+floor = V·D·bytes / bandwidth, the time to read W once. Writes OUT/single.json and a plot per
+shape. Without CUDA: D=256 V=8192, B=1,4,16, perf_counter medians (indicative only).
+
+Tensor parallel (under torchrun; --mode tp; N may be 1): each rank holds a random bf16
+shard of a D x V head (the first V % N ranks one row more); h is equal on all ranks.
+Variants: mm_local, allgather_multinomial, allgather_gumbel (all-gathered logits, then
+sampling) and tpsample_<transport> (VocabParallelSampler). Latency: CUDA events around each
+call + host sync, median per rank, max over ranks: eager; eager with the ranks' GPUs lined
+up by a one-element all-reduce before each call (as the model's last collective does);
+CUDA-graph replay of one captured call. Writes OUT/tp<N>.json (rank 0). --profile: device
+time per kernel and host µs per call of the tpsample calls. Without CUDA (or --cpu): gloo,
+D=256 V=8192, B=1,4,16, 20 iterations, transport gloo, no graphs.
+
+--doc PATH --label NAME: (re)writes the section of PATH between `<!-- bench:NAME -->` and
+`<!-- /bench:NAME -->` (appended if absent) with this run's tables, the command, device and
+versions, and the plots in docs/img/ beside it. --report renders TP runs (several tp<N>.json:
+the scaling table and plot) without measuring.
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import math
 import os
 import platform
+import re
+import shlex
 import statistics
 import sys
 import time
@@ -31,43 +60,335 @@ import warnings
 
 import torch
 import torch.distributed as dist
+import triton
+import triton.testing
+
+import tpsample
 
 BASE = "allgather_multinomial"
-SHORT = {"mm_local": "mm", BASE: "ag_multi", "allgather_gumbel": "ag_gumbel"}
+SHORT = {"mm_local": "mm", BASE: "ag_multi", "allgather_gumbel": "ag_gumbel",
+         "multinomial": "multi", "multinomial_compiled": "multi_c", "gumbel_torch": "gumbel",
+         "flashinfer": "fi", "flashinfer_topk_topp": "fi_kp"}
+SINGLE_SHAPES = "2048x151936,4096x151936,5120x151936,8192x128256"
+TP_SHAPES = "8192x128256,4096x151936"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated", category=FutureWarning)
+
 
 def log(msg: str):
     print(msg, file=sys.stderr, flush=True)
 
+
 def short(name: str) -> str:
     return SHORT.get(name, name.replace("tpsample_", "tp_"))
+
 
 def fmt(x) -> str:
     return "-" if x is None else f"{x:.3f}"
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shapes", help="DxV,... (default 8192x128256,4096x151936; CPU 256x8192)")
-    p.add_argument("--batches", help="B,... (default 1,16,64,256; CPU 1,4,16)")
-    p.add_argument("--iters", type=int, help="timed calls (default 100; CPU 20)")
-    p.add_argument("--out", default="bench_tp_out")
-    p.add_argument("--transports", help="default symm_mem,nccl (CPU: gloo)")
-    p.add_argument("--no-graph", action="store_true")
-    p.add_argument("--merge", default="max", choices=["max", "logmass", "cdf"],
-                   help="the merge the samplers use")
-    p.add_argument("--profile", action="store_true", help="per-kernel device time of tpsample calls")
-    p.add_argument("--cpu", action="store_true", help="gloo + CPU tensors even where CUDA exists")
-    p.add_argument("--plot", nargs="+", metavar="JSON", help="plot tp*.json files (no torchrun)")
-    a = p.parse_args(argv)
-    cuda = torch.cuda.is_available() and not a.cpu
-    a.shapes = [tuple(map(int, s.split("x"))) for s in
-                (a.shapes or ("8192x128256,4096x151936" if cuda else "256x8192")).split(",")]
-    a.batches = [int(b) for b in (a.batches or ("1,16,64,256" if cuda else "1,4,16")).split(",")]
-    a.iters = a.iters or (100 if cuda else 20)
-    a.transports = (a.transports or ("symm_mem,nccl" if cuda else "gloo")).split(",")
-    a.mode, a.graph = "cuda" if cuda else "cpu", cuda and not a.no_graph
-    return a
 
+def run_meta(args, cuda: bool) -> dict:
+    return {"device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
+            "torch": torch.__version__, "triton": triton.__version__,
+            "tpsample": tpsample.__version__, "date": time.strftime("%Y-%m-%d %H:%M"),
+            "command": "python -m tpsample.launch.bench " + " ".join(map(shlex.quote, args.argv)),
+            "config": {k: v for k, v in vars(args).items() if k not in ("argv",)}}
+
+
+# ---------------------------------------------------------------------------- one device
+def time_fn(fn, cuda: bool) -> float:
+    """Median milliseconds of fn() (do_bench on CUDA, perf_counter on CPU)."""
+    if cuda:
+        fn()  # compile / autotune outside the timed region
+        return triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
+    fn()
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def measure_bandwidth(device: torch.device) -> float:
+    """Copy bandwidth in bytes/s: (bytes read + bytes written) / median copy time."""
+    n = (1 << 30) if device.type == "cuda" else (1 << 26)  # 2 GiB / 128 MiB of bf16
+    src = torch.empty(n, dtype=torch.bfloat16, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    ms = time_fn(lambda: dst.copy_(src), device.type == "cuda")
+    del src, dst
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return 2 * n * 2 / (ms * 1e-3)
+
+
+def single_variants(h, w, *, merge="max", compile_=True, skipped=None) -> dict:
+    """name -> zero-argument callable that samples one token per row of h."""
+    skipped = {} if skipped is None else skipped
+
+    def multinomial():
+        probs = torch.softmax((h @ w.T).float(), dim=-1)
+        return torch.multinomial(probs, 1)
+
+    def gumbel_torch():
+        logits = (h @ w.T).float()
+        return (logits - torch.empty_like(logits).exponential_().log()).argmax(-1)
+
+    variants = {"mm": lambda: h @ w.T, "multinomial": multinomial}
+    if h.is_cuda and compile_ and "multinomial_compiled" not in skipped:
+        torch._dynamo.reset()  # one static-shape graph per (shape, B), no recompile limit
+        variants["multinomial_compiled"] = torch.compile(multinomial, dynamic=False)
+    variants["gumbel_torch"] = gumbel_torch
+    if h.is_cuda and "flashinfer" not in skipped:
+        try:
+            import flashinfer.sampling as fs
+            # flashinfer takes the bf16 logits as they come out of the matmul (it reads them
+            # as fp32 inside); top_k=-1, top_p=1.0 are no-op filters: the same distribution
+            variants["flashinfer"] = lambda: fs.sampling_from_logits(h @ w.T)
+            variants["flashinfer_topk_topp"] = lambda: fs.top_k_top_p_sampling_from_logits(
+                h @ w.T, -1, 1.0)
+        except Exception as e:  # noqa: BLE001 - any import failure just skips the baseline
+            skipped["flashinfer"] = f"import flashinfer failed: {type(e).__name__}: {e}"
+            log(f"skipping flashinfer baselines ({skipped['flashinfer']})")
+    step = itertools.count()
+    variants["tpsample"] = lambda: tpsample.sample(h, w, seed=1234, offset=next(step), merge=merge)
+    return variants
+
+
+def run_shape(D, V, batches, *, device, dtype, bandwidth, merge, compile_, skipped,
+              only=None, passes: int = 1) -> dict:
+    cuda = device.type == "cuda"
+    torch.manual_seed(0)
+    w = torch.randn(V, D, device=device, dtype=dtype).mul_(0.02)
+    weight_bytes = V * D * w.element_size()
+    floor_ms = weight_bytes / bandwidth * 1e3
+    rows = []
+    for B in batches:
+        h = torch.randn(B, D, device=device, dtype=dtype)
+        runs = {}
+        variants = single_variants(h, w, merge=merge, compile_=compile_, skipped=skipped)
+        for p in range(passes):  # odd passes in reverse order: a GPU that heats up (clocks
+            # fall at the power cap) does not always penalise the variants timed last
+            for name, fn in (list if p % 2 == 0 else reversed)(list(variants.items())):
+                if name in skipped or (only and name not in only):  # failed before: don't retry
+                    continue
+                try:
+                    runs.setdefault(name, []).append(time_fn(fn, cuda))
+                except Exception as e:  # noqa: BLE001 - report and go on with the others
+                    while e.__cause__ is not None:  # Triton chains the real error as the cause
+                        e = e.__cause__
+                    reason = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"[:300]
+                    skipped.setdefault(name, reason)
+                    runs.pop(name, None)
+                    log(f"  {name} failed at D={D} V={V} B={B}: {reason}")
+                    if cuda:
+                        torch.cuda.empty_cache()
+        ms = {n: statistics.fmean(v) for n, v in runs.items() if n not in skipped}
+        t = ms.get("tpsample")
+        row = {"B": B, "ms": ms, "ms_per_pass": {n: runs[n] for n in ms},
+               "speedup": {k: v / t for k, v in ms.items() if k != "tpsample" and t},
+               "tpsample_pct_of_floor": 100 * t / floor_ms if t else None}
+        rows.append(row)
+        log(f"[D={D} V={V} B={B}] " + " ".join(f"{k}={v:.3f}ms" for k, v in ms.items()))
+        del h, variants, fn  # the closures hold h and W
+    del w
+    torch._dynamo.reset()  # compiled graphs may keep references too
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return {"D": D, "V": V, "weight_bytes": weight_bytes, "floor_ms": floor_ms, "rows": rows}
+
+
+
+def single_markdown(meta: dict, doc: str, label: str) -> str:
+    """The section of one single-device run: a table per shape and its plot."""
+    lines = [f"`{meta['command']}` — {meta['device']}, torch {meta['torch']}, Triton "
+             f"{meta['triton']}, {meta['date']}; copy bandwidth "
+             f"{meta['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s; median ms "
+             f"({meta['timing']}); xNAME = NAME ms / tpsample ms; floor = time to read W once.", ""]
+    for res in meta["shapes"]:
+        names = list(dict.fromkeys(k for r in res["rows"] for k in r["ms"]))
+        base = [n for n in names if n != "tpsample"]
+        lines += [f"**D={res['D']}, V={res['V']}** (W {res['weight_bytes'] / 1e9:.2f} GB, floor "
+                  f"{res['floor_ms']:.3f} ms)", "",
+                  "| B | " + " | ".join(short(n) for n in names) + " | "
+                  + " | ".join(f"x{short(n)}" for n in base) + " | tpsample / floor |",
+                  "|---" * (len(names) + len(base) + 2) + "|"]
+        for r in res["rows"]:
+            cells = [fmt(r["ms"].get(n)) for n in names]
+            cells += [f"{r['speedup'][n]:.2f}" if n in r["speedup"] else "-" for n in base]
+            pct = r["tpsample_pct_of_floor"]
+            cells.append("-" if pct is None else f"{pct / 100:.3f}")
+            lines.append(f"| {r['B']} | " + " | ".join(cells) + " |")
+        png = plot_single(res, doc, label, f"{label} {meta['config']['dtype']}")
+        if png:
+            lines += ["", f"![{label} D={res['D']} V={res['V']}]({png})"]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def single_summary(meta: dict) -> str:
+    """One line: cells, against how many baselines tpsample was faster, worst ratios."""
+    cells = [r for res in meta["shapes"] for r in res["rows"] if "tpsample" in r["ms"]]
+    ratios = [v for r in cells for k, v in r["speedup"].items() if k != "mm"]
+    won = sum(all(v > 1 for k, v in r["speedup"].items() if k != "mm") for r in cells)
+    vs_mm = [1 / r["speedup"]["mm"] for r in cells if "mm" in r["speedup"]]
+    return (f"bench: {len(cells)} cells; tpsample faster than every sampling baseline in "
+            f"{won}/{len(cells)}; smallest speedup over a sampling baseline "
+            f"{min(ratios, default=float('nan')):.2f}x; tpsample / mm alone "
+            f"{min(vs_mm, default=float('nan')):.3f}-{max(vs_mm, default=float('nan')):.3f}")
+
+
+def plot_single(res: dict, doc: str, label: str, title: str) -> str | None:
+    """Plot of one shape next to the doc (docs/img/); returns its path relative to the doc."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib missing: no plot")
+        return None
+    rel = f"img/{slug(label)}_{res['D']}x{res['V']}.png"
+    path = os.path.join(os.path.dirname(os.path.abspath(doc)), rel)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    Bs = [r["B"] for r in res["rows"]]
+    names = list(dict.fromkeys(k for r in res["rows"] for k in r["ms"]))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for n in names:
+        pts = [(r["B"], r["ms"][n]) for r in res["rows"] if r["ms"].get(n) is not None]
+        ax.plot(*zip(*pts), marker="o", label=n, lw=2.5 if n == "tpsample" else 1.5)
+    ax.axhline(res["floor_ms"], ls="--", color="k", label=f"floor ({res['floor_ms']:.3f} ms)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(Bs, [str(b) for b in Bs])
+    ax.set_ylim(bottom=0)
+    ax.set(xlabel="batch size B", ylabel="median time (ms)", title=f"{title}: D={res['D']}, V={res['V']}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return rel
+
+
+def tp_markdown(runs: list, doc: str | None, label: str) -> str:
+    """The section of TP runs: per run a table per shape (eager / aligned / graph ms, speedup
+    over all-gather + multinomial); with several degrees the scaling table and plot."""
+    lines = []
+    for meta in sorted(runs, key=lambda r: r["world"]):
+        lines.append(f"`{meta['command']}` — TP{meta['world']}, {meta['device']}, torch "
+                     f"{meta['torch']}, Triton {meta.get('triton', '?')}, {meta['date']}; ms per call "
+                     "(eager / eager with the ranks aligned / CUDA-graph replay); "
+                     f"x = {short(BASE)} / tpsample (eager).")
+        lines.append("")
+        for s in meta["shapes"]:
+            names = list(next(iter(s["results"].values())))
+            tps = [n for n in names if n.startswith("tpsample_")]
+            lines += [f"**TP{meta['world']}, D={s['D']}, V={s['V']}**", "",
+                      "| B | " + " | ".join(short(n) for n in names) + " | "
+                      + " | ".join(f"x {short(n)}" for n in tps) + " |",
+                      "|---" * (len(names) + len(tps) + 1) + "|"]
+            for B, r in s["results"].items():
+                cells = ["/".join(fmt(r[n].get(k)) for k in ("eager_ms", "eager_aligned_ms", "graph_ms")
+                                  if k in r[n]) for n in names]
+                cells += [f"{r[BASE]['eager_ms'] / r[n]['eager_ms']:.2f}" for n in tps]
+                lines.append(f"| {B} | " + " | ".join(cells) + " |")
+            lines.append("")
+    if len(runs) > 1:
+        tps = sorted(r["world"] for r in runs)
+        for (D, V), table in tp_scaling(runs).items():
+            lines += [f"**Scaling, D={D}, V={V}** (eager / graph ms per TP degree)", "",
+                      "| B | variant | " + " | ".join(f"TP{t}" for t in tps) + " |",
+                      "|---" * (len(tps) + 2) + "|"]
+            for (B, n), per in sorted(table.items(), key=lambda kv: kv[0][0]):
+                lines.append(f"| {B} | {short(n)} | " + " | ".join(
+                    "/".join(fmt(x) for x in per.get(t, (None, None))) for t in tps) + " |")
+            png = plot_tp(table, tps, D, V, doc, label) if doc else None
+            if png:
+                lines += ["", f"![{label} scaling D={D} V={V}]({png})"]
+            lines.append("")
+    return "\n".join(lines)
+
+
+def tp_summary(meta: dict) -> str:
+    cells = [(B, n, r) for s in meta["shapes"] for B, r in s["results"].items()
+             for n in r if n.startswith("tpsample_")]
+    x = [r[BASE]["eager_ms"] / r[n]["eager_ms"] for _, n, r in cells]
+    vs_mm = [r[n]["eager_ms"] / r["mm_local"]["eager_ms"] for _, n, r in cells]
+    return (f"bench: TP{meta['world']}, {len(cells)} tpsample cells; speedup over all-gather + "
+            f"multinomial (eager) {min(x, default=float('nan')):.2f}-{max(x, default=float('nan')):.2f}x; "
+            f"tpsample / local mm {min(vs_mm, default=float('nan')):.2f}-{max(vs_mm, default=float('nan')):.2f}")
+
+
+def plot_tp(table: dict, tps: list, D: int, V: int, doc: str, label: str) -> str | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rel = f"img/{slug(label)}_scaling_{D}x{V}.png"
+    path = os.path.join(os.path.dirname(os.path.abspath(doc)), rel)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    plot_tp_shape(plt, table, tps, D, V, path)
+    return rel
+
+
+def slug(label: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", label.lower()).strip("_")
+
+
+def write_doc(path: str, label: str, body: str) -> None:
+    """Replace the doc's section for `label` (markers `<!-- bench:label -->` ... `<!--
+    /bench:label -->`) with body; append it if absent; create the file if missing."""
+    start, end = f"<!-- bench:{label} -->", f"<!-- /bench:{label} -->"
+    block = f"{start}\n{body.rstrip()}\n{end}"
+    text = open(path).read() if os.path.exists(path) else ""
+    if start in text and end in text:
+        a, b = text.index(start), text.index(end) + len(end)
+        text = text[:a] + block + text[b:]
+    else:
+        text = text.rstrip() + ("\n\n" if text.strip() else "") + block + "\n"
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+    log(f"wrote section {label} of {path}")
+
+
+def run_single(args):
+    cuda = args.cuda
+    device = torch.device("cuda" if cuda else "cpu")
+    warnings.filterwarnings("ignore", message=r"\s*Online softmax")  # inductor chatter
+    os.makedirs(args.out, exist_ok=True)
+    log("measuring copy bandwidth ...")
+    bandwidth = measure_bandwidth(device)
+    meta = dict(run_meta(args, cuda), bandwidth_bytes_per_s=bandwidth, skipped={},
+                timing="mean over passes of the do_bench median" if cuda else "perf_counter median of 5")
+    meta["shapes"] = []
+    for D, V in args.shapes:
+        log(f"shape D={D} V={V}")
+        meta["shapes"].append(run_shape(
+            D, V, args.batches, device=device, dtype=DTYPES[args.dtype], bandwidth=bandwidth,
+            merge=args.merge, compile_=not args.no_compile, skipped=meta["skipped"],
+            only=set(args.variants.split(",")) if args.variants else None, passes=args.passes))
+        with open(os.path.join(args.out, "single.json"), "w") as f:  # after every shape
+            json.dump(meta, f, indent=1)
+    print(single_markdown(meta, args.doc or os.path.join(args.out, "bench.md"), args.label or "bench")
+          if args.doc else single_markdown_plain(meta))
+    for name, reason in meta["skipped"].items():
+        print(f"skipped {name}: {reason}")
+    if args.doc:
+        write_doc(args.doc, args.label or "single", single_markdown(meta, args.doc, args.label or "single"))
+    print(single_summary(meta))
+
+
+def single_markdown_plain(meta: dict) -> str:
+    """The tables without plots (a run without --doc)."""
+    keep = meta["shapes"]
+    return "\n".join(line for line in single_markdown(
+        dict(meta, shapes=keep), os.devnull, "none").splitlines() if not line.startswith("!["))
+
+
+# ---------------------------------------------------------------------------- tensor parallel
 def init_dist(cuda: bool) -> torch.device:
     if not cuda:
         torch.set_num_threads(1)
@@ -78,16 +399,19 @@ def init_dist(cuda: bool) -> torch.device:
     dist.init_process_group("nccl", device_id=dev)
     return dev
 
+
 def all_ranks(x, dev, op=dist.ReduceOp.MAX, dtype=torch.float64):
     t = torch.tensor([x], dtype=dtype, device=dev)
     dist.all_reduce(t, op=op)
     return t.item()
+
 
 def gather_rows(t: torch.Tensor) -> torch.Tensor:
     """all_gather_into_tensor of t [n, ...] → [world, n, ...] (gloo wants dim 0 concatenated)."""
     out = torch.empty(dist.get_world_size() * t.shape[0], *t.shape[1:], dtype=t.dtype, device=t.device)
     dist.all_gather_into_tensor(out, t.contiguous())
     return out.view(-1, *t.shape)
+
 
 def time_calls(fn, dev, iters: int, warmup: int = 10, align: bool = False) -> float:
     """Median ms per call (CUDA events + host sync, or barrier + perf_counter), max over ranks.
@@ -113,6 +437,7 @@ def time_calls(fn, dev, iters: int, warmup: int = 10, align: bool = False) -> fl
         ms.append(events[0].elapsed_time(events[1]))
     return all_ranks(statistics.median(ms[warmup:]), dev)
 
+
 def host_us(fn, dev, iters: int = 50) -> float:
     """Median host µs per call: Python entry to return, the device drained before each call
     (the GPU never holds the host back), max over ranks."""
@@ -125,6 +450,7 @@ def host_us(fn, dev, iters: int = 50) -> float:
     torch.cuda.synchronize()
     return all_ranks(statistics.median(us[5:]), dev)
 
+
 def host_ops(fn, iters: int = 20, top: int = 8) -> dict[str, float]:
     """{op: host µs per call} of the most expensive host-side ops (self CPU time)."""
     from torch.profiler import ProfilerActivity, profile
@@ -134,6 +460,7 @@ def host_ops(fn, iters: int = 20, top: int = 8) -> dict[str, float]:
         torch.cuda.synchronize()
     ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
     return {e.key[:60]: e.self_cpu_time_total / iters for e in ops}
+
 
 def kernel_times(fn, iters: int = 20) -> dict[str, float]:
     """{kernel name: device ms per call} over `iters` calls, largest first (CUDA only)."""
@@ -147,6 +474,7 @@ def kernel_times(fn, iters: int = 20) -> dict[str, float]:
     per = {e.key[:80]: e.device_time_total / iters / 1e3 for e in prof.key_averages()
            if e.device_time_total > 0}
     return dict(sorted(per.items(), key=lambda kv: -kv[1]))
+
 
 def capture(fn, dev):
     """CUDA graph of one call → (graph, its output) or (None, reason); all ranks agree."""
@@ -168,12 +496,15 @@ def capture(fn, dev):
         return graph, out
     return None, why or "capture failed on another rank"
 
+
 def split_rows(V: int, world: int) -> list[int]:
     return [V // world + (r < V % world) for r in range(world)]
+
 
 def make_shard(D, V, rank, world, dev) -> torch.Tensor:
     g = torch.Generator(device=dev).manual_seed(1000 + rank)
     return torch.randn(split_rows(V, world)[rank], D, generator=g, device=dev, dtype=torch.bfloat16).mul_(D ** -0.5)
+
 
 def make_samplers(W, V, transports, max_batch, dev, merge="max") -> dict:
     """{variant: sampler}; a transport that fails on any rank is skipped on all of them."""
@@ -195,7 +526,8 @@ def make_samplers(W, V, transports, max_batch, dev, merge="max") -> dict:
             log(f"[rank {dist.get_rank()}] skipping transport {t}: {why}")
     return out
 
-def make_variants(h, W, V, samplers, seed, step) -> dict:
+
+def tp_variants(h, W, V, samplers, seed, step) -> dict:
     rows = split_rows(V, dist.get_world_size())
     def gather_logits():
         local = h @ W.T
@@ -213,6 +545,7 @@ def make_variants(h, W, V, samplers, seed, step) -> dict:
         fns[name] = lambda s=s: s(h, seed=seed, offset=step)
     return fns
 
+
 def check_tokens(name, fn, graph, graph_out, dev) -> list[str]:
     """Warnings unless graph replay == an eager call (same seed/offset) and all ranks agree."""
     eager = fn()
@@ -225,12 +558,13 @@ def check_tokens(name, fn, graph, graph_out, dev) -> list[str]:
         notes.append("tokens differ across ranks")
     return [f"{name} B={eager.shape[0]}: {n}" for n in notes]
 
+
 def bench_batch(D, V, B, W, samplers, args, dev):
     g = torch.Generator(device=dev).manual_seed(0)  # the same h on every rank
     h = torch.randn(B, D, generator=g, device=dev, dtype=torch.bfloat16)
     seed, step = (torch.full((B,), v, dtype=torch.int64, device=dev) for v in (1234, 7))  # fixed, on device
     res, warns = {}, []
-    for name, fn in make_variants(h, W, V, samplers, seed, step).items():
+    for name, fn in tp_variants(h, W, V, samplers, seed, step).items():
         r = res[name] = {"eager_ms": time_calls(fn, dev, args.iters)}
         if dev.type == "cuda":
             r["eager_aligned_ms"] = time_calls(fn, dev, args.iters, align=True)
@@ -253,7 +587,8 @@ def bench_batch(D, V, B, W, samplers, args, dev):
         del graph, out
     return res, warns
 
-def print_table(shape: dict, world: int):
+
+def print_tp_table(shape: dict, world: int):
     res = shape["results"]
     names = list(next(iter(res.values())))
     tps = [n for n in names if n.startswith("tpsample_")]
@@ -269,8 +604,9 @@ def print_table(shape: dict, world: int):
           f"by an all-reduce before each call, g = CUDA-graph replay; x = {short(BASE)} ms / tpsample ms")
     print("\n".join(" | ".join(c.rjust(w) for c, w in zip(line, widths)) for line in [head] + rows))
 
-def run(args):
-    cuda = args.mode == "cuda"
+
+def run_tp(args):
+    cuda = args.cuda
     dev = init_dist(cuda)
     rank, world = dist.get_rank(), dist.get_world_size()
     shapes, warns = [], []
@@ -291,18 +627,22 @@ def run(args):
         torch.cuda.empty_cache()  # no-op without CUDA
     if rank == 0:
         for s in shapes:
-            print_table(s, world)
-        meta = {"world": world, "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
-                "torch": torch.__version__, "nccl": str(torch.cuda.nccl.version()) if cuda else None,
-                "config": {k: v for k, v in vars(args).items() if k != "plot"}, "shapes": shapes, "warnings": warns}
+            print_tp_table(s, world)
+        meta = dict(run_meta(args, cuda), world=world,
+                    nccl=str(torch.cuda.nccl.version()) if cuda else None, shapes=shapes, warnings=warns)
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"tp{world}.json"), "w") as f:
+        path = os.path.join(args.out, f"tp{world}.json")
+        with open(path, "w") as f:
             json.dump(meta, f, indent=1)
-        log(f"wrote {f.name}")
+        log(f"wrote {path}")
+        print(tp_summary(meta))
+        if args.doc:
+            write_doc(args.doc, args.label or f"TP{world}", tp_markdown([meta], args.doc, args.label or f"TP{world}"))
     dist.barrier()
     dist.destroy_process_group()
 
-def plot_shape(plt, table, tps, D, V, path):
+
+def plot_tp_shape(plt, table, tps, D, V, path):
     """One subplot per B: eager latency vs TP degree, a line per variant (dashed: CUDA-graph
     replay of mm and tpsample)."""
     batches, names = sorted({B for B, _ in table}), list(dict.fromkeys(n for _, n in table))
@@ -330,41 +670,80 @@ def plot_shape(plt, table, tps, D, V, path):
     plt.close(fig)
     log(f"wrote {path}")
 
-def plot(files, out):
-    runs = sorted((json.load(open(f)) for f in files), key=lambda r: r["world"])
-    tps = [r["world"] for r in runs]
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        plt = None
-        log("matplotlib unavailable: tables only, no plot")
-    os.makedirs(out, exist_ok=True)
-    for D, V in sorted({(s["D"], s["V"]) for r in runs for s in r["shapes"]}):
-        table = {}  # {(B, variant): {tp: (eager_ms, graph_ms)}}, variants in file order
-        for r, s in ((r, s) for r in runs for s in r["shapes"] if (s["D"], s["V"]) == (D, V)):
+
+def tp_scaling(runs: list) -> dict:
+    """{(D, V): {(B, variant): {tp: (eager_ms, graph_ms)}}} from tp<N>.json results."""
+    out = {}
+    for r in sorted(runs, key=lambda r: r["world"]):
+        for s in r["shapes"]:
+            table = out.setdefault((s["D"], s["V"]), {})
             for B, res in s["results"].items():
                 for n, v in res.items():
                     table.setdefault((int(B), n), {})[r["world"]] = (v["eager_ms"], v.get("graph_ms"))
-        print(f"\nD={D} V={V}  eager/graph ms per TP degree ({runs[0]['device']})")
-        print(f"{'B':>5} {'variant':>14} | " + " | ".join(f"{'tp' + str(t):>15}" for t in tps))
-        for (B, n), per in sorted(table.items(), key=lambda kv: kv[0][0]):
-            cells = ["/".join(fmt(x) for x in per.get(t, (None, None))) for t in tps]
-            print(f"{B:>5} {short(n):>14} | " + " | ".join(f"{c:>15}" for c in cells))
-        if plt is not None:
-            plot_shape(plt, table, tps, D, V, os.path.join(out, f"tp_scaling_{D}x{V}.png"))
+    return out
+
+
+# ---------------------------------------------------------------------------- the command
+def parse_args(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="python -m tpsample.launch.bench",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--mode", choices=["single", "tp"],
+                   help="default: tp under torchrun (WORLD_SIZE set), else single")
+    p.add_argument("--shapes", help=f"DxV,... (single: {SINGLE_SHAPES}; tp: {TP_SHAPES}; CPU 256x8192)")
+    p.add_argument("--batches", help="B,... (single: 1,2,...,256; tp: 1,16,64,256; CPU 1,4,16)")
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--merge", default="max", choices=["max", "logmass", "cdf"],
+                   help="the merge tpsample samples with")
+    p.add_argument("--out", default="bench_out")
+    p.add_argument("--doc", help="markdown file whose section --label this run rewrites")
+    p.add_argument("--label", help="the section's name (default: single or TP<N>)")
+    p.add_argument("--report", nargs="+", metavar="JSON", help="render tp<N>.json files, no run")
+    p.add_argument("--cpu", action="store_true", help="CPU tensors (gloo) even where CUDA exists")
+    g = p.add_argument_group("one device")
+    g.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    g.add_argument("--variants", help="comma list: only these variants (e.g. mm,tpsample)")
+    g.add_argument("--passes", type=int, help="timings per variant, alternating order (default 2 on CUDA)")
+    g = p.add_argument_group("tensor parallel")
+    g.add_argument("--iters", type=int, help="timed calls (default 100; CPU 20)")
+    g.add_argument("--transports", help="default symm_mem,nccl (CPU: gloo)")
+    g.add_argument("--no-graph", action="store_true", help="no CUDA-graph timings")
+    g.add_argument("--profile", action="store_true", help="per-kernel device time of tpsample calls")
+    a = p.parse_args(argv)
+    a.argv = argv
+    a.cuda = torch.cuda.is_available() and not a.cpu
+    a.mode = a.mode or ("tp" if "WORLD_SIZE" in os.environ else "single")
+    tp = a.mode == "tp"
+    default_shapes = (TP_SHAPES if tp else SINGLE_SHAPES) if a.cuda else "256x8192"
+    a.shapes = [tuple(int(x) for x in s.lower().split("x")) for s in (a.shapes or default_shapes).split(",")]
+    default_b = ("1,16,64,256" if tp else ",".join(str(1 << i) for i in range(9))) if a.cuda else "1,4,16"
+    a.batches = [int(b) for b in (a.batches or default_b).split(",")]
+    a.iters = a.iters or (100 if a.cuda else 20)
+    a.passes = a.passes or (2 if a.cuda else 1)
+    if a.passes < 1 or a.iters < 1:
+        p.error("--passes and --iters must be >= 1")
+    a.transports = (a.transports or ("symm_mem,nccl" if a.cuda else "gloo")).split(",")
+    a.graph = a.cuda and not a.no_graph
+    return a
+
 
 def main(argv=None):
-    # never use NVLink multicast / NVLS: set before anything initialises NCCL or symmetric memory
+    # never NVLink multicast / NVLS on shared hosts: set before NCCL or symmetric memory start
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
     args = parse_args(argv)
-    if args.plot:
-        plot(args.plot, args.out)
+    if args.report:
+        runs = [json.load(open(f)) for f in args.report]
+        label = args.label or "TP"
+        print(tp_markdown(runs, args.doc, label))
+        if args.doc:
+            write_doc(args.doc, label, tp_markdown(runs, args.doc, label))
+    elif args.mode == "tp":
+        run_tp(args)
     else:
-        run(args)
+        run_single(args)
+
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,73 @@
+"""The benchmark's one entry point: both modes run on a CPU machine, and --doc rewrites only
+its own section."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tpsample.launch import bench
+
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+
+def run(cmd, tmp_path, timeout=240):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("TRITON_INTERPRET", None)  # the CPU torch path
+    out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return out.stdout
+
+
+def test_single_device_mode_writes_json_doc_and_summary(tmp_path):
+    doc = tmp_path / "perf.md"
+    text = run([sys.executable, "-m", "tpsample.launch.bench", "--shapes", "64x1000", "--batches",
+                "1,4", "--out", str(tmp_path), "--doc", str(doc), "--label", "CPU"], tmp_path)
+    meta = json.loads((tmp_path / "single.json").read_text())
+    assert {"device", "torch", "triton", "date", "command", "bandwidth_bytes_per_s", "shapes"} <= set(meta)
+    assert [r["B"] for r in meta["shapes"][0]["rows"]] == [1, 4]
+    assert "tpsample" in meta["shapes"][0]["rows"][0]["ms"]
+    assert "bench: 2 cells" in text.splitlines()[-1]
+    section = doc.read_text()
+    assert section.startswith("<!-- bench:CPU -->") and "| 4 |" in section
+    assert (tmp_path / "img" / "cpu_64x1000.png").exists()
+
+
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed next to python")
+def test_tp_mode_under_torchrun_and_report(tmp_path):
+    for n in (1, 2):
+        run([str(TORCHRUN), "--standalone", f"--nproc-per-node={n}", "-m", "tpsample.launch.bench",
+             "--shapes", "64x1000", "--batches", "1,4", "--iters", "3", "--merge", "cdf", "--out",
+             str(tmp_path)], tmp_path)
+    meta = json.loads((tmp_path / "tp2.json").read_text())
+    assert meta["world"] == 2 and meta["config"]["merge"] == "cdf" and meta["shapes"][0]["D"] == 64
+    assert set(meta["shapes"][0]["results"]["4"]) == {"mm_local", "allgather_multinomial",
+                                                      "allgather_gumbel", "tpsample_gloo"}
+    text = run([sys.executable, "-m", "tpsample.launch.bench", "--report", str(tmp_path / "tp1.json"),
+                str(tmp_path / "tp2.json"), "--doc", str(tmp_path / "p.md"), "--label", "TP"], tmp_path)
+    assert "Scaling, D=64, V=1000" in text and "| TP1 | TP2 |" in text
+
+
+def test_doc_sections_are_replaced_in_place_or_appended(tmp_path):
+    doc = tmp_path / "d.md"
+    doc.write_text("# Title\n\n<!-- bench:A -->\nold A\n<!-- /bench:A -->\n\ntext\n\n"
+                   "<!-- bench:B -->\nold B\n<!-- /bench:B -->\n")
+    bench.write_doc(str(doc), "A", "new A")
+    text = doc.read_text()
+    assert "new A" in text and "old A" not in text and "old B" in text and "text" in text
+    assert text.index("new A") < text.index("text")
+    bench.write_doc(str(doc), "C", "new C")
+    assert doc.read_text().rstrip().endswith("new C\n<!-- /bench:C -->")
+    bench.write_doc(str(tmp_path / "sub" / "new.md"), "X", "x")
+    assert (tmp_path / "sub" / "new.md").read_text().startswith("<!-- bench:X -->")
+
+
+def test_mode_defaults_follow_torchrun(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert bench.parse_args(["--cpu"]).mode == "single"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    a = bench.parse_args(["--cpu"])
+    assert a.mode == "tp" and a.transports == ["gloo"] and a.batches == [1, 4, 16]
+    assert bench.parse_args(["--cpu", "--mode", "single"]).mode == "single"
