@@ -40,7 +40,7 @@ D=256 V=8192, B=1,4,16, 20 iterations, transport gloo, no graphs.
 --doc PATH --label NAME: (re)writes the section of PATH between `<!-- bench:NAME -->` and
 `<!-- /bench:NAME -->` (appended if absent) with this run's tables, the command, device and
 versions, and the plots in docs/img/ beside it. --report renders TP runs (several tp<N>.json:
-the scaling table and plot) without measuring.
+the scaling table and plot; or one single.json) without measuring.
 """
 from __future__ import annotations
 
@@ -735,10 +735,16 @@ def main(argv=None):
     args = parse_args(argv)
     if args.report:
         runs = [json.load(open(f)) for f in args.report]
-        label = args.label or "TP"
-        print(tp_markdown(runs, args.doc, label))
+        label = args.label or ("TP" if "world" in runs[0] else "single")
+        if all("world" in r for r in runs):
+            text = tp_markdown(runs, args.doc, label)
+        elif len(runs) == 1:
+            text = single_markdown(runs[0], args.doc or os.devnull, label)
+        else:
+            sys.exit("--report takes one single.json or several tp<N>.json files")
+        print(text)
         if args.doc:
-            write_doc(args.doc, label, tp_markdown(runs, args.doc, label))
+            write_doc(args.doc, label, text)
     elif args.mode == "tp":
         run_tp(args)
     else:
