@@ -92,7 +92,9 @@ class Pipeline:
         if hidden.is_cuda and trace is None and replay.Replay.usable():
             key = (plan, hidden.device, hidden.shape, hidden.stride(), weight.shape,
                    weight.stride(), n_real, vocab_start, T, num_samples, merge, need_mass,
-                   self.transport.key(), replay.tensor_key(tuple(per_call.values()) + (mine, full)))
+                   self.transport.key(), replay.tensor_key(tuple(per_call.values())))
+            # (the records buffers need no key: fresh ones are allocator-aligned, and the
+            # transports' persistent ones are in transport.key())
             hit = self.replays.get(key)
             if hit is not None:
                 stage1, stage2 = hit
