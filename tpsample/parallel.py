@@ -111,7 +111,7 @@ class VocabParallelSampler:
         base = self._broadcast_cpu(base)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(int(base))
-        self.pipeline = Pipeline(self.backend, self.device, self.transport)
+        self.pipeline = Pipeline(self.backend, self.device, self.transport, fixed_weight=weight_shard)
 
     # -- construction helpers ------------------------------------------------------------
     def _all_gather_object(self, obj):

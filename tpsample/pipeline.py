@@ -41,12 +41,16 @@ def _warn_gluon_fallback(plan: Plan, device: DeviceKind) -> None:
 
 
 class Pipeline:
-    """Stage 1 → exchange → stage 2 on one device for a given transport (default: local)."""
+    """Stage 1 → exchange → stage 2 on one device for a given transport (default: local).
+    fixed_weight: the weight every call passes (a sampler's shard): its launches then keep
+    it instead of substituting it per call, and the replay key leaves it out."""
 
-    def __init__(self, backend: str, device: torch.device, transport: Transport | None = None):
+    def __init__(self, backend: str, device: torch.device, transport: Transport | None = None,
+                 fixed_weight: torch.Tensor | None = None):
         self.backend = backend
         self.device = device
         self.transport = transport if transport is not None else LocalTransport(device)
+        self.fixed_weight = fixed_weight
         self.replays = replay.CallReplays()
 
     def plan(self, hidden: torch.Tensor, weight: torch.Tensor, *, merge: str, num_samples: int,
@@ -86,13 +90,17 @@ class Pipeline:
             return merge_records(records.records_view(full, num_samples, B, T), params, merge)
 
         fanout = self.transport.fanout()
-        per_call = dict(hidden=hidden, weight=weight, inv_temp=params.inv_temp, seed=params.seed,
+        fixed = weight is self.fixed_weight
+        per_call = dict(hidden=hidden, inv_temp=params.inv_temp, seed=params.seed,
                         offset=params.offset, bias=bias)
+        if not fixed:
+            per_call["weight"] = weight
         key = None
         if hidden.is_cuda and trace is None and replay.Replay.usable():
-            key = (plan, hidden.device, hidden.shape, hidden.stride(), weight.shape,
-                   weight.stride(), n_real, vocab_start, T, num_samples, merge, need_mass,
-                   self.transport.key(), replay.tensor_key(tuple(per_call.values())))
+            key = (plan, hidden.device, hidden.shape, hidden.stride(), n_real, vocab_start, T,
+                   num_samples, merge, need_mass, self.transport.key(),
+                   replay.tensor_key(tuple(per_call.values())),
+                   None if fixed else (weight.shape, weight.stride()))
             # (the records buffers need no key: fresh ones are allocator-aligned, and the
             # transports' persistent ones are in transport.key())
             hit = self.replays.get(key)
