@@ -1,6 +1,6 @@
 """Same-run A/B of kernel variants that environment variables choose (CUDA only).
 
-    python -m tpsample.ab --arm wide:TPSAMPLE_PHILOX_MUL=wide \\
+    python -m tools.ab --arm wide:TPSAMPLE_PHILOX_MUL=wide \\
         --arm split16:TPSAMPLE_PHILOX_MUL=split16 [--shapes 4096x151936,8192x128256] \\
         [--batches 128,256] [--rounds 3] [--out ab.jsonl]
 
@@ -12,12 +12,12 @@ replay (tune.device_ms) and checksums the tokens and records, so an arm that cha
 samples shows. Last, a table of each arm's mean time over the rounds and its ratio to the
 first arm.
 
-Two variables belong to the worker, not the kernels: TPSAMPLE_AB_MERGE (max | logmass | cdf,
-default max) is the merge it samples with, TPSAMPLE_AB_MASS=0 drops the log-masses (the max
+Two variables belong to the worker, not the kernels: AB_MERGE (max | logmass | cdf,
+default max) is the merge it samples with, AB_MASS=0 drops the log-masses (the max
 merge's default in tpsample.sample) where the merge allows it. E.g. the cdf records in pp
 against the default path:
 
-    python -m tpsample.ab --arm max:TPSAMPLE_AB_MASS=0 --arm cdf:TPSAMPLE_AB_MERGE=cdf \
+    python -m tools.ab --arm max:AB_MASS=0 --arm cdf:AB_MERGE=cdf \
         --batches 64,128,256
 """
 import argparse
@@ -31,13 +31,13 @@ import tempfile
 def worker(shapes, batches, reps_ms: int):
     import torch
 
-    from . import fused
-    from .api import row_params
-    from .tune import device_ms
-    merge = os.environ.get("TPSAMPLE_AB_MERGE", "max")
+    from tools import calls
+    from tpsample.params import row_params
+    from tools.tune import device_ms
+    merge = os.environ.get("AB_MERGE", "max")
     if merge not in ("max", "logmass", "cdf"):
-        sys.exit(f"TPSAMPLE_AB_MERGE must be max, logmass or cdf, got {merge!r}")
-    need_mass = merge != "max" or os.environ.get("TPSAMPLE_AB_MASS", "1") != "0"
+        sys.exit(f"AB_MERGE must be max, logmass or cdf, got {merge!r}")
+    need_mass = merge != "max" or os.environ.get("AB_MASS", "1") != "0"
     for D, V in shapes:
         w = torch.randn(V, D, device="cuda", dtype=torch.bfloat16,
                         generator=torch.Generator(device="cuda").manual_seed(D)) * 0.02
@@ -47,10 +47,10 @@ def worker(shapes, batches, reps_ms: int):
             p = row_params(h, 1.0, torch.arange(B, device="cuda") + 7, 3)
 
             def run():
-                rec = fused.fused_records(h, w, bias=None, inv_temp=p.inv_temp, seed=p.seed,
+                rec = calls.fused_records(h, w, bias=None, inv_temp=p.inv_temp, seed=p.seed,
                                           offset=p.offset, num_samples=1, n_real=V,
                                           need_mass=need_mass, cdf=merge == "cdf")
-                return rec, fused.reduce_records(rec[None], p.inv_temp, p.seed, p.offset, merge)[0]
+                return rec, calls.reduce_records(rec[None], p.inv_temp, p.seed, p.offset, merge)[0]
 
             rec, tokens = run()
             ms = device_ms(lambda: run(), reps_ms)

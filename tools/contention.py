@@ -1,6 +1,6 @@
 """Does ALU work beside an in-flight wgmma slow the wgmma down? (Hopper, CUDA only.)
 
-    python -m tpsample.contention [--mma-steps 4000] [--fractions 0.25,0.5] [--out c.json]
+    python -m tools.contention [--mma-steps 4000] [--fractions 0.25,0.5] [--out c.json]
 
 kernels/gluon_contention.py: per SM, one warpgroup issues back-to-back wgmma
 [128, 128] += [128, 64] @ [64, 128] from shared memory while a second warpgroup runs a loop
@@ -9,7 +9,7 @@ times, in SM cycles (clock64, so the power cap's clock does not enter), the wgmm
 alone, the ALU loop alone with its length set to a fraction of the wgmma loop's time, and
 both at once. "serialized" = (wgmma cycles with ALU − alone) / ALU cycles alone: 0 means the
 ALU work hides completely under the wgmma, 1 means it adds its whole duration. The
-ping-pong kernel measured ~0.78 cycles per noise instruction (perf notes v2.1).
+ping-pong kernel measured ~0.78 cycles per noise instruction (docs/design.md).
 """
 import argparse
 import json
@@ -17,7 +17,7 @@ import statistics
 
 import torch
 
-from .kernels import gluon_contention as gc
+from tools import gluon_contention as gc
 
 
 def compiled_ops(kind: str, arch: int = 90):
@@ -27,7 +27,7 @@ def compiled_ops(kind: str, arch: int = 90):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from .sass import cubin_ops
+    from tools.sass import cubin_ops
     consts = dict(gc.constexprs(kind), ALU_REGS=232)
     sig = dict(a_ptr="*bf16", b_ptr="*bf16", clk_ptr="*i64", out_ptr="*fp32", n_mma="i32",
                n_alu="i32", **dict.fromkeys(consts, "constexpr"))

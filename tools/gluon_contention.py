@@ -1,5 +1,5 @@
 """A Hopper microbenchmark (Gluon): does ALU work issued beside an in-flight wgmma slow the
-wgmma down, and does it depend on the kind of instruction? (tpsample.contention; perf notes
+wgmma down, and does it depend on the kind of instruction? (tools.contention; docs/design.md
 v2.2.)
 
 One CTA per SM. The default partition (4 warps, one per scheduler) issues back-to-back
@@ -9,7 +9,7 @@ pp's other consumer does in its epilogue. Each partition writes its elapsed SM c
 (clock64) per CTA, so the answer does not depend on the clock the power cap sets.
 """
 
-from .gluon_sample import AVAILABLE
+from tpsample.kernels.gluon_sample import AVAILABLE
 
 CHAINS = 8  # independent chains per thread
 STEP = 16  # dependent instructions per chain per loop step
@@ -86,8 +86,41 @@ if AVAILABLE:
                                                                   warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
-    from .fused_sample import gumbel_log, philox_with
-    from .gluon_sample import sm_clock
+    from tpsample.kernels.fused_sample import _mul_wide_a, _mul_wide_b, gumbel_log
+    from tpsample.kernels.gluon_sample import sm_clock
+
+    @gluon.jit
+    def _mul_halves(a, M: gl.constexpr):
+        """(high, low) words of a * M from 16-bit partial products: low-word IMADs, shifts,
+        masks and adds only (no IMAD.WIDE, which takes tensor-core cycles from a wgmma)."""
+        M0: gl.constexpr = M & 0xFFFF
+        M1: gl.constexpr = M >> 16
+        a0 = a & 0xFFFF
+        a1 = a >> 16
+        mid = a1 * M0 + ((a0 * M0) >> 16)
+        mid2 = a0 * M1 + (mid & 0xFFFF)
+        return a1 * M1 + (mid >> 16) + (mid2 >> 16), a * M
+
+    @gluon.jit
+    def philox_with(seed, c0, c1, c2, c3, MUL: gl.constexpr):
+        """Philox4x32-10 (the product's words) with the multiplies "wide" or "halves"."""
+        seed = seed.to(gl.uint64)
+        k0 = (seed & 0xFFFFFFFF).to(gl.uint32)
+        k1 = ((seed >> 32) & 0xFFFFFFFF).to(gl.uint32)
+        for r in gl.static_range(10):
+            if MUL == "halves":
+                hi_b, lo_b = _mul_halves(c2, 0xCD9E8D57)
+                hi_a, lo_a = _mul_halves(c0, 0xD2511F53)
+            else:
+                hi_b, lo_b = _mul_wide_b(c2)
+                hi_a, lo_a = _mul_wide_a(c0)
+            c0 = hi_b ^ c1 ^ k0
+            c2 = hi_a ^ c3 ^ k1
+            c1 = lo_b
+            c3 = lo_a
+            k0 = k0 + 0x9E3779B9
+            k1 = k1 + 0xBB67AE85
+        return c0, c1, c2, c3
 
     CHAINS_C = gl.constexpr(CHAINS)
 

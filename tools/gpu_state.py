@@ -2,7 +2,7 @@
 
 On the lent H100/H200, every variant of the LM-head shapes at B >= 64 (cuBLAS's matmul
 included) runs at the 700 W board limit, where the driver lowers the SM clock (1350–1500 MHz
-instead of 1980 on the H100; perf notes v1.9). Times there measure energy per call as much as
+instead of 1980 on the H100; docs/design.md). Times there measure energy per call as much as
 bandwidth, and two variants timed one after the other can run at different clocks. The
 bench puts the clock and power next to each timing, so a table says which regime it is in.
 

@@ -1,37 +1,37 @@
 """Where the time of one call goes (CUDA only). Three modes:
 
-    python -m tpsample.probe [--shape 4096x151936] [--batches 1,64,256] [--out probe.json]
+    python -m tools.probe [--shape 4096x151936] [--batches 1,64,256] [--out probe.json]
         device time (do_bench median ms) of the parts: stage 1 with num_samples = 0
         (matmul + log-mass, no noise), 1 and 2 (each sample adds a noise pass), the
         per-token Philox path (vocab_start % 4 != 0) against the 4-lane one, stage 2, the
         whole tpsample.sample call, and for the "logits" strategy the fp32 cuBLAS GEMM alone
-    python -m tpsample.probe --ab [--shape ...] [--batches ...]
+    python -m tools.probe --ab [--shape ...] [--batches ...]
         stage 1 + stage 2 with each epilogue/launch option off and on (padding-column trim,
         programmatic dependent launch of stage 2, skipping the tile log-mass)
-    python -m tpsample.probe --noise [--shape ...] [--batches ...]
+    python -m tools.probe --noise [--shape ...] [--batches ...]
         the call with the noise drawn inside the main loop (NOISE_STEP) vs in the epilogue
-    python -m tpsample.probe --logits [--batches 128,256]
+    python -m tools.probe --logits [--batches 128,256]
         the hybrid's records pass alone (load + max, + log-mass, + noise) per tile shape
-    python -m tpsample.probe --chunks [--batches 128,256]
+    python -m tools.probe --chunks [--batches 128,256]
         the hybrid's stage 1 with V in K chunks, each chunk's records pass on a side stream
         under the next chunk's GEMM
-    python -m tpsample.probe --ws [--shape ...] [--batches 64,128,256]
+    python -m tools.probe --ws [--shape ...] [--batches 64,128,256]
         the warp-specialized Hopper stage 1 (kernels/gluon_sample.py) per config against the
         shipped strategy and cuBLAS h @ W.T alone; first checks its records against the
         hybrid's on the same inputs (tokens, scores, log-mass; bias, greedy rows, 2 samples)
-    python -m tpsample.probe --api [--shape ...] [--batches ...]
+    python -m tools.probe --api [--shape ...] [--batches ...]
         the same call timed four ways, to tell host from device time: stages 1 + 2 called
         directly (as tune does), tpsample.sample with int seed/offset (as bench does) and
         with tensors, its CUDA-graph replay, and the host µs per sample() call
-    python -m tpsample.probe --host [--profile]
+    python -m tools.probe --host [--profile]
         host (Python) time per call of each piece of the call path, at tiny shapes so the GPU
         never becomes the bottleneck (µs, no synchronisation inside the timed loop)
-    python -m tpsample.probe --pp-trace [--shape ...] [--batches 128,256]
+    python -m tools.probe --pp-trace [--shape ...] [--batches 128,256]
         the ping-pong stage 1 (kernels/gluon_pingpong.py) with per-tile SM clocks: each
         consumer's wait for the other's MMAs, its MMAs, its epilogue, and the cycles the
         tensor cores wait because the next tile's MMAs are not issued yet (S = 0 and 1)
     ncu --clock-control none -k regex:records --launch-skip 2 --launch-count 1 \\
-        python -m tpsample.probe --ncu --batches 64
+        python -m tools.probe --ncu --batches 64
         three plain stage-1 launches for Nsight Compute
 """
 import argparse
@@ -45,8 +45,11 @@ import time
 import torch
 import triton
 
-from . import fused
-from .api import row_params, sample
+from tools import calls
+from tpsample import launchers, records
+from tpsample.plan import cdiv
+from tpsample import sample
+from tpsample.params import row_params
 
 
 def setup(D, V, B):
@@ -55,7 +58,7 @@ def setup(D, V, B):
     p = row_params(h, 1.0, torch.arange(B, device="cuda"), 0)
 
     def stage1(S=1, start=0, config=None, cdf=False):
-        return fused.fused_records(h, w, bias=None, inv_temp=p.inv_temp, seed=p.seed, offset=p.offset,
+        return calls.fused_records(h, w, bias=None, inv_temp=p.inv_temp, seed=p.seed, offset=p.offset,
                                    num_samples=S, n_real=V, vocab_start=start, config=config,
                                    cdf=cdf)
     return h, w, p, stage1
@@ -64,18 +67,18 @@ def setup(D, V, B):
 def device_parts(D, V, B) -> dict:
     bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=50, return_mode="median")  # noqa: E731
     h, w, p, stage1 = setup(D, V, B)
-    cfg = fused.kernel_config(B, D, h.dtype)
+    cfg = calls.kernel_config(B, D, h.dtype)
     rec = stage1()
     r = dict(B=B, config=cfg, s0=bench(lambda: stage1(0)), s1=bench(stage1), s2=bench(lambda: stage1(2)),
              s1_per_token_noise=bench(lambda: stage1(1, start=2)),
-             reduce=bench(lambda: fused.reduce_records(rec[None], p.inv_temp, p.seed, p.offset, "max")),
+             reduce=bench(lambda: calls.reduce_records(rec[None], p.inv_temp, p.seed, p.offset, "max")),
              call=bench(lambda: sample(h, w, seed=1, offset=0)))
     if cfg["strategy"] == "logits":
-        r["mm_fp32"] = bench(lambda: fused.logits_fp32(h, w))
+        r["mm_fp32"] = bench(lambda: launchers.logits_fp32(h, w))
     r["api_overhead"] = r["call"] - r["s1"] - r["reduce"]
     for launch in ((4, 1024, 4), (2, 1024, 4), (1, 4096, 8)):  # alternatives to the default
         r[f"reduce_r{launch[0]}_n{launch[1]}_w{launch[2]}"] = bench(
-            lambda: fused.reduce_records(rec[None], p.inv_temp, p.seed, p.offset, "max", launch=launch))
+            lambda: calls.reduce_records(rec[None], p.inv_temp, p.seed, p.offset, "max", launch=launch))
     return r
 
 
@@ -83,15 +86,15 @@ def ab_parts(D, V, B) -> dict:
     """Whole call (stage 1 + stage 2) with each option toggled against the shipped default."""
     bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=100, return_mode="median")  # noqa: E731
     h, w, p, stage1 = setup(D, V, B)
-    cfg = fused.kernel_config(B, D, h.dtype)
+    cfg = calls.kernel_config(B, D, h.dtype)
 
     def call(trim=True, pdl=True, mass=True):
         def run():
-            fused.PDL_ENABLED = pdl
-            rec = fused.fused_records(h, w, bias=None, inv_temp=p.inv_temp, seed=p.seed,
+            calls.PDL = pdl
+            rec = calls.fused_records(h, w, bias=None, inv_temp=p.inv_temp, seed=p.seed,
                                       offset=p.offset, num_samples=1, n_real=V,
                                       config=dict(cfg, TRIM=trim), need_mass=mass)
-            return fused.reduce_records(rec[None], p.inv_temp, p.seed, p.offset, "max")
+            return calls.reduce_records(rec[None], p.inv_temp, p.seed, p.offset, "max")
         return run
     toks = {k: call(**kw)()[0] for k, kw in dict(default={}, no_trim=dict(trim=False),
                                                    no_pdl=dict(pdl=False),
@@ -100,7 +103,7 @@ def ab_parts(D, V, B) -> dict:
              no_pdl=bench(call(pdl=False)), no_mass=bench(call(mass=False)),
              none=bench(call(trim=False, pdl=False)),
              tokens_equal=all(torch.equal(t, toks["default"]) for t in toks.values()))
-    fused.PDL_ENABLED = True
+    calls.PDL = True
     return r
 
 
@@ -109,13 +112,13 @@ def noise_placement(D, V, B) -> dict:
     whole or in row blocks (NOISE_CHUNKS, NOISE_EVERY), against the epilogue."""
     bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=100, return_mode="median")  # noqa: E731
     h, w, p, stage1 = setup(D, V, B)
-    cfg = fused.kernel_config(B, D, h.dtype)
+    cfg = calls.kernel_config(B, D, h.dtype)
 
     def call(**over):
         def run():
-            rec = fused.fused_records(h, w, bias=None, inv_temp=p.inv_temp, seed=p.seed,
+            rec = calls.fused_records(h, w, bias=None, inv_temp=p.inv_temp, seed=p.seed,
                                       offset=p.offset, num_samples=1, n_real=V, config=dict(cfg, **over))
-            return fused.reduce_records(rec[None], p.inv_temp, p.seed, p.offset, "max")
+            return calls.reduce_records(rec[None], p.inv_temp, p.seed, p.offset, "max")
         return run
     if cfg["strategy"] == "fused":
         variants = {"epilogue": dict(NOISE_STEP=None),
@@ -166,7 +169,7 @@ def host_parts():
         "row_params(float T, int seed, int offset)": lambda: row_params(h, 1.0, 1, 0),
         "row_params(float T, tensor seed, int offset)": lambda: row_params(h, 1.0, seeds, 0),
         "fused_records": stage1,
-        "reduce_records": lambda: fused.reduce_records(rec[None], p.inv_temp, p.seed, p.offset, "max"),
+        "reduce_records": lambda: calls.reduce_records(rec[None], p.inv_temp, p.seed, p.offset, "max"),
         "sample()": lambda: sample(h, w, seed=seeds, offset=0),
     }
     for name, fn in parts.items():
@@ -178,22 +181,22 @@ def logits_pass(D, V, B) -> dict:
     """The hybrid's records pass alone on precomputed fp32 logits: what its time is made of
     (load + max only, + log-mass, + one sample) for a few tile shapes, against a plain copy
     of the logits (the bandwidth bound of that pass)."""
-    from .kernels import logits_records_kernel
+    from tpsample.kernels.fused_sample import logits_records_kernel
     bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=100, return_mode="median")  # noqa: E731
     h, w, p, _ = setup(D, V, B)
-    logits = fused.logits_fp32(h, w)
-    T = fused.num_tiles(V)
+    logits = launchers.logits_fp32(h, w)
+    T = records.num_tiles(V)
     out = torch.empty(2, B, T, 4, device="cuda")
     r = dict(B=B, copy_logits=bench(lambda: torch.empty_like(logits).copy_(logits)) / 2,
-             mm_fp32=bench(lambda: fused.logits_fp32(h, w)))
+             mm_fp32=bench(lambda: launchers.logits_fp32(h, w)))
     for bb, nw in ((64, 8), (32, 4), (16, 4), (128, 8)):
         for name, S, mass in (("max_only", 0, False), ("mass", 0, True), ("sample", 1, False),
                               ("sample_mass", 1, True)):
             def run():
-                logits_records_kernel[(fused.cdiv(B, bb), T)](
+                logits_records_kernel[(cdiv(B, bb), T)](
                     logits, p.inv_temp, p.inv_temp, p.seed, p.offset, out, B, V, V, 0, S,
                     logits.stride(0), *out.stride()[:3], p.seed, p.seed,
-                    HAS_BIAS=False, ALIGNED4=True, BLOCK_V=fused.BLOCK_V, BLOCK_B=bb, NUM_PEERS=0,
+                    HAS_BIAS=False, ALIGNED4=True, BLOCK_V=records.TILE, BLOCK_B=bb, NUM_PEERS=0,
                     HALVINGS=0, TILE_MASS=mass, PDL=False, num_warps=nw)
             r[f"bb{bb}_w{nw}_{name}"] = bench(run)
     return r
@@ -202,31 +205,31 @@ def logits_pass(D, V, B) -> dict:
 def chunked_hybrid(D, V, B) -> dict:
     """The hybrid's stage 1 with V cut into K chunks: GEMM of chunk k+1 (current stream) while
     the records pass of chunk k runs on a side stream, against K = 1 (what ships)."""
-    from .kernels import logits_records_kernel
+    from tpsample.kernels.fused_sample import logits_records_kernel
     bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=100, return_mode="median")  # noqa: E731
     h, w, p, _ = setup(D, V, B)
-    cfg = fused.kernel_config(B, D, h.dtype)
-    T = fused.num_tiles(V)
+    cfg = calls.kernel_config(B, D, h.dtype)
+    T = records.num_tiles(V)
     out = torch.empty(1, B, T, 4, device="cuda")
     side = torch.cuda.Stream()
     bb, nw = cfg["BLOCK_B"], cfg["num_warps"]
 
     def records(logits, t0, t1, stream):
-        v0 = t0 * fused.BLOCK_V
+        v0 = t0 * records.TILE
         view = out[:, :, t0:t1]
         with torch.cuda.stream(stream):
-            logits_records_kernel[(fused.cdiv(B, bb), t1 - t0)](
+            logits_records_kernel[(cdiv(B, bb), t1 - t0)](
                 logits, p.inv_temp, p.inv_temp, p.seed, p.offset, view, B, logits.shape[1], V - v0, v0, 1,
                 logits.stride(0), *view.stride()[:3], p.seed, p.seed,
-                HAS_BIAS=False, ALIGNED4=True, BLOCK_V=fused.BLOCK_V, BLOCK_B=bb, NUM_PEERS=0,
+                HAS_BIAS=False, ALIGNED4=True, BLOCK_V=records.TILE, BLOCK_B=bb, NUM_PEERS=0,
                 HALVINGS=0, TILE_MASS=False, PDL=False, num_warps=nw)
 
     def run(K):
         main = torch.cuda.current_stream()
-        per = fused.cdiv(T, K)
+        per = cdiv(T, K)
         for t0 in range(0, T, per):
             t1 = min(T, t0 + per)
-            logits = fused.logits_fp32(h, w[t0 * fused.BLOCK_V: min(V, t1 * fused.BLOCK_V)])
+            logits = launchers.logits_fp32(h, w[t0 * records.TILE: min(V, t1 * records.TILE)])
             if K == 1:
                 records(logits, t0, t1, main)
                 continue
@@ -237,7 +240,7 @@ def chunked_hybrid(D, V, B) -> dict:
         return out
 
     want = run(1).clone()
-    r = dict(B=B, mm_fp32=bench(lambda: fused.logits_fp32(h, w)))
+    r = dict(B=B, mm_fp32=bench(lambda: launchers.logits_fp32(h, w)))
     for K in (1, 2, 3, 4, 6, 8):
         assert torch.equal(run(K), want), K
         r[f"K{K}"] = bench(lambda: run(K))
@@ -246,7 +249,7 @@ def chunked_hybrid(D, V, B) -> dict:
 
 def launch_paths():
     """Host µs of one stage-1 launch: Triton's JIT dispatch vs its compiled handle."""
-    from .kernels import fused_sample_records_kernel as kern
+    from tpsample.kernels.fused_sample import fused_sample_records_kernel as kern
     h, w, p, stage1 = setup(256, 4096, 1)
     out = stage1()
     args = (h, w, p.inv_temp, p.inv_temp, p.seed, p.offset, out, 1, 256, 4096, 4096, 0, 1,
@@ -313,7 +316,7 @@ def ws_check(D=4096, V=50000, batches=(64, 200)) -> list:
                                        num_warps=8)),
                           ("ws", dict(strategy="ws", **WS_CONFIGS[0])),
                           ("ws256", dict(strategy="ws", **WS_CONFIGS[3]))):
-            recs[name] = fused.fused_records(h, w, bias=bias, inv_temp=p.inv_temp, seed=p.seed,
+            recs[name] = calls.fused_records(h, w, bias=bias, inv_temp=p.inv_temp, seed=p.seed,
                                              offset=p.offset, num_samples=S, n_real=V - 3,
                                              config=cfg)
         a, b = recs["ref"], recs["ws"]
@@ -324,8 +327,8 @@ def ws_check(D=4096, V=50000, batches=(64, 200)) -> list:
                    best_err=(a[..., 0] - b[..., 0]).abs().max().item(),
                    lse_err=(a[..., 3] - b[..., 3]).abs().max().item(),
                    logit_err=(a[..., 2] - b[..., 2]).abs().max().item())
-        ta, _, _ = fused.reduce_records(a[None], p.inv_temp, p.seed, p.offset, "max")
-        tb, _, _ = fused.reduce_records(b[None], p.inv_temp, p.seed, p.offset, "max")
+        ta, _, _ = calls.reduce_records(a[None], p.inv_temp, p.seed, p.offset, "max")
+        tb, _, _ = calls.reduce_records(b[None], p.inv_temp, p.seed, p.offset, "max")
         row["sample_agree"] = (ta == tb).float().mean().item()
         out.append(row)
         print("check " + " ".join(f"{k}={v}" for k, v in row.items()), flush=True)
@@ -339,7 +342,7 @@ def ws_sweep(D, V, B) -> dict:
     def call(cfg):
         def run():
             rec = stage1(config=cfg)
-            return fused.reduce_records(rec[None], p.inv_temp, p.seed, p.offset, "max")
+            return calls.reduce_records(rec[None], p.inv_temp, p.seed, p.offset, "max")
         return run
     r = dict(B=B, mm=bench(lambda: h @ w.T), shipped=bench(call(None)),
              sample=bench(lambda: sample(h, w, seed=1, offset=0)))
@@ -364,8 +367,8 @@ def api_paths(D, V, B) -> dict:
     off_t = torch.zeros(B, dtype=torch.int64, device="cuda")
     int_call = lambda: sample(h, w, seed=1234, offset=next(step))  # noqa: E731
     tensor_call = lambda: sample(h, w, seed=seed_t, offset=off_t)  # noqa: E731
-    r = dict(B=B, strategy=fused.kernel_config(B, D, h.dtype)["strategy"],
-             stages=bench(lambda: fused.reduce_records(stage1()[None], p.inv_temp, p.seed,
+    r = dict(B=B, strategy=calls.kernel_config(B, D, h.dtype)["strategy"],
+             stages=bench(lambda: calls.reduce_records(stage1()[None], p.inv_temp, p.seed,
                                                        p.offset, "max")),
              sample_int=bench(int_call), sample_tensor=bench(tensor_call))
     tensor_call()
@@ -385,13 +388,13 @@ def api_paths(D, V, B) -> dict:
 
 
 def pp_trace(D, V, B) -> dict:
-    """Per-tile clocks of pp (fused.PP_TRACE) with S = 0 (no noise), S = 1 and the cdf records
+    """Per-tile clocks of pp (calls.TRACE) with S = 0 (no noise), S = 1 and the cdf records
     (keys S0_*, S1_*, cdf_*), medians over tiles, in SM cycles. A program's tiles alternate consumers: tile n + 2's MMAs are issued
     by tile n's consumer once its epilogue is done, so the tensor cores idle for
     max(0, issue(n + 2) - mma_done(n + 1)) whenever an epilogue outlasts the other tile's
     MMAs; idle_share is the sum of those gaps over the programs' spans."""
     h, w, p, stage1 = setup(D, V, B)
-    cfg = fused.kernel_config(B, D, h.dtype)
+    cfg = calls.kernel_config(B, D, h.dtype)
     if cfg["strategy"] != "pp":
         cfg = dict(strategy="pp", BLOCK_B=128, NUM_STAGES=5, num_warps=4)
     tiles = triton.cdiv(V, 128) * triton.cdiv(B, 128)
@@ -399,13 +402,13 @@ def pp_trace(D, V, B) -> dict:
     out = dict(B=B, D=D, stages=cfg["NUM_STAGES"])
     for name, S, cdf in (("S0", 0, False), ("S1", 1, False), ("cdf", 1, True)):
         trace = torch.zeros(tiles, 4, dtype=torch.int64, device="cuda")
-        fused.PP_TRACE = trace
+        calls.TRACE = trace
         try:
             for _ in range(3):
                 stage1(S=S, config=cfg, cdf=cdf)
             torch.cuda.synchronize()
         finally:
-            fused.PP_TRACE = None
+            calls.TRACE = None
         t = trace.cpu()
         wait, mma, epi = (t[:, 1] - t[:, 0]), (t[:, 2] - t[:, 1]), (t[:, 3] - t[:, 2])
         idle = span = 0

@@ -1,15 +1,15 @@
 """SASS instructions per token of the stage-1 kernels, without a GPU.
 
-    python -m tpsample.sass [--arch 90]
+    python -m tools.sass [--arch 90]
 
 Compiles the records pass (`logits_records_kernel`, one sample, no log-mass: the B >= 128
 path), the fused kernel (16- and 64-row tiles, epilogue noise) and, where Triton has Gluon,
-the Hopper kernels ws and pp exactly as tpsample.fused launches them, for sm_<arch> with
+the Hopper kernels ws and pp exactly as tpsample.launchers launches them, for sm_<arch> with
 Triton's own ptxas; disassembles the cubin with the bundled nvdisasm and counts
 instructions. The records pass is straight-line code per tile, so its count divided by the
 tokens each thread holds is the issue cost of one token; for the other kernels the binary's
 total is printed, with its spilled words (LDL/STL). Use it to predict an epilogue change
-before spending device time (docs/perf-notes.md, v1.6, v2.1).
+before spending device time (docs/design.md, v1.6, v2.1).
 """
 from __future__ import annotations
 
@@ -26,9 +26,11 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import fused
-from .kernels import (fused_sample_records_kernel, gluon_pingpong, gluon_sample,
-                      logits_records_kernel)
+from tpsample import launchers, records
+from tpsample.kernels import gluon_sample
+from tpsample.kernels.fused_sample import fused_sample_records_kernel, logits_records_kernel
+from tpsample.params import RowParams
+from tpsample.plan import DeviceKind, make_plan, with_options
 
 POINTER_TYPES = {"seed_ptr": "*i64", "offset_ptr": "*i64", "peer_ptrs": "*i64", "parity_ptr": "*i32",
                  "h_ptr": "*bf16", "w_ptr": "*bf16"}
@@ -48,46 +50,53 @@ def sass_ops(kernel, constexprs: dict, num_warps: int, arch: int = 90) -> Counte
 
 
 def gluon_ops(strategy: str, num_samples: int = 1, need_mass: bool = False, num_peers: int = 0,
-              B: int = 256, D: int = 4096, arch: int = 90, cdf: bool = False, **cfg) -> Counter:
+              B: int = 256, D: int = 4096, arch: int = 90, cdf: bool = False,
+              trace_rows: int | None = None, **cfg) -> Counter:
     """Opcode counts of the Hopper stage-1 kernel `strategy` ("ws" or "pp") as
-    tpsample.fused.{ws,pp}_records would launch it with this config (their defaults for the
+    tpsample.launchers would launch it with this config (their defaults for the
     keys not given): the launcher runs on CPU tensors and hands its kernel, arguments,
     constexprs and options to a compile for sm_<arch> instead of a launch."""
     return cubin_ops(gluon_compile(strategy, num_samples, need_mass, num_peers, B, D, arch, cdf,
-                                   **cfg))
+                                   trace_rows, **cfg))
 
 
 def gluon_compile(strategy: str, num_samples: int = 1, need_mass: bool = False, num_peers: int = 0,
-                  B: int = 256, D: int = 4096, arch: int = 90, cdf: bool = False, **cfg):
-    """The compiled kernel behind gluon_ops."""
+                  B: int = 256, D: int = 4096, arch: int = 90, cdf: bool = False,
+                  trace_rows: int | None = None, **cfg):
+    """The compiled kernel behind gluon_ops: the plan for a Hopper GPU with this config,
+    launched by tpsample.launchers on CPU tensors, with the launch intercepted. trace_rows:
+    pp with its per-tile clock trace (a plan with trace=True) into a [trace_rows, 4] buffer."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
     V = 4096
     hidden, weight = torch.empty(B, D, dtype=torch.bfloat16), torch.empty(V, D, dtype=torch.bfloat16)
-    row = torch.empty(B)
-    seed = torch.empty(B, dtype=torch.int64)
-    out = torch.empty(num_samples, B, V // fused.BLOCK_V, 4)
-    peers = torch.empty(2, num_peers, dtype=torch.int64) if num_peers else None  # P2P fan-out
-    parity = torch.empty(1, dtype=torch.int32)
+    row, seed = torch.empty(B), torch.empty(B, dtype=torch.int64)
+    out = torch.empty(num_samples, B, V // records.TILE, 4)
+    fanout = (torch.empty(2, num_peers, dtype=torch.int64), torch.empty(2, dtype=torch.int32)) \
+        if num_peers else None
+    if strategy == "ws":
+        cfg = dict(dict(strategy="ws", BLOCK_B=128, NUM_STAGES=5, EPI_B=64, num_warps=8), **cfg)
+    elif strategy == "pp":
+        cfg = dict(dict(strategy="pp", BLOCK_B=128, NUM_STAGES=6, num_warps=4), **cfg)
+    else:
+        raise ValueError(f"strategy must be 'ws' or 'pp', got {strategy!r}")
+    hopper = DeviceKind("cuda", None, (arch // 10, arch % 10), 132, gluon_missing=None)
+    plan = make_plan(hopper, B=B, D=D, V=V, dtype=torch.bfloat16, merge="cdf" if cdf else "max",
+                     num_samples=num_samples, need_mass=need_mass, config=cfg)
+    trace = None
+    if trace_rows is not None:
+        plan = with_options(plan, trace=True)
+        trace = torch.empty(trace_rows, 4, dtype=torch.int64)
     launch = {}
-    saved = fused.run_kernel, fused._num_sms
-    fused.run_kernel = lambda fn, grid, args, constexprs, options: launch.update(
+    saved = launchers.run_kernel, launchers._num_sms
+    launchers.run_kernel = lambda fn, grid, args, constexprs, options: launch.update(
         fn=fn, args=args, constexprs=constexprs, options=options)
-    fused._num_sms = lambda device: 132
+    launchers._num_sms = lambda device: 132
     try:
-        if strategy == "ws":
-            cfg = dict(dict(BLOCK_B=128, NUM_STAGES=5, EPI_B=64), **cfg)
-            fused.ws_records(hidden, weight, row, row, seed, seed, out, num_samples, V, 0, False,
-                             need_mass, cfg, cfg.get("num_warps", 8), cfg.get("MAXNREG"), peers,
-                             parity)
-        elif strategy == "pp":
-            cfg = dict(dict(NUM_STAGES=6), **cfg)
-            fused.pp_records(hidden, weight, row, row, seed, seed, out, num_samples, V, 0, False,
-                             need_mass, cfg, cfg.get("MAXNREG"), peers, parity, cdf)
-        else:
-            raise ValueError(f"strategy must be 'ws' or 'pp', got {strategy!r}")
+        launchers.stage1(plan, hidden, weight, None, RowParams(row, seed, seed), out, n_real=V,
+                         fanout=fanout, trace=trace)
     finally:
-        fused.run_kernel, fused._num_sms = saved
+        launchers.run_kernel, launchers._num_sms = saved
     kernel = launch["fn"]
     names = [n for n in inspect.signature(kernel.fn).parameters if n not in launch["constexprs"]]
     sig = dict.fromkeys(launch["constexprs"], "constexpr")
@@ -148,14 +157,13 @@ def loop_bodies(text: str) -> list[Counter]:
 def pp_chunk_loop(need_mass: bool = False, cdf: bool = False,
                   arch: int = 90) -> tuple[float, Counter]:
     """pp's records loop (one sample): instructions per token and opcode counts of one pass,
-    which turns PP_UNROLL 16-column chunks of the tile into records (16 tokens per thread
-    each). It is the innermost loop with the chunks' MUFU (16 per chunk: the noise's outer
+    which turns one 16-column chunk of the tile into records (16 tokens per thread). It is the innermost loop with the chunks' MUFU (16 per chunk: the noise's outer
     log2, or the weights' exp2)."""
     loops = [c for c in loop_bodies(disassemble(gluon_compile("pp", need_mass=need_mass, arch=arch,
                                                               cdf=cdf)))
              if c["MUFU"] >= 16 and c["HGMMA"] == 0]
     body = min(loops, key=lambda c: sum(c.values()))
-    return sum(body.values()) / (16 * gluon_pingpong.PP_UNROLL.value), body
+    return sum(body.values()) / 16, body
 
 
 def records_pass_per_token(block_b: int = 16, num_warps: int = 4, arch: int = 90,

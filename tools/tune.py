@@ -1,14 +1,16 @@
-"""Offline tuning of the stage-1 kernel: `python -m tpsample.tune [--shapes ...] [--batches ...]`.
+"""Offline tuning of the stage-1 kernel: `python -m tools.tune [--shapes ...] [--batches ...]`.
 
-For every (D, V) shape and batch size it times every candidate configuration of
-tpsample.fused (strategy, BLOCK_B, BLOCK_D, NUM_STAGES, num_warps) with
+For every (D, V) shape and batch size it times every candidate stage-1 configuration
+(strategy fused / logits / ws / pp, BLOCK_B, BLOCK_D, NUM_STAGES, num_warps, ...) with
 triton.testing.do_bench (median) of a CUDA-graph replay of stages 1 + 2 (device time;
 --timing eager for plain calls; --passes N, default 2, times every candidate N times in
 alternating forward and reverse order and ranks by the mean), checks that every
 configuration returns the SAME tokens (pathwise max merge: tokens may not depend on
 tiling), and writes the fastest per batch
-bucket to tpsample/configs/<device>.json, which tpsample.fused.kernel_config reads at
-import. Nothing is tuned at call time: this is the explicit offline step.
+bucket as a table in the shipped format (device, buckets, by_max_d: what tpsample.plan
+reads) to --out; --log PATH writes the timings of every shape and runner-up. Copy a table
+into tpsample/configs/<device>.json to ship it. Nothing is tuned at call time: this is the
+explicit offline step.
 
 --max-d N writes the results as overrides for heads with D <= N (every tuned shape must have
 one), keyed by the existing batch buckets: e.g. `--shapes 2048x151936 --batches 64 --max-d
@@ -25,15 +27,13 @@ from pathlib import Path
 import torch
 import triton
 
-from . import fused
-from .api import row_params
-
-CONFIG_DIR = Path(__file__).parent / "configs"
+from tools import calls
+from tpsample.params import row_params
 
 
 # (BLOCK_B, NUM_STAGES, EPI_B, num_warps) of the warp-specialized Hopper kernel: shared
 # memory holds the ring (BLOCK_V + BLOCK_B) x 64 x 2 B per stage plus the fp32 tile handed
-# to the epilogue, so wide tiles get fewer stages (perf notes v1.7); the deepest rings that
+# to the epilogue, so wide tiles get fewer stages (docs/design.md); the deepest rings that
 # fit in 227 KB (128: 5, 64: 8, 32: 10 stages) were added in v1.9
 WS_TILES = ((128, 5, 64, 8), (128, 4, 64, 8), (128, 3, 64, 8), (64, 8, 64, 8), (64, 6, 64, 8),
             (64, 6, 32, 4), (64, 4, 64, 8), (32, 10, 32, 4), (32, 8, 32, 4))
@@ -44,7 +44,7 @@ WS_TILES = ((128, 5, 64, 8), (128, 4, 64, 8), (128, 3, 64, 8), (64, 8, 64, 8), (
 PP_STAGES = (6, 5)
 
 
-def candidates(B: int, strategies=("fused", "persistent", "logits", "ws", "pp")):
+def candidates(B: int, strategies=("fused", "logits", "ws", "pp")):
     bb_max = min(max(16, triton.next_power_of_2(B)), 128)  # 256: ~2x slower than 128
     # BLOCK_B = 64 is also tried at large B (acc [128, 128+] fp32 spills); NUM_STAGES = 2
     # halves the pipeline's shared memory so two programs share an SM and one's epilogue
@@ -59,20 +59,6 @@ def candidates(B: int, strategies=("fused", "persistent", "logits", "ws", "pp"))
                 if bb >= 32:  # noise drawn under the loads of the main loop (not the epilogue)
                     yield dict(strategy="fused", BLOCK_B=bb, BLOCK_D=bd, NUM_STAGES=st,
                                num_warps=nw, NOISE_STEP=0.25)
-    if "fused" in strategies and 32 <= B <= 64:
-        # capped registers + a lighter pipeline: two programs per SM, so one's epilogue
-        # (Philox, logs) overlaps the other's loads
-        for bd, st, cap in itertools.product((64, 128), (2, 3, 4), (96, 128)):
-            if 2 * (bb_max * bd * st * 2 + 128 * bd * st * 2) <= 225_000:
-                yield dict(strategy="fused", BLOCK_B=min(bb_max, 64), BLOCK_D=bd, NUM_STAGES=st,
-                           num_warps=8, MAXNREG=cap)
-    if "persistent" in strategies and B <= 128:
-        bb = min(bb_max, 64)
-        for bd, st, nw, per_sm in itertools.product((64, 128), (3, 4), (4, 8), (1, 2)):
-            if per_sm * (bb * bd * st * 2 + 128 * bd * st * 2) > 220_000:
-                continue
-            yield dict(strategy="persistent", BLOCK_B=bb, BLOCK_D=bd, NUM_STAGES=st, num_warps=nw,
-                       PROGRAMS_PER_SM=per_sm)
     if "ws" in strategies and B >= 32:
         for bb, st, eb, nw in WS_TILES:
             if bb <= max(64, triton.next_power_of_2(B)):
@@ -82,7 +68,7 @@ def candidates(B: int, strategies=("fused", "persistent", "logits", "ws", "pp"))
             yield dict(strategy="pp", BLOCK_B=128, NUM_STAGES=st, num_warps=4)
     if "logits" in strategies:
         for bb, nw in LOGITS_TILES:
-            yield dict(strategy="logits", BLOCK_B=bb, BLOCK_D=0, NUM_STAGES=0, num_warps=nw)
+            yield dict(strategy="logits", BLOCK_B=bb, num_warps=nw)
 
 
 # (BLOCK_B, num_warps) of the hybrid's records pass; narrow tiles keep each column's
@@ -92,9 +78,9 @@ LOGITS_TILES = ((16, 4), (16, 2), (32, 4), (64, 8), (64, 4), (128, 8))
 
 def around_table(B: int, D: int):
     """The shipped config for B and its neighbours: W through TMA (fewer registers), one
-    stage more or less, register-capped TMA variants that fit two programs per SM, and the
-    noise drawn at another point of the main loop (or in the epilogue)."""
-    base = fused.kernel_config(B, D, torch.bfloat16)
+    stage more or less, and the noise drawn at another point of the main loop (or in the
+    epilogue)."""
+    base = calls.kernel_config(B, D, torch.bfloat16)
     yield base
     if base["strategy"] == "logits":
         for bb, nw in LOGITS_TILES:
@@ -111,9 +97,6 @@ def around_table(B: int, D: int):
     for st in sorted({base["NUM_STAGES"] - 1, base["NUM_STAGES"], base["NUM_STAGES"] + 1}):
         if st >= 2 and bb * base["BLOCK_D"] * st * 2 + 128 * base["BLOCK_D"] * st * 2 <= 200_000:
             yield dict(base, NUM_STAGES=st, TMA=True)
-    if bb >= 32:
-        for bd, st in ((64, 3), (64, 4), (128, 2)):
-            yield dict(base, BLOCK_D=bd, NUM_STAGES=st, TMA=True, MAXNREG=128)
 
 
 def candidates_for(B: int, D: int, strategies, extra=()):
@@ -128,15 +111,10 @@ def candidates_for(B: int, D: int, strategies, extra=()):
             yield c
 
 
-def device_key() -> str:
-    name = torch.cuda.get_device_name()
-    return "h200" if "H200" in name else "h100" if "H100" in name else name.lower().replace(" ", "_")
-
-
 def device_ms(fn, reps_ms: int) -> float:
     """Median ms of fn as a CUDA-graph replay: device time only. An eager call of a thin
     head (D = 2048) takes about as long on the host as on the GPU, so eager timings there
-    measure the host as much as the config (perf notes v1.8)."""
+    measure the host as much as the config (docs/design.md)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm on a side stream, as capture requires
@@ -153,7 +131,7 @@ def device_ms(fn, reps_ms: int) -> float:
 def pass_orders(n: int, passes: int) -> list[list[int]]:
     """The order candidates are timed in, per pass: forward, then reverse, alternately. At
     B >= 64 the GPU runs at its power cap and heats as a sweep goes on, so one forward pass
-    favours the candidates timed first (perf notes v2.0); the mean over alternating passes
+    favours the candidates timed first (docs/design.md); the mean over alternating passes
     does not."""
     if passes < 1:
         raise ValueError(f"passes must be >= 1, got {passes}")
@@ -169,9 +147,9 @@ def tune_shape(D: int, V: int, batches, reps_ms: int, log, strategies, extra=(),
         p = row_params(h, 1.0, torch.arange(B, device="cuda") + 7, 3)
 
         def run(cfg):
-            rec = fused.fused_records(h, w, bias=None, inv_temp=p.inv_temp, seed=p.seed,
+            rec = calls.fused_records(h, w, bias=None, inv_temp=p.inv_temp, seed=p.seed,
                                       offset=p.offset, num_samples=1, n_real=V, config=cfg)
-            return fused.reduce_records(rec[None], p.inv_temp, p.seed, p.offset, "max")[0]
+            return calls.reduce_records(rec[None], p.inv_temp, p.seed, p.offset, "max")[0]
 
         def time_cfg(cfg):
             return device_ms(lambda: run(cfg), reps_ms) if graph else triton.testing.do_bench(
@@ -208,14 +186,13 @@ def tune_shape(D: int, V: int, batches, reps_ms: int, log, strategies, extra=(),
     return out
 
 
-def check_override(max_d: int, shapes, batches, path: Path | None) -> None:
-    """--max-d: overrides are keyed by the table's existing buckets, for D <= max_d only."""
+def check_override(max_d: int, shapes, batches, path: Path) -> None:
+    """--max-d: overrides are keyed by the --out table's existing buckets, for D <= max_d only."""
     if max_d < 1:
         raise SystemExit(f"--max-d must be >= 1, got {max_d}")
     wide = [D for D, _ in shapes if D > max_d]
     if wide:
         raise SystemExit(f"--max-d {max_d}: every --shapes D must be <= {max_d}, got {wide}")
-    path = path or CONFIG_DIR / f"{device_key()}.json"
     if not path.exists():
         raise SystemExit(f"--max-d needs an existing table to override ({path} is missing)")
     known = {int(b) for b in json.loads(path.read_text())["buckets"]}
@@ -230,10 +207,13 @@ def main(argv=None):
     ap.add_argument("--shapes", default="4096x151936,8192x128256")
     ap.add_argument("--batches", default="1,2,4,8,16,32,64,128,256")
     ap.add_argument("--rep-ms", type=int, default=40)
-    ap.add_argument("--strategies", default="fused,persistent,logits,ws,pp",
-                    help="comma list of fused,persistent,logits,ws,pp and 'table' (the shipped "
-                         "config and its TMA / stage / register-cap neighbours: quick re-tune)")
-    ap.add_argument("--out", default=None, help="JSON path (default tpsample/configs/<device>.json)")
+    ap.add_argument("--strategies", default="fused,logits,ws,pp",
+                    help="comma list of fused,logits,ws,pp and 'table' (the shipped config and "
+                         "its TMA / stage / noise-placement neighbours: quick re-tune)")
+    ap.add_argument("--out", required=True,
+                    help="the table to write (shipped format); an existing one keeps the "
+                         "buckets this run does not tune")
+    ap.add_argument("--log", default=None, help="JSON path for the timings of every shape")
     ap.add_argument("--timing", choices=("graph", "eager"), default="graph",
                     help="graph: each config timed as a CUDA-graph replay (device time, the "
                          "default); eager: plain calls (includes the host's dispatch time)")
@@ -249,14 +229,14 @@ def main(argv=None):
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.shapes.split(",")]
-    path = Path(args.out) if args.out else None
+    path = Path(args.out)
     extra = json.loads(args.extra)
     if not isinstance(extra, list) or not all(isinstance(c, dict) and "strategy" in c for c in extra):
         raise SystemExit(f"--extra must be a JSON list of config objects with a 'strategy', got {args.extra!r}")
     if args.passes < 1:
         raise SystemExit(f"--passes must be >= 1, got {args.passes}")
     if not torch.cuda.is_available():
-        sys.exit("tpsample.tune needs a CUDA device")
+        sys.exit("tools.tune needs a CUDA device")
     if args.max_d is not None:
         check_override(args.max_d, shapes, batches, path)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
@@ -274,7 +254,6 @@ def main(argv=None):
                 scores.setdefault(key, []).append(r["ms"] / table[shape][B]["ms"])
         full = {k: sum(v) for k, v in scores.items() if len(v) == len(table)}
         buckets[B] = json.loads(min(full, key=full.get)) if full else table[next(iter(table))][B]["config"]
-    path = path or CONFIG_DIR / f"{device_key()}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     by_max_d = {}
     if path.exists():  # re-tuning some batch sizes keeps the other buckets
@@ -285,12 +264,12 @@ def main(argv=None):
             by_max_d[args.max_d] = {**by_max_d.get(args.max_d, {}), **buckets}
             buckets = {}
         buckets = {**{int(b): c for b, c in old["buckets"].items()}, **buckets}
-        for shape, rows in old.get("per_shape", {}).items():
-            table[shape] = {**{int(b): r for b, r in rows.items()}, **table.get(shape, {})}
     buckets = dict(sorted(buckets.items()))
     extra = {"by_max_d": {d: dict(sorted(o.items())) for d, o in sorted(by_max_d.items())}} if by_max_d else {}
     path.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), buckets=buckets,
-                                    **extra, per_shape=table), indent=1))
+                                    **extra), indent=1, sort_keys=True))
+    if args.log:
+        Path(args.log).write_text(json.dumps(table, indent=1))
     print(f"{'shape':>14} {'B':>4} {'best ms':>8}  config")
     for shape, rows in table.items():
         for B, r in rows.items():

@@ -1,8 +1,8 @@
-"""tpsample.gpu_state: the summary of clock/power samples, and a monitor that reads nothing
+"""tools.gpu_state: the summary of clock/power samples, and a monitor that reads nothing
 where there is no GPU (CI) still works as a context manager."""
 import time
 
-from tpsample.gpu_state import GpuState, parse_line, summarize
+from tools.gpu_state import GpuState, parse_line, summarize
 
 
 def test_summary_medians_and_reason_shares():

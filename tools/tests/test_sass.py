@@ -1,4 +1,4 @@
-"""tpsample.sass: instruction counts of the stage-1 kernels, compiled for sm_90 on the CPU."""
+"""tools.sass: instruction counts of the stage-1 kernels, compiled for sm_90 on the CPU."""
 import os
 import subprocess
 import sys
@@ -7,33 +7,36 @@ import pytest
 import triton
 
 NVDISASM = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-COUNT = ("from tpsample import sass; per, ops = sass.records_pass_per_token(16, 4); "
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+COUNT = ("from tools import sass; per, ops = sass.records_pass_per_token(16, 4); "
          "print(per, ops['MUFU'], ops['STG'])")
 
 
-# Upper bounds per Triton version, between the v2.1 count and the count with Triton's Philox
-# multiplies put back (TPSAMPLE_WIDE_MUL=0; 3.6: 63.5 vs 68.5; 3.9: 62.5 vs 68.5). libdevice's
-# inner log (TPSAMPLE_LIBDEVICE_INNER_LOG=1: 3.6 81.0, 3.9 80.0 with the old Philox) fails too.
+# Upper bounds per Triton version, between the shipped count (3.6: 63.5, 3.9: 62.5) and the
+# count with Triton's own Philox multiplies (68.5 on both) or libdevice's inner log (80-81).
 BOUND = {"3.6": 66, "3.9": 65}
 VERSION = ".".join(triton.__version__.split(".")[:2])
 
-# kernel knobs (kernels/fused_sample.py) that would change what is compiled
-KNOBS = ("TPSAMPLE_EXACT_LOGS", "TPSAMPLE_LIBDEVICE_INNER_LOG", "TPSAMPLE_WIDE_MUL",
-         "TPSAMPLE_PHILOX_MUL", "TPSAMPLE_PHILOX_HALVES", "TPSAMPLE_PP_UNROLL")
+
+def subprocess_env(tmp_path):
+    """A fresh process that compiles (no interpreter) and imports the installed tpsample and
+    this checkout's tools (linked into its working directory, away from the source tree)."""
+    link = tmp_path / "tools"
+    if not link.exists():
+        os.symlink(os.path.join(ROOT, "tools"), link)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns unless it is set
+    return env
 
 
 @pytest.mark.skipif(not os.path.exists(NVDISASM), reason="Triton ships no nvdisasm here")
 @pytest.mark.skipif(VERSION not in BOUND, reason=f"no count measured with Triton {VERSION}")
 def test_records_pass_instructions_per_token(tmp_path):
-    """The records pass's issue cost per token (perf notes: 91.5 before v1.6, 84.0 after its
-    argmax and NaN rewrites, 63.5 with v2.1's inner log, one-FMA noise and wide Philox
-    multiplies, Triton 3.6). A rise above the bound is a regression to look at."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns unless it is set
-    for knob in KNOBS:
-        env.pop(knob, None)  # count the shipped kernel, not an A/B arm
-    # cwd away from the checkout: `python -c` would import the source tree, not the package
-    out = subprocess.run([sys.executable, "-c", COUNT], env=env, cwd=tmp_path, capture_output=True,
+    """The records pass's issue cost per token (91.5 before its argmax and NaN rewrites, 84.0
+    after, 63.5 with the polynomial inner log, the one-FMA noise and wide Philox multiplies,
+    Triton 3.6). A rise above the bound is a regression to look at."""
+    out = subprocess.run([sys.executable, "-c", COUNT], env=subprocess_env(tmp_path), cwd=tmp_path,
+                         capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     per, mufu, stg = out.stdout.split()
@@ -41,7 +44,7 @@ def test_records_pass_instructions_per_token(tmp_path):
     assert 60 <= float(per) <= BOUND[VERSION], f"{per} SASS instructions per token"
 
 
-GLUON = ("from tpsample import sass\n"
+GLUON = ("from tools import sass\n"
          "for kw in (dict(strategy='ws'), dict(strategy='pp'), dict(strategy='pp', need_mass=True),\n"
          "           dict(strategy='pp', num_samples=2),\n"
          "           dict(strategy='pp', need_mass=True, cdf=True)):\n"
@@ -51,32 +54,28 @@ GLUON = ("from tpsample import sass\n"
 
 CONTENTION = (
     "import torch\n"
-    "from tpsample import contention, fused, sass\n"
+    "from tools import contention, sass\n"
     "for kind, op in (('ffma', 'FFMA'), ('fmul', 'FMUL'), ('imad', 'IMAD'), ('lop3', 'LOP3'),\n"
     "                 ('iadd3', 'IADD3'), ('lea_hi', 'LEA'), ('shf', 'SHF'), ('mufu', 'MUFU'),\n"
     "                 ('hfma2', 'HFMA2'), ('fmnmx', 'FMNMX'), ('i2f', 'I2FP'), ('f2i', 'F2I')):\n"
     "    ops = contention.compiled_ops(kind)\n"
     "    print(kind, ops[op], contention.OPS_PER_STEP[kind])\n"
-    "fused.PP_TRACE = torch.empty(64, 4, dtype=torch.int64)\n"
-    "ops = sass.gluon_ops('pp')\n"
+    "ops = sass.gluon_ops('pp', trace_rows=64)\n"
     "print('pp_trace', ops['LDL'] + ops['STL'], 0)\n"
-    "fused.PP_TRACE = torch.empty(63, 4, dtype=torch.int64)\n"
     "try:\n"
-    "    sass.gluon_ops('pp')\n"
+    "    sass.gluon_ops('pp', trace_rows=63)\n"
     "except ValueError as e:\n"
-    "    print('pp_trace_shape', int('PP_TRACE' in str(e)), 1)\n")
+    "    print('pp_trace_shape', int('trace' in str(e)), 1)\n")
 
 
 def run_gluon_script(script: str, tmp_path) -> list[list[str]]:
     """The whitespace-split lines `script` prints, run in a fresh process with the shipped
-    kernel knobs (none of KNOBS set, no interpreter); skips where the Gluon kernels do not
+    kernels (no interpreter); skips where the Gluon kernels do not
     compile (another Triton)."""
     from tpsample.kernels import gluon_sample
     if not gluon_sample.AVAILABLE:
         pytest.skip(f"the Gluon kernels are not written for Triton {triton.__version__}")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET" and k not in KNOBS}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    out = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path,
+    out = subprocess.run([sys.executable, "-c", script], env=subprocess_env(tmp_path), cwd=tmp_path,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     return [line.split() for line in out.stdout.splitlines() if line.strip()]
@@ -84,7 +83,7 @@ def run_gluon_script(script: str, tmp_path) -> list[list[str]]:
 
 @pytest.mark.skipif(not os.path.exists(NVDISASM), reason="Triton ships no nvdisasm here")
 def test_contention_microbenchmark_keeps_the_instructions_it_times(tmp_path):
-    """tpsample.contention's cost per instruction divides by OPS_PER_STEP: each kind's loop
+    """tools.contention's cost per instruction divides by OPS_PER_STEP: each kind's loop
     must hold that many of its instruction after ptxas (which fuses chained LOP3s, folds
     repeated conversions and turns some adds into IMADs, so a careless chain times less
     than it claims). Also: pp's clock trace compiles without spills and checks its shape."""
@@ -98,16 +97,16 @@ def test_contention_microbenchmark_keeps_the_instructions_it_times(tmp_path):
 
 @pytest.mark.skipif(not os.path.exists(NVDISASM), reason="Triton ships no nvdisasm here")
 def test_hopper_kernels_compile_without_spills(tmp_path):
-    """ws and pp as tpsample.fused launches them (shipped register budgets) compile for sm_90
-    with no spilled words, one sample or two, and pp with the cdf records (perf notes v2.1:
-    pp's S > 1 path spilled 134 words in v2.0)."""
+    """ws and pp as tpsample.launchers launches them (shipped register budgets) compile for sm_90
+    with no spilled words, one sample or two, and pp with the cdf records (an earlier pp's
+    S > 1 path spilled 134 words)."""
     rows = [tuple(int(x) for x in row) for row in run_gluon_script(GLUON, tmp_path)]
     assert len(rows) == 5
     for spilled, hgmma, total in rows:
         assert spilled == 0 and hgmma > 0 and total > 1000, (spilled, hgmma, total)
 
 
-PP_LOOPS = ("from tpsample import sass\n"
+PP_LOOPS = ("from tools import sass\n"
             "for kw in (dict(), dict(need_mass=True), dict(need_mass=True, cdf=True)):\n"
             "    per, body = sass.pp_chunk_loop(**kw)\n"
             "    print(per, body['MUFU'], body['SHFL'])\n")
@@ -115,7 +114,7 @@ PP_LOOPS = ("from tpsample import sass\n"
 
 @pytest.mark.skipif(not os.path.exists(NVDISASM), reason="Triton ships no nvdisasm here")
 def test_pp_cdf_records_loop_is_the_cheapest(tmp_path):
-    """pp's records loop per token (16 tokens per thread per pass; perf notes v2.3): the cdf
+    """pp's records loop per token (16 tokens per thread per pass): the cdf
     records, which draw no per-token noise, take at most 42 instructions (39.9 on Triton 3.6),
     under 0.7 of the max merge's (59.2), whose log-mass variant takes 71.9."""
     (plain, *_), (mass, *_), (cdf, mufu, shfl) = [

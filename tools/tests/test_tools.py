@@ -1,0 +1,53 @@
+"""Argument checks of the tuner, the A/B driver and the probe (no GPU needed)."""
+import pytest
+
+from tools import ab, probe, tune
+
+
+def test_tune_passes_alternate_order_and_are_checked():
+    assert tune.pass_orders(3, 3) == [[0, 1, 2], [2, 1, 0], [0, 1, 2]]
+    assert tune.pass_orders(0, 2) == [[], []]
+    with pytest.raises(ValueError, match="passes"):
+        tune.pass_orders(3, 0)
+
+
+def test_tune_needs_an_out_path_and_checks_its_arguments(tmp_path):
+    with pytest.raises(SystemExit) as e:
+        tune.main([])  # --out is required: tables are written where the user says
+    assert e.value.code == 2
+    with pytest.raises(SystemExit, match="passes"):
+        tune.main(["--passes", "0", "--out", str(tmp_path / "t.json")])
+
+
+def test_tune_override_arguments_are_checked(tmp_path):
+    path = tmp_path / "h.json"
+    with pytest.raises(SystemExit, match="existing table"):
+        tune.check_override(2048, [(2048, 1000)], [64], path)
+    path.write_text('{"buckets": {"16": {}, "64": {}}}')
+    tune.check_override(2048, [(2048, 1000), (1024, 500)], [16, 64], path)
+    with pytest.raises(SystemExit, match="<= 2048"):
+        tune.check_override(2048, [(4096, 1000)], [64], path)
+    with pytest.raises(SystemExit, match="buckets"):
+        tune.check_override(2048, [(2048, 1000)], [32, 64], path)
+    with pytest.raises(SystemExit, match="max-d"):
+        tune.check_override(0, [(2048, 1000)], [64], path)
+
+
+def test_tune_candidates_are_strategies_the_plan_takes():
+    strategies = {c["strategy"] for B in (1, 64, 256) for c in tune.candidates(B)}
+    assert strategies == {"fused", "logits", "ws", "pp"}
+
+
+def test_ab_arm_specs_are_checked():
+    """arms are NAME:VAR=VALUE[,...]; at least two are needed."""
+    for argv in (["--arm", "a:X=1"], ["--arm", "a:X=1", "--arm", "bX=1"],
+                 ["--arm", "a:X=1", "--arm", "b:X"]):
+        with pytest.raises(SystemExit) as e:
+            ab.main(argv)
+        assert e.value.code == 2  # argparse's usage error, before any arm runs
+
+
+def test_probe_help_lists_its_modes(capsys):
+    with pytest.raises(SystemExit) as e:
+        probe.main(["--help"])
+    assert e.value.code == 0 and "--pp-trace" in capsys.readouterr().out
