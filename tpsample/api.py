@@ -20,6 +20,9 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, *, temperature: float | t
            seed: int | torch.Tensor | None = None, offset: int | torch.Tensor = 0,
            bias: torch.Tensor | None = None, vocab_size: int | None = None, num_samples: int = 1,
            merge: str = "max", return_logprobs: bool = False,
+           top_k: int | torch.Tensor | None = None, top_p: float | torch.Tensor | None = None,
+           min_p: float | torch.Tensor | None = None, top_logprobs: int = 0,
+           replacement: bool = True, logprobs_mode: str = "processed",
            backend: str = "auto") -> torch.Tensor | P.SampleOutput:
     """Exact samples from softmax((hidden @ weight.T + bias) / T) without materialising logits.
 
@@ -34,21 +37,40 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, *, temperature: float | t
         offset: int or Tensor[B] int64, e.g. the decode step.
         bias: optional Tensor[V] (used as float32), added before the temperature.
         vocab_size: rows [0, vocab_size) of weight are real tokens (padded vocabulary).
-        num_samples: independent samples per row (with replacement).
+        num_samples: samples per row: independent (replacement=True), or distinct tokens
+            (replacement=False: distributed as sequential sampling without replacement from
+            the row's filtered distribution, at most 64; merge "max" only; a row that keeps
+            fewer tokens returns -1 with log-prob -inf past them).
         merge: "max" (pathwise Gumbel-max: the same tokens for any tiling or TP degree),
             "logmass" (Group-Gumbel-Max over 128-token groups) or "cdf" (the same groups, the
             token in each by inverse CDF: no per-token noise; on Hopper the fastest at
             B >= 128, slower than "max" at B <= 64). All are exact (tpsample/merge.py).
         return_logprobs: also return log p(token) and log Z.
+        top_k: None | int | Tensor[B] int32/int64: keep the k highest logits (ties at the
+            boundary by smaller id); 0 or -1 = off for that row.
+        top_p: None | float | Tensor[B] in (0, 1]: then keep the shortest prefix (logit desc,
+            id asc) of what top-k kept whose renormalised mass reaches p; 1 = off.
+        min_p: None | float | Tensor[B] in [0, 1): then keep tokens with p >= min_p * p_max;
+            0 = off. Greedy rows (T = 0) ignore the three filters; per-row values mix
+            freely. Filtered rows are sampled exactly from softmax over the kept set, by
+            Gumbel-max over it with the same noise (whatever the merge: the tokens are the
+            same for every tiling and TP degree). tpsample/filters.py says how.
+        top_logprobs: n >= 0 (at most 64): also return the n most probable token ids per
+            row and their log-probs (SampleOutput.top_tokens / top_logprobs).
+        logprobs_mode: "processed" (log-probs under the distribution sampled from: after
+            temperature and filters) or "raw" (bias only, T = 1, no filters); see SampleOutput.
         backend: "auto" (Triton on CUDA or under TRITON_INTERPRET=1, else the chunked torch
             path), "triton" or "torch". All give the same tokens for the same seed.
 
     Returns:
-        int64 [B] (num_samples == 1) or [B, num_samples]; with return_logprobs a
-        SampleOutput(tokens, logprobs fp32 same shape, logz fp32 [B]). Log-probs are under
-        the distribution sampled from (bias and temperature applied); greedy rows report
-        the T = 1 distribution. Rows whose log Z is not finite (all logits -inf, any NaN,
+        int64 [B] (num_samples == 1) or [B, num_samples]; with return_logprobs or
+        top_logprobs a SampleOutput(tokens, logprobs fp32 same shape, logz fp32 [B],
+        top_tokens, top_logprobs). Rows whose log Z is not finite (all logits -inf, any NaN,
         +inf) return token 0 and logprob NaN: test torch.isfinite(out.logz).
+
+    Calls with filters, top_logprobs, replacement=False or logprobs_mode="raw" read one flag
+    back from the device (whether a row needs the exact fallback: tpsample/filters.py), so
+    they cannot be captured in a CUDA graph.
 
     `tpsample.explain(B, D, V, ...)` shows which kernels run for a shape. On CUDA a call
     like an earlier one re-issues its compiled launches (tpsample/pipeline.py); outputs are
@@ -62,10 +84,14 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, *, temperature: float | t
         raise TypeError(f"return_logprobs must be a bool, got {type(return_logprobs).__name__}")
     bias = P.check_bias(bias, V, hidden.device)
     row = P.row_params(hidden, temperature, seed, offset)
+    filters = P.filter_params(hidden, top_k, top_p, min_p, top_logprobs, num_samples,
+                              replacement, logprobs_mode, vocab_size)
+    if not replacement and merge != "max":
+        raise ValueError(f"replacement=False needs merge='max' (Gumbel-top-S), got merge={merge!r}")
     if hidden.shape[0] == 0:
-        return P.empty_result(hidden.device, num_samples, return_logprobs)
+        return P.empty_result(hidden.device, num_samples, return_logprobs, filters.top_n)
     pipe = _pipeline(P.resolve_backend(backend, hidden.device), hidden.device)
-    tokens, logprobs, logz = pipe.run(hidden.contiguous(), weight, bias, row, n_real=vocab_size,
-                                      merge=merge, num_samples=num_samples,
-                                      need_mass=return_logprobs or merge != "max")
-    return P.package(tokens, logprobs, logz, num_samples, return_logprobs)
+    tokens, logprobs, logz, top = pipe.run(
+        hidden.contiguous(), weight, bias, row, n_real=vocab_size, merge=merge,
+        num_samples=num_samples, need_mass=return_logprobs or merge != "max", filters=filters)
+    return P.package(tokens, logprobs, logz, num_samples, return_logprobs, top)

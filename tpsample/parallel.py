@@ -48,8 +48,10 @@ class VocabParallelSampler:
             on every rank (checked at construction).
 
     Call: sampler(hidden [B, D], temperature=1.0, seed=None, offset=0, bias=None,
-    num_samples=1, return_logprobs=False) → exactly what tpsample.sample returns, with global
-    token ids, identical on every rank. hidden, temperature, seed and offset must be equal on
+    num_samples=1, return_logprobs=False, top_k=None, top_p=None, min_p=None,
+    top_logprobs=0, replacement=True, logprobs_mode="processed") → exactly what
+    tpsample.sample returns, with global token ids, identical on every rank (filtered rows:
+    the same tokens as tpsample.sample on the full weight, whatever the merge). hidden, temperature, seed and offset must be equal on
     all ranks; bias is this rank's slice [V_r].
 
     seed=None: a generator seeded identically on every rank at construction (rank 0 draws
@@ -168,7 +170,9 @@ class VocabParallelSampler:
     def __call__(self, hidden: torch.Tensor, temperature: float | torch.Tensor = 1.0,
                  seed: int | torch.Tensor | None = None, offset: int | torch.Tensor = 0,
                  bias: torch.Tensor | None = None, num_samples: int = 1,
-                 return_logprobs: bool = False) -> torch.Tensor | P.SampleOutput:
+                 return_logprobs: bool = False, top_k=None, top_p=None, min_p=None,
+                 top_logprobs: int = 0, replacement: bool = True,
+                 logprobs_mode: str = "processed") -> torch.Tensor | P.SampleOutput:
         P.check_hidden_weight(hidden, self.weight, "weight_shard")
         P.check_options(num_samples, self.merge)
         if return_logprobs and not self.logprobs:
@@ -182,13 +186,21 @@ class VocabParallelSampler:
             seed = torch.randint(0, P.SEED_HIGH, (B,), dtype=torch.int64, device=self.device,
                                  generator=self.generator)
         row = P.row_params(hidden, temperature, seed, offset)
+        filters = P.filter_params(hidden, top_k, top_p, min_p, top_logprobs, num_samples,
+                                  replacement, logprobs_mode, self.vocab_size)
+        if not replacement and self.merge != "max":
+            raise ValueError(f"replacement=False needs merge='max' (Gumbel-top-S); this sampler "
+                             f"was built with merge={self.merge!r}")
+        if (filters.needs_candidates or not replacement) and not self.logprobs:
+            raise ValueError("filters, top_logprobs, replacement=False and logprobs_mode='raw' "
+                             "need the tile log-masses; this sampler was built with logprobs=False")
         if B == 0:
-            return P.empty_result(hidden.device, num_samples, return_logprobs)
-        tokens, logprobs, logz = self.pipeline.run(
+            return P.empty_result(hidden.device, num_samples, return_logprobs, filters.top_n)
+        tokens, logprobs, logz, top = self.pipeline.run(
             hidden.contiguous(), self.weight, bias, row, n_real=self.n_real, merge=self.merge,
             num_samples=num_samples, need_mass=self.logprobs, vocab_start=self.vocab_start,
-            tiles=self.tiles)
-        return P.package(tokens, logprobs, logz, num_samples, return_logprobs)
+            tiles=self.tiles, filters=filters)
+        return P.package(tokens, logprobs, logz, num_samples, return_logprobs, top)
 
 
 __all__ = ["VocabParallelSampler", "ExchangeTimeout"]

@@ -22,15 +22,51 @@ SEED_HIGH = 1 << 62
 # real vocabulary up to |l| / 2**64). Inside, 1/T and l/T stay normal float32 numbers.
 T_MIN = 2.0 ** -64
 T_MAX = 2.0 ** 64
+MAX_TOP_LOGPROBS = 64   # top_logprobs: the n most probable tokens, n <= this
+MAX_DISTINCT = 64       # replacement=False: at most this many distinct tokens per row
 
 
 class SampleOutput(NamedTuple):
-    """tokens int64 [B] or [B, S]; logprobs fp32, same shape: log p(token) under the
-    distribution sampled from (after bias and temperature; greedy rows: T = 1); logz fp32
-    [B]: logsumexp of the row's transformed logits."""
+    """tokens int64 [B] or [B, S]; logprobs fp32, same shape: log p(token); logz fp32 [B]:
+    the log-normaliser those log-probs use, so logprobs = logit - logz.
+
+    Which distribution (logprobs_mode):
+      "processed" (default) the distribution sampled from: bias, temperature and the
+                  filters applied (a filtered row's logz is the logsumexp over its kept set;
+                  tokens outside it have log-prob -inf). Greedy rows: T = 1, no filters.
+      "raw"       bias applied, T = 1, no filters.
+    top_tokens int64 [B, n] / top_logprobs fp32 [B, n] (top_logprobs=n > 0, else None): the
+    n most probable tokens in (logit desc, id asc) order and their log-probs in that mode.
+    """
     tokens: torch.Tensor
     logprobs: torch.Tensor
     logz: torch.Tensor
+    top_tokens: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+
+
+class Filters(NamedTuple):
+    """A call's filters, normalised (tpsample/filters.py): per-row tensors [B] on the device,
+    or None where no row uses that filter."""
+    top_k: torch.Tensor | None   # int32; 0 = off for that row
+    top_p: torch.Tensor | None   # fp32 in (0, 1]; 1 = off
+    min_p: torch.Tensor | None   # fp32 in [0, 1); 0 = off
+    top_n: int = 0               # top_logprobs
+    replacement: bool = True
+    raw: bool = False            # logprobs_mode == "raw"
+
+    @property
+    def any_filter(self) -> bool:
+        return self.top_k is not None or self.top_p is not None or self.min_p is not None
+
+    @property
+    def needs_candidates(self) -> bool:
+        """Whether stage 1 must emit per-tile candidates (tpsample/filters.py)."""
+        return self.any_filter or self.top_n > 0 or self.raw
+
+
+NO_FILTERS = Filters(None, None, None)
+LOGPROBS_MODES = ("processed", "raw")
 
 
 class RowParams(NamedTuple):
@@ -152,6 +188,67 @@ def row_params(hidden: torch.Tensor, temperature, seed, offset) -> RowParams:
     return RowParams(inv_temp, seed_t, offset_t)
 
 
+def _capturing(device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _filter_param(name: str, value, B: int, device, *, is_int: bool, ok, rule: str, off):
+    """One per-row filter parameter: None | scalar | Tensor[B] → Tensor[B] or None (off on
+    every row). Tensors are range-checked with one host sync, except during graph capture."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        dtypes = (torch.int32, torch.int64) if is_int else (torch.float32, torch.float64,
+                                                            torch.float16, torch.bfloat16)
+        t = _per_row_tensor(name, value, B, device, dtypes)
+        if not _capturing(device):
+            bad = ~ok(t.double())
+            if bool(bad.any()):
+                raise ValueError(f"{name} must be {rule}; got {t[bad][:4].tolist()} in rows "
+                                 f"{bad.nonzero()[:4, 0].tolist()}")
+        return t.to(torch.int32 if is_int else torch.float32).contiguous()
+    if is_int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{name} must be None, an int or a Tensor[B] int32/int64, got "
+                            f"{type(value).__name__}")
+    elif not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"{name} must be None, a float or a Tensor[B], got {type(value).__name__}")
+    if not bool(ok(torch.tensor(float(value), dtype=torch.float64))):
+        raise ValueError(f"{name} must be {rule}, got {value!r}")
+    if value == off or (is_int and value == -1):
+        return None
+    return _filled(B, value, torch.int32 if is_int else torch.float32, device)
+
+
+def filter_params(hidden: torch.Tensor, top_k, top_p, min_p, top_logprobs, num_samples: int,
+                  replacement, logprobs_mode, vocab_size: int) -> Filters:
+    """Validate and normalise the filter arguments of tpsample.sample (see its docstring)."""
+    B, dev = hidden.shape[0], hidden.device
+    k = _filter_param("top_k", top_k, B, dev, is_int=True, off=0,
+                      ok=lambda t: (t >= -1) & (t < 2 ** 31), rule="an int >= -1 (0 or -1 = off)")
+    if k is not None:
+        k = torch.where(k < 0, torch.zeros_like(k), k)  # -1 and 0 both mean off
+    p = _filter_param("top_p", top_p, B, dev, is_int=False, off=1.0,
+                      ok=lambda t: (t > 0) & (t <= 1), rule="in (0, 1] (1 = off)")
+    m = _filter_param("min_p", min_p, B, dev, is_int=False, off=0.0,
+                      ok=lambda t: (t >= 0) & (t < 1), rule="in [0, 1) (0 = off)")
+    if (not isinstance(top_logprobs, int) or isinstance(top_logprobs, bool)
+            or not 0 <= top_logprobs <= min(vocab_size, MAX_TOP_LOGPROBS)):
+        raise ValueError(f"top_logprobs must be an int in [0, {min(vocab_size, MAX_TOP_LOGPROBS)}]"
+                         f", got {top_logprobs!r}")
+    if not isinstance(replacement, bool):
+        raise TypeError(f"replacement must be a bool, got {type(replacement).__name__}")
+    if not replacement and num_samples > vocab_size:
+        raise ValueError(f"num_samples={num_samples} distinct tokens need num_samples <= "
+                         f"vocab_size ({vocab_size}) with replacement=False")
+    if not replacement and num_samples > MAX_DISTINCT:
+        raise ValueError(f"num_samples must be <= {MAX_DISTINCT} with replacement=False, got "
+                         f"{num_samples}")
+    if logprobs_mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
+    return Filters(k, p, m, top_logprobs, replacement, logprobs_mode == "raw")
+
+
 def check_bias(bias, rows: int, device, name: str = "bias"):
     """None, or bias as a contiguous fp32 Tensor[rows] on `device`."""
     if bias is None:
@@ -187,16 +284,25 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def package(tokens, logprobs, logz, num_samples: int, return_logprobs: bool):
-    """tokens / logprobs [B, S] (or already [B] when S == 1) → the public result."""
+def package(tokens, logprobs, logz, num_samples: int, return_logprobs: bool, top=None):
+    """tokens / logprobs [B, S] (or already [B] when S == 1) → the public result; top:
+    (top_tokens, top_logprobs) when top_logprobs > 0 was asked (the result is then a
+    SampleOutput even without return_logprobs)."""
     if num_samples == 1 and tokens.ndim == 2:
         tokens, logprobs = tokens[:, 0], logprobs[:, 0]
+    if top is not None:
+        return SampleOutput(tokens, logprobs, logz, *top)
     return SampleOutput(tokens, logprobs, logz) if return_logprobs else tokens
 
 
-def empty_result(device, num_samples: int, return_logprobs: bool):
+def empty_result(device, num_samples: int, return_logprobs: bool, top_n: int = 0):
     shape = (0,) if num_samples == 1 else (0, num_samples)
     tokens = torch.empty(shape, dtype=torch.int64, device=device)
-    if not return_logprobs:
+    top = None
+    if top_n:
+        top = (torch.empty(0, top_n, dtype=torch.int64, device=device),
+               torch.empty(0, top_n, device=device))
+    if not return_logprobs and top is None:
         return tokens
-    return SampleOutput(tokens, torch.empty(shape, device=device), torch.empty(0, device=device))
+    return SampleOutput(tokens, torch.empty(shape, device=device), torch.empty(0, device=device),
+                        *(top or ()))

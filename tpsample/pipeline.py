@@ -6,7 +6,9 @@
     exchange  the transport makes every rank's slot valid on every rank (tpsample/transport.py;
               one device: nothing to do)
     stage 2   the records of all slots → tokens, log-probs, log Z (launchers.stage2, or the
-              torch merge: tpsample/merge.py)
+              torch merge: tpsample/merge.py); with filters, top log-probs or samples without
+              replacement also the candidate reduce (tpsample/filters.py), then the exact
+              fallback for the rows it could not certify
 
 tpsample.sample runs a process-wide local pipeline; every VocabParallelSampler owns one
 with its transport. On CUDA, a call with the key of an earlier one (shapes, strides,
@@ -19,10 +21,12 @@ import warnings
 
 import torch
 
+from . import filters as F
 from . import launchers, merge, records, replay
-from .params import RowParams
+from .params import NO_FILTERS, Filters, RowParams
+from .reference import filtered_rows
 from .plan import DeviceKind, Layout, Plan, make_plan
-from .torch_records import records_torch
+from .torch_records import records_torch, transform
 from .transport import LocalTransport, Transport
 
 _WARNED: set = set()
@@ -52,9 +56,12 @@ class Pipeline:
         self.transport = transport if transport is not None else LocalTransport(device)
         self.fixed_weight = fixed_weight
         self.replays = replay.CallReplays()
+        self.candidate_rows = 0  # rows of candidate-path calls, and how many of them took
+        self.fallback_rows = 0   # the exact fallback (tpsample/filters.py, 5.)
 
     def plan(self, hidden: torch.Tensor, weight: torch.Tensor, *, merge: str, num_samples: int,
-             need_mass: bool, vocab_start: int = 0, tiles: int | None = None) -> Plan:
+             need_mass: bool, vocab_start: int = 0, tiles: int | None = None,
+             filters: Filters = NO_FILTERS) -> Plan:
         """The plan of a call with these tensors (what run() uses when given none)."""
         kind = DeviceKind.of(hidden.device)
         fan = self.transport.fanout()
@@ -62,20 +69,27 @@ class Pipeline:
         plan = make_plan(kind, B=hidden.shape[0], D=hidden.shape[1], V=weight.shape[0],
                          dtype=hidden.dtype, merge=merge, num_samples=num_samples,
                          need_mass=need_mass, layout=layout, tiles=tiles,
-                         slots=self.transport.world, backend=self.backend)
+                         slots=self.transport.world, backend=self.backend,
+                         candidates=special(filters), replacement=filters.replacement)
         _warn_gluon_fallback(plan, kind)
         return plan
 
     def run(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             params: RowParams, *, n_real: int, merge: str, num_samples: int, need_mass: bool,
             vocab_start: int = 0, tiles: int | None = None, plan: Plan | None = None,
-            trace: torch.Tensor | None = None):
-        """tokens int64 [B, S], logprobs fp32 [B, S], logz fp32 [B] of one call.
+            trace: torch.Tensor | None = None, filters: Filters = NO_FILTERS):
+        """tokens int64 [B, S], logprobs fp32 [B, S], logz fp32 [B] and top (None, or
+        (top_tokens int64 [B, n], top_logprobs fp32 [B, n])) of one call.
 
         hidden [B, D] contiguous, weight [V_rows, D] (this device's rows: global ids
         [vocab_start, vocab_start + V_rows)), bias fp32 [V_rows] or None, params per row;
         rows [n_real, V_rows) are padding; tiles: tiles per slot (default: this weight's);
-        plan: an explicit plan (tools) instead of make_plan's; trace: see launchers.stage1."""
+        plan: an explicit plan (tools) instead of make_plan's; trace: see launchers.stage1;
+        filters: tpsample/filters.py (the plan then emits candidate planes)."""
+        if special(filters):
+            return self._run_filtered(hidden, weight, bias, params, n_real=n_real, merge=merge,
+                                      num_samples=num_samples, vocab_start=vocab_start,
+                                      tiles=tiles, filters=filters)
         B = hidden.shape[0]
         T = tiles if tiles is not None else records.num_tiles(weight.shape[0])
         mine, full = self.transport.slots(num_samples * B * T * records.WIDTH)
@@ -87,7 +101,8 @@ class Pipeline:
                                 n_real=n_real, vocab_start=vocab_start, num_tiles=T, cdf=plan.cdf)
             records.records_view(mine, num_samples, B, T).copy_(rec)
             self.transport.exchange(mine, full)
-            return merge_records(records.records_view(full, num_samples, B, T), params, merge)
+            return (*merge_records(records.records_view(full, num_samples, B, T), params, merge),
+                    None)
 
         fanout = self.transport.fanout()
         fixed = weight is self.fixed_weight
@@ -111,7 +126,7 @@ class Pipeline:
                 self.transport.exchange(mine, full)
                 out = replay.reduce_outputs(B, num_samples, hidden.device)
                 stage2(stream, records=full, **out, **per_call)
-                return out["tokens"], out["logprobs"], out["logz"]
+                return out["tokens"], out["logprobs"], out["logz"], None
 
         plan = plan or self.plan(hidden, weight, merge=merge, num_samples=num_samples,
                                  need_mass=need_mass, vocab_start=vocab_start, tiles=T)
@@ -129,7 +144,84 @@ class Pipeline:
         self.replays.add(key, log1, dict(per_call, records=out_view), log2,
                          dict(per_call, records=full_view, tokens=tokens, logprobs=logprobs,
                               logz=logz))
-        return tokens, logprobs, logz
+        return tokens, logprobs, logz, None
+
+    def _run_filtered(self, hidden, weight, bias, params: RowParams, *, n_real: int, merge: str,
+                      num_samples: int, vocab_start: int, tiles: int | None, filters: Filters):
+        """A call with candidate planes (tpsample/filters.py): stage 1 with candidates, the
+        exchange, the call's merge over the sample planes, the candidate reduce, and the exact
+        fallback for rows without a certificate (one host synchronisation)."""
+        B, S = hidden.shape[0], num_samples
+        T = tiles if tiles is not None else records.num_tiles(weight.shape[0])
+        planes = records.planes(S, True)
+        mine, full = self.transport.slots(planes * B * T * records.WIDTH)
+        plan = self.plan(hidden, weight, merge=merge, num_samples=S, need_mass=True,
+                         vocab_start=vocab_start, tiles=T, filters=filters)
+        if self.backend == "torch":
+            rec = records_torch(hidden, weight, bias=bias, inv_temp=params.inv_temp,
+                                seed=params.seed, offset=params.offset, num_samples=S,
+                                n_real=n_real, vocab_start=vocab_start, num_tiles=T,
+                                cdf=plan.cdf and filters.replacement, candidates=True,
+                                replacement=filters.replacement)
+            records.records_view(mine, planes, B, T).copy_(rec)
+            self.transport.exchange(mine, full)
+            recs = records.records_view(full, planes, B, T)
+            base = merge_records(recs[:, :S], params, merge if filters.replacement else "max")
+            out = F.reduce_candidates(recs, params, filters, S, base)
+        else:
+            fanout = self.transport.fanout()
+            tile_major = fanout is not None
+            out_view = records.records_view(mine, planes, B, T, tile_major)
+            launchers.stage1(plan, hidden, weight, bias, params, out_view, n_real=n_real,
+                             vocab_start=vocab_start, fanout=fanout[:2] if fanout else None)
+            self.transport.exchange(mine, full)
+            recs = records.records_view(full, planes, B, T, tile_major)
+            out = launchers.stage2_filtered(plan, recs, params, filters,
+                                            *(fanout[1:] if fanout else ()))
+        return self._fallback(out, hidden, weight, bias, params, filters, n_real, vocab_start,
+                              T, S)
+
+    def _fallback(self, out: F.FilteredOutput, hidden, weight, bias, params, filters, n_real,
+                  vocab_start, T, S):
+        """5. of tpsample/filters.py: the rows without a certificate, from their full logits
+        (under TP every rank gathers the rows' logit shards: the flags agree on every rank,
+        computed from the same records)."""
+        tokens, logprobs, logz, top_tok, top_lp, flag = out
+        rows = flag.nonzero()[:, 0]  # the host synchronisation
+        self.candidate_rows += flag.shape[0]
+        self.fallback_rows += rows.numel()
+        if rows.numel():
+            R = rows.numel()
+            n_pad = T * records.TILE
+            local = torch.full((R + 1, n_pad), float("-inf"), device=hidden.device)
+            inv = params.inv_temp[rows]
+            V_rows = weight.shape[0]
+            raw = launchers.logits_fp32(hidden[rows], weight)
+            valid = (torch.arange(V_rows, device=hidden.device) < n_real)[None, :]
+            local[:R, :V_rows] = transform(raw, bias, inv, valid)
+            local[R] = torch.arange(vocab_start, vocab_start + n_pad, device=hidden.device,
+                                    dtype=torch.float32)
+            every = self.transport.all_gather(local)  # [world, R + 1, n_pad]
+            l = every[:, :R].permute(1, 0, 2).reshape(R, -1)
+            ids = every[:, R].reshape(-1).long()
+            f_tok, f_lp, f_lz, f_top, f_top_lp = filtered_rows(
+                l, inv, params.seed[rows], params.offset[rows], F.take_rows(filters, rows), S,
+                ids=ids)
+            k, p, m = F.row_filters(filters, tokens.shape[0], hidden.device)
+            filtered = (((k > 0) | (p < 1) | (m > 0)) & (params.inv_temp != 0))[rows]
+            sel = filtered[:, None]
+            tokens[rows] = torch.where(sel, f_tok, tokens[rows])
+            logprobs[rows] = torch.where(sel, f_lp.float(), logprobs[rows])
+            logz[rows] = torch.where(filtered, f_lz.float(), logz[rows])
+            top_tok[rows] = f_top
+            top_lp[rows] = f_top_lp.float()
+        top = (top_tok, top_lp) if filters.top_n else None
+        return tokens, logprobs, logz, top
+
+
+def special(filters: Filters) -> bool:
+    """Whether a call takes the candidate path (tpsample/filters.py)."""
+    return filters.needs_candidates or not filters.replacement
 
 
 def merge_records(recs: torch.Tensor, params: RowParams, merge_name: str):

@@ -147,6 +147,8 @@ class Plan:
     source: str = ""                # where the config came from
     fallbacks: tuple = ()           # ("wanted -> took", why) pairs, in order
     trace: bool = False             # pp only: per-tile SM clocks into a trace buffer (tools/probe.py)
+    candidates: bool = False        # candidate planes for filters / top log-probs (filters.py)
+    replacement: bool = True        # False: sample planes hold each tile's best S scores
 
     @property
     def cfg(self) -> dict:
@@ -160,7 +162,9 @@ class Plan:
         lay = self.layout
         lines = [
             f"tpsample plan: B={self.B} D={self.D} V={self.V} {self.dtype} merge={self.merge} "
-            f"num_samples={self.num_samples} need_mass={self.need_mass} on {self.device}",
+            f"num_samples={self.num_samples} need_mass={self.need_mass} on {self.device}"
+            + (" candidates" if self.candidates else "")
+            + ("" if self.replacement else " without replacement"),
             f"  layout: vocab_start={lay.vocab_start} tma_aligned={lay.tma} peers={lay.peers} "
             f"tiles={self.tiles} slots={self.slots}",
             f"  stage 1: {self.strategy} " + " ".join(f"{k}={v}" for k, v in self.config),
@@ -172,6 +176,10 @@ class Plan:
         lines.append(f"  stage 2: {'torch merge' if self.backend == 'torch' else 'reduce_records'}"
                      + ("" if self.backend == "torch" else
                         f" BLOCK_R={r} BLOCK_N={n} num_warps={w}{' PDL' if self.pdl else ''}"))
+        if self.candidates:
+            lines.append("    then the candidate reduce (tpsample/filters.py)"
+                         + (" in torch" if self.backend == "torch" else "")
+                         + " and the fallback for rows without a certificate")
         return "\n".join(lines)
 
 
@@ -236,17 +244,22 @@ def gluon_refusal(device: DeviceKind, dtype: torch.dtype, V: int, layout: Layout
 def make_plan(device: DeviceKind, *, B: int, D: int, V: int, dtype: torch.dtype,
               merge: str = "max", num_samples: int = 1, need_mass: bool = True,
               layout: Layout = Layout(), tiles: int | None = None, slots: int = 1,
-              backend: str = "triton", config: dict | None = None) -> Plan:
+              backend: str = "triton", config: dict | None = None, candidates: bool = False,
+              replacement: bool = True) -> Plan:
     """Resolve one call shape into a Plan (see the module docstring). V: rows of this
     (shard of the) LM head; tiles: the tiles per slot (>= its own, under TP the largest
     shard's); slots: the ranks whose records stage 2 reduces. config: an explicit stage-1
-    config (tools, tests) instead of the table; the fallbacks still apply."""
+    config (tools, tests) instead of the table; the fallbacks still apply. candidates,
+    replacement: the call's filtered-sampling needs (tpsample/filters.py)."""
     if merge == "cdf" and not need_mass:
         raise ValueError("merge='cdf' needs the tile log-masses (need_mass=True)")
+    if not replacement and merge != "max":
+        raise ValueError(f"replacement=False needs merge='max' (Gumbel-top-S), got {merge!r}")
     tiles = records.num_tiles(V) if tiles is None else tiles
     common = dict(B=B, D=D, V=V, tiles=tiles, slots=slots, num_samples=num_samples,
                   dtype=DTYPE_NAMES.get(dtype, str(dtype)), merge=merge, need_mass=need_mass,
-                  layout=layout, device=device.label)
+                  layout=layout, device=device.label, candidates=candidates,
+                  replacement=replacement)
     if backend == "torch":
         return Plan("torch", "torch", source="backend='torch' (CPU path)", **common)
 
@@ -286,8 +299,10 @@ def make_plan(device: DeviceKind, *, B: int, D: int, V: int, dtype: torch.dtype,
         why = gluon_refusal(device, dtype, V, layout, pp=False)
         if why:
             cfg = fall(TO_LOGITS, why)
+    if (candidates or not replacement) and cfg["strategy"] in ("ws", "pp"):
+        cfg = fall(TO_LOGITS, "the Gluon kernels have no candidate / without-replacement epilogue")
 
-    cfg = _resolve(cfg, device, B, D, dtype, merge, num_samples, layout)
+    cfg = _resolve(cfg, device, B, D, dtype, merge, num_samples, layout, replacement)
     group = merge in GROUP_MERGES
     N = slots * tiles
     if device.type == "cuda":  # one (sample, row) per program, all its records in one pass
@@ -302,7 +317,7 @@ def make_plan(device: DeviceKind, *, B: int, D: int, V: int, dtype: torch.dtype,
 
 
 def _resolve(cfg: dict, device: DeviceKind, B: int, D: int, dtype, merge: str, num_samples: int,
-             layout: Layout) -> dict:
+             layout: Layout, replacement: bool = True) -> dict:
     """The strategy's launch parameters with everything derivable from the shape filled in."""
     cfg = dict(cfg)
     strategy = cfg["strategy"]
@@ -324,7 +339,8 @@ def _resolve(cfg: dict, device: DeviceKind, B: int, D: int, dtype, merge: str, n
     every = cfg.pop("NOISE_EVERY", 2)  # ... this many D steps apart
     if chunks not in (1, 2, 4):
         raise ValueError(f"config NOISE_CHUNKS must be 1, 2 or 4, got {chunks!r}")
-    if step is not None and num_samples == 1 and layout.vocab_start % 4 == 0 and merge != "cdf":
+    if (step is not None and num_samples == 1 and layout.vocab_start % 4 == 0 and merge != "cdf"
+            and replacement):
         steps = cdiv(D, cfg["BLOCK_D"])
         # all blocks must land inside the loop: shrink the spacing, then the first step
         every = min(every, (steps - 1) // (chunks - 1)) if chunks > 1 else 0
@@ -335,7 +351,8 @@ def _resolve(cfg: dict, device: DeviceKind, B: int, D: int, dtype, merge: str, n
 
 def explain(B: int, D: int, V: int, *, dtype: torch.dtype = torch.bfloat16, device=None,
             merge: str = "max", num_samples: int = 1, return_logprobs: bool = False,
-            vocab_start: int = 0, world: int = 1, peers: int = 0, aligned: bool = True) -> Plan:
+            vocab_start: int = 0, world: int = 1, peers: int = 0, aligned: bool = True,
+            filtered: bool = False, replacement: bool = True) -> Plan:
     """The Plan tpsample would use for a call: print it to see which kernels run and why.
 
     B, D, V: batch, hidden size, rows of the (shard of the) LM head. device: None (the
@@ -344,7 +361,8 @@ def explain(B: int, D: int, V: int, *, dtype: torch.dtype = torch.bfloat16, devi
     return_logprobs: as in tpsample.sample (under TP pass the sampler's logprobs flag).
     vocab_start, world: the shard's first id and the TP degree; peers: ranks the records
     are stored into directly (symmetric memory: world; else 0); aligned: whether hidden's
-    and weight's rows are 16-byte aligned."""
+    and weight's rows are 16-byte aligned; filtered: the call sets top_k / top_p / min_p /
+    top_logprobs or logprobs_mode="raw"; replacement: as in tpsample.sample."""
     if device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if isinstance(device, str) and device in ("h100", "h200"):
@@ -357,8 +375,9 @@ def explain(B: int, D: int, V: int, *, dtype: torch.dtype = torch.bfloat16, devi
                              f"'h200', got {device!r}") from e
     backend = "triton" if kind.type == "cuda" or kind.interpret else "torch"
     return make_plan(kind, B=B, D=D, V=V, dtype=dtype, merge=merge, num_samples=num_samples,
-                     need_mass=return_logprobs or merge != "max",
-                     layout=Layout(vocab_start, aligned, peers), slots=world, backend=backend)
+                     need_mass=return_logprobs or merge != "max" or filtered or not replacement,
+                     layout=Layout(vocab_start, aligned, peers), slots=world, backend=backend,
+                     candidates=filtered or not replacement, replacement=replacement)
 
 
 def with_options(plan: Plan, **changes) -> Plan:

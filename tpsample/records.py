@@ -16,6 +16,19 @@ contiguous, whole records 16-byte aligned); a slot is one rank's shard under ten
 parallelism. The tile size is the same everywhere, so the group merges ("logmass", "cdf")
 partition the vocabulary identically on every path.
 
+Filtered sampling, top log-probs and samples without replacement (tpsample/filters.py) add
+planes after the S sample planes of a row's records, in the same [.., planes, B, T, FIELDS]
+layout so they travel with the records:
+
+    candidate planes  CANDIDATES // 2 of them: plane j holds the tile's candidates 2j and
+                      2j + 1 in (logit desc, id asc) order as (logit, id, logit, id), the
+                      transformed logits of the tile's CANDIDATES best tokens (-inf past
+                      the tile's finite ones)
+    raw plane         (logsumexp of the tile's logits at T = 1, 0, 0, 0)
+
+and without replacement sample plane s holds the tile's (s+1)-th best perturbed score
+under sample 0's noise instead of sample s's best.
+
 The noise is Philox4x32-10 keyed by (seed, offset, sample | stream, id) (tpsample/noise.py
 spells it out); the stream flags keep the draws of different purposes apart:
 
@@ -42,6 +55,13 @@ GROUP_STREAM = 1 << 31
 CDF_STREAM = 1 << 30
 CDF_PICK_STREAM = (1 << 30) | (1 << 29)
 MAX_SAMPLES = 1 << 29
+CANDIDATES = 8
+CANDIDATE_PLANES = CANDIDATES // 2
+
+
+def planes(num_samples: int, candidates: bool) -> int:
+    """Record planes per row: the samples', then (candidates) the candidate and raw planes."""
+    return num_samples + (CANDIDATE_PLANES + 1 if candidates else 0)
 
 
 def num_tiles(rows: int) -> int:

@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import filters as F
 from . import noise
 from . import params as P
 from .records import CDF_SUBGROUPS, TILE
@@ -23,6 +24,54 @@ class ReferenceOutput(NamedTuple):
     logz: torch.Tensor      # float64 [B]
     scores: torch.Tensor    # float32 [B, S, V] perturbed scores (for near-tie checks)
     logits: torch.Tensor    # float32 [B, V] transformed logits (-inf beyond vocab_size)
+    top_tokens: torch.Tensor | None = None    # int64 [B, n] (top_logprobs=n)
+    top_logprobs: torch.Tensor | None = None  # float64 [B, n]
+
+
+def filtered_rows(l: torch.Tensor, inv_temp: torch.Tensor, seed: torch.Tensor,
+                  offset: torch.Tensor, filters: P.Filters, num_samples: int,
+                  ids: torch.Tensor | None = None):
+    """Filtered sampling on full rows (the semantics of tpsample/filters.py, in float64):
+    the definition the candidate path is tested against, and its exact fallback.
+
+    l [R, V] float32 transformed logits (-inf past the vocabulary), inv_temp [R] (0 =
+    greedy: no filters, the argmax, or the S largest without replacement), seed/offset [R];
+    ids [V] int64: the global id of each column (default: the column index).
+    Returns (tokens int64 [R, S] (-1: no token left), logprobs float64 [R, S], logz float64
+    [R], top_tokens int64 [R, n], top_logprobs float64 [R, n]) in filters.raw's mode."""
+    R, V = l.shape
+    dev = l.device
+    l = l.nan_to_num(nan=float("-inf"))  # (rows with NaN are degenerate: logz below is NaN)
+    ids = (torch.arange(V, device=dev) if ids is None else ids).expand(R, V).contiguous()
+    xs, ids = F.sort_order(l, ids)
+    x64 = xs.double()
+    logz = torch.logsumexp(l.double(), dim=-1)
+    greedy = inv_temp == 0
+    k, p, m = F.row_filters(filters, R, dev)
+    off = greedy | ~((k > 0) | (p < 1) | (m > 0))
+    k, p, m = (torch.where(off, 0, k), torch.where(off, 1.0, p), torch.where(off, 0.0, m))
+    kept, _ = F.kept_prefix(x64, torch.ones_like(xs, dtype=torch.bool), k, p, m, logz)
+    pick = F.gumbel_pick(xs, ids, kept, seed, offset, num_samples, filters.replacement)
+    first = torch.zeros_like(pick) if filters.replacement else \
+        torch.arange(num_samples, device=dev).expand(R, num_samples)
+    pick = torch.where(greedy[:, None], first, pick)
+    xmax = x64[:, :1].nan_to_num(neginf=0.0, posinf=0.0)
+    logz_kept = xmax[:, 0] + torch.log((torch.exp(x64 - xmax) * kept).sum(-1))
+    lz = torch.where(off, logz, logz_kept)
+    tokens = torch.where(pick >= 0, ids.gather(-1, pick.clamp(min=0)), -1)
+    x_tok = x64.gather(-1, pick.clamp(min=0))
+    n = filters.top_n
+    if filters.raw:
+        to_raw = torch.where(greedy, 1.0, 1.0 / torch.where(greedy, 1.0, inv_temp)).double()
+        logz_raw = torch.logsumexp(l.double() * to_raw[:, None], dim=-1)
+        logprobs = x_tok * to_raw[:, None] - logz_raw[:, None]
+        top = x64[:, :n] * to_raw[:, None] - logz_raw[:, None]
+        lz = logz_raw
+    else:
+        logprobs = x_tok - lz[:, None]
+        top = torch.where(kept[:, :n] | off[:, None], x64[:, :n] - lz[:, None], float("-inf"))
+    logprobs = torch.where(pick >= 0, logprobs, float("-inf"))
+    return tokens, logprobs, lz, ids[:, :n], top
 
 
 def transformed_logits(hidden: torch.Tensor, weight: torch.Tensor, *,
@@ -74,10 +123,14 @@ def reference_sample(hidden: torch.Tensor, weight: torch.Tensor, *,
                      temperature: float | torch.Tensor = 1.0, seed: int | torch.Tensor | None = 0,
                      offset: int | torch.Tensor = 0, bias: torch.Tensor | None = None,
                      vocab_size: int | None = None, num_samples: int = 1, merge: str = "max",
-                     tile: int = TILE) -> ReferenceOutput:
+                     tile: int = TILE, top_k=None, top_p=None, min_p=None,
+                     top_logprobs: int = 0, replacement: bool = True,
+                     logprobs_mode: str = "processed") -> ReferenceOutput:
     """Full-row Gumbel-max (merge="max") or Group-Gumbel-Max over `tile`-token groups, the
     token in the chosen group by Gumbel-max ("logmass") or inverse CDF ("cdf"). Arguments
-    as tpsample.sample (checked the same way); tile: a positive multiple of 4."""
+    as tpsample.sample (checked the same way); tile: a positive multiple of 4. With
+    filters, top_logprobs, replacement=False or logprobs_mode="raw": filtered_rows (rows
+    with filters sample by Gumbel-max over their kept set whatever the merge)."""
     P.check_hidden_weight(hidden, weight)
     B, V = hidden.shape[0], weight.shape[0]
     vocab_size = P.check_vocab_size(V if vocab_size is None else vocab_size, V)
@@ -118,4 +171,22 @@ def reference_sample(hidden: torch.Tensor, weight: torch.Tensor, *,
         tokens.append(tok)
     tokens = torch.stack(tokens, dim=1)
     logprobs = l64.gather(1, tokens) - logz[:, None]
-    return ReferenceOutput(tokens, logprobs, logz, torch.stack(scores, dim=1), l)
+    filt = P.filter_params(hidden, top_k, top_p, min_p, top_logprobs, num_samples, replacement,
+                           logprobs_mode, vocab_size)
+    if not (filt.needs_candidates or not filt.replacement):
+        return ReferenceOutput(tokens, logprobs, logz, torch.stack(scores, dim=1), l)
+    f_tok, f_lp, f_lz, top_tok, top_lp = filtered_rows(l, row.inv_temp, seed, offset, filt,
+                                                       num_samples)
+    k, p, m = F.row_filters(filt, B, dev)
+    use = (((k > 0) | (p < 1) | (m > 0)) & ~greedy)[:, None] | (not filt.replacement)
+    tokens = torch.where(use, f_tok, tokens)
+    x_tok = torch.where(tokens >= 0, l64.gather(1, tokens.clamp(min=0)), float("-inf"))
+    if filt.raw:
+        # (unfiltered rows with replacement keep their merge's token; its raw log-prob:)
+        to_raw = torch.where(greedy, 1.0, 1.0 / torch.where(greedy, 1.0, row.inv_temp)).double()
+        logprobs = torch.where(use, f_lp, x_tok * to_raw[:, None] - f_lz[:, None])
+    else:
+        logprobs = torch.where(use, f_lp, x_tok - f_lz[:, None])
+    logprobs = torch.where(tokens >= 0, logprobs, float("-inf"))
+    return ReferenceOutput(tokens, logprobs, f_lz, torch.stack(scores, dim=1), l, top_tok,
+                           top_lp)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import merge, noise
-from .records import CDF_SUBGROUPS, TILE
+from .records import CANDIDATE_PLANES, CANDIDATES, CDF_SUBGROUPS, TILE, planes
 
 
 def transform(logits: torch.Tensor, bias: torch.Tensor | None, inv_temp: torch.Tensor,
@@ -23,17 +23,54 @@ def transform(logits: torch.Tensor, bias: torch.Tensor | None, inv_temp: torch.T
     return torch.where(valid, logits, torch.full_like(logits, float("-inf")))
 
 
+def tile_lse(l: torch.Tensor, tile: int) -> torch.Tensor:
+    """logsumexp of each tile of l [B, n], NaN where the tile has a NaN."""
+    B, n = l.shape
+    is_nan = torch.isnan(l).view(B, n // tile, tile).any(dim=-1)
+    lse = torch.logsumexp(l.nan_to_num(nan=float("-inf")).view(B, n // tile, tile), dim=-1)
+    return lse.masked_fill(is_nan, float("nan"))
+
+
+def _descending(z: torch.Tensor, count: int):
+    """The first `count` of z [..., tile] in (value desc, index asc) order: (values, index)."""
+    values, index = torch.sort(z, dim=-1, descending=True, stable=True)
+    return values[..., :count], index[..., :count]
+
+
+def candidate_records(l: torch.Tensor, raw: torch.Tensor, gid: torch.Tensor,
+                      tile: int) -> torch.Tensor:
+    """The candidate and raw planes (tpsample/records.py) of transformed logits l [B, n]
+    (NaN already -inf) and raw (T = 1) logits [B, n] → [CANDIDATE_PLANES + 1, B, n/tile, 4]."""
+    B, n = l.shape
+    T = n // tile
+    x, idx = _descending(l.view(B, T, tile), CANDIDATES)
+    ids = gid.view(T, tile)[torch.arange(T)[None, :, None], idx].to(torch.float32)
+    pairs = torch.stack([x, ids], dim=-1).view(B, T, CANDIDATE_PLANES, 4).permute(2, 0, 1, 3)
+    raw_plane = torch.zeros(1, B, T, 4, dtype=torch.float32, device=l.device)
+    raw_plane[0, ..., 0] = tile_lse(raw, tile)
+    return torch.cat([pairs, raw_plane])
+
+
 def tile_records(l: torch.Tensor, gid: torch.Tensor, greedy: torch.Tensor, seed: torch.Tensor,
-                 offset: torch.Tensor, num_samples: int, tile: int, cdf: bool = False) -> torch.Tensor:
+                 offset: torch.Tensor, num_samples: int, tile: int, cdf: bool = False,
+                 replacement: bool = True) -> torch.Tensor:
     """Transformed logits l [B, n] (n a multiple of `tile`) with global ids gid [n] → [S, B, n/tile, 4].
     cdf: the tile's token by inverse CDF (merge.py, fact 6) for rows that are not greedy;
-    their record's score is then the token's logit (the log-mass merge does not read it)."""
+    their record's score is then the token's logit (the log-mass merge does not read it).
+    replacement=False: plane s holds the tile's (s+1)-th best score under sample 0's noise."""
     B, n = l.shape
-    is_nan = torch.isnan(l)
-    l = l.masked_fill(is_nan, float("-inf"))
+    lse = tile_lse(l, tile)
+    l = l.nan_to_num(nan=float("-inf"))
     lt = l.view(B, n // tile, tile)
-    lse = torch.logsumexp(lt, dim=-1)
-    lse = lse.masked_fill(is_nan.view(B, n // tile, tile).any(dim=-1), float("nan"))
+    if not replacement:
+        g = noise.gumbel(seed[:, None], offset[:, None], 0, gid[None, :])
+        z = torch.where(greedy[:, None], l, l + g).view(B, n // tile, tile)
+        best, idx = _descending(z, num_samples)
+        tok = gid.view(n // tile, tile)[torch.arange(n // tile)[None, :, None], idx]
+        logit = lt.gather(-1, idx)
+        rec = torch.stack([best, tok.to(torch.float32), logit,
+                           lse[..., None].expand_as(best)], dim=-1)
+        return rec.permute(2, 0, 1, 3)
     out = []
     for s in range(num_samples):
         if cdf:
@@ -72,21 +109,24 @@ def cdf_pick(lt: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor, sample:
 
 def records_torch(hidden: torch.Tensor, weight: torch.Tensor, *, bias, inv_temp, seed, offset,
                   num_samples: int, n_real: int, vocab_start: int = 0, num_tiles: int | None = None,
-                  tile: int = TILE, chunk_tiles: int = 64, cdf: bool = False) -> torch.Tensor:
+                  tile: int = TILE, chunk_tiles: int = 64, cdf: bool = False,
+                  candidates: bool = False, replacement: bool = True) -> torch.Tensor:
     """Records for rows [0, weight.shape[0]) of a (shard of the) LM head.
 
     hidden [B, D], weight [V_rows, D] any float dtype (computed in fp32); bias [V_rows]
     fp32 or None; inv_temp [B] fp32 (0 = greedy); seed/offset [B] int64; rows
     [n_real, V_rows) are padding. num_tiles >= ceil(V_rows / tile) pads the tile axis
-    with empty tiles (as the kernel does for uneven shards). cdf: see tile_records.
-    Returns [S, B, T, 4] fp32.
+    with empty tiles (as the kernel does for uneven shards). cdf, replacement: see
+    tile_records; candidates: also the candidate and raw planes (tpsample/records.py).
+    Returns [records.planes(S, candidates), B, T, 4] fp32.
     """
     B = hidden.shape[0]
     V_rows = weight.shape[0]
     T = num_tiles if num_tiles is not None else -(-V_rows // tile)
     h = hidden.float()
     greedy = inv_temp == 0
-    out = torch.empty(num_samples, B, T, 4, dtype=torch.float32, device=hidden.device)
+    out = torch.empty(planes(num_samples, candidates), B, T, 4, dtype=torch.float32,
+                      device=hidden.device)
     step = tile * chunk_tiles
     for t0 in range(0, T * tile, step):
         t1 = min(t0 + step, T * tile)
@@ -99,7 +139,14 @@ def records_torch(hidden: torch.Tensor, weight: torch.Tensor, *, bias, inv_temp,
         if bias is not None:
             b = torch.zeros(t1 - t0, dtype=torch.float32, device=hidden.device)
             b[: max(r1 - t0, 0)] = bias[t0:r1]
-        l = transform(logits, b, inv_temp, (rows < n_real)[None, :])
-        out[:, :, t0 // tile: t1 // tile] = tile_records(l, vocab_start + rows, greedy, seed,
-                                                         offset, num_samples, tile, cdf)
+        valid = (rows < n_real)[None, :]
+        l = transform(logits, b, inv_temp, valid)
+        gid = vocab_start + rows
+        span = slice(t0 // tile, t1 // tile)
+        out[:num_samples, :, span] = tile_records(l, gid, greedy, seed, offset, num_samples, tile,
+                                                  cdf, replacement)
+        if candidates:
+            raw = transform(logits, b, torch.ones_like(inv_temp), valid)
+            out[num_samples:, :, span] = candidate_records(l.nan_to_num(nan=float("-inf")), raw,
+                                                           gid, tile)
     return out

@@ -69,6 +69,15 @@ class Transport:
     def exchange(self, mine: torch.Tensor, full: torch.Tensor) -> None:
         raise NotImplementedError
 
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """[...] on every rank → [world, ...] (collective; the filtered-sampling fallback's
+        rare, host-synchronised exchange of a few rows' logit shards)."""
+        out = torch.empty(self.world, *t.shape, dtype=t.dtype, device=t.device)
+        work = all_gather_flat(out.view(-1), t.contiguous().view(-1), group=self.group,
+                               async_op=True)
+        self.wait(work, "the fallback all-gather")
+        return out
+
     def wait(self, work, what: str) -> None:
         """Wait for an async collective; a peer that never joins raises ExchangeTimeout."""
         try:
@@ -95,6 +104,9 @@ class LocalTransport(Transport):
 
     def exchange(self, mine, full):
         pass
+
+    def all_gather(self, t):
+        return t[None]
 
 
 class CollectiveTransport(Transport):

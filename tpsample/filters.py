@@ -1,0 +1,221 @@
+"""Filtered sampling from candidate records: top-k, top-p, min-p, top log-probs and samples
+without replacement, exact, without the [B, V] logits.
+
+Semantics (tpsample/reference.py, filtered_rows, implements them on full rows in float64).
+Row b has transformed logits x_i (bias, vocabulary mask, 1/T); "the order" sorts its tokens
+by (x desc, id asc). top-k keeps the first k tokens of the order; top-p keeps the shortest
+prefix of what top-k kept whose mass under the renormalised top-k distribution reaches p;
+min-p keeps the tokens with p_i >= min_p * p_max, i.e. exp(x_i - x_max) >= min_p (p_i / p_max
+does not depend on the renormalisation). The row samples softmax(x) restricted to the kept
+set. Every filter keeps a prefix of the order, so the kept set is one. Greedy rows (T = 0)
+ignore the filters.
+
+1. Candidates. Stage 1 writes, per tile, the logits and ids of its CANDIDATES best tokens
+   (tpsample/records.py). With tau = the largest CANDIDATES-th best logit over all tiles,
+   every token with x > tau is a candidate (a tile's other tokens are <= its CANDIDATES-th
+   best <= tau): the first M tokens of the order are known, M = #{candidates with x > tau}.
+2. Certificates: the kept set is known once it lies in that known prefix.
+     top-k   k <= M (top-k off: nothing to know; its mass is Z, exact from the tile masses)
+     top-p   top-k certified, and top-k on (its set and mass are known) or the known
+             prefix's mass reaches p * Z (the prefix then ends inside it)
+     min-p   exp(tau - x_max) < min_p: no token at or below tau survives min-p, so the kept
+             set lies in the known prefix, provided top-p's cut is known or lies past it
+             (top-p off, or top-k certified: the known prefix then fell short of p * Z)
+     top-n   n <= M
+   A row without its certificate takes the fallback (5); never an approximation.
+3. Sampling. Token = argmax over the kept set of (x_i + g_i) with stage 1's token noise
+   g_i(seed, offset, sample, id): the Gumbel-max over the kept set, the same token as a
+   full row's for any tiling, batch position or TP degree (merge "max"'s pathwise
+   property). Rows with filters take it whatever the merge. Without replacement: the S
+   largest (x_i + g_i) under sample 0's noise (Gumbel-top-S = sequential sampling without
+   replacement); a row that keeps fewer than S tokens returns token -1 (log-prob -inf) in
+   the positions past them.
+4. Unfiltered rows without replacement: sample plane s of a tile holds its (s+1)-th best
+   perturbed score under sample 0's noise, and the S best of a row are among the S best of
+   their tiles.
+5. Fallback. The rows without a certificate are recomputed from their full logits
+   (reference.filtered_rows) for those rows only; the pipeline reads one flag per call to
+   know whether any row needs it (a host synchronisation, so such calls cannot be captured
+   in a CUDA graph).
+
+Log-probs (SampleOutput): "processed" = x - log Z_kept for filtered rows (log Z over the kept
+set; -inf outside it), x - log Z otherwise; "raw" = x_raw - log Z_raw at T = 1 (x_raw = x * T,
+log Z_raw from the raw plane).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from . import merge, noise
+from .params import Filters, RowParams
+from .records import CANDIDATE_PLANES, CANDIDATES
+
+NEG_INF = float("-inf")
+
+
+class FilteredOutput(NamedTuple):
+    tokens: torch.Tensor        # int64 [B, S]
+    logprobs: torch.Tensor      # fp32 [B, S]
+    logz: torch.Tensor          # fp32 [B]
+    top_tokens: torch.Tensor    # int64 [B, n]
+    top_logprobs: torch.Tensor  # fp32 [B, n]
+    fallback: torch.Tensor      # bool [B]: rows without a certificate (outputs not valid)
+
+
+def row_filters(filters: Filters, B: int, device):
+    """(top_k int64, top_p fp32, min_p fp32) [B] with the 'off' values where None."""
+    k = filters.top_k.long() if filters.top_k is not None else torch.zeros(B, dtype=torch.int64,
+                                                                            device=device)
+    p = filters.top_p if filters.top_p is not None else torch.ones(B, device=device)
+    m = filters.min_p if filters.min_p is not None else torch.zeros(B, device=device)
+    return k, p, m
+
+
+def take_rows(filters: Filters, rows: torch.Tensor) -> Filters:
+    """The filters of a subset of rows (index tensor)."""
+    pick = (lambda t: None if t is None else t[rows])
+    return filters._replace(top_k=pick(filters.top_k), top_p=pick(filters.top_p),
+                            min_p=pick(filters.min_p))
+
+
+def kept_prefix(xs, known, k, p, m, logz):
+    """The filters on rows in the order: xs [R, n] logits sorted by (x desc, id asc) (float32
+    or float64), known [R, n] bool: which positions are known (the candidates above tau; all
+    True for full rows); k/p/m [R] the filters; logz [R] log Z of the whole row.
+    Returns kept [R, n] bool and certified [R] bool (2. above)."""
+    R, n = xs.shape
+    pos = torch.arange(n, device=xs.device)[None, :]
+    finite = xs > NEG_INF
+    xmax = xs[:, 0]
+    xmax = torch.where(torch.isfinite(xmax), xmax, torch.zeros_like(xmax))
+    e = torch.exp(xs - xmax[:, None])
+    kon, pon, mon = k > 0, p < 1, m > 0
+    keep_k = torch.where(kon[:, None], pos < k[:, None], True) & finite
+    cert_k = ~kon | (k <= known.sum(-1))
+    ek = e * keep_k
+    zk = torch.where(kon, ek.sum(-1), torch.exp(logz.to(xs.dtype) - xmax))
+    target = p.to(xs.dtype) * zk
+    before = ek.cumsum(-1) - ek  # the mass of the order before each token
+    keep_p = torch.where(pon[:, None], before < target[:, None], True)
+    cert_p = ~pon | kon | ((e * known).sum(-1) >= target)
+    keep_m = e >= m.to(xs.dtype)[:, None]
+    tau_gap = torch.exp(torch.where(known.all(-1), NEG_INF,
+                                    _first_unknown(xs, known)) - xmax)
+    cert_m = mon & (tau_gap < m.to(xs.dtype)) & (cert_k | ~pon)
+    return keep_k & keep_p & keep_m, (cert_k & cert_p) | cert_m
+
+
+def _first_unknown(xs, known):
+    """The logit of the first unknown position (an upper bound on every unknown token)."""
+    first = torch.where(known, xs.shape[1], torch.arange(xs.shape[1], device=xs.device)).amin(-1)
+    return xs.gather(-1, first.clamp(max=xs.shape[1] - 1)[:, None])[:, 0]
+
+
+def sort_order(x, ids):
+    """x, ids [R, n] → both sorted by (x desc, id asc)."""
+    o = torch.argsort(ids, dim=-1, stable=True)
+    x, ids = x.gather(-1, o), ids.gather(-1, o)
+    o = torch.argsort(x, dim=-1, descending=True, stable=True)
+    return x.gather(-1, o), ids.gather(-1, o)
+
+
+def gumbel_pick(xs, ids, kept, seed, offset, num_samples: int, replacement: bool):
+    """3. above: positions [R, S] into xs of the samples (-1: none left)."""
+    R, n = xs.shape
+    if replacement:
+        picks = []
+        for s in range(num_samples):
+            g = noise.gumbel(seed[:, None], offset[:, None], s, ids)
+            z = torch.where(kept, xs.float() + g, NEG_INF)
+            picks.append(merge.pathwise_max(z, ids.float()))
+        return torch.stack(picks, dim=1)
+    g = noise.gumbel(seed[:, None], offset[:, None], 0, ids)
+    z = torch.where(kept, xs.float() + g, NEG_INF)
+    zs, order = sort_order(z, torch.arange(n, device=xs.device).expand(R, n).contiguous())
+    # (ids ascend with position among equal x; equal perturbed scores are ties of measure 0)
+    order = order[:, :num_samples]
+    return torch.where(zs[:, :num_samples] > NEG_INF, order, -1)
+
+
+def reduce_candidates(recs: torch.Tensor, params: RowParams, filters: Filters, num_samples: int,
+                      base) -> FilteredOutput:
+    """Stage 2 of a call with candidate planes, in torch.
+
+    recs [slots, planes, B, T, 4] (records.planes); base: (tokens [B, S], logprobs, logz) of
+    the call's merge over the sample planes (used for the rows without filters, with
+    replacement). Rows whose fallback flag is set must be recomputed (5. above)."""
+    slots, _, B, T, _ = recs.shape
+    S = num_samples
+    dev = recs.device
+    greedy = params.inv_temp == 0
+    cand = recs[:, S:S + CANDIDATE_PLANES].permute(2, 0, 3, 1, 4).reshape(B, slots * T, CANDIDATES, 2)
+    x, ids = cand[..., 0], cand[..., 1]
+    tau = x[..., -1].amax(-1)
+    lse = recs[:, 0, :, :, 3].permute(1, 0, 2).reshape(B, slots * T)
+    logz = torch.logsumexp(lse, dim=-1)
+    logz_raw = torch.logsumexp(recs[:, S + CANDIDATE_PLANES, :, :, 0].permute(1, 0, 2)
+                               .reshape(B, slots * T), dim=-1)
+    xs, ids = sort_order(x.reshape(B, -1), ids.reshape(B, -1))
+    ids = ids.long()
+    known = xs > tau[:, None]
+    k, p, m = row_filters(filters, B, dev)
+    kept, cert = kept_prefix(xs, known, k, p, m, logz)
+    filtered = ((k > 0) | (p < 1) | (m > 0)) & ~greedy
+    ok = torch.isfinite(logz)
+
+    xmax = torch.where(torch.isfinite(xs[:, 0]), xs[:, 0], torch.zeros_like(xs[:, 0]))
+    logz_kept = xmax + torch.log((torch.exp(xs - xmax[:, None]) * kept).sum(-1))
+    inv = params.inv_temp
+    to_raw = torch.where(greedy, torch.ones_like(inv), 1.0 / torch.where(greedy, 1.0, inv))
+
+    tokens, logprobs, logz_out = base
+    # rows that sample from candidates: filtered ones, and without replacement every row
+    pick = gumbel_pick(xs, ids, kept, params.seed, params.offset, S, filters.replacement)
+    f_tok = torch.where(pick >= 0, ids.gather(-1, pick.clamp(min=0)), -1)
+    f_x = torch.where(pick >= 0, xs.gather(-1, pick.clamp(min=0)), NEG_INF)
+    if not filters.replacement:  # unfiltered rows: 4. above, from the sample planes
+        u_tok, u_x = top_perturbed(recs[:, :S], S)
+        f_tok = torch.where(filtered[:, None], f_tok, u_tok)
+        f_x = torch.where(filtered[:, None], f_x, u_x)
+        use = torch.ones_like(filtered)
+    else:
+        use = filtered
+    lz = torch.where(filtered, logz_kept, logz)
+    tokens = torch.where(use[:, None], f_tok, tokens)
+    x_tok = torch.where(use[:, None], f_x, logprobs + logz_out[:, None])
+    if filters.raw:
+        logz_out = logz_raw
+        logprobs = x_tok * to_raw[:, None] - logz_raw[:, None]
+    else:
+        logz_out = lz
+        logprobs = x_tok - lz[:, None]
+    logprobs = torch.where(tokens >= 0, logprobs, NEG_INF)
+
+    n = filters.top_n
+    top_tok = ids[:, :n]
+    if filters.raw:
+        top_lp = xs[:, :n] * to_raw[:, None] - logz_raw[:, None]
+    else:
+        top_lp = torch.where(filtered[:, None] & ~kept[:, :n], NEG_INF, xs[:, :n] - lz[:, None])
+    fallback = ok & ((filtered & ~cert) | ((n > 0) & (known.sum(-1) < n)))
+    # degenerate rows (log Z not finite): token 0, log-probs NaN (tpsample/merge.py)
+    tokens = torch.where(ok[:, None], tokens, 0)
+    logprobs = torch.where(ok[:, None], logprobs, float("nan"))
+    top_tok = torch.where(ok[:, None], top_tok, 0)
+    top_lp = torch.where(ok[:, None], top_lp, float("nan"))
+    return FilteredOutput(tokens, logprobs.float(), logz_out.float(), top_tok,
+                          top_lp.float(), fallback)
+
+
+def top_perturbed(samples: torch.Tensor, S: int):
+    """4. above: sample planes [slots, S, B, T, 4] of (s+1)-th best perturbed scores → the
+    row's S best (token int64 [B, S], logit [B, S])."""
+    slots, _, B, T, _ = samples.shape
+    r = samples.permute(2, 0, 1, 3, 4).reshape(B, slots * S * T, 4)
+    score, tok, logit = r[..., 0], r[..., 1], r[..., 2]
+    o = torch.argsort(tok, dim=-1, stable=True)
+    score, tok, logit = score.gather(-1, o), tok.gather(-1, o), logit.gather(-1, o)
+    o = torch.argsort(score, dim=-1, descending=True, stable=True)[:, :S]
+    return tok.gather(-1, o).long(), logit.gather(-1, o)
