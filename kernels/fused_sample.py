@@ -215,8 +215,13 @@ def tile_records_epilogue(
     parity_ptr, HAS_BIAS: tl.constexpr, ALIGNED4: tl.constexpr, BLOCK_V: tl.constexpr,
     BLOCK_B: tl.constexpr, NUM_PEERS: tl.constexpr, HALVINGS: tl.constexpr, TILE_MASS: tl.constexpr,
     g_pre=None, PRE_NOISE: tl.constexpr = False, CDF: tl.constexpr = False,
+    CANDIDATES: tl.constexpr = 0, NO_REPLACE: tl.constexpr = False, RAW_MASS: tl.constexpr = False,
 ):
     """acc [BLOCK_V, BLOCK_B] raw fp32 logits of tile pid_v → one record per (sample, row).
+    CANDIDATES > 0: also the candidate planes and the raw plane after the sample planes
+    (tpsample/records.py; RAW_MASS: the raw plane holds the tile's log-mass at T = 1, else a
+    copy of the log-mass); NO_REPLACE: sample plane s holds the tile's (s+1)-th best score
+    under sample 0's noise.
 
     inv_temp[b] == 0 marks a greedy row: logits at T = 1, no noise. With NUM_PEERS == 0 the
     records go to rec_ptr; otherwise peer_ptrs [2, NUM_PEERS] (int64) holds the address of this
@@ -233,6 +238,13 @@ def tile_records_epilogue(
     # Transforms: l = (h.w + bias) * (1 / T); rows beyond the real vocabulary are -inf.
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_v, mask=offs_v < V_rows, other=0.0)[:, None]
+    if RAW_MASS:  # the log-mass at T = 1
+        raw = tl.where((offs_v < n_real)[:, None], acc, float("-inf"))
+        raw_m = tl.reduce(raw, 0, _max_propagating_nan)
+        raw = tl.where(raw != raw, float("-inf"), raw)
+        raw_ms = tl.where(raw_m == float("-inf"), 0.0, raw_m)
+        raw_lse = tl.where(raw_m != raw_m, raw_m,
+                           raw_ms + tl.log(tl.sum(tl.exp(raw - raw_ms[None, :]), axis=0)))
     inv_t = tl.load(inv_temp_ptr + offs_b, mask=mask_b, other=1.0)
     greedy = inv_t == 0.0
     l = acc * tl.where(greedy, 1.0, inv_t)[None, :]
@@ -260,7 +272,41 @@ def tile_records_epilogue(
     local = tl.arange(0, BLOCK_V)[:, None]
 
     rec = offs_b.to(tl.int64) * rec_stride_b + pid_v.to(tl.int64) * rec_stride_t
-    if PRE_NOISE:
+    if CANDIDATES > 0:
+        c = l
+        cand = rec + num_samples * rec_stride_s
+        for j in tl.static_range(CANDIDATES // 2):
+            x_a = tl.max(c, axis=0)
+            i_a = tl.min(tl.where(c == x_a[None, :], local, BLOCK_V), axis=0)
+            c = tl.where(local == i_a[None, :], float("-inf"), c)
+            x_b = tl.max(c, axis=0)
+            i_b = tl.min(tl.where(c == x_b[None, :], local, BLOCK_V), axis=0)
+            c = tl.where(local == i_b[None, :], float("-inf"), c)
+            put_record(rec_ptr, cand + j * rec_stride_s, x_a, (tile_start + i_a).to(tl.float32),
+                       x_b, (tile_start + i_b).to(tl.float32), mask_b, peer_ptrs, parity_ptr,
+                       NUM_PEERS)
+        if RAW_MASS:
+            raw_field = raw_lse
+        else:
+            raw_field = lse
+        zero = tl.zeros_like(lse)
+        put_record(rec_ptr, cand + (CANDIDATES // 2) * rec_stride_s, raw_field, zero, zero, zero,
+                   mask_b, peer_ptrs, parity_ptr, NUM_PEERS)
+    if NO_REPLACE:
+        if ALIGNED4:
+            x = philox_words_tile(seed, off_lo, off_hi, tl.cast(0, tl.uint32), tile_start,
+                                  BLOCK_V, BLOCK_B >> HALVINGS)
+        else:
+            x = philox_word(seed, off_lo, off_hi, tl.cast(0, tl.uint32), tile_start + local)
+        z = tl.fma(gumbel_log(x), tl.where(greedy, 0.0, NOISE_COEF)[None, :], l)
+        for s in range(num_samples):
+            best = tl.max(z, axis=0)
+            idx = tl.min(tl.where(z == best[None, :], local, BLOCK_V), axis=0)
+            logit = tl.sum(tl.where(local == idx[None, :], l, 0.0), axis=0)
+            z = tl.where(local == idx[None, :], float("-inf"), z)
+            put_record(rec_ptr, rec + s * rec_stride_s, best, (tile_start + idx).to(tl.float32),
+                       logit, lse, mask_b, peer_ptrs, parity_ptr, NUM_PEERS)
+    elif PRE_NOISE:
         sample_and_store(0, l, greedy, seed, off_lo, off_hi, tile_start, local, mask_b, lse,
                          rec_ptr, rec, peer_ptrs, parity_ptr, ALIGNED4, BLOCK_V,
                          BLOCK_B >> HALVINGS, NUM_PEERS, TILE_MASS, g_pre, True)
@@ -322,6 +368,19 @@ def sample_and_store(s, l, greedy, seed, off_lo, off_hi, tile_start, local, mask
             delta = (tl.load(peer_ptrs + row + p) - rec_ptr.to(tl.int64, bitcast=True)) >> 2
             store_record_16b(rec_ptr + tl.multiple_of(delta, 4), rec, best, token, logit, lse,
                              mask_b)
+
+
+@triton.jit
+def put_record(rec_ptr, rec, f0, f1, f2, f3, mask_b, peer_ptrs, parity_ptr,
+               NUM_PEERS: tl.constexpr):
+    """One record per column at rec_ptr + rec, or into every peer (see the epilogue)."""
+    if NUM_PEERS == 0:
+        store_record(rec_ptr, rec, f0, f1, f2, f3, mask_b)
+    else:
+        row = tl.load(parity_ptr) * NUM_PEERS
+        for p in tl.static_range(NUM_PEERS):
+            delta = (tl.load(peer_ptrs + row + p) - rec_ptr.to(tl.int64, bitcast=True)) >> 2
+            store_record_16b(rec_ptr + tl.multiple_of(delta, 4), rec, f0, f1, f2, f3, mask_b)
 
 
 @triton.jit
@@ -504,9 +563,11 @@ def fused_sample_records_kernel(
     NUM_STAGES: tl.constexpr, NUM_PEERS: tl.constexpr, HALVINGS: tl.constexpr,
     TILE_MASS: tl.constexpr, PDL: tl.constexpr, W_DESC: tl.constexpr = False,
     NOISE_AT: tl.constexpr = -1, NOISE_CHUNKS: tl.constexpr = 1, NOISE_EVERY: tl.constexpr = 0,
-    CDF: tl.constexpr = False,
+    CDF: tl.constexpr = False, CANDIDATES: tl.constexpr = 0, NO_REPLACE: tl.constexpr = False,
+    RAW_MASS: tl.constexpr = False,
 ):
-    """NOISE_AT >= 0 requires num_samples == 1 and ALIGNED4 (the launcher checks)."""
+    """NOISE_AT >= 0 requires num_samples == 1 and ALIGNED4 (the launcher checks).
+    CANDIDATES, NO_REPLACE, RAW_MASS: see tile_records_epilogue."""
     pid_b = tl.program_id(0)  # batch tiles vary fastest: neighbours share the W tile in L2
     pid_v = tl.program_id(1)
     if PDL:  # stage 2 may be scheduled now; its gdc_wait holds it until this grid is done
@@ -519,7 +580,7 @@ def fused_sample_records_kernel(
                           offset_ptr, rec_ptr, V_rows, n_real, vocab_start, num_samples,
                           rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr, HAS_BIAS,
                           ALIGNED4, BLOCK_V, BLOCK_B, NUM_PEERS, HALVINGS, TILE_MASS, g,
-                          NOISE_AT >= 0, CDF)
+                          NOISE_AT >= 0, CDF, CANDIDATES, NO_REPLACE, RAW_MASS)
 
 
 @triton.jit
@@ -529,7 +590,8 @@ def logits_records_kernel(
     peer_ptrs, parity_ptr,
     HAS_BIAS: tl.constexpr, ALIGNED4: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr,
     NUM_PEERS: tl.constexpr, HALVINGS: tl.constexpr, TILE_MASS: tl.constexpr, PDL: tl.constexpr,
-    CDF: tl.constexpr = False,
+    CDF: tl.constexpr = False, CANDIDATES: tl.constexpr = 0, NO_REPLACE: tl.constexpr = False,
+    RAW_MASS: tl.constexpr = False,
 ):
     """The same records from fp32 logits [B, V_rows] computed elsewhere (cuBLAS, large B)."""
     pid_b = tl.program_id(0)
@@ -544,4 +606,5 @@ def logits_records_kernel(
     tile_records_epilogue(acc, pid_v, offs_b, mask_b, B, bias_ptr, inv_temp_ptr, seed_ptr,
                           offset_ptr, rec_ptr, V_rows, n_real, vocab_start, num_samples,
                           rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr, HAS_BIAS,
-                          ALIGNED4, BLOCK_V, BLOCK_B, NUM_PEERS, HALVINGS, TILE_MASS, CDF=CDF)
+                          ALIGNED4, BLOCK_V, BLOCK_B, NUM_PEERS, HALVINGS, TILE_MASS, CDF=CDF,
+                          CANDIDATES=CANDIDATES, NO_REPLACE=NO_REPLACE, RAW_MASS=RAW_MASS)

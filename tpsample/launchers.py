@@ -20,8 +20,9 @@ import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import records
-from .kernels import fused_sample, gluon_pingpong, gluon_sample, reduce_records
-from .params import RowParams
+from . import filters as F
+from .kernels import filter_records, fused_sample, gluon_pingpong, gluon_sample, reduce_records
+from .params import Filters, RowParams
 from .plan import Plan, cdiv
 from .replay import run_kernel, run_step
 
@@ -65,7 +66,7 @@ def stage1(plan: Plan, hidden: torch.Tensor, weight: torch.Tensor, bias, params:
     padding; fanout: see the module docstring; trace: the pp kernel's int64 [tiles, 4]
     clock buffer when plan.trace (tools/probe.py)."""
     S, B, T = plan.num_samples, hidden.shape[0], out.shape[2]
-    records.check_layout(out, (S, B, T, records.WIDTH))
+    records.check_layout(out, (records.planes(S, plan.candidates), B, T, records.WIDTH))
     cfg = plan.cfg
     peers, parity = fanout if fanout is not None else (None, None)
     common = dict(bias=bias, params=params, out=out, n_real=n_real, vocab_start=vocab_start,
@@ -85,7 +86,10 @@ def _triton(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start
     consts = dict(HAS_BIAS=bias is not None, ALIGNED4=vocab_start % 4 == 0, BLOCK_V=BLOCK_V,
                   BLOCK_B=cfg["BLOCK_B"], NUM_PEERS=0 if peers is None else peers.shape[-1],
                   HALVINGS=cfg["HALVINGS"], TILE_MASS=plan.need_mass, PDL=plan.pdl,
-                  CDF=plan.cdf)
+                  CDF=plan.cdf and plan.replacement)
+    if plan.candidates or not plan.replacement:
+        consts.update(CANDIDATES=records.CANDIDATES if plan.candidates else 0,
+                      NO_REPLACE=not plan.replacement, RAW_MASS=plan.raw_mass)
     options = dict(num_warps=cfg["num_warps"])
     grid = (cdiv(B, cfg["BLOCK_B"]), T)
     peers = peers if peers is not None else seed  # never read when NUM_PEERS == 0
@@ -227,3 +231,33 @@ def stage2(plan: Plan, recs: torch.Tensor, params: RowParams, parity=None,
              USE_PARITY=parity is not None, ONE_SLOT=slots == 1, PDL=plan.pdl),
         dict(num_warps=num_warps, **({"launch_pdl": True} if plan.pdl else {})))
     return tokens, logprobs, logz
+
+
+def stage2_filtered(plan: Plan, recs: torch.Tensor, params: RowParams, filters: Filters,
+                    parity=None, parity_stride: int = 0) -> F.FilteredOutput:
+    """records [slots, planes, B, T, 4] of a call with candidate planes → stage2 over the
+    sample planes, then the candidate reduce (kernels/filter_records.py) over all planes."""
+    slots, _, B, T, _ = recs.shape
+    S = plan.num_samples
+    tokens, logprobs, logz = stage2(plan, recs[:, :S], params, parity, parity_stride)
+    dev = recs.device
+    n = filters.top_n
+    top_tok = torch.empty(B, n, dtype=torch.int64, device=dev)
+    top_lp = torch.empty(B, n, dtype=torch.float32, device=dev)
+    flag = torch.empty(B, dtype=torch.int32, device=dev)
+    N = slots * T
+    block_c = max(16, 1 << (N * records.CANDIDATES - 1).bit_length())
+    dummy = params.inv_temp
+    run_kernel(filter_records.filter_records_kernel, (B,), (
+        recs, *recs.stride()[:4][::1], params.inv_temp, params.seed, params.offset,
+        filters.top_k if filters.top_k is not None else dummy,
+        filters.top_p if filters.top_p is not None else dummy,
+        filters.min_p if filters.min_p is not None else dummy,
+        tokens, logprobs, logz, top_tok, top_lp, flag, S, T, N, n,
+        parity if parity is not None else params.seed, parity_stride),
+        dict(HAS_K=filters.top_k is not None, HAS_P=filters.top_p is not None,
+             HAS_M=filters.min_p is not None, RAW=filters.raw, REPLACE=filters.replacement,
+             USE_PARITY=parity is not None, K=records.CANDIDATES, BLOCK_C=block_c,
+             BLOCK_U=min(1024, max(16, 1 << (N - 1).bit_length()))),
+        dict(num_warps=min(32, max(4, block_c // 512))))
+    return F.FilteredOutput(tokens, logprobs, logz, top_tok, top_lp, flag.bool())

@@ -70,7 +70,8 @@ class Pipeline:
                          dtype=hidden.dtype, merge=merge, num_samples=num_samples,
                          need_mass=need_mass, layout=layout, tiles=tiles,
                          slots=self.transport.world, backend=self.backend,
-                         candidates=special(filters), replacement=filters.replacement)
+                         candidates=special(filters), replacement=filters.replacement,
+                         raw_mass=filters.raw)
         _warn_gluon_fallback(plan, kind)
         return plan
 

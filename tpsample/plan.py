@@ -149,6 +149,7 @@ class Plan:
     trace: bool = False             # pp only: per-tile SM clocks into a trace buffer (tools/probe.py)
     candidates: bool = False        # candidate planes for filters / top log-probs (filters.py)
     replacement: bool = True        # False: sample planes hold each tile's best S scores
+    raw_mass: bool = False          # the raw plane holds the tile log-masses at T = 1
 
     @property
     def cfg(self) -> dict:
@@ -245,7 +246,7 @@ def make_plan(device: DeviceKind, *, B: int, D: int, V: int, dtype: torch.dtype,
               merge: str = "max", num_samples: int = 1, need_mass: bool = True,
               layout: Layout = Layout(), tiles: int | None = None, slots: int = 1,
               backend: str = "triton", config: dict | None = None, candidates: bool = False,
-              replacement: bool = True) -> Plan:
+              replacement: bool = True, raw_mass: bool = False) -> Plan:
     """Resolve one call shape into a Plan (see the module docstring). V: rows of this
     (shard of the) LM head; tiles: the tiles per slot (>= its own, under TP the largest
     shard's); slots: the ranks whose records stage 2 reduces. config: an explicit stage-1
@@ -259,7 +260,7 @@ def make_plan(device: DeviceKind, *, B: int, D: int, V: int, dtype: torch.dtype,
     common = dict(B=B, D=D, V=V, tiles=tiles, slots=slots, num_samples=num_samples,
                   dtype=DTYPE_NAMES.get(dtype, str(dtype)), merge=merge, need_mass=need_mass,
                   layout=layout, device=device.label, candidates=candidates,
-                  replacement=replacement)
+                  replacement=replacement, raw_mass=raw_mass)
     if backend == "torch":
         return Plan("torch", "torch", source="backend='torch' (CPU path)", **common)
 

@@ -1,0 +1,238 @@
+"""Stage 2 of filtered sampling: candidate planes → tokens, log-probs, top log-probs, flags.
+
+tpsample/filters.py holds the argument and filters.reduce_candidates the same math in torch
+(the tests compare the two on the same records). One program per row, after the call's
+reduce_records launch (whose outputs it overwrites where the row is filtered, sampled
+without replacement, or asks for raw log-probs). The row's CANDIDATES x tiles candidates sit
+in registers; instead of sorting them, every prefix of the order (logit desc, id asc) is a
+threshold on one 56-bit key (the logit's order-preserving bits, then the inverted id), and
+the top-k and top-p cuts are found by bisection on it (56 steps, each a count or a masked sum).
+"""
+import triton
+import triton.language as tl
+
+from .. import records
+from .fused_sample import NOISE_COEF, gumbel_log, philox_word
+
+NO_TOKEN = tl.constexpr(records.NO_TOKEN)
+ID_MASK = tl.constexpr((1 << 24) - 1)
+KEY_TOP = tl.constexpr((1 << 56) - 1)
+NEG_INF = tl.constexpr(float("-inf"))
+
+
+@triton.jit
+def order_key(x, tok):
+    """int64 key, larger = earlier in the order (x desc, id asc); x float32, tok float32 id."""
+    b = x.to(tl.int32, bitcast=True)
+    ob = tl.where(b >= 0, b.to(tl.int64) + 2147483648, 2147483647 - (b & 0x7FFFFFFF).to(tl.int64))
+    return (ob << 24) | (ID_MASK - tok.to(tl.int64))
+
+
+@triton.jit
+def kth_key(key, valid, k):
+    """The largest v with #{valid & key >= v} >= k: the k-th largest valid key (k >= 1)."""
+    lo = tl.cast(0, tl.int64)
+    hi = tl.cast(KEY_TOP, tl.int64)
+    for _ in range(57):
+        mid = lo + (hi - lo + 1) // 2
+        ok = tl.sum(tl.where(valid & (key >= mid), 1, 0)) >= k
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def mass_key(key, e, target):
+    """The largest v with sum(e over key >= v) >= target: the last key of the shortest
+    prefix whose mass reaches target (0 when none does)."""
+    lo = tl.cast(0, tl.int64)
+    hi = tl.cast(KEY_TOP, tl.int64)
+    for _ in range(57):
+        mid = lo + (hi - lo + 1) // 2
+        ok = tl.sum(tl.where(key >= mid, e, 0.0)) >= target
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def next_below(key, prev):
+    """The largest key below prev (-1 when none)."""
+    return tl.max(tl.where(key < prev, key, -1))
+
+
+@triton.jit
+def tile_logsumexp(row_ptr, at0, st_slot, st_t, T, N, BLOCK_U: tl.constexpr):
+    """logsumexp over the row's N tiles of the field at element offset at0 (NaN poisons)."""
+    run_m = tl.cast(NEG_INF, tl.float32)
+    run_s = tl.cast(0.0, tl.float32)
+    nan = tl.cast(0, tl.int32)
+    for n0 in range(0, N, BLOCK_U):
+        n = n0 + tl.arange(0, BLOCK_U)
+        v = tl.load(row_ptr + at0 + (n // T).to(tl.int64) * st_slot + (n % T).to(tl.int64) * st_t,
+                    mask=n < N, other=NEG_INF)
+        nan = tl.maximum(nan, tl.max((v != v).to(tl.int32)))
+        v = tl.where(v != v, NEG_INF, v)
+        new_m = tl.maximum(run_m, tl.max(v))
+        safe = tl.where(tl.abs(new_m) == float("inf"), 0.0, new_m)
+        run_s = run_s * tl.exp(run_m - safe) + tl.sum(tl.exp(v - safe))
+        run_m = new_m
+    lz = tl.where(tl.abs(run_m) == float("inf"), run_m, run_m + tl.log(run_s))
+    return tl.where(nan > 0, float("nan"), lz)
+
+
+@triton.jit
+def filter_records_kernel(
+    rec_ptr, st_slot, st_plane, st_b, st_t, inv_temp_ptr, seed_ptr, offset_ptr,
+    top_k_ptr, top_p_ptr, min_p_ptr, tokens_ptr, logprobs_ptr, logz_ptr, top_tok_ptr,
+    top_lp_ptr, flag_ptr, S, T, N, n_top, parity_ptr, parity_stride,
+    HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_M: tl.constexpr, RAW: tl.constexpr,
+    REPLACE: tl.constexpr, USE_PARITY: tl.constexpr, K: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_U: tl.constexpr,
+):
+    """records [slots, planes, B, T, 4] by strides (st_*: elements); outputs [B, S], [B],
+    [B, n_top], flag int32 [B] (1: the row needs the exact fallback). USE_PARITY: the
+    fan-out's two buffers; reduce_records, launched before, has already flipped the parity."""
+    b = tl.program_id(0)
+    if USE_PARITY:
+        rec_ptr += (1 - tl.load(parity_ptr)).to(tl.int64) * parity_stride
+    row_ptr = rec_ptr + b.to(tl.int64) * st_b
+    inv = tl.load(inv_temp_ptr + b)
+    greedy = inv == 0.0
+    seed = tl.load(seed_ptr + b)
+    off = tl.load(offset_ptr + b)
+    off_lo = (off & 0xFFFFFFFF).to(tl.uint32)
+    off_hi = ((off >> 32) & 0xFFFFFFFF).to(tl.uint32)
+
+    logz = tile_logsumexp(row_ptr, 3, st_slot, st_t, T, N, BLOCK_U)
+    finite_row = (logz == logz) & (tl.abs(logz) != float("inf"))
+
+    # the candidates: position j is candidate j % K of record n = j // K (slot n // T, tile n % T)
+    j = tl.arange(0, BLOCK_C)
+    c = j % K
+    n = j // K
+    at = ((n // T).to(tl.int64) * st_slot + (S + c // 2).to(tl.int64) * st_plane
+          + (n % T).to(tl.int64) * st_t + (c % 2) * 2)
+    x = tl.load(row_ptr + at, mask=n < N, other=NEG_INF)
+    tok = tl.load(row_ptr + at + 1, mask=n < N, other=NO_TOKEN)
+    tau = tl.max(tl.where(c == K - 1, x, NEG_INF))
+    known = x > tau
+    M = tl.sum(known.to(tl.int32))
+    finite = x > NEG_INF
+    key = order_key(x, tok)
+    xmax = tl.max(x)
+    xm = tl.where(tl.abs(xmax) == float("inf"), 0.0, xmax)
+    e = tl.exp(x - xm)
+
+    k = tl.cast(0, tl.int32)
+    p = tl.cast(1.0, tl.float32)
+    m = tl.cast(0.0, tl.float32)
+    if HAS_K:
+        k = tl.load(top_k_ptr + b)
+    if HAS_P:
+        p = tl.load(top_p_ptr + b)
+    if HAS_M:
+        m = tl.load(min_p_ptr + b)
+    kon = k > 0
+    pon = p < 1.0
+    mon = m > 0.0
+    filtered = (kon | pon | mon) & (inv != 0.0)
+    keep = finite
+    if kon:
+        keep = keep & (key >= kth_key(key, finite, k))
+    ek = tl.where(keep, e, 0.0)
+    zk = tl.where(kon, tl.sum(ek), tl.exp(logz - xm))
+    target = p * zk
+    if pon:
+        keep = keep & (key >= mass_key(key, ek, target))
+    keep = keep & (e >= m)
+    cert_k = (k <= 0) | (k <= M)
+    cert_p = (p >= 1.0) | kon | (tl.sum(tl.where(known, e, 0.0)) >= target)
+    tau_gap = tl.where(tl.sum(known.to(tl.int32)) == tl.sum(finite.to(tl.int32)), 0.0,
+                       tl.exp(tau - xm))
+    cert_m = mon & (tau_gap < m) & (cert_k | (p >= 1.0))
+    cert = (cert_k & cert_p) | cert_m
+    logz_kept = xm + tl.log(tl.sum(tl.where(keep, e, 0.0)))
+    lz = tl.where(filtered, logz_kept, logz)
+    to_raw = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, inv))
+    if RAW:
+        logz_raw = tile_logsumexp(row_ptr, S * st_plane + (K // 2) * st_plane, st_slot, st_t,
+                                  T, N, BLOCK_U)
+    gid = tok.to(tl.int32)
+
+    # the samples
+    z0 = tl.fma(gumbel_log(philox_word(seed, off_lo, off_hi, tl.cast(0, tl.uint32), gid)),
+                NOISE_COEF, x)
+    prev = tl.cast(KEY_TOP + 1, tl.int64)
+    u_prev = tl.cast(KEY_TOP + 1, tl.int64)
+    for s in range(S):
+        if REPLACE:
+            z = tl.fma(gumbel_log(philox_word(seed, off_lo, off_hi, tl.cast(s, tl.uint32), gid)),
+                       NOISE_COEF, x)
+            zkey = tl.where(keep, order_key(z, tok), -1)
+            best = tl.max(zkey)
+        else:
+            zkey = tl.where(keep, order_key(z0, tok), -1)
+            best = next_below(zkey, prev)
+            prev = best
+        pick = ID_MASK - (best & ID_MASK)
+        x_tok = tl.max(tl.where(zkey == best, x, NEG_INF))
+        tok_out = tl.where(best >= 0, pick, -1).to(tl.int64)
+        if not REPLACE:
+            # rows without filters: their S best perturbed scores are in the sample planes
+            u_best = tl.cast(-1, tl.int64)
+            for u0 in range(0, S * N, BLOCK_U):
+                u = u0 + tl.arange(0, BLOCK_U)
+                ua = ((u // N) * st_plane + ((u % N) // T).to(tl.int64) * st_slot
+                      + ((u % N) % T).to(tl.int64) * st_t)
+                sc = tl.load(row_ptr + ua, mask=u < S * N, other=NEG_INF)
+                tk = tl.load(row_ptr + ua + 1, mask=u < S * N, other=NO_TOKEN)
+                uk = tl.where(sc > NEG_INF, order_key(sc, tk), -1)
+                u_best = tl.maximum(u_best, next_below(uk, u_prev))
+            u_x = tl.cast(NEG_INF, tl.float32)
+            for u0 in range(0, S * N, BLOCK_U):
+                u = u0 + tl.arange(0, BLOCK_U)
+                ua = ((u // N) * st_plane + ((u % N) // T).to(tl.int64) * st_slot
+                      + ((u % N) % T).to(tl.int64) * st_t)
+                sc = tl.load(row_ptr + ua, mask=u < S * N, other=NEG_INF)
+                tk = tl.load(row_ptr + ua + 1, mask=u < S * N, other=NO_TOKEN)
+                lg = tl.load(row_ptr + ua + 2, mask=u < S * N, other=NEG_INF)
+                uk = tl.where(sc > NEG_INF, order_key(sc, tk), -1)
+                u_x = tl.maximum(u_x, tl.max(tl.where(uk == u_best, lg, NEG_INF)))
+            u_prev = u_best
+            tok_out = tl.where(filtered, tok_out,
+                               tl.where(u_best >= 0, ID_MASK - (u_best & ID_MASK), -1).to(tl.int64))
+            x_tok = tl.where(filtered, x_tok, u_x)
+        at_out = b.to(tl.int64) * S + s
+        if REPLACE:  # unfiltered rows keep reduce_records' token; its logit for the log-prob
+            tok_out = tl.where(filtered, tok_out, tl.load(tokens_ptr + at_out))
+            x_tok = tl.where(filtered, x_tok,
+                             tl.load(logprobs_ptr + at_out) + tl.load(logz_ptr + b))
+        if RAW:
+            lp = x_tok * to_raw - logz_raw
+        else:
+            lp = x_tok - lz
+        lp = tl.where(tok_out >= 0, lp, NEG_INF)
+        tl.store(tokens_ptr + at_out, tl.where(finite_row, tok_out, 0))
+        tl.store(logprobs_ptr + at_out, tl.where(finite_row, lp, float("nan")))
+
+    # the top-n log-probs
+    prev = tl.cast(KEY_TOP + 1, tl.int64)
+    for i in range(n_top):
+        best = next_below(tl.where(finite, key, -1), prev)
+        prev = best
+        xi = tl.max(tl.where(key == best, x, NEG_INF))
+        kept_i = tl.max(tl.where((key == best) & keep, 1, 0)) > 0
+        if RAW:
+            lp = xi * to_raw - logz_raw
+        else:
+            lp = tl.where(filtered & (kept_i == 0), NEG_INF, xi - lz)
+        tl.store(top_tok_ptr + b.to(tl.int64) * n_top + i,
+                 tl.where(finite_row & (best >= 0), ID_MASK - (best & ID_MASK), 0).to(tl.int64))
+        tl.store(top_lp_ptr + b.to(tl.int64) * n_top + i, tl.where(finite_row, lp, float("nan")))
+    if RAW:
+        tl.store(logz_ptr + b, logz_raw)
+    else:
+        tl.store(logz_ptr + b, lz)
+    fallback = finite_row & ((filtered & (cert == 0)) | (n_top > M))
+    tl.store(flag_ptr + b, fallback.to(tl.int32))

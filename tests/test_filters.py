@@ -1,0 +1,355 @@
+"""Filtered sampling (tpsample/filters.py): top-k, top-p, min-p, top log-probs, raw log-probs,
+samples without replacement.
+
+Exactness: chi-squared against float64 probabilities of the filtered distribution computed
+here from the definition (sorted logits, independent of tpsample's code), with negative
+controls that the same test must reject; pathwise: tokens equal the full-row reference and
+the torch path equals the interpreted kernels on the same records; certificates and the
+fallback: counted rows of each; TP with gloo; bad parameters.
+"""
+import numpy as np
+import pytest
+import torch
+
+import tpsample
+from tpsample import filters as F
+from tpsample import launchers, params as P, records
+from tpsample.api import _pipeline
+from tpsample.plan import DeviceKind, make_plan
+from tpsample.reference import reference_sample, transformed_logits
+from tpsample.torch_records import records_torch
+
+from cases import lm_head_case, random_inputs
+from dist_utils import run_world
+from stats import ALPHA, chi2_pvalue
+
+
+# ----- the definition, in numpy float64 (what the chi-squared tests compare against) -------
+def filtered_probs(logits, top_k=0, top_p=1.0, min_p=0.0, *, renormalise_after_k=True,
+                   min_p_first=False, ties_larger_id=False):
+    """float64 probabilities [V] of one row's filtered distribution; the keyword switches
+    build the negative controls (a filter in the wrong order, top-p on the unrenormalised
+    distribution, ties at the boundary broken towards the larger id)."""
+    l = np.asarray(logits, dtype=np.float64)
+    V = l.size
+    ids = np.arange(V)
+    order = np.lexsort((-ids if ties_larger_id else ids, -l))  # logit desc, then id
+    p = np.exp(l - l.max())
+    p /= p.sum()
+    keep = np.ones(V, bool)
+
+    def apply_min_p(keep):
+        pm = np.where(keep, p, 0.0)
+        return keep & (pm >= min_p * pm.max())
+
+    if min_p_first and min_p > 0:
+        keep = apply_min_p(keep)
+    if top_k > 0:
+        kk = np.zeros(V, bool)
+        kk[order[:top_k]] = True
+        keep &= kk
+    if top_p < 1:
+        q = np.where(keep, p, 0.0)
+        if renormalise_after_k:
+            q = q / q.sum()
+        qs = q[order]
+        before = np.cumsum(qs) - qs
+        kp = np.zeros(V, bool)
+        kp[order[before < top_p]] = True
+        keep &= kp
+    if not min_p_first and min_p > 0:
+        keep = apply_min_p(keep)
+    out = np.where(keep, p, 0.0)
+    return torch.from_numpy(out / out.sum())
+
+
+def row_logits(h, w, temperature=1.0):
+    return (h.double() @ w.double().T / temperature).numpy()
+
+
+def counts(pipe):
+    return pipe.candidate_rows, pipe.fallback_rows
+
+
+# ----- exactness: chi-squared, torch path ---------------------------------------------------
+CASES = [  # (kind, V, filters, temperature)
+    ("zipf", 1000, dict(top_k=20), 1.0),
+    ("zipf", 1000, dict(top_p=0.6), 0.8),
+    ("zipf", 1000, dict(min_p=0.05), 1.0),
+    ("peaked", 4096, dict(top_k=50, top_p=0.9, min_p=0.05), 1.0),
+    ("zipf", 1000, dict(top_k=30, top_p=0.7), 1.3),
+    ("flat", 600, dict(top_p=0.5), 1.0),  # flat: no certificate, every row takes the fallback
+]
+
+
+@pytest.mark.parametrize("kind,V,filt,temp", CASES, ids=[f"{c[0]}-{'-'.join(c[2])}" for c in CASES])
+def test_chi2_filtered_torch(kind, V, filt, temp):
+    h, w = lm_head_case(kind, V, seed=3)
+    rows = 4000
+    pipe = _pipeline("torch", h.device)
+    before = counts(pipe)
+    tok = tpsample.sample(h.expand(rows, -1).contiguous(), w, temperature=temp,
+                          seed=torch.arange(rows), backend="torch", **filt)
+    p = filtered_probs(row_logits(h, w, temp), **filt)
+    assert p[tok].min() > 0, "a token outside the kept set"
+    assert chi2_pvalue(tok, p) > ALPHA
+    cand, fb = (a - b for a, b in zip(counts(pipe), before))
+    assert cand == rows
+    if kind == "flat":
+        assert fb == rows  # the forced fallback path
+    else:
+        assert fb == 0  # the certified path
+
+
+NEGATIVE = [  # (kind, V, filters, wrong semantics)
+    ("zipf", 1000, dict(top_k=20, top_p=0.5), dict(renormalise_after_k=False)),
+    ("zipf", 1000, dict(top_p=0.5, min_p=0.1), dict(min_p_first=True)),
+]
+
+
+@pytest.mark.parametrize("kind,V,filt,wrong", NEGATIVE, ids=["no-renormalise", "min-p-first"])
+def test_chi2_rejects_wrong_semantics(kind, V, filt, wrong):
+    """Negative controls: the same test rejects the samples against a near miss."""
+    h, w = lm_head_case(kind, V, seed=3)
+    rows = 4000
+    tok = tpsample.sample(h.expand(rows, -1).contiguous(), w, seed=torch.arange(rows),
+                          backend="torch", **filt)
+    logits = row_logits(h, w)
+    right, near = filtered_probs(logits, **filt), filtered_probs(logits, **filt, **wrong)
+    assert not torch.allclose(right, near)
+    assert chi2_pvalue(tok, right) > ALPHA
+    assert (near[tok] == 0).any() or chi2_pvalue(tok, near.clamp(min=1e-12)) < ALPHA
+
+
+def tie_case():
+    """Logits with a 4-way exact tie straddling the top-k = 3 boundary (ids 5, 9, 40, 77)."""
+    V, D = 256, 8
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(V, D, generator=g) * 0.1
+    h = torch.zeros(D)
+    h[0] = 1.0
+    w[:, 0] = torch.linspace(-2, 0, V)
+    w[[5, 9, 40, 77], :] = torch.tensor([1.5] + [0.0] * (D - 1))  # equal rows: equal logits
+    w[120, 0] = 2.0  # the top token
+    return h, w
+
+
+def test_ties_at_the_top_k_boundary_go_to_the_smaller_id():
+    h, w = tie_case()
+    rows = 3000
+    tok = tpsample.sample(h.expand(rows, -1).contiguous(), w, seed=torch.arange(rows), top_k=3,
+                          backend="torch")
+    assert set(tok.unique().tolist()) == {120, 5, 9}
+    right = filtered_probs(row_logits(h, w), top_k=3)
+    wrong = filtered_probs(row_logits(h, w), top_k=3, ties_larger_id=True)
+    assert chi2_pvalue(tok, right) > ALPHA
+    assert (wrong[tok] == 0).any()  # the tie broken the other way is rejected
+
+
+def test_without_replacement_ordered_pairs():
+    """S = 2 distinct tokens: the pair (i, j) has probability q_i q_j / (1 - q_i) under the
+    filtered distribution q (sequential sampling without replacement)."""
+    h, w = lm_head_case("zipf", 400, seed=5)
+    rows = 6000
+    out = tpsample.sample(h.expand(rows, -1).contiguous(), w, seed=torch.arange(rows), top_k=6,
+                          num_samples=2, replacement=False, backend="torch")
+    assert (out[:, 0] != out[:, 1]).all()
+    q = filtered_probs(row_logits(h, w), top_k=6).numpy()
+    kept = np.nonzero(q)[0]
+    index = {t: i for i, t in enumerate(kept)}
+    pair = torch.tensor([index[a] * len(kept) + index[b] for a, b in out.tolist()])
+    probs = np.zeros(len(kept) ** 2)
+    for a in range(len(kept)):
+        for b in range(len(kept)):
+            if a != b:
+                qa, qb = q[kept[a]], q[kept[b]]
+                probs[a * len(kept) + b] = qa * qb / (1 - qa)
+    assert chi2_pvalue(pair, torch.from_numpy(probs)) > ALPHA
+    indep = np.outer(q[kept], q[kept]).reshape(-1)  # with replacement: a wrong model
+    assert chi2_pvalue(pair, torch.from_numpy(indep / indep.sum())) < ALPHA
+
+
+# ----- pathwise: the reference, the torch path, the interpreted kernels ---------------------
+MIXED = dict(top_k=torch.tensor([0, 5, 0, 50, 3, 0, 7, -1]),
+             top_p=torch.tensor([1.0, 1.0, 0.9, 0.8, 1.0, 0.5, 0.95, 1.0]),
+             min_p=torch.tensor([0.0, 0.0, 0.0, 0.05, 0.2, 0.1, 0.0, 0.0]),
+             temperature=torch.tensor([1.0, 0.7, 1.0, 1.3, 0.0, 1.0, 0.9, 1.1]))
+
+
+def mixed_inputs(device="cpu"):
+    g = torch.Generator().manual_seed(11)
+    h = torch.randn(8, 16, generator=g) * 2.5
+    w = torch.randn(2048, 16, generator=g)
+    return h.to(device), w.to(device)
+
+
+@pytest.mark.parametrize("extra", [dict(), dict(num_samples=3, replacement=False),
+                                   dict(num_samples=2, logprobs_mode="raw")],
+                         ids=["replacement", "distinct", "raw"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_matches_reference_pathwise(backend, extra):
+    h, w = mixed_inputs()
+    kw = dict(MIXED, seed=torch.arange(8) * 7, top_logprobs=4, **extra)
+    out = tpsample.sample(h, w, backend=backend, return_logprobs=True, **kw)
+    ref = reference_sample(h, w, **kw)
+    tokens = out.tokens if out.tokens.ndim == 2 else out.tokens[:, None]
+    lp = out.logprobs if out.logprobs.ndim == 2 else out.logprobs[:, None]
+    assert torch.equal(tokens, ref.tokens)
+    assert torch.allclose(lp.double(), ref.logprobs, atol=1e-4)
+    assert torch.allclose(out.logz.double(), ref.logz, atol=1e-4)
+    assert torch.equal(out.top_tokens, ref.top_tokens)
+    fin = torch.isfinite(ref.top_logprobs)
+    assert torch.equal(fin, torch.isfinite(out.top_logprobs))
+    assert torch.allclose(out.top_logprobs.double()[fin], ref.top_logprobs[fin], atol=1e-4)
+
+
+def test_filtered_kernel_equals_torch_on_the_same_records():
+    """kernels/filter_records.py and filters.reduce_candidates on identical records:
+    the same tokens, top tokens and fallback flags (certified and uncertified rows)."""
+    h, w = mixed_inputs()
+    h[2] *= 0.05  # a near-flat row: its top-p 0.9 has no certificate
+    row = P.row_params(h, MIXED["temperature"], torch.arange(8) * 3, 0)
+    for S, replacement, raw in ((1, True, False), (2, False, False), (2, True, True)):
+        filt = P.filter_params(h, MIXED["top_k"], MIXED["top_p"], MIXED["min_p"], 5, S,
+                               replacement, "raw" if raw else "processed", 2048)
+        rec = records_torch(h, w, bias=None, inv_temp=row.inv_temp, seed=row.seed,
+                            offset=row.offset, num_samples=S, n_real=2048, candidates=True,
+                            replacement=replacement)[None]
+        plan = make_plan(DeviceKind.of(h.device), B=8, D=16, V=2048, dtype=torch.float32,
+                         num_samples=S, candidates=True, replacement=replacement, raw_mass=raw)
+        tk = launchers.stage2_filtered(plan, rec.clone(), row, filt)
+        base = tpsample.pipeline.merge_records(rec[:, :S], row, "max")
+        tt = F.reduce_candidates(rec, row, filt, S, base)
+        assert torch.equal(tk.fallback, tt.fallback)
+        assert tk.fallback[2] and (~tk.fallback).sum() >= 6
+        ok = ~tt.fallback
+        assert torch.equal(tk.tokens[ok], tt.tokens[ok])
+        assert torch.equal(tk.top_tokens[ok], tt.top_tokens[ok])
+        assert torch.allclose(tk.logprobs[ok], tt.logprobs[ok], atol=1e-5, equal_nan=True)
+        assert torch.allclose(tk.top_logprobs[ok], tt.top_logprobs[ok], atol=1e-5, equal_nan=True)
+
+
+def test_filters_that_keep_everything_change_nothing():
+    """top_k = V, top_p = 1, min_p = 0 on every row: the unfiltered tokens (merge max)."""
+    h, w = random_inputs(5, 16, 700, seed=2)
+    plain = tpsample.sample(h, w, seed=4, backend="torch")
+    assert torch.equal(plain, tpsample.sample(h, w, seed=4, top_k=700, backend="torch"))
+    assert torch.equal(plain, tpsample.sample(h, w, seed=4, top_k=0, top_p=1.0, min_p=0.0,
+                                              top_logprobs=2, backend="torch").tokens)
+
+
+def test_greedy_rows_ignore_filters_and_top_logprobs_are_sorted():
+    h, w = random_inputs(4, 16, 500, seed=8)
+    out = tpsample.sample(h, w, temperature=0.0, top_k=1, top_p=0.1, min_p=0.5, top_logprobs=5,
+                          backend="torch", return_logprobs=True)
+    l = transformed_logits(h, w)
+    assert torch.equal(out.tokens, l.argmax(-1))
+    assert torch.equal(out.top_tokens[:, 0], out.tokens)
+    assert (out.top_logprobs[:, :-1] >= out.top_logprobs[:, 1:]).all()
+    assert torch.allclose(out.top_logprobs.double(), torch.log_softmax(l.double(), -1)
+                          .gather(1, out.top_tokens), atol=1e-5)
+
+
+def test_processed_and_raw_logprobs():
+    h, w = random_inputs(3, 16, 500, seed=9)
+    kw = dict(temperature=0.5, top_k=10, seed=1, top_logprobs=12, backend="torch")
+    proc = tpsample.sample(h, w, return_logprobs=True, **kw)
+    raw = tpsample.sample(h, w, return_logprobs=True, logprobs_mode="raw", **kw)
+    assert torch.equal(proc.tokens, raw.tokens) and torch.equal(proc.top_tokens, raw.top_tokens)
+    l1 = (h.double() @ w.double().T)
+    assert torch.allclose(raw.top_logprobs.double(), torch.log_softmax(l1, -1)
+                          .gather(1, raw.top_tokens), atol=1e-5)
+    kept = torch.log_softmax(l1.gather(1, proc.top_tokens[:, :10]) / 0.5, -1)
+    assert torch.allclose(proc.top_logprobs[:, :10].double(), kept, atol=1e-5)
+    assert torch.isinf(proc.top_logprobs[:, 10:]).all()  # outside the top-10: -inf
+    assert torch.allclose(proc.logprobs.exp().double(), kept.exp().gather(
+        1, (proc.top_tokens[:, :10] == proc.tokens[:, None]).int().argmax(1, keepdim=True))[:, 0],
+        atol=1e-5)
+
+
+def test_without_replacement_distinct_and_short_rows():
+    h, w = random_inputs(3, 16, 300, seed=4)
+    out = tpsample.sample(h, w, seed=2, num_samples=5, replacement=False, backend="torch",
+                          return_logprobs=True)
+    assert all(len(set(r)) == 5 for r in out.tokens.tolist())
+    short = tpsample.sample(h, w, seed=2, num_samples=5, replacement=False, top_k=3,
+                            backend="torch", return_logprobs=True)
+    assert (short.tokens[:, 3:] == -1).all() and torch.isinf(short.logprobs[:, 3:]).all()
+    assert (short.tokens[:, :3] >= 0).all()
+
+
+# ----- tensor parallel (gloo): the same tokens as one device --------------------------------
+def tp_filtered(rank, world, merge):
+    h, w = mixed_inputs()
+    V = w.shape[0]
+    lo, hi = rank * V // world + 3 * (rank > 0), (rank + 1) * V // world + 3 * (rank + 1 < world)
+    sampler = tpsample.VocabParallelSampler(w[lo:hi].contiguous(), vocab_size=V - 5, merge=merge,
+                                            backend="torch")
+    h = h.clone()
+    h[2] *= 0.05  # one row through the fallback (its logit shards are gathered)
+    return sampler(h, seed=torch.arange(8) * 5, num_samples=2, return_logprobs=True,
+                   top_logprobs=3, **MIXED)
+
+
+@pytest.mark.parametrize("world,merge", [(2, "max"), (3, "cdf")])
+def test_tp_filtered_equals_single_device(world, merge):
+    outs = run_world(world, tp_filtered, merge)
+    for o in outs:
+        assert not isinstance(o, dict), o
+        assert torch.equal(o.tokens, outs[0].tokens) and torch.equal(o.top_tokens, outs[0].top_tokens)
+    h, w = mixed_inputs()
+    h[2] *= 0.05
+    single = tpsample.sample(h, w, vocab_size=w.shape[0] - 5, seed=torch.arange(8) * 5,
+                             num_samples=2, return_logprobs=True, top_logprobs=3,
+                             backend="torch", **MIXED)
+    filtered = ((MIXED["top_k"] > 0) | (MIXED["top_p"] < 1) | (MIXED["min_p"] > 0)) \
+        & (MIXED["temperature"] > 0)
+    rows = filtered if merge != "max" else torch.ones(8, dtype=torch.bool)
+    assert torch.equal(outs[0].tokens[rows], single.tokens[rows])
+    assert torch.equal(outs[0].top_tokens, single.top_tokens)
+    assert torch.allclose(outs[0].logprobs[rows], single.logprobs[rows], atol=1e-5)
+
+
+# ----- bad parameters ------------------------------------------------------------------------
+BAD = [
+    (dict(top_k=-2), ValueError, "top_k"),
+    (dict(top_k=2.5), TypeError, "top_k"),
+    (dict(top_k=torch.tensor([1, 2, -3, 0])), ValueError, "top_k"),
+    (dict(top_k=torch.ones(4)), TypeError, "top_k"),
+    (dict(top_k=torch.ones(3, dtype=torch.int64)), ValueError, "top_k"),
+    (dict(top_p=0.0), ValueError, "top_p"),
+    (dict(top_p=1.5), ValueError, "top_p"),
+    (dict(top_p=float("nan")), ValueError, "top_p"),
+    (dict(top_p=torch.tensor([0.5, 0.0, 1.0, 1.0])), ValueError, "top_p"),
+    (dict(top_p=torch.tensor([0.5, float("nan"), 1.0, 1.0])), ValueError, "top_p"),
+    (dict(min_p=1.0), ValueError, "min_p"),
+    (dict(min_p=-0.1), ValueError, "min_p"),
+    (dict(min_p=float("nan")), ValueError, "min_p"),
+    (dict(min_p=torch.ones(2, 2)), ValueError, "min_p"),
+    (dict(top_logprobs=-1), ValueError, "top_logprobs"),
+    (dict(top_logprobs=65), ValueError, "top_logprobs"),
+    (dict(replacement=0), TypeError, "replacement"),
+    (dict(num_samples=301, replacement=False), ValueError, "num_samples"),
+    (dict(num_samples=2, replacement=False, merge="cdf"), ValueError, "replacement"),
+    (dict(logprobs_mode="log"), ValueError, "logprobs_mode"),
+]
+
+
+@pytest.mark.parametrize("kw,exc,name", BAD, ids=[f"{b[2]}-{i}" for i, b in enumerate(BAD)])
+def test_bad_filter_parameters_name_the_argument(kw, exc, name):
+    h, w = random_inputs(4, 8, 300)
+    with pytest.raises(exc, match=name):
+        tpsample.sample(h, w, backend="torch", **kw)
+
+
+# ----- the interpreted kernels: exactness (long) -------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("filt", [dict(top_k=20, top_p=0.8), dict(min_p=0.05, top_p=0.9)],
+                         ids=["k-p", "min-p-p"])
+def test_chi2_filtered_interpreted_kernels(filt):
+    h, w = lm_head_case("zipf", 1024, seed=4)
+    rows = 2500
+    tok = tpsample.sample(h.expand(rows, -1).contiguous(), w, seed=torch.arange(rows),
+                          backend="triton", **filt)
+    p = filtered_probs(row_logits(h, w), **filt)
+    assert chi2_pvalue(tok, p) > ALPHA
