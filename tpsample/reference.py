@@ -41,11 +41,12 @@ def filtered_rows(l: torch.Tensor, inv_temp: torch.Tensor, seed: torch.Tensor,
     [R], top_tokens int64 [R, n], top_logprobs float64 [R, n]) in filters.raw's mode."""
     R, V = l.shape
     dev = l.device
-    l = l.nan_to_num(nan=float("-inf"))  # (rows with NaN are degenerate: logz below is NaN)
+    logz_nan = torch.isnan(l).any(-1)  # rows with a NaN are degenerate (log Z NaN)
+    l = l.masked_fill(torch.isnan(l), float("-inf"))
     ids = (torch.arange(V, device=dev) if ids is None else ids).expand(R, V).contiguous()
     xs, ids = F.sort_order(l, ids)
     x64 = xs.double()
-    logz = torch.logsumexp(l.double(), dim=-1)
+    logz = torch.logsumexp(l.double(), dim=-1).masked_fill(logz_nan, float("nan"))
     greedy = inv_temp == 0
     k, p, m = F.row_filters(filters, R, dev)
     off = greedy | ~((k > 0) | (p < 1) | (m > 0))

@@ -23,11 +23,15 @@ def transform(logits: torch.Tensor, bias: torch.Tensor | None, inv_temp: torch.T
     return torch.where(valid, logits, torch.full_like(logits, float("-inf")))
 
 
+def no_nan(x: torch.Tensor) -> torch.Tensor:
+    return x.masked_fill(torch.isnan(x), float("-inf"))
+
+
 def tile_lse(l: torch.Tensor, tile: int) -> torch.Tensor:
     """logsumexp of each tile of l [B, n], NaN where the tile has a NaN."""
     B, n = l.shape
     is_nan = torch.isnan(l).view(B, n // tile, tile).any(dim=-1)
-    lse = torch.logsumexp(l.nan_to_num(nan=float("-inf")).view(B, n // tile, tile), dim=-1)
+    lse = torch.logsumexp(no_nan(l).view(B, n // tile, tile), dim=-1)
     return lse.masked_fill(is_nan, float("nan"))
 
 
@@ -60,7 +64,7 @@ def tile_records(l: torch.Tensor, gid: torch.Tensor, greedy: torch.Tensor, seed:
     replacement=False: plane s holds the tile's (s+1)-th best score under sample 0's noise."""
     B, n = l.shape
     lse = tile_lse(l, tile)
-    l = l.nan_to_num(nan=float("-inf"))
+    l = no_nan(l)
     lt = l.view(B, n // tile, tile)
     if not replacement:
         g = noise.gumbel(seed[:, None], offset[:, None], 0, gid[None, :])
@@ -147,6 +151,6 @@ def records_torch(hidden: torch.Tensor, weight: torch.Tensor, *, bias, inv_temp,
                                                   cdf, replacement)
         if candidates:
             raw = transform(logits, b, torch.ones_like(inv_temp), valid)
-            out[num_samples:, :, span] = candidate_records(l.nan_to_num(nan=float("-inf")), raw,
+            out[num_samples:, :, span] = candidate_records(no_nan(l), raw,
                                                            gid, tile)
     return out
