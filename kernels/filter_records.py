@@ -151,7 +151,7 @@ def filter_records_kernel(
     tau_gap = tl.where(tl.sum(known.to(tl.int32)) == tl.sum(finite.to(tl.int32)), 0.0,
                        tl.exp(tau - xm))
     cert_m = mon & (tau_gap < m) & (cert_k | (p >= 1.0))
-    cert = (cert_k & cert_p) | cert_m
+    cert = ((kon | pon) & cert_k & cert_p) | cert_m
     logz_kept = xm + tl.log(tl.sum(tl.where(keep, e, 0.0)))
     lz = tl.where(filtered, logz_kept, logz)
     to_raw = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, inv))

@@ -229,6 +229,23 @@ def test_filtered_kernel_equals_torch_on_the_same_records():
         assert torch.allclose(tk.top_logprobs[ok], tt.top_logprobs[ok], atol=1e-5, equal_nan=True)
 
 
+@pytest.mark.parametrize("filt,falls_back", [(dict(min_p=0.05), True), (dict(top_p=0.9), True),
+                                             (dict(top_k=40), False),
+                                             (dict(top_k=40, top_p=0.9), False)])
+def test_certificates_on_a_flat_row(filt, falls_back):
+    """A near-uniform row: min-p or top-p alone cannot be certified from the candidates
+    (their kept sets reach below tau), top-k can; the fallback still gives exact samples
+    (the chi-squared tests above) and the same tokens as the reference."""
+    h, w = lm_head_case("flat", 2048, seed=1)
+    hh = h.expand(6, -1).contiguous()
+    pipe = _pipeline("torch", h.device)
+    before = counts(pipe)
+    out = tpsample.sample(hh, w, seed=torch.arange(6), backend="torch", **filt)
+    fb = counts(pipe)[1] - before[1]
+    assert fb == (6 if falls_back else 0)
+    assert torch.equal(out, reference_sample(hh, w, seed=torch.arange(6), **filt).tokens[:, 0])
+
+
 def test_filters_that_keep_everything_change_nothing():
     """top_k = V, top_p = 1, min_p = 0 on every row: the unfiltered tokens (merge max)."""
     h, w = random_inputs(5, 16, 700, seed=2)

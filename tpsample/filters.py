@@ -20,7 +20,8 @@ ignore the filters.
              prefix's mass reaches p * Z (the prefix then ends inside it)
      min-p   exp(tau - x_max) < min_p: no token at or below tau survives min-p, so the kept
              set lies in the known prefix, provided top-p's cut is known or lies past it
-             (top-p off, or top-k certified: the known prefix then fell short of p * Z)
+             (top-p off, or top-k certified: the known prefix then fell short of p * Z);
+             min-p alone has only this certificate
      top-n   n <= M
    A row without its certificate takes the fallback (5); never an approximation.
 3. Sampling. Token = argmax over the kept set of (x_i + g_i) with stage 1's token noise
@@ -104,7 +105,7 @@ def kept_prefix(xs, known, k, p, m, logz):
     tau_gap = torch.exp(torch.where(known.all(-1), NEG_INF,
                                     _first_unknown(xs, known)) - xmax)
     cert_m = mon & (tau_gap < m.to(xs.dtype)) & (cert_k | ~pon)
-    return keep_k & keep_p & keep_m, (cert_k & cert_p) | cert_m
+    return keep_k & keep_p & keep_m, ((kon | pon) & cert_k & cert_p) | cert_m
 
 
 def _first_unknown(xs, known):
