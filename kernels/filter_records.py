@@ -6,7 +6,8 @@ reduce_records launch (whose outputs it overwrites where the row is filtered, sa
 without replacement, or asks for raw log-probs). The row's CANDIDATES x tiles candidates sit
 in registers; instead of sorting them, every prefix of the order (logit desc, id asc) is a
 threshold on one 56-bit key (the logit's order-preserving bits, then the inverted id), and
-the top-k and top-p cuts are found by bisection on it (56 steps, each a count or a masked sum).
+the known prefix (the candidates above tau, at most CAP of them) is compacted through a
+scratch row and sorted by that key; the filters are then a cumulative sum and three masks.
 """
 import triton
 import triton.language as tl
@@ -42,17 +43,11 @@ def kth_key(key, valid, k):
 
 
 @triton.jit
-def mass_key(key, e, target):
-    """The largest v with sum(e over key >= v) >= target: the last key of the shortest
-    prefix whose mass reaches target (0 when none does)."""
-    lo = tl.cast(0, tl.int64)
-    hi = tl.cast(KEY_TOP, tl.int64)
-    for _ in range(57):
-        mid = lo + (hi - lo + 1) // 2
-        ok = tl.sum(tl.where(key >= mid, e, 0.0)) >= target
-        lo = tl.where(ok, mid, lo)
-        hi = tl.where(ok, hi, mid - 1)
-    return lo
+def decode_key(key):
+    """The logit of order_key's key (key >= 0)."""
+    ob = key >> 24
+    bits = tl.where(ob >= 2147483648, ob - 2147483648, 4294967295 - ob)
+    return bits.to(tl.uint32).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -85,10 +80,10 @@ def tile_logsumexp(row_ptr, at0, st_slot, st_t, T, N, BLOCK_U: tl.constexpr):
 def filter_records_kernel(
     rec_ptr, st_slot, st_plane, st_b, st_t, inv_temp_ptr, seed_ptr, offset_ptr,
     top_k_ptr, top_p_ptr, min_p_ptr, tokens_ptr, logprobs_ptr, logz_ptr, top_tok_ptr,
-    top_lp_ptr, flag_ptr, S, T, N, n_top, parity_ptr, parity_stride,
+    top_lp_ptr, flag_ptr, scratch_ptr, S, T, N, n_top, parity_ptr, parity_stride,
     HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_M: tl.constexpr, RAW: tl.constexpr,
     REPLACE: tl.constexpr, USE_PARITY: tl.constexpr, K: tl.constexpr, BLOCK_C: tl.constexpr,
-    BLOCK_U: tl.constexpr,
+    BLOCK_U: tl.constexpr, CAP: tl.constexpr,
 ):
     """records [slots, planes, B, T, 4] by strides (st_*: elements); outputs [B, S], [B],
     [B, n_top], flag int32 [B] (1: the row needs the exact fallback). USE_PARITY: the
@@ -116,13 +111,28 @@ def filter_records_kernel(
     x = tl.load(row_ptr + at, mask=n < N, other=NEG_INF)
     tok = tl.load(row_ptr + at + 1, mask=n < N, other=NO_TOKEN)
     tau = tl.max(tl.where(c == K - 1, x, NEG_INF))
-    known = x > tau
-    M = tl.sum(known.to(tl.int32))
     finite = x > NEG_INF
-    key = order_key(x, tok)
+    key = tl.where(finite, order_key(x, tok), -1)
     xmax = tl.max(x)
     xm = tl.where(tl.abs(xmax) == float("inf"), 0.0, xmax)
-    e = tl.exp(x - xm)
+    # the known prefix: the tokens above tau (all candidates), at most CAP of them
+    kmin = ((order_key(tau, tl.cast(0.0, tl.float32)) >> 24) + 1) << 24
+    M = tl.sum((key >= kmin).to(tl.int32))
+    if M > CAP:
+        kmin = kth_key(key, finite, CAP)
+        M = CAP
+    known = key >= kmin
+    bound = tl.max(tl.where(finite & (key < kmin), x, NEG_INF))  # >= any token outside
+    pos = tl.cumsum(known.to(tl.int32), 0) - 1
+    scratch = scratch_ptr + b.to(tl.int64) * CAP
+    tl.store(scratch + pos, key, mask=known)
+    tl.debug_barrier()
+    q = tl.arange(0, CAP)
+    ks = tl.sort(tl.load(scratch + q, mask=q < M, other=-1), descending=True)
+    valid = ks >= 0
+    xs = decode_key(ks)
+    ids = ID_MASK - (ks & ID_MASK)
+    e = tl.where(valid, tl.exp(xs - xm), 0.0)
 
     k = tl.cast(0, tl.int32)
     p = tl.cast(1.0, tl.float32)
@@ -137,20 +147,16 @@ def filter_records_kernel(
     pon = p < 1.0
     mon = m > 0.0
     filtered = (kon | pon | mon) & (inv != 0.0)
-    keep = finite
-    if kon:
-        keep = keep & (key >= kth_key(key, finite, k))
-    ek = tl.where(keep, e, 0.0)
+    in_k = ((q < k).to(tl.int32) + (k <= 0).to(tl.int32)) > 0
+    ek = tl.where(in_k, e, 0.0)
     zk = tl.where(kon, tl.sum(ek), tl.exp(logz - xm))
     target = p * zk
-    if pon:
-        keep = keep & (key >= mass_key(key, ek, target))
-    keep = keep & (e >= m)
+    before = tl.cumsum(ek, 0) - ek
+    keep_p = ((before < target).to(tl.int32) + (p >= 1.0).to(tl.int32)) > 0
+    keep = valid & in_k & keep_p & (e >= m)
     cert_k = (k <= 0) | (k <= M)
-    cert_p = (p >= 1.0) | kon | (tl.sum(tl.where(known, e, 0.0)) >= target)
-    tau_gap = tl.where(tl.sum(known.to(tl.int32)) == tl.sum(finite.to(tl.int32)), 0.0,
-                       tl.exp(tau - xm))
-    cert_m = mon & (tau_gap < m) & (cert_k | (p >= 1.0))
+    cert_p = (p >= 1.0) | kon | (tl.sum(e) >= target)
+    cert_m = mon & (tl.exp(bound - xm) < m) & (cert_k | (p >= 1.0))
     cert = ((kon | pon) & cert_k & cert_p) | cert_m
     logz_kept = xm + tl.log(tl.sum(tl.where(keep, e, 0.0)))
     lz = tl.where(filtered, logz_kept, logz)
@@ -158,25 +164,25 @@ def filter_records_kernel(
     if RAW:
         logz_raw = tile_logsumexp(row_ptr, S * st_plane + (K // 2) * st_plane, st_slot, st_t,
                                   T, N, BLOCK_U)
-    gid = tok.to(tl.int32)
+    gid = ids.to(tl.int32)
 
     # the samples
     z0 = tl.fma(gumbel_log(philox_word(seed, off_lo, off_hi, tl.cast(0, tl.uint32), gid)),
-                NOISE_COEF, x)
+                NOISE_COEF, xs)
     prev = tl.cast(KEY_TOP + 1, tl.int64)
     u_prev = tl.cast(KEY_TOP + 1, tl.int64)
     for s in range(S):
         if REPLACE:
             z = tl.fma(gumbel_log(philox_word(seed, off_lo, off_hi, tl.cast(s, tl.uint32), gid)),
-                       NOISE_COEF, x)
-            zkey = tl.where(keep, order_key(z, tok), -1)
+                       NOISE_COEF, xs)
+            zkey = tl.where(keep, order_key(z, ids), -1)
             best = tl.max(zkey)
         else:
-            zkey = tl.where(keep, order_key(z0, tok), -1)
+            zkey = tl.where(keep, order_key(z0, ids), -1)
             best = next_below(zkey, prev)
             prev = best
         pick = ID_MASK - (best & ID_MASK)
-        x_tok = tl.max(tl.where(zkey == best, x, NEG_INF))
+        x_tok = tl.max(tl.where(zkey == best, xs, NEG_INF))
         tok_out = tl.where(best >= 0, pick, -1).to(tl.int64)
         if not REPLACE:
             # rows without filters: their S best perturbed scores are in the sample planes
@@ -216,20 +222,14 @@ def filter_records_kernel(
         tl.store(tokens_ptr + at_out, tl.where(finite_row, tok_out, 0))
         tl.store(logprobs_ptr + at_out, tl.where(finite_row, lp, float("nan")))
 
-    # the top-n log-probs
-    prev = tl.cast(KEY_TOP + 1, tl.int64)
-    for i in range(n_top):
-        best = next_below(tl.where(finite, key, -1), prev)
-        prev = best
-        xi = tl.max(tl.where(key == best, x, NEG_INF))
-        kept_i = tl.max(tl.where((key == best) & keep, 1, 0)) > 0
-        if RAW:
-            lp = xi * to_raw - logz_raw
-        else:
-            lp = tl.where(filtered & (kept_i == 0), NEG_INF, xi - lz)
-        tl.store(top_tok_ptr + b.to(tl.int64) * n_top + i,
-                 tl.where(finite_row & (best >= 0), ID_MASK - (best & ID_MASK), 0).to(tl.int64))
-        tl.store(top_lp_ptr + b.to(tl.int64) * n_top + i, tl.where(finite_row, lp, float("nan")))
+    # the top-n log-probs: the first n of the sorted known prefix
+    if RAW:
+        top_lp = xs * to_raw - logz_raw
+    else:
+        top_lp = tl.where((keep == 0) & filtered, NEG_INF, xs - lz)
+    at_top = b.to(tl.int64) * n_top + q
+    tl.store(top_tok_ptr + at_top, tl.where(valid, tl.where(finite_row, ids, 0), 0), mask=q < n_top)
+    tl.store(top_lp_ptr + at_top, tl.where(finite_row, top_lp, float("nan")), mask=q < n_top)
     if RAW:
         tl.store(logz_ptr + b, logz_raw)
     else:

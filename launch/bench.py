@@ -37,6 +37,14 @@ CUDA-graph replay of one captured call. Writes OUT/tp<N>.json (rank 0). --profil
 time per kernel and host µs per call of the tpsample calls. Without CUDA (or --cpu): gloo,
 D=256 V=8192, B=1,4,16, 20 iterations, transport gloo, no graphs.
 
+--filters (one device): filtered sampling on an LM head whose logits follow -1.6 ln(rank)
+(random placement; ~2.7 nats, typical of LM next-token distributions): tpsample with top_k=50
+(tps_k), top_p=0.9 (tps_p), min_p=0.05 (tps_m) and all three (tps_kpm) against the plain call,
+mm, matmul + a full torch sort then the three filters and multinomial (sort_kpm, as serving
+engines' torch fallbacks do), matmul + torch.topk(50) then top-p / min-p (topk_kpm), and
+FlashInfer's top_k_top_p_sampling_from_logits (fi_k50p09, if importable); plus the rows that took
+the exact fallback. Writes OUT/filters.json.
+
 --doc PATH --label NAME: (re)writes the section of PATH between `<!-- bench:NAME -->` and
 `<!-- /bench:NAME -->` (appended if absent) with this run's tables, the command, device and
 versions, and the plots in docs/img/ beside it. --report renders TP runs (several tp<N>.json:
@@ -239,8 +247,9 @@ def single_summary(meta: dict) -> str:
             f"{min(vs_mm, default=float('nan')):.3f}-{max(vs_mm, default=float('nan')):.3f}")
 
 
-def plot_single(res: dict, doc: str, label: str, title: str) -> str | None:
-    """Plot of one shape next to the doc (docs/img/); returns its path relative to the doc."""
+def plot_single(res: dict, doc: str, label: str, title: str, main: str = "tpsample") -> str | None:
+    """Plot of one shape next to the doc (docs/img/), the variant `main` drawn bold; returns
+    its path relative to the doc."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -256,7 +265,7 @@ def plot_single(res: dict, doc: str, label: str, title: str) -> str | None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for n in names:
         pts = [(r["B"], r["ms"][n]) for r in res["rows"] if r["ms"].get(n) is not None]
-        ax.plot(*zip(*pts), marker="o", label=n, lw=2.5 if n == "tpsample" else 1.5)
+        ax.plot(*zip(*pts), marker="o", label=n, lw=2.5 if n == main else 1.5)
     ax.axhline(res["floor_ms"], ls="--", color="k", label=f"floor ({res['floor_ms']:.3f} ms)")
     ax.set_xscale("log", base=2)
     ax.set_xticks(Bs, [str(b) for b in Bs])
@@ -354,7 +363,131 @@ def write_doc(path: str, label: str, body: str) -> None:
     log(f"wrote section {label} of {path}")
 
 
+FILTER_SETS = {"tps_k": dict(top_k=50), "tps_p": dict(top_p=0.9), "tps_m": dict(min_p=0.05),
+               "tps_kpm": dict(top_k=50, top_p=0.9, min_p=0.05), "tps_lp20": dict(top_logprobs=20)}
+
+
+def typical_head(D: int, V: int, B: int, dtype, device, slope: float = 1.6):
+    """W [V, D] and h [B, D] whose logits follow -slope * ln(rank) (+ small noise per row)."""
+    g = torch.Generator().manual_seed(0)
+    profile = -slope * torch.log(torch.arange(1, V + 1, dtype=torch.float32))
+    profile = profile[torch.randperm(V, generator=g)]
+    w = torch.randn(V, D, generator=g) * (0.1 / D ** 0.5)
+    u = torch.randn(D, generator=g)
+    u /= u.norm()
+    w += profile[:, None] * u[None, :]
+    h = u[None, :] + torch.randn(B, D, generator=g) * (0.05 / D ** 0.5)
+    return h.to(device, dtype), w.to(device, dtype)
+
+
+def filter_variants(h, w) -> dict:
+    V = w.shape[0]
+    K, TOP_P, MIN_P = 50, 0.9, 0.05
+
+    def sort_kpm():
+        s, idx = (h @ w.T).float().sort(dim=-1, descending=True)
+        s[:, K:] = float("-inf")
+        probs = s.softmax(-1)
+        s = s.masked_fill(probs.cumsum(-1) - probs >= TOP_P, float("-inf"))
+        probs = s.softmax(-1)
+        probs = probs.masked_fill(probs < MIN_P * probs[:, :1], 0.0)
+        return idx.gather(1, torch.multinomial(probs, 1))
+
+    def topk_kpm():
+        s, idx = (h @ w.T).float().topk(K, dim=-1)
+        probs = s.softmax(-1)
+        s = s.masked_fill(probs.cumsum(-1) - probs >= TOP_P, float("-inf"))
+        probs = s.softmax(-1)
+        probs = probs.masked_fill(probs < MIN_P * probs[:, :1], 0.0)
+        return idx.gather(1, torch.multinomial(probs, 1))
+
+    step = itertools.count()
+    variants = {"mm": lambda: h @ w.T,
+                "tpsample": lambda: tpsample.sample(h, w, seed=1234, offset=next(step))}
+    for name, kw in FILTER_SETS.items():
+        variants[name] = (lambda kw=kw: tpsample.sample(h, w, seed=1234, offset=next(step), **kw))
+    variants["sort_kpm"] = sort_kpm
+    variants["topk_kpm"] = topk_kpm
+    try:
+        import flashinfer.sampling as fs
+        variants["fi_k50p09"] = lambda: fs.top_k_top_p_sampling_from_logits(h @ w.T, K, TOP_P)
+    except Exception as e:  # noqa: BLE001
+        log(f"skipping FlashInfer (import failed: {type(e).__name__}: {e})")
+    return variants
+
+
+def run_filters(args):
+    from tpsample import api
+    cuda = args.cuda
+    device = torch.device("cuda" if cuda else "cpu")
+    os.makedirs(args.out, exist_ok=True)
+    bandwidth = measure_bandwidth(device)
+    meta = dict(run_meta(args, cuda), bandwidth_bytes_per_s=bandwidth, shapes=[])
+    for D, V in args.shapes:
+        floor_ms = V * D * 2 / bandwidth * 1e3
+        rows = []
+        for B in args.batches:
+            h, w = typical_head(D, V, B, DTYPES[args.dtype], device)
+            runs, fallback = {}, {}
+            variants = filter_variants(h, w)
+            for p in range(args.passes):
+                for name, fn in (list if p % 2 == 0 else reversed)(list(variants.items())):
+                    pipes = list(api._PIPELINES.values())
+                    before = sum(q.fallback_rows for q in pipes), sum(q.candidate_rows for q in pipes)
+                    runs.setdefault(name, []).append(time_fn(fn, cuda))
+                    pipes = list(api._PIPELINES.values())
+                    after = sum(q.fallback_rows for q in pipes), sum(q.candidate_rows for q in pipes)
+                    if after[1] > before[1]:
+                        fallback[name] = (after[0] - before[0]) / (after[1] - before[1])
+            ms = {n: statistics.fmean(v) for n, v in runs.items()}
+            rows.append({"B": B, "ms": ms, "fallback_share": fallback})
+            log(f"[filters D={D} V={V} B={B}] " + " ".join(f"{k}={v:.3f}" for k, v in ms.items())
+                + " fallback " + " ".join(f"{k}={v:.2f}" for k, v in fallback.items()))
+            del h, w, variants
+        meta["shapes"].append({"D": D, "V": V, "floor_ms": floor_ms, "rows": rows})
+        with open(os.path.join(args.out, "filters.json"), "w") as f:
+            json.dump(meta, f, indent=1)
+    text = filters_markdown(meta, args.doc or os.devnull, args.label or "filters")
+    print(text)
+    if args.doc:
+        write_doc(args.doc, args.label or "filters", text)
+
+
+def filters_markdown(meta: dict, doc: str, label: str) -> str:
+    """The section of one filtered run: a table per shape and its plot."""
+    lines = [f"`{meta['command']}` — {meta['device']}, torch {meta['torch']}, Triton "
+             f"{meta['triton']}, {meta['date']}; copy bandwidth "
+             f"{meta['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s; median ms; logits -1.6 ln(rank) "
+             "(~2.7 nats); k = top_k 50, p = top_p 0.9, m = min_p 0.05.", ""]
+    for res in meta["shapes"]:
+        names = list(dict.fromkeys(k for r in res["rows"] for k in r["ms"]))
+        lines += [f"**D={res['D']}, V={res['V']}** (floor {res['floor_ms']:.3f} ms)", "",
+                  "| B | " + " | ".join(short(n) for n in names)
+                  + " | kpm / floor | kpm / mm | kpm / plain | sort_kpm / kpm | topk_kpm / kpm"
+                  + (" | fi_k50p09 / kpm" if "fi_k50p09" in names else "") + " | fallback rows |",
+                  "|---" * (len(names) + 7 + ("fi_k50p09" in names)) + "|"]
+        for r in res["rows"]:
+            ms = r["ms"]
+            k = ms.get("tps_kpm")
+            cells = [fmt(ms.get(n)) for n in names]
+            cells += [f"{k / res['floor_ms']:.3f}", f"{k / ms['mm']:.3f}",
+                      f"{k / ms['tpsample']:.3f}", f"{ms['sort_kpm'] / k:.2f}",
+                      f"{ms['topk_kpm'] / k:.2f}"]
+            if "fi_k50p09" in names:
+                cells.append(f"{ms['fi_k50p09'] / k:.2f}")
+            fb = r["fallback_share"]
+            cells.append(", ".join(f"{short(n)} {v:.2f}" for n, v in fb.items() if v) or "0")
+            lines.append(f"| {r['B']} | " + " | ".join(cells) + " |")
+        png = plot_single(res, doc, label, label, main="tps_kpm")
+        if png:
+            lines += ["", f"![{label} D={res['D']} V={res['V']}]({png})"]
+        lines.append("")
+    return "\n".join(lines)
+
+
 def run_single(args):
+    if args.filters:
+        return run_filters(args)
     cuda = args.cuda
     device = torch.device("cuda" if cuda else "cpu")
     warnings.filterwarnings("ignore", message=r"\s*Online softmax")  # inductor chatter
@@ -704,6 +837,7 @@ def parse_args(argv=None):
     g.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     g.add_argument("--variants", help="comma list: only these variants (e.g. mm,tpsample)")
     g.add_argument("--passes", type=int, help="timings per variant, alternating order (default 2 on CUDA)")
+    g.add_argument("--filters", action="store_true", help="the filtered-sampling benchmark")
     g = p.add_argument_group("tensor parallel")
     g.add_argument("--iters", type=int, help="timed calls (default 100; CPU 20)")
     g.add_argument("--transports", help="default symm_mem,nccl (CPU: gloo)")
@@ -738,10 +872,12 @@ def main(argv=None):
         label = args.label or ("TP" if "world" in runs[0] else "single")
         if all("world" in r for r in runs):
             text = tp_markdown(runs, args.doc, label)
+        elif len(runs) == 1 and "fallback_share" in runs[0]["shapes"][0]["rows"][0]:
+            text = filters_markdown(runs[0], args.doc or os.devnull, label)
         elif len(runs) == 1:
             text = single_markdown(runs[0], args.doc or os.devnull, label)
         else:
-            sys.exit("--report takes one single.json or several tp<N>.json files")
+            sys.exit("--report takes one single.json, one filters.json or several tp<N>.json files")
         print(text)
         if args.doc:
             write_doc(args.doc, label, text)

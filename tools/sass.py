@@ -39,7 +39,12 @@ ALIGNED_INTS = {"stride_lb", "stride_hb", "stride_wv", "rec_stride_s", "rec_stri
 
 def sass_ops(kernel, constexprs: dict, num_warps: int, arch: int = 90) -> Counter:
     """Opcode counts of `kernel` compiled with these constexprs (pointers 16-byte aligned)."""
-    names = list(inspect.signature(kernel.fn).parameters)
+    params = inspect.signature(kernel.fn).parameters
+    names = list(params)
+    # constexprs left out take their defaults (else they would be typed as runtime ints)
+    constexprs = {**{n: q.default for n, q in params.items()
+                     if q.default is not inspect.Parameter.empty and "constexpr" in str(q.annotation)},
+                  **constexprs}
     sig = {n: "constexpr" if n in constexprs else
            POINTER_TYPES.get(n, "*fp32" if n.endswith("_ptr") else "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)

@@ -13,7 +13,9 @@ ignore the filters.
 1. Candidates. Stage 1 writes, per tile, the logits and ids of its CANDIDATES best tokens
    (tpsample/records.py). With tau = the largest CANDIDATES-th best logit over all tiles,
    every token with x > tau is a candidate (a tile's other tokens are <= its CANDIDATES-th
-   best <= tau): the first M tokens of the order are known, M = #{candidates with x > tau}.
+   best <= tau): the first M tokens of the order are known, M = #{candidates with x > tau},
+   capped at KNOWN_CAP (the kernel compacts and sorts them; a shorter known prefix only
+   weakens the certificates).
 2. Certificates: the kept set is known once it lies in that known prefix.
      top-k   k <= M (top-k off: nothing to know; its mass is Z, exact from the tile masses)
      top-p   top-k certified, and top-k on (its set and mass are known) or the known
@@ -54,6 +56,7 @@ from .params import Filters, RowParams
 from .records import CANDIDATE_PLANES, CANDIDATES
 
 NEG_INF = float("-inf")
+KNOWN_CAP = 1024  # the known prefix holds at most this many tokens (the kernel sorts them)
 
 
 class FilteredOutput(NamedTuple):
@@ -62,7 +65,9 @@ class FilteredOutput(NamedTuple):
     logz: torch.Tensor          # fp32 [B]
     top_tokens: torch.Tensor    # int64 [B, n]
     top_logprobs: torch.Tensor  # fp32 [B, n]
-    fallback: torch.Tensor      # bool [B]: rows without a certificate (outputs not valid)
+    fallback: torch.Tensor      # bool or int32 [B]: rows without a certificate (their
+                                # other outputs are not valid)
+    scratch: torch.Tensor | None = None  # the filter kernel's int64 [B, KNOWN_CAP]
 
 
 def row_filters(filters: Filters, B: int, device):
@@ -160,7 +165,7 @@ def reduce_candidates(recs: torch.Tensor, params: RowParams, filters: Filters, n
                                .reshape(B, slots * T), dim=-1)
     xs, ids = sort_order(x.reshape(B, -1), ids.reshape(B, -1))
     ids = ids.long()
-    known = xs > tau[:, None]
+    known = (xs > tau[:, None]) & (torch.arange(xs.shape[1], device=dev) < KNOWN_CAP)[None, :]
     k, p, m = row_filters(filters, B, dev)
     kept, cert = kept_prefix(xs, known, k, p, m, logz)
     filtered = ((k > 0) | (p < 1) | (m > 0)) & ~greedy

@@ -209,17 +209,21 @@ def _pp(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start, pe
 
 
 def stage2(plan: Plan, recs: torch.Tensor, params: RowParams, parity=None,
-           parity_stride: int = 0):
+           parity_stride: int = 0, out: tuple | None = None):
     """records [slots, S, B, T, 4] (any strides, the last dim contiguous) → tokens int64
-    [B, S], logprobs fp32 [B, S], logz fp32 [B] by the plan's merge. With `parity` (the
-    fan-out's int32 [2]) the records are read parity[0] * parity_stride elements past
-    `recs`, and the kernel flips parity[0] once all its programs are done."""
+    [B, S], logprobs fp32 [B, S], logz fp32 [B] by the plan's merge (into `out`'s three when
+    given). With `parity` (the fan-out's int32 [2]) the records are read parity[0] *
+    parity_stride elements past `recs`, and the kernel flips parity[0] once all its programs
+    are done."""
     slots, S, B, T, _ = recs.shape
     assert recs.stride(4) == 1
     dev = recs.device
-    tokens = torch.empty(B, S, dtype=torch.int64, device=dev)
-    logprobs = torch.empty(B, S, dtype=torch.float32, device=dev)
-    logz = torch.empty(B, dtype=torch.float32, device=dev)
+    if out is None:
+        tokens = torch.empty(B, S, dtype=torch.int64, device=dev)
+        logprobs = torch.empty(B, S, dtype=torch.float32, device=dev)
+        logz = torch.empty(B, dtype=torch.float32, device=dev)
+    else:
+        tokens, logprobs, logz = out
     block_r, block_n, num_warps = plan.reduce
     if block_n < 4 or block_n & (block_n - 1):
         raise ValueError(f"plan reduce BLOCK_N must be a power of 2 >= 4, got {block_n}")
@@ -233,31 +237,47 @@ def stage2(plan: Plan, recs: torch.Tensor, params: RowParams, parity=None,
     return tokens, logprobs, logz
 
 
+def filtered_outputs(B: int, S: int, n: int, device) -> F.FilteredOutput:
+    """Fresh outputs of stage2_filtered: tokens int64 [B, S], logprobs fp32 [B, S], logz fp32
+    [B], top tokens int64 [B, n], top log-probs fp32 [B, n], fallback flags int32 [B]
+    (`fallback`), and the filter kernel's scratch int64 [B, KNOWN_CAP]."""
+    return F.FilteredOutput(
+        torch.empty(B, S, dtype=torch.int64, device=device),
+        torch.empty(B, S, dtype=torch.float32, device=device),
+        torch.empty(B, dtype=torch.float32, device=device),
+        torch.empty(B, n, dtype=torch.int64, device=device),
+        torch.empty(B, n, dtype=torch.float32, device=device),
+        torch.empty(B, dtype=torch.int32, device=device),
+        torch.empty(B, F.KNOWN_CAP, dtype=torch.int64, device=device))
+
+
 def stage2_filtered(plan: Plan, recs: torch.Tensor, params: RowParams, filters: Filters,
-                    parity=None, parity_stride: int = 0) -> F.FilteredOutput:
+                    parity=None, parity_stride: int = 0, *, head: torch.Tensor | None = None,
+                    out: F.FilteredOutput | None = None) -> F.FilteredOutput:
     """records [slots, planes, B, T, 4] of a call with candidate planes → stage2 over the
-    sample planes, then the candidate reduce (kernels/filter_records.py) over all planes."""
+    sample planes (head: recs[:, :S], passed when a replay must know it), then the candidate
+    reduce (kernels/filter_records.py) over all planes, into `out` (default: fresh
+    filtered_outputs)."""
     slots, _, B, T, _ = recs.shape
     S = plan.num_samples
-    tokens, logprobs, logz = stage2(plan, recs[:, :S], params, parity, parity_stride)
-    dev = recs.device
+    head = recs[:, :S] if head is None else head
+    out = filtered_outputs(B, S, filters.top_n, recs.device) if out is None else out
+    tokens, logprobs, logz, top_tok, top_lp, flag, scratch = out
+    stage2(plan, head, params, parity, parity_stride, out=(tokens, logprobs, logz))
     n = filters.top_n
-    top_tok = torch.empty(B, n, dtype=torch.int64, device=dev)
-    top_lp = torch.empty(B, n, dtype=torch.float32, device=dev)
-    flag = torch.empty(B, dtype=torch.int32, device=dev)
     N = slots * T
     block_c = max(16, 1 << (N * records.CANDIDATES - 1).bit_length())
     dummy = params.inv_temp
     run_kernel(filter_records.filter_records_kernel, (B,), (
-        recs, *recs.stride()[:4][::1], params.inv_temp, params.seed, params.offset,
+        recs, *recs.stride()[:4], params.inv_temp, params.seed, params.offset,
         filters.top_k if filters.top_k is not None else dummy,
         filters.top_p if filters.top_p is not None else dummy,
         filters.min_p if filters.min_p is not None else dummy,
-        tokens, logprobs, logz, top_tok, top_lp, flag, S, T, N, n,
+        tokens, logprobs, logz, top_tok, top_lp, flag, scratch, S, T, N, n,
         parity if parity is not None else params.seed, parity_stride),
         dict(HAS_K=filters.top_k is not None, HAS_P=filters.top_p is not None,
              HAS_M=filters.min_p is not None, RAW=filters.raw, REPLACE=filters.replacement,
              USE_PARITY=parity is not None, K=records.CANDIDATES, BLOCK_C=block_c,
-             BLOCK_U=min(1024, max(16, 1 << (N - 1).bit_length()))),
-        dict(num_warps=min(32, max(4, block_c // 512))))
-    return F.FilteredOutput(tokens, logprobs, logz, top_tok, top_lp, flag.bool())
+             BLOCK_U=min(1024, max(16, 1 << (N - 1).bit_length())), CAP=F.KNOWN_CAP),
+        dict(num_warps=min(16, max(4, block_c // 512))))
+    return out

@@ -213,7 +213,7 @@ def _filter_param(name: str, value, B: int, device, *, is_int: bool, ok, rule: s
                             f"{type(value).__name__}")
     elif not isinstance(value, (int, float)) or isinstance(value, bool):
         raise TypeError(f"{name} must be None, a float or a Tensor[B], got {type(value).__name__}")
-    if not bool(ok(torch.tensor(float(value), dtype=torch.float64))):
+    if not ok(float(value)):  # NaN fails every comparison
         raise ValueError(f"{name} must be {rule}, got {value!r}")
     if value == off or (is_int and value == -1):
         return None
@@ -226,8 +226,8 @@ def filter_params(hidden: torch.Tensor, top_k, top_p, min_p, top_logprobs, num_s
     B, dev = hidden.shape[0], hidden.device
     k = _filter_param("top_k", top_k, B, dev, is_int=True, off=0,
                       ok=lambda t: (t >= -1) & (t < 2 ** 31), rule="an int >= -1 (0 or -1 = off)")
-    if k is not None:
-        k = torch.where(k < 0, torch.zeros_like(k), k)  # -1 and 0 both mean off
+    if isinstance(top_k, torch.Tensor):
+        k = k.clamp(min=0)  # -1 and 0 both mean off (scalars: _filter_param)
     p = _filter_param("top_p", top_p, B, dev, is_int=False, off=1.0,
                       ok=lambda t: (t > 0) & (t <= 1), rule="in (0, 1] (1 = off)")
     m = _filter_param("min_p", min_p, B, dev, is_int=False, off=0.0,

@@ -156,9 +156,9 @@ class Pipeline:
         T = tiles if tiles is not None else records.num_tiles(weight.shape[0])
         planes = records.planes(S, True)
         mine, full = self.transport.slots(planes * B * T * records.WIDTH)
-        plan = self.plan(hidden, weight, merge=merge, num_samples=S, need_mass=True,
-                         vocab_start=vocab_start, tiles=T, filters=filters)
         if self.backend == "torch":
+            plan = self.plan(hidden, weight, merge=merge, num_samples=S, need_mass=True,
+                             vocab_start=vocab_start, tiles=T, filters=filters)
             rec = records_torch(hidden, weight, bias=bias, inv_temp=params.inv_temp,
                                 seed=params.seed, offset=params.offset, num_samples=S,
                                 n_real=n_real, vocab_start=vocab_start, num_tiles=T,
@@ -170,29 +170,72 @@ class Pipeline:
             base = merge_records(recs[:, :S], params, merge if filters.replacement else "max")
             out = F.reduce_candidates(recs, params, filters, S, base)
         else:
-            fanout = self.transport.fanout()
-            tile_major = fanout is not None
-            out_view = records.records_view(mine, planes, B, T, tile_major)
-            launchers.stage1(plan, hidden, weight, bias, params, out_view, n_real=n_real,
-                             vocab_start=vocab_start, fanout=fanout[:2] if fanout else None)
-            self.transport.exchange(mine, full)
-            recs = records.records_view(full, planes, B, T, tile_major)
-            out = launchers.stage2_filtered(plan, recs, params, filters,
-                                            *(fanout[1:] if fanout else ()))
+            out = self._filtered_launches(hidden, weight, bias, params, merge, S, n_real,
+                                          vocab_start, T, filters, mine, full)
         return self._fallback(out, hidden, weight, bias, params, filters, n_real, vocab_start,
                               T, S)
+
+    def _filtered_launches(self, hidden, weight, bias, params, merge, S, n_real, vocab_start,
+                           T, filters, mine, full) -> F.FilteredOutput:
+        """Stage 1, exchange and launchers.stage2_filtered, replayed like run()'s launches
+        (the key adds the filters' layout; their per-row tensors are per-call tensors)."""
+        B = hidden.shape[0]
+        planes = records.planes(S, True)
+        fanout = self.transport.fanout()
+        tile_major = fanout is not None
+        fixed = weight is self.fixed_weight
+        per_call = dict(hidden=hidden, inv_temp=params.inv_temp, seed=params.seed,
+                        offset=params.offset, bias=bias, top_k=filters.top_k,
+                        top_p=filters.top_p, min_p=filters.min_p)
+        if not fixed:
+            per_call["weight"] = weight
+        key = None
+        if hidden.is_cuda and replay.Replay.usable():
+            key = ("filtered", merge, S, hidden.device, hidden.shape, hidden.stride(), n_real,
+                   vocab_start, T, filters._replace(top_k=None, top_p=None, min_p=None),
+                   self.transport.key(), replay.tensor_key(tuple(per_call.values())),
+                   None if fixed else (weight.shape, weight.stride()))
+            hit = self.replays.get(key)
+            if hit is not None:
+                stage1, stage2 = hit
+                stream = replay.current_stream(hidden.device.index)
+                recs = records.records_view(mine, planes, B, T, tile_major)
+                stage1(stream, records=recs, **per_call)
+                self.transport.exchange(mine, full)
+                recs = records.records_view(full, planes, B, T, tile_major)
+                out = launchers.filtered_outputs(B, S, filters.top_n, hidden.device)
+                stage2(stream, records=recs, sample_records=recs[:, :S], **out._asdict(),
+                       **per_call)
+                return out
+        plan = self.plan(hidden, weight, merge=merge, num_samples=S, need_mass=True,
+                         vocab_start=vocab_start, tiles=T, filters=filters)
+        out_view = records.records_view(mine, planes, B, T, tile_major)
+        with replay.record() as log1:
+            launchers.stage1(plan, hidden, weight, bias, params, out_view, n_real=n_real,
+                             vocab_start=vocab_start, fanout=fanout[:2] if fanout else None)
+        self.transport.exchange(mine, full)
+        recs = records.records_view(full, planes, B, T, tile_major)
+        out = launchers.filtered_outputs(B, S, filters.top_n, hidden.device)
+        head = recs[:, :S]
+        with replay.record() as log2:
+            launchers.stage2_filtered(plan, recs, params, filters,
+                                      *(fanout[1:] if fanout else ()), head=head, out=out)
+        self.replays.add(key, log1, dict(per_call, records=out_view), log2,
+                         dict(per_call, records=recs, sample_records=head, **out._asdict()))
+        return out
 
     def _fallback(self, out: F.FilteredOutput, hidden, weight, bias, params, filters, n_real,
                   vocab_start, T, S):
         """5. of tpsample/filters.py: the rows without a certificate, from their full logits
         (under TP every rank gathers the rows' logit shards: the flags agree on every rank,
         computed from the same records)."""
-        tokens, logprobs, logz, top_tok, top_lp, flag = out
-        rows = flag.nonzero()[:, 0]  # the host synchronisation
+        tokens, logprobs, logz, top_tok, top_lp, flag, _ = out
+        rows = flag.cpu().nonzero()[:, 0]  # the host synchronisation: one [B] copy
         self.candidate_rows += flag.shape[0]
         self.fallback_rows += rows.numel()
         if rows.numel():
             R = rows.numel()
+            rows = rows.to(hidden.device)
             n_pad = T * records.TILE
             local = torch.full((R + 1, n_pad), float("-inf"), device=hidden.device)
             inv = params.inv_temp[rows]

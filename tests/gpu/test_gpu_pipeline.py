@@ -110,4 +110,6 @@ def test_sample_replay_equals_a_dispatched_call(B, S, with_bias, force, monkeypa
     monkeypatch.setattr(replay, "ENABLED", False)
     want = tpsample.sample(**second)
     for a, b in zip(got, want):
+        if a is None and b is None:  # top_tokens / top_logprobs when not asked
+            continue
         assert a.shape == b.shape and torch.equal(a, b)

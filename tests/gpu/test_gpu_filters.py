@@ -1,0 +1,120 @@
+"""Filtered sampling on the GPU (pytest -m gpu): the candidate kernels at a real LM-head
+shape against the torch reduce on the same records, exactness through tpsample.sample, and
+the typical-entropy head's certificates."""
+import pytest
+import torch
+
+import tpsample
+from tpsample import filters as F
+from tpsample import launchers, params as P, records
+from tpsample.launch.bench import typical_head
+from tpsample.pipeline import Pipeline, merge_records
+
+from cases import lm_head_case
+from stats import ALPHA, chi2_pvalue
+from test_filters import filtered_probs, row_logits
+
+pytestmark = pytest.mark.gpu
+
+
+def mixed_filters(B, g):
+    k = torch.randint(0, 100, (B,), generator=g)
+    p = 0.5 + 0.5 * torch.rand(B, generator=g)
+    m = 0.1 * torch.rand(B, generator=g)
+    temp = 0.5 + torch.rand(B, generator=g)
+    k[::5], p[1::5], m[2::5], temp[3::7] = 0, 1.0, 0.0, 0.0  # filters off per row, greedy rows
+    return {n: t.cuda() for n, t in dict(top_k=k, top_p=p, min_p=m, temperature=temp).items()}
+
+
+@pytest.mark.parametrize("B,S,replacement,raw", [(1, 1, True, False), (64, 1, True, False),
+                                                 (200, 2, True, True), (32, 3, False, False)])
+def test_kernels_equal_torch_reduce_on_the_same_records(B, S, replacement, raw):
+    """D = 4096, V = 151936 bf16, typical-entropy logits: stage 1's candidate planes through
+    kernels/filter_records.py and through filters.reduce_candidates give the same tokens, top
+    tokens and fallback flags; and the call's tokens equal the kernels' (fallback included)."""
+    g = torch.Generator().manual_seed(B)
+    h, w = typical_head(4096, 151936, B, torch.bfloat16, "cuda")
+    kw = mixed_filters(B, g)
+    row = P.row_params(h, kw["temperature"], torch.arange(B, device="cuda") * 3, 7)
+    filt = P.filter_params(h, kw["top_k"], kw["top_p"], kw["min_p"], 6, S, replacement,
+                           "raw" if raw else "processed", 151936)
+    pipe = Pipeline("triton", h.device)
+    plan = pipe.plan(h, w, merge="max", num_samples=S, need_mass=True, filters=filt)
+    assert plan.candidates and plan.strategy in ("fused", "logits"), str(plan)
+    T = records.num_tiles(151936)
+    rec = torch.empty(1, records.planes(S, True), B, T, 4, device="cuda")
+    launchers.stage1(plan, h, w, None, row, rec[0], n_real=151936)
+    got = launchers.stage2_filtered(plan, rec, row, filt)
+    got = got._replace(fallback=got.fallback.bool())
+    base = merge_records(rec[:, :S], row, "max")
+    want = F.reduce_candidates(rec, row, filt, S, base)
+    assert torch.equal(got.fallback, want.fallback)
+    ok = ~want.fallback
+    assert torch.equal(got.tokens[ok], want.tokens[ok])
+    assert torch.equal(got.top_tokens[ok], want.top_tokens[ok])
+    assert torch.allclose(got.logprobs[ok], want.logprobs[ok], atol=2e-4, equal_nan=True)
+    assert torch.allclose(got.top_logprobs[ok], want.top_logprobs[ok], atol=2e-4, equal_nan=True)
+    assert torch.allclose(got.logz, want.logz, atol=2e-4)
+    out = tpsample.sample(h, w, seed=row.seed, offset=7, num_samples=S, replacement=replacement,
+                          top_logprobs=6, logprobs_mode="raw" if raw else "processed", **kw)
+    tok = out.tokens if S > 1 else out.tokens[:, None]
+    assert torch.equal(tok[ok], got.tokens[ok])
+
+
+@pytest.mark.parametrize("filt", [dict(top_k=20, top_p=0.8), dict(min_p=0.05, top_p=0.9),
+                                  dict(top_p=0.7)], ids=["k-p", "minp-p", "p"])
+def test_chi2_filtered_on_gpu_bf16(filt):
+    h, w = lm_head_case("zipf", V=1000, dtype=torch.bfloat16, device="cuda", seed=3)
+    rows = 40000
+    tok = tpsample.sample(h.expand(rows, -1).contiguous(), w, temperature=0.9,
+                          seed=torch.arange(rows, device="cuda") * 7919, **filt)
+    p = filtered_probs(row_logits(h.float().cpu(), w.float().cpu(), 0.9), **filt)
+    assert p[tok.cpu()].min() > 0
+    assert chi2_pvalue(tok, p) > ALPHA
+
+
+def test_typical_head_is_certified():
+    """On the benchmark's head (logits -1.6 ln(rank), ~2.7 nats) every filter of the
+    benchmark is certified: no row takes the fallback."""
+    h, w = typical_head(4096, 151936, 64, torch.bfloat16, "cuda")
+    from tpsample import api
+    for kw in (dict(top_k=50), dict(top_p=0.9), dict(min_p=0.05),
+               dict(top_k=50, top_p=0.9, min_p=0.05), dict(top_logprobs=20)):
+        api._PIPELINES.clear()
+        tpsample.sample(h, w, seed=1, **kw)
+        pipe = next(iter(api._PIPELINES.values()))
+        assert pipe.candidate_rows == 64 and pipe.fallback_rows == 0, kw
+
+
+@pytest.mark.parametrize("B,S,replacement", [(4, 1, True), (64, 2, False), (200, 1, True)])
+def test_filtered_replay_equals_a_dispatched_call(B, S, replacement, monkeypatch):
+    """A filtered call with the key of an earlier one re-issues its recorded launches with
+    the new hidden states, per-row parameters and per-row filters: bit for bit what a
+    dispatched call returns (tokens, log-probs, top log-probs)."""
+    from tpsample import api, launchers, replay
+    api._PIPELINES.clear()
+    g = torch.Generator().manual_seed(B)
+
+    def inputs():
+        h, w = typical_head(1024, 20000, B, torch.bfloat16, "cuda")
+        h = h + 0.05 * torch.randn(h.shape, generator=g).to(h)
+        kw = mixed_filters(B, g)
+        return dict(hidden=h, weight=w, seed=torch.randint(0, 1 << 40, (B,), generator=g).cuda(),
+                    num_samples=S, replacement=replacement, top_logprobs=3,
+                    return_logprobs=True, **kw)
+
+    tpsample.sample(**inputs())
+    (pipe,) = api._PIPELINES.values()
+    assert len(pipe.replays) == 1
+    second = inputs()
+
+    def dispatched(*a, **k):
+        raise AssertionError("the second call must be a replay")
+    with monkeypatch.context() as m:
+        m.setattr(launchers, "stage1", dispatched)
+        m.setattr(launchers, "stage2_filtered", dispatched)
+        got = tpsample.sample(**second)
+    monkeypatch.setattr(replay, "ENABLED", False)
+    want = tpsample.sample(**second)
+    for a, b in zip(got, want):
+        assert (a is None and b is None) or torch.equal(a, b)
