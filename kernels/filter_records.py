@@ -4,10 +4,10 @@ tpsample/filters.py holds the argument and filters.reduce_candidates the same ma
 (the tests compare the two on the same records). One program per row, after the call's
 reduce_records launch (whose outputs it overwrites where the row is filtered, sampled
 without replacement, or asks for raw log-probs). The row's CANDIDATES x tiles candidates sit
-in registers; instead of sorting them, every prefix of the order (logit desc, id asc) is a
-threshold on one 56-bit key (the logit's order-preserving bits, then the inverted id), and
-the known prefix (the candidates above tau, at most CAP of them) is compacted through a
-scratch row and sorted by that key; the filters are then a cumulative sum and three masks.
+in registers, each with a 56-bit key that orders them as the row's order does (the logit's
+order-preserving bits, then the inverted id); the known prefix (the candidates above tau, at
+most CAP of them) is compacted through a scratch row and sorted by that key, and the filters
+are then a cumulative sum and three masks over it.
 """
 import triton
 import triton.language as tl
