@@ -660,7 +660,7 @@ def make_samplers(W, V, transports, max_batch, dev, merge="max") -> dict:
     return out
 
 
-def tp_variants(h, W, V, samplers, seed, step) -> dict:
+def tp_variants(h, W, V, samplers, seed, step, filters: bool = False) -> dict:
     rows = split_rows(V, dist.get_world_size())
     def gather_logits():
         local = h @ W.T
@@ -676,6 +676,9 @@ def tp_variants(h, W, V, samplers, seed, step) -> dict:
     fns = {"mm_local": lambda: h @ W.T, BASE: multinomial, "allgather_gumbel": gumbel}
     for name, s in samplers.items():
         fns[name] = lambda s=s: s(h, seed=seed, offset=step)
+        if filters:  # one host synchronisation per call: no CUDA-graph column
+            fns[f"{name}_kpm"] = lambda s=s: s(h, seed=seed, offset=step, top_k=50, top_p=0.9,
+                                               min_p=0.05)
     return fns
 
 
@@ -697,11 +700,14 @@ def bench_batch(D, V, B, W, samplers, args, dev):
     h = torch.randn(B, D, generator=g, device=dev, dtype=torch.bfloat16)
     seed, step = (torch.full((B,), v, dtype=torch.int64, device=dev) for v in (1234, 7))  # fixed, on device
     res, warns = {}, []
-    for name, fn in tp_variants(h, W, V, samplers, seed, step).items():
+    for name, fn in tp_variants(h, W, V, samplers, seed, step, args.filters).items():
         r = res[name] = {"eager_ms": time_calls(fn, dev, args.iters)}
         if dev.type == "cuda":
             r["eager_aligned_ms"] = time_calls(fn, dev, args.iters, align=True)
-        graph, out = capture(fn, dev) if args.graph else (None, None)
+        filtered = name.endswith("_kpm")  # reads a flag back per call: not capturable
+        graph, out = capture(fn, dev) if args.graph and not filtered else (None, None)
+        if filtered and args.graph:
+            out = "filtered calls synchronise with the host"
         if graph is not None:
             r["graph_ms"] = time_calls(graph.replay, dev, args.iters)
         elif args.graph:
@@ -837,7 +843,9 @@ def parse_args(argv=None):
     g.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     g.add_argument("--variants", help="comma list: only these variants (e.g. mm,tpsample)")
     g.add_argument("--passes", type=int, help="timings per variant, alternating order (default 2 on CUDA)")
-    g.add_argument("--filters", action="store_true", help="the filtered-sampling benchmark")
+    g.add_argument("--filters", action="store_true",
+                   help="the filtered-sampling benchmark (tp: also top_k 50 + top_p 0.9 + "
+                        "min_p 0.05 calls of each transport)")
     g = p.add_argument_group("tensor parallel")
     g.add_argument("--iters", type=int, help="timed calls (default 100; CPU 20)")
     g.add_argument("--transports", help="default symm_mem,nccl (CPU: gloo)")

@@ -40,14 +40,30 @@ def test_tp_mode_under_torchrun_and_report(tmp_path):
     for n in (1, 2):
         run([str(TORCHRUN), "--standalone", f"--nproc-per-node={n}", "-m", "tpsample.launch.bench",
              "--shapes", "64x1000", "--batches", "1,4", "--iters", "3", "--merge", "cdf", "--out",
-             str(tmp_path)], tmp_path)
+             str(tmp_path)] + (["--filters"] if n == 2 else []), tmp_path)
     meta = json.loads((tmp_path / "tp2.json").read_text())
     assert meta["world"] == 2 and meta["config"]["merge"] == "cdf" and meta["shapes"][0]["D"] == 64
     assert set(meta["shapes"][0]["results"]["4"]) == {"mm_local", "allgather_multinomial",
-                                                      "allgather_gumbel", "tpsample_gloo"}
+                                                      "allgather_gumbel", "tpsample_gloo",
+                                                      "tpsample_gloo_kpm"}
     text = run([sys.executable, "-m", "tpsample.launch.bench", "--report", str(tmp_path / "tp1.json"),
                 str(tmp_path / "tp2.json"), "--doc", str(tmp_path / "p.md"), "--label", "TP"], tmp_path)
     assert "Scaling, D=64, V=1000" in text and "| TP1 | TP2 |" in text
+
+
+def test_filters_mode_writes_json_doc_and_report(tmp_path):
+    doc = tmp_path / "perf.md"
+    run([sys.executable, "-m", "tpsample.launch.bench", "--filters", "--shapes", "64x1000",
+         "--batches", "2", "--out", str(tmp_path), "--doc", str(doc), "--label", "CPU filters"],
+        tmp_path)
+    meta = json.loads((tmp_path / "filters.json").read_text())
+    row = meta["shapes"][0]["rows"][0]
+    assert row["B"] == 2 and {"mm", "tpsample", "tps_kpm", "sort_kpm", "topk_kpm"} <= set(row["ms"])
+    assert set(row["fallback_share"]) >= {"tps_k", "tps_kpm"}
+    assert "| 2 |" in doc.read_text() and (tmp_path / "img" / "cpu_filters_64x1000.png").exists()
+    text = run([sys.executable, "-m", "tpsample.launch.bench", "--report",
+                str(tmp_path / "filters.json")], tmp_path)
+    assert "kpm / floor" in text
 
 
 def test_doc_sections_are_replaced_in_place_or_appended(tmp_path):
