@@ -68,9 +68,11 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, *, temperature: float | t
         top_tokens, top_logprobs). Rows whose log Z is not finite (all logits -inf, any NaN,
         +inf) return token 0 and logprob NaN: test torch.isfinite(out.logz).
 
-    Calls with filters, top_logprobs, replacement=False or logprobs_mode="raw" read one flag
-    back from the device (whether a row needs the exact fallback: tpsample/filters.py), so
-    they cannot be captured in a CUDA graph.
+    Calls with filters, top_logprobs, replacement=False or logprobs_mode="raw" on the Triton
+    backend redo the rows their candidates cannot certify on the device (tpsample/filters.py,
+    5.): no host synchronisation, and they can be captured in a CUDA graph. While rows keep
+    failing their certificate (top-p alone on heavy tails) the pipeline redoes them from the
+    host instead (faster there; one synchronisation per call) until a call has none.
 
     `tpsample.explain(B, D, V, ...)` shows which kernels run for a shape. On CUDA a call
     like an earlier one re-issues its compiled launches (tpsample/pipeline.py); outputs are

@@ -36,10 +36,15 @@ ignore the filters.
 4. Unfiltered rows without replacement: sample plane s of a tile holds its (s+1)-th best
    perturbed score under sample 0's noise, and the S best of a row are among the S best of
    their tiles.
-5. Fallback. The rows without a certificate are recomputed from their full logits
-   (reference.filtered_rows) for those rows only; the pipeline reads one flag per call to
-   know whether any row needs it (a host synchronisation, so such calls cannot be captured
-   in a CUDA graph).
+5. Fallback. The rows without a certificate are recomputed from their full logits, for
+   those rows only. One device, Triton: on the GPU after the candidate reduce
+   (kernels/filter_fallback.py: the flagged rows' logits, then bisections on the order key
+   for the cuts), with no host synchronisation, so such calls can be captured in a CUDA
+   graph; one program per flagged row is slow, so while rows keep falling back (top-p
+   alone on heavy tails) the pipeline takes the host path below instead
+   (pipeline._device_fallback_now). Under TP (the rows' logits are split over the ranks) and on the torch path: the
+   pipeline reads the flags back (one host synchronisation), gathers the flagged rows'
+   logit shards and runs reference.filtered_rows on them.
 
 Log-probs (SampleOutput): "processed" = x - log Z_kept for filtered rows (log Z over the kept
 set; -inf outside it), x - log Z otherwise; "raw" = x_raw - log Z_raw at T = 1 (x_raw = x * T,

@@ -21,7 +21,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import records
 from . import filters as F
-from .kernels import filter_records, fused_sample, gluon_pingpong, gluon_sample, reduce_records
+from .kernels import filter_fallback, filter_records, fused_sample, gluon_pingpong, gluon_sample, reduce_records
 from .params import Filters, RowParams
 from .plan import Plan, cdiv
 from .replay import run_kernel, run_step
@@ -278,6 +278,40 @@ def stage2_filtered(plan: Plan, recs: torch.Tensor, params: RowParams, filters: 
         dict(HAS_K=filters.top_k is not None, HAS_P=filters.top_p is not None,
              HAS_M=filters.min_p is not None, RAW=filters.raw, REPLACE=filters.replacement,
              USE_PARITY=parity is not None, K=records.CANDIDATES, BLOCK_C=block_c,
-             BLOCK_U=min(1024, max(16, 1 << (N - 1).bit_length())), CAP=F.KNOWN_CAP),
+             BLOCK_U=min(1024, max(16, 1 << (N - 1).bit_length())),
+             CAP=min(F.KNOWN_CAP, block_c)),  # never binds below KNOWN_CAP candidates
         dict(num_warps=min(16, max(4, block_c // 512))))
     return out
+
+
+def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params: RowParams,
+                       filters: Filters, out: F.FilteredOutput, logits: torch.Tensor,
+                       count: torch.Tensor, *, n_real: int, vocab_start: int = 0) -> None:
+    """The exact fallback of one device's call, after stage2_filtered and with no host
+    synchronisation (kernels/filter_fallback.py): the rows flagged in out.fallback get their
+    logits recomputed into `logits` (fp32 [B, tiles * TILE], scratch) and their outputs
+    redone in `out`; count (int32 [1]) gains the number of such rows."""
+    B, D = hidden.shape
+    N = logits.shape[1]
+    S = out.tokens.shape[1]
+    n = filters.top_n
+    dummy = params.inv_temp
+    run_kernel(filter_fallback.fallback_logits_kernel, (N // records.TILE,), (
+        hidden, weight, bias if bias is not None else dummy, params.inv_temp, out.fallback,
+        logits, B, weight.shape[0], n_real, D, hidden.stride(0), weight.stride(0),
+        logits.stride(0)),
+        dict(HAS_BIAS=bias is not None, BLOCK_V=records.TILE, BLOCK_D=64,
+             BLOCK_F=min(1024, max(16, 1 << (B - 1).bit_length()))),
+        dict(num_warps=4))
+    run_kernel(filter_fallback.fallback_rows_kernel, (B,), (
+        logits, logits.stride(0), N, vocab_start, params.inv_temp, params.seed, params.offset,
+        filters.top_k if filters.top_k is not None else dummy,
+        filters.top_p if filters.top_p is not None else dummy,
+        filters.min_p if filters.min_p is not None else dummy,
+        out.tokens, out.logprobs, out.logz, out.top_tokens, out.top_logprobs, out.fallback,
+        out.scratch, count, S, n),
+        dict(HAS_K=filters.top_k is not None, HAS_P=filters.top_p is not None,
+             HAS_M=filters.min_p is not None, RAW=filters.raw, REPLACE=filters.replacement,
+             BLOCK=min(1024, 1 << (N - 1).bit_length()),
+             BLOCK_N=max(16, 1 << max(n - 1, 0).bit_length()), CAP=F.KNOWN_CAP),
+        dict(num_warps=8))

@@ -51,8 +51,12 @@ class VocabParallelSampler:
     num_samples=1, return_logprobs=False, top_k=None, top_p=None, min_p=None,
     top_logprobs=0, replacement=True, logprobs_mode="processed") → exactly what
     tpsample.sample returns, with global token ids, identical on every rank (filtered rows:
-    the same tokens as tpsample.sample on the full weight, whatever the merge). hidden, temperature, seed and offset must be equal on
-    all ranks; bias is this rank's slice [V_r].
+    the same tokens as tpsample.sample on the full weight, whatever the merge). hidden,
+    temperature, seed, offset and the filters must be equal on all ranks; bias is this
+    rank's slice [V_r]. With world > 1, calls with filters, top_logprobs, replacement=False
+    or logprobs_mode="raw" read the fallback flags back to the host (one synchronisation per
+    call; such calls cannot be captured in a CUDA graph): a row without a certificate needs
+    its logit shards from every rank (tpsample/filters.py, 5.).
 
     seed=None: a generator seeded identically on every rank at construction (rank 0 draws
     the base seed from torch's default generator and broadcasts it once) draws the row

@@ -57,7 +57,22 @@ class Pipeline:
         self.fixed_weight = fixed_weight
         self.replays = replay.CallReplays()
         self.candidate_rows = 0  # rows of candidate-path calls, and how many of them took
-        self.fallback_rows = 0   # the exact fallback (tpsample/filters.py, 5.)
+        self.host_fallback_rows = 0  # the exact fallback (tpsample/filters.py, 5.) from the
+        self.device_fallback_rows = None  # host, or on the device (int32 [1], lazily)
+        self.host_fallback_mode = False  # see _device_fallback_now
+        self._fallback_seen = None
+        self._fallback_copy = None
+
+    @property
+    def fallback_rows(self) -> int:
+        """Rows that took the exact fallback so far (reading it synchronises with the device)."""
+        dev = 0 if self.device_fallback_rows is None else int(self.device_fallback_rows.item())
+        return self.host_fallback_rows + dev
+
+    def _device_fallbacks(self) -> torch.Tensor:
+        if self.device_fallback_rows is None:
+            self.device_fallback_rows = torch.zeros(1, dtype=torch.int32, device=self.device)
+        return self.device_fallback_rows
 
     def plan(self, hidden: torch.Tensor, weight: torch.Tensor, *, merge: str, num_samples: int,
              need_mass: bool, vocab_start: int = 0, tiles: int | None = None,
@@ -151,7 +166,8 @@ class Pipeline:
                       num_samples: int, vocab_start: int, tiles: int | None, filters: Filters):
         """A call with candidate planes (tpsample/filters.py): stage 1 with candidates, the
         exchange, the call's merge over the sample planes, the candidate reduce, and the exact
-        fallback for rows without a certificate (one host synchronisation)."""
+        fallback for rows without a certificate: on the device for a one-device Triton call
+        (no host synchronisation), else from the host (one synchronisation per call)."""
         B, S = hidden.shape[0], num_samples
         T = tiles if tiles is not None else records.num_tiles(weight.shape[0])
         planes = records.planes(S, True)
@@ -170,13 +186,53 @@ class Pipeline:
             base = merge_records(recs[:, :S], params, merge if filters.replacement else "max")
             out = F.reduce_candidates(recs, params, filters, S, base)
         else:
+            on_device = self.transport.world == 1 and self._device_fallback_now(hidden)
             out = self._filtered_launches(hidden, weight, bias, params, merge, S, n_real,
-                                          vocab_start, T, filters, mine, full)
+                                          vocab_start, T, filters, mine, full, on_device)
+            if on_device:
+                self.candidate_rows += B
+                self._watch_device_fallbacks(hidden)
+                top = (out.top_tokens, out.top_logprobs) if filters.top_n else None
+                return out.tokens, out.logprobs, out.logz, top
         return self._fallback(out, hidden, weight, bias, params, filters, n_real, vocab_start,
                               T, S)
 
+    def _device_fallback_now(self, hidden) -> bool:
+        """Whether this one-device call takes the device fallback (else the host's).
+
+        The device fallback (kernels/filter_fallback.py) costs two near-empty launches when no
+        row falls back, but a flagged row takes one program per row (~5 ms at V = 151936):
+        rows that keep falling back (top-p alone on heavy tails) are far faster through the
+        host (cuBLAS and a sort over the whole GPU). So: the device path, until a device
+        fallback is seen (its count is copied back without blocking and read once ready);
+        then the host path, which counts exactly, until a call has no fallback row. During
+        CUDA-graph capture always the device path. Both are exact; their tokens agree up to
+        fp32 near-ties (the logits are computed differently)."""
+        if not hidden.is_cuda or torch.cuda.is_current_stream_capturing():
+            return True
+        if self._fallback_seen is not None and self._fallback_seen[0].query():
+            event, copy, before = self._fallback_seen
+            self._fallback_seen = None
+            if int(copy.item()) > before:
+                self.host_fallback_mode = True
+        return not self.host_fallback_mode
+
+    def _watch_device_fallbacks(self, hidden) -> None:
+        """Copy the device fallback count back without blocking (read by the next calls)."""
+        if not hidden.is_cuda or self._fallback_seen is not None or \
+                torch.cuda.is_current_stream_capturing():
+            return
+        if self._fallback_copy is None:
+            self._fallback_copy = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+            self._fallback_before = 0
+        before = int(self._fallback_copy.item())  # the last value read back (ready)
+        self._fallback_copy.copy_(self.device_fallback_rows, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._fallback_seen = (event, self._fallback_copy, before)
+
     def _filtered_launches(self, hidden, weight, bias, params, merge, S, n_real, vocab_start,
-                           T, filters, mine, full) -> F.FilteredOutput:
+                           T, filters, mine, full, on_device: bool) -> F.FilteredOutput:
         """Stage 1, exchange and launchers.stage2_filtered, replayed like run()'s launches
         (the key adds the filters' layout; their per-row tensors are per-call tensors)."""
         B = hidden.shape[0]
@@ -189,9 +245,12 @@ class Pipeline:
                         top_p=filters.top_p, min_p=filters.min_p)
         if not fixed:
             per_call["weight"] = weight
+        if on_device:  # the exact fallback on the device
+            per_call["fallback_logits"] = torch.empty(B, T * records.TILE, dtype=torch.float32,
+                                                      device=hidden.device)
         key = None
         if hidden.is_cuda and replay.Replay.usable():
-            key = ("filtered", merge, S, hidden.device, hidden.shape, hidden.stride(), n_real,
+            key = ("filtered", on_device, merge, S, hidden.device, hidden.shape, hidden.stride(), n_real,
                    vocab_start, T, filters._replace(top_k=None, top_p=None, min_p=None),
                    self.transport.key(), replay.tensor_key(tuple(per_call.values())),
                    None if fixed else (weight.shape, weight.stride()))
@@ -220,6 +279,11 @@ class Pipeline:
         with replay.record() as log2:
             launchers.stage2_filtered(plan, recs, params, filters,
                                       *(fanout[1:] if fanout else ()), head=head, out=out)
+            if on_device:
+                launchers.fallback_on_device(hidden, weight, bias, params, filters, out,
+                                             per_call["fallback_logits"],
+                                             self._device_fallbacks(), n_real=n_real,
+                                             vocab_start=vocab_start)
         self.replays.add(key, log1, dict(per_call, records=out_view), log2,
                          dict(per_call, records=recs, sample_records=head, **out._asdict()))
         return out
@@ -232,7 +296,9 @@ class Pipeline:
         tokens, logprobs, logz, top_tok, top_lp, flag, _ = out
         rows = flag.cpu().nonzero()[:, 0]  # the host synchronisation: one [B] copy
         self.candidate_rows += flag.shape[0]
-        self.fallback_rows += rows.numel()
+        self.host_fallback_rows += rows.numel()
+        if rows.numel() == 0:
+            self.host_fallback_mode = False
         if rows.numel():
             R = rows.numel()
             rows = rows.to(hidden.device)

@@ -1,0 +1,230 @@
+"""The exact fallback of filtered sampling on the device (one GPU): the rows that the
+candidate reduce could not certify, redone from their full logits with no host
+synchronisation, so filtered calls stay asynchronous and can be captured in a CUDA graph.
+
+tpsample/filters.py, 5.: a flagged row's kept set reaches below the tiles' candidates, so it
+is recomputed from the whole row. fallback_logits_kernel recomputes the flagged rows'
+transformed logits (one program per 128-token tile; a call without a flagged row costs each
+program one scan of the flags). fallback_rows_kernel redoes each flagged row (one program per
+row). Every filter keeps a prefix of the order (x desc, id asc), so the kept set is
+{key >= cut} for one 56-bit order key (filter_records.order_key): top-k's cut is the k-th
+largest key (a bisection on counts), top-p's the largest key whose prefix mass reaches
+p * Z_k (a bisection on masses), and min-p is a threshold on exp(x - x_max). The tokens are
+then the Gumbel-max over the kept set with the call's noise, as in filter_records, and the
+top-n the n largest keys (one more bisection, compacted and sorted). The outputs are
+reference.filtered_rows' up to float32 sums (the tests compare them).
+"""
+import triton
+import triton.language as tl
+
+from .filter_records import ID_MASK, KEY_TOP, NEG_INF, decode_key, order_key
+from .fused_sample import NOISE_COEF, gumbel_log, philox_word
+
+
+@triton.jit
+def fallback_logits_kernel(h_ptr, w_ptr, bias_ptr, inv_temp_ptr, flag_ptr, out_ptr, B, V_rows,
+                           n_real, D, stride_hb, stride_wv, stride_ob, HAS_BIAS: tl.constexpr,
+                           BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
+    """out[b, tile] = (h[b] . W[tile] + bias) * (1/T_b), -inf from n_real on, for the rows
+    b with flag[b] != 0 (out: fp32 [B, tiles * BLOCK_V]; other rows are not written)."""
+    pid = tl.program_id(0)
+    offs_v = pid * BLOCK_V + tl.arange(0, BLOCK_V)
+    flagged = tl.cast(0, tl.int32)
+    for b0 in range(0, B, BLOCK_F):
+        fb = b0 + tl.arange(0, BLOCK_F)
+        flagged += tl.sum(tl.load(flag_ptr + fb, mask=fb < B, other=0))
+    if flagged > 0:
+        mask_v = offs_v < V_rows
+        for b in range(B):
+            if tl.load(flag_ptr + b) != 0:
+                acc = tl.zeros((BLOCK_V,), dtype=tl.float32)
+                for d0 in range(0, D, BLOCK_D):
+                    offs_d = d0 + tl.arange(0, BLOCK_D)
+                    mask_d = offs_d < D
+                    hv = tl.load(h_ptr + tl.cast(b, tl.int64) * stride_hb + offs_d, mask=mask_d,
+                                 other=0.0).to(tl.float32)
+                    wv = tl.load(w_ptr + offs_v[:, None].to(tl.int64) * stride_wv
+                                 + offs_d[None, :], mask=mask_v[:, None] & mask_d[None, :],
+                                 other=0.0).to(tl.float32)
+                    acc += tl.sum(wv * hv[None, :], axis=1)
+                if HAS_BIAS:
+                    acc += tl.load(bias_ptr + offs_v, mask=mask_v, other=0.0)
+                inv = tl.load(inv_temp_ptr + b)
+                l = acc * tl.where(inv == 0.0, 1.0, inv)
+                l = tl.where(offs_v < n_real, l, NEG_INF)
+                tl.store(out_ptr + tl.cast(b, tl.int64) * stride_ob + offs_v, l)
+
+
+@triton.jit
+def row_keys(row, v0, N, vocab_start, BLOCK: tl.constexpr):
+    """Logits and order keys (-1: not a candidate, x = -inf) of row[v0 : v0 + BLOCK]."""
+    v = v0 + tl.arange(0, BLOCK)
+    x = tl.load(row + v, mask=v < N, other=NEG_INF)
+    key = tl.where(x > NEG_INF, order_key(x, vocab_start + v), -1)
+    return x, key
+
+
+@triton.jit
+def kth_row_key(row, N, vocab_start, k, BLOCK: tl.constexpr):
+    """The k-th largest key of the row (k >= 1); 0 when the row has fewer than k."""
+    lo = tl.cast(0, tl.int64)
+    hi = tl.cast(KEY_TOP, tl.int64)
+    for _ in range(57):
+        mid = lo + (hi - lo + 1) // 2
+        count = tl.cast(0, tl.int32)
+        for v0 in range(0, N, BLOCK):
+            x, key = row_keys(row, v0, N, vocab_start, BLOCK)
+            count += tl.sum((key >= mid).to(tl.int32))
+        ok = count >= k
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def mass_cut_key(row, N, vocab_start, xmax, floor_key, target, BLOCK: tl.constexpr):
+    """The largest c >= floor_key with sum over {key >= c} of exp(x - xmax) >= target: the
+    key of the token where the prefix mass (in order) first reaches target."""
+    lo = floor_key
+    hi = tl.cast(KEY_TOP, tl.int64)
+    for _ in range(57):
+        mid = lo + (hi - lo + 1) // 2
+        mass = tl.cast(0.0, tl.float32)
+        for v0 in range(0, N, BLOCK):
+            x, key = row_keys(row, v0, N, vocab_start, BLOCK)
+            mass += tl.sum(tl.where(key >= mid, tl.exp(x - xmax), 0.0))
+        ok = mass >= target
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def fallback_rows_kernel(
+    l_ptr, stride_lb, N, vocab_start, inv_temp_ptr, seed_ptr, offset_ptr, top_k_ptr, top_p_ptr,
+    min_p_ptr, tokens_ptr, logprobs_ptr, logz_ptr, top_tok_ptr, top_lp_ptr, flag_ptr,
+    scratch_ptr, count_ptr, S, n_top,
+    HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_M: tl.constexpr, RAW: tl.constexpr,
+    REPLACE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, CAP: tl.constexpr,
+):
+    """Rows b with flag[b] != 0: logits l [B, N] (fallback_logits_kernel) → their tokens,
+    log-probs and log Z [B, S] / [B] when the row is filtered, and their top-n [B, n_top]
+    (the outputs of filter_records_kernel, overwritten); count[0] += the rows done."""
+    b = tl.program_id(0)
+    if tl.load(flag_ptr + b) != 0:
+        tl.atomic_add(count_ptr, 1)
+        row = l_ptr + b.to(tl.int64) * stride_lb
+        inv = tl.load(inv_temp_ptr + b)
+        seed = tl.load(seed_ptr + b)
+        off = tl.load(offset_ptr + b)
+        off_lo = (off & 0xFFFFFFFF).to(tl.uint32)
+        off_hi = ((off >> 32) & 0xFFFFFFFF).to(tl.uint32)
+        xmax = tl.cast(NEG_INF, tl.float32)
+        for v0 in range(0, N, BLOCK):
+            x, key = row_keys(row, v0, N, vocab_start, BLOCK)
+            xmax = tl.maximum(xmax, tl.max(x))
+        z = tl.cast(0.0, tl.float32)  # flagged rows are finite: xmax is
+        for v0 in range(0, N, BLOCK):
+            x, key = row_keys(row, v0, N, vocab_start, BLOCK)
+            z += tl.sum(tl.exp(x - xmax))
+        logz = xmax + tl.log(z)
+
+        k = tl.cast(0, tl.int32)
+        p = tl.cast(1.0, tl.float32)
+        m = tl.cast(0.0, tl.float32)
+        if HAS_K:
+            k = tl.load(top_k_ptr + b)
+        if HAS_P:
+            p = tl.load(top_p_ptr + b)
+        if HAS_M:
+            m = tl.load(min_p_ptr + b)
+        on = (k > 0).to(tl.int32) + (p < 1.0).to(tl.int32) + (m > 0.0).to(tl.int32)
+        filtered = on * (inv != 0.0).to(tl.int32) > 0
+        m = tl.where(filtered, m, 0.0)
+        cut = tl.cast(0, tl.int64)
+        if filtered:
+            zk = z
+            if k > 0:
+                cut = kth_row_key(row, N, vocab_start, k, BLOCK)
+                zk = tl.cast(0.0, tl.float32)
+                for v0 in range(0, N, BLOCK):
+                    x, key = row_keys(row, v0, N, vocab_start, BLOCK)
+                    zk += tl.sum(tl.where(key >= cut, tl.exp(x - xmax), 0.0))
+            if p < 1.0:
+                cut = mass_cut_key(row, N, vocab_start, xmax, cut, p * zk, BLOCK)
+        kept_mass = tl.cast(0.0, tl.float32)
+        for v0 in range(0, N, BLOCK):
+            x, key = row_keys(row, v0, N, vocab_start, BLOCK)
+            e = tl.exp(x - xmax)
+            kept_mass += tl.sum(tl.where((key >= cut) & (e >= m), e, 0.0))
+        lz = tl.where(filtered, xmax + tl.log(kept_mass), logz)
+        to_raw = tl.where(inv == 0.0, 1.0, 1.0 / tl.where(inv == 0.0, 1.0, inv))
+        logz_raw = logz
+        if RAW:
+            rmax = xmax * to_raw
+            rs = tl.cast(0.0, tl.float32)
+            for v0 in range(0, N, BLOCK):
+                x, key = row_keys(row, v0, N, vocab_start, BLOCK)
+                rs += tl.sum(tl.exp(x * to_raw - rmax))
+            logz_raw = rmax + tl.log(rs)
+
+        if filtered:  # the samples: Gumbel-max (or top-S) over the kept set
+            prev = tl.cast(KEY_TOP + 1, tl.int64)
+            for s in range(S):
+                c1 = tl.cast(0, tl.uint32)
+                if REPLACE:
+                    c1 = tl.cast(s, tl.uint32)
+                best = tl.cast(-1, tl.int64)
+                best_x = tl.cast(NEG_INF, tl.float32)
+                for v0 in range(0, N, BLOCK):
+                    x, key = row_keys(row, v0, N, vocab_start, BLOCK)
+                    keep = (key >= cut) & (tl.exp(x - xmax) >= m)
+                    gid = vocab_start + v0 + tl.arange(0, BLOCK)
+                    zs = tl.fma(gumbel_log(philox_word(seed, off_lo, off_hi, c1, gid)),
+                                NOISE_COEF, x)
+                    zkey = tl.where(keep, order_key(zs, gid), -1)
+                    if not REPLACE:
+                        zkey = tl.where(zkey < prev, zkey, -1)
+                    chunk_best = tl.max(zkey)
+                    chunk_x = tl.max(tl.where(zkey == chunk_best, x, NEG_INF))
+                    best_x = tl.where(chunk_best > best, chunk_x, best_x)
+                    best = tl.maximum(best, chunk_best)
+                prev = best
+                tok = tl.where(best >= 0, ID_MASK - (best & ID_MASK), -1)
+                if RAW:
+                    lp = best_x * to_raw - logz_raw
+                else:
+                    lp = best_x - lz
+                at = b.to(tl.int64) * S + s
+                tl.store(tokens_ptr + at, tok)
+                tl.store(logprobs_ptr + at, tl.where(best >= 0, lp, NEG_INF))
+            if RAW:
+                tl.store(logz_ptr + b, logz_raw)
+            else:
+                tl.store(logz_ptr + b, lz)
+
+        if n_top > 0:  # the first n of the order: compact the keys >= the n-th, sort them
+            cn = kth_row_key(row, N, vocab_start, n_top, BLOCK)
+            scratch = scratch_ptr + b.to(tl.int64) * CAP
+            taken = tl.cast(0, tl.int32)
+            for v0 in range(0, N, BLOCK):
+                x, key = row_keys(row, v0, N, vocab_start, BLOCK)
+                sel = (key >= cn) & (key >= 0)
+                pos = taken + tl.cumsum(sel.to(tl.int32), 0) - 1
+                tl.store(scratch + pos, key, mask=sel & (pos < BLOCK_N))
+                taken += tl.sum(sel.to(tl.int32))
+            tl.debug_barrier()
+            q = tl.arange(0, BLOCK_N)
+            ks = tl.sort(tl.load(scratch + q, mask=(q < taken) & (q < n_top), other=-1),
+                         descending=True)
+            xs = decode_key(ks)
+            valid = ks >= 0
+            if RAW:
+                top_lp = xs * to_raw - logz_raw
+            else:
+                kept = (ks >= cut) & (tl.exp(xs - xmax) >= m)
+                top_lp = tl.where(kept, xs - lz, NEG_INF)
+            at_top = b.to(tl.int64) * n_top + q
+            tl.store(top_tok_ptr + at_top, tl.where(valid, ID_MASK - (ks & ID_MASK), 0),
+                     mask=q < n_top)
+            tl.store(top_lp_ptr + at_top, tl.where(valid, top_lp, NEG_INF), mask=q < n_top)
