@@ -224,7 +224,6 @@ class Pipeline:
             return
         if self._fallback_copy is None:
             self._fallback_copy = torch.zeros(1, dtype=torch.int32, pin_memory=True)
-            self._fallback_before = 0
         before = int(self._fallback_copy.item())  # the last value read back (ready)
         self._fallback_copy.copy_(self.device_fallback_rows, non_blocking=True)
         event = torch.cuda.Event()
@@ -250,8 +249,8 @@ class Pipeline:
                                                       device=hidden.device)
         key = None
         if hidden.is_cuda and replay.Replay.usable():
-            key = ("filtered", on_device, merge, S, hidden.device, hidden.shape, hidden.stride(), n_real,
-                   vocab_start, T, filters._replace(top_k=None, top_p=None, min_p=None),
+            key = ("filtered", on_device, merge, S, hidden.device, hidden.shape, hidden.stride(),
+                   n_real, vocab_start, T, filters._replace(top_k=None, top_p=None, min_p=None),
                    self.transport.key(), replay.tensor_key(tuple(per_call.values())),
                    None if fixed else (weight.shape, weight.stride()))
             hit = self.replays.get(key)
