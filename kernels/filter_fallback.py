@@ -17,7 +17,7 @@ reference.filtered_rows' up to float32 sums (the tests compare them).
 import triton
 import triton.language as tl
 
-from .filter_records import ID_MASK, KEY_TOP, NEG_INF, decode_key, order_key
+from .filter_records import ID_MASK, KEY_TOP, NEG_INF, decode_key, order_key, row_filters
 from .fused_sample import NOISE_COEF, gumbel_log, philox_word
 
 
@@ -129,15 +129,7 @@ def fallback_rows_kernel(
             z += tl.sum(tl.exp(x - xmax))
         logz = xmax + tl.log(z)
 
-        k = tl.cast(0, tl.int32)
-        p = tl.cast(1.0, tl.float32)
-        m = tl.cast(0.0, tl.float32)
-        if HAS_K:
-            k = tl.load(top_k_ptr + b)
-        if HAS_P:
-            p = tl.load(top_p_ptr + b)
-        if HAS_M:
-            m = tl.load(min_p_ptr + b)
+        k, p, m = row_filters(b, top_k_ptr, top_p_ptr, min_p_ptr, HAS_K, HAS_P, HAS_M)
         on = (k > 0).to(tl.int32) + (p < 1.0).to(tl.int32) + (m > 0.0).to(tl.int32)
         filtered = on * (inv != 0.0).to(tl.int32) > 0
         m = tl.where(filtered, m, 0.0)

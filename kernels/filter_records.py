@@ -57,6 +57,22 @@ def next_below(key, prev):
 
 
 @triton.jit
+def row_filters(b, top_k_ptr, top_p_ptr, min_p_ptr, HAS_K: tl.constexpr, HAS_P: tl.constexpr,
+                HAS_M: tl.constexpr):
+    """Row b's (top_k int32, top_p fp32, min_p fp32), the 'off' values where not given."""
+    k = tl.cast(0, tl.int32)
+    p = tl.cast(1.0, tl.float32)
+    m = tl.cast(0.0, tl.float32)
+    if HAS_K:
+        k = tl.load(top_k_ptr + b)
+    if HAS_P:
+        p = tl.load(top_p_ptr + b)
+    if HAS_M:
+        m = tl.load(min_p_ptr + b)
+    return k, p, m
+
+
+@triton.jit
 def tile_logsumexp(row_ptr, at0, st_slot, st_t, T, N, BLOCK_U: tl.constexpr):
     """logsumexp over the row's N tiles of the field at element offset at0 (NaN poisons)."""
     run_m = tl.cast(NEG_INF, tl.float32)
@@ -134,15 +150,7 @@ def filter_records_kernel(
     ids = ID_MASK - (ks & ID_MASK)
     e = tl.where(valid, tl.exp(xs - xm), 0.0)
 
-    k = tl.cast(0, tl.int32)
-    p = tl.cast(1.0, tl.float32)
-    m = tl.cast(0.0, tl.float32)
-    if HAS_K:
-        k = tl.load(top_k_ptr + b)
-    if HAS_P:
-        p = tl.load(top_p_ptr + b)
-    if HAS_M:
-        m = tl.load(min_p_ptr + b)
+    k, p, m = row_filters(b, top_k_ptr, top_p_ptr, min_p_ptr, HAS_K, HAS_P, HAS_M)
     kon = k > 0
     pon = p < 1.0
     mon = m > 0.0
