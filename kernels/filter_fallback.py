@@ -23,10 +23,14 @@ from .fused_sample import NOISE_COEF, gumbel_log, philox_word
 
 @triton.jit
 def fallback_logits_kernel(h_ptr, w_ptr, bias_ptr, inv_temp_ptr, flag_ptr, out_ptr, B, V_rows,
-                           n_real, D, stride_hb, stride_wv, stride_ob, HAS_BIAS: tl.constexpr,
-                           BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
+                           n_real, D, stride_hb, stride_wv, stride_ob, mask_ptr, stride_mask,
+                           vocab_start, HAS_BIAS: tl.constexpr, BLOCK_V: tl.constexpr,
+                           BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
+                           HAS_MASK: tl.constexpr = False):
     """out[b, tile] = (h[b] . W[tile] + bias) * (1/T_b), -inf from n_real on, for the rows
-    b with flag[b] != 0 (out: fp32 [B, tiles * BLOCK_V]; other rows are not written)."""
+    b with flag[b] != 0 (out: fp32 [B, tiles * BLOCK_V]; other rows are not written).
+    HAS_MASK: also -inf where the row's mask (int32 [B, W], global ids) has a 0 bit; listed
+    tokens of constrained decoding come after (listed_records_kernel, FALLBACK)."""
     pid = tl.program_id(0)
     offs_v = pid * BLOCK_V + tl.arange(0, BLOCK_V)
     flagged = tl.cast(0, tl.int32)
@@ -49,6 +53,11 @@ def fallback_logits_kernel(h_ptr, w_ptr, bias_ptr, inv_temp_ptr, flag_ptr, out_p
                     acc += tl.sum(wv * hv[None, :], axis=1)
                 if HAS_BIAS:
                     acc += tl.load(bias_ptr + offs_v, mask=mask_v, other=0.0)
+                if HAS_MASK:
+                    gid = vocab_start + offs_v
+                    word = tl.load(mask_ptr + tl.cast(b, tl.int64) * stride_mask + (gid >> 5),
+                                   mask=offs_v < n_real, other=0)
+                    acc = tl.where(((word >> (gid & 31)) & 1) != 0, acc, NEG_INF)
                 inv = tl.load(inv_temp_ptr + b)
                 l = acc * tl.where(inv == 0.0, 1.0, inv)
                 l = tl.where(offs_v < n_real, l, NEG_INF)

@@ -195,7 +195,7 @@ def logits_pass(D, V, B) -> dict:
             def run():
                 logits_records_kernel[(cdiv(B, bb), T)](
                     logits, p.inv_temp, p.inv_temp, p.seed, p.offset, out, B, V, V, 0, S,
-                    logits.stride(0), *out.stride()[:3], p.seed, p.seed,
+                    logits.stride(0), *out.stride()[:3], p.seed, p.seed, p.seed, 0,
                     HAS_BIAS=False, ALIGNED4=True, BLOCK_V=records.TILE, BLOCK_B=bb, NUM_PEERS=0,
                     HALVINGS=0, TILE_MASS=mass, PDL=False, num_warps=nw)
             r[f"bb{bb}_w{nw}_{name}"] = bench(run)
@@ -220,7 +220,7 @@ def chunked_hybrid(D, V, B) -> dict:
         with torch.cuda.stream(stream):
             logits_records_kernel[(cdiv(B, bb), t1 - t0)](
                 logits, p.inv_temp, p.inv_temp, p.seed, p.offset, view, B, logits.shape[1], V - v0, v0, 1,
-                logits.stride(0), *view.stride()[:3], p.seed, p.seed,
+                logits.stride(0), *view.stride()[:3], p.seed, p.seed, p.seed, 0,
                 HAS_BIAS=False, ALIGNED4=True, BLOCK_V=records.TILE, BLOCK_B=bb, NUM_PEERS=0,
                 HALVINGS=0, TILE_MASS=False, PDL=False, num_warps=nw)
 
@@ -253,7 +253,7 @@ def launch_paths():
     h, w, p, stage1 = setup(256, 4096, 1)
     out = stage1()
     args = (h, w, p.inv_temp, p.inv_temp, p.seed, p.offset, out, 1, 256, 4096, 4096, 0, 1,
-            h.stride(0), w.stride(0), *out.stride()[:3], p.seed, p.seed)
+            h.stride(0), w.stride(0), *out.stride()[:3], p.seed, p.seed, p.seed, 0)
     consts = dict(HAS_BIAS=False, EVEN_D=True, FP32_DOT=False, ALIGNED4=True, BLOCK_V=128,
                   BLOCK_B=16, BLOCK_D=128, NUM_STAGES=4, NUM_PEERS=0, HALVINGS=4, TILE_MASS=False,
                   PDL=False, W_DESC=False)

@@ -7,12 +7,13 @@
 """
 from . import merge, noise, reference
 from .api import sample
+from .constraints import penalty_adjustments
 from .online import OnlineSampler
 from .parallel import VocabParallelSampler
 from .params import SampleOutput
 from .plan import Plan, explain
 from .transport import ExchangeTimeout
 
-__all__ = ["sample", "SampleOutput", "OnlineSampler", "VocabParallelSampler", "ExchangeTimeout",
+__all__ = ["sample", "penalty_adjustments", "SampleOutput", "OnlineSampler", "VocabParallelSampler", "ExchangeTimeout",
            "explain", "Plan", "merge", "noise", "reference"]
 __version__ = "0.2.0"

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from . import constraints as C
 from . import params as P
 from .pipeline import Pipeline
 
@@ -23,6 +24,9 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, *, temperature: float | t
            top_k: int | torch.Tensor | None = None, top_p: float | torch.Tensor | None = None,
            min_p: float | torch.Tensor | None = None, top_logprobs: int = 0,
            replacement: bool = True, logprobs_mode: str = "processed",
+           allowed_mask: torch.Tensor | None = None,
+           logit_adjust: tuple[torch.Tensor, torch.Tensor] | None = None,
+           repetition_penalty: float | torch.Tensor | None = None,
            backend: str = "auto") -> torch.Tensor | P.SampleOutput:
     """Exact samples from softmax((hidden @ weight.T + bias) / T) without materialising logits.
 
@@ -59,6 +63,18 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, *, temperature: float | t
             row and their log-probs (SampleOutput.top_tokens / top_logprobs).
         logprobs_mode: "processed" (log-probs under the distribution sampled from: after
             temperature and filters) or "raw" (bias only, T = 1, no filters); see SampleOutput.
+        allowed_mask: None | Tensor[B, ceil(V / 32)] int32, packed as grammar engines
+            produce it: bit j of word i allows token 32 i + j; disallowed tokens are -inf
+            before the noise. A row that allows nothing is degenerate (token 0, log Z -inf).
+        logit_adjust: None | (ids Tensor[B, K] int64 padded with -1, values Tensor[B, K]
+            float): added to the listed tokens' logits (logit bias, presence / frequency
+            penalties: tpsample.penalty_adjustments builds them from a token history); a
+            repeated id adds its values. K <= 256.
+        repetition_penalty: None | float | Tensor[B] >= 1, on the tokens listed in
+            logit_adjust's ids: l > 0 → l / r, l <= 0 → l * r (as HF and vLLM), once per token.
+            Order: bias → mask → repetition penalty and adjustments → temperature → filters
+            → sample; exact, and path by path with merge "max" (tpsample/constraints.py).
+            Tensor contents are checked with one host synchronisation (not during capture).
         backend: "auto" (Triton on CUDA or under TRITON_INTERPRET=1, else the chunked torch
             path), "triton" or "torch". All give the same tokens for the same seed.
 
@@ -90,10 +106,13 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, *, temperature: float | t
                               replacement, logprobs_mode, vocab_size)
     if not replacement and merge != "max":
         raise ValueError(f"replacement=False needs merge='max' (Gumbel-top-S), got merge={merge!r}")
+    constraints = C.check_constraints(hidden, allowed_mask, logit_adjust, repetition_penalty,
+                                      vocab_size, V)
     if hidden.shape[0] == 0:
         return P.empty_result(hidden.device, num_samples, return_logprobs, filters.top_n)
     pipe = _pipeline(P.resolve_backend(backend, hidden.device), hidden.device)
     tokens, logprobs, logz, top = pipe.run(
         hidden.contiguous(), weight, bias, row, n_real=vocab_size, merge=merge,
-        num_samples=num_samples, need_mass=return_logprobs or merge != "max", filters=filters)
+        num_samples=num_samples, need_mass=return_logprobs or merge != "max", filters=filters,
+        constraints=constraints)
     return P.package(tokens, logprobs, logz, num_samples, return_logprobs, top)

@@ -21,7 +21,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import records
 from . import filters as F
-from .kernels import filter_fallback, filter_records, fused_sample, gluon_pingpong, gluon_sample, reduce_records
+from .kernels import (filter_fallback, filter_records, fused_sample, gluon_pingpong, gluon_sample,
+                      listed_records as listed_records_kernel, reduce_records)
 from .params import Filters, RowParams
 from .plan import Plan, cdiv
 from .replay import run_kernel, run_step
@@ -57,28 +58,34 @@ def logits_fp32(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def stage1(plan: Plan, hidden: torch.Tensor, weight: torch.Tensor, bias, params: RowParams,
-           out: torch.Tensor, *, n_real: int, vocab_start: int = 0, fanout=None, trace=None):
+           out: torch.Tensor, *, n_real: int, vocab_start: int = 0, fanout=None, trace=None,
+           mask: torch.Tensor | None = None):
     """Records [S, B, T, 4] of (a shard of) the LM head into `out` (any strides that
     records.check_layout accepts), by the plan's strategy.
 
     hidden [B, D] and weight [V_rows, D] (16-bit or fp32, rows contiguous); bias fp32
     [V_rows] or None; params: per-row (inv_temp, seed, offset); rows [n_real, V_rows) are
     padding; fanout: see the module docstring; trace: the pp kernel's int64 [tiles, 4]
-    clock buffer when plan.trace (tools/probe.py)."""
+    clock buffer when plan.trace (tools/probe.py); mask: int32 [B, W], bit i of a row allows
+    global id i (tpsample/constraints.py; the fused and records-pass kernels only)."""
     S, B, T = plan.num_samples, hidden.shape[0], out.shape[2]
     records.check_layout(out, (records.planes(S, plan.candidates), B, T, records.WIDTH))
     cfg = plan.cfg
     peers, parity = fanout if fanout is not None else (None, None)
     common = dict(bias=bias, params=params, out=out, n_real=n_real, vocab_start=vocab_start,
                   peers=peers, parity=parity)
+    if plan.strategy in ("pp", "ws") and mask is not None:
+        raise ValueError(f"the {plan.strategy} kernel has no mask epilogue (the plan avoids it "
+                         "for constrained calls)")
     if plan.strategy == "pp":
         return _pp(plan, cfg, hidden, weight, trace=trace, **common)
     if plan.strategy == "ws":
         return _ws(plan, cfg, hidden, weight, **common)
-    return _triton(plan, cfg, hidden, weight, **common)
+    return _triton(plan, cfg, hidden, weight, mask=mask, **common)
 
 
-def _triton(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start, peers, parity):
+def _triton(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start, peers, parity,
+            mask=None):
     """The fused kernel or the records pass over cuBLAS logits ("logits")."""
     B, D = hidden.shape
     V_rows, T = weight.shape[0], out.shape[2]
@@ -90,6 +97,11 @@ def _triton(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start
     if plan.candidates or not plan.replacement:
         consts.update(CANDIDATES=records.CANDIDATES if plan.candidates else 0,
                       NO_REPLACE=not plan.replacement, RAW_MASS=plan.raw_mass)
+    tail = (seed, 0)  # (never read without HAS_MASK)
+    if mask is not None:
+        consts.update(CANDIDATES=records.CANDIDATES if plan.candidates else 0,
+                      NO_REPLACE=not plan.replacement, RAW_MASS=plan.raw_mass, HAS_MASK=True)
+        tail = (mask, mask.stride(0))
     options = dict(num_warps=cfg["num_warps"])
     grid = (cdiv(B, cfg["BLOCK_B"]), T)
     peers = peers if peers is not None else seed  # never read when NUM_PEERS == 0
@@ -99,8 +111,8 @@ def _triton(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start
         logits = run_step(logits_fp32, (hidden, weight))
         run_kernel(fused_sample.logits_records_kernel, grid, (
             logits, bias_arg, params.inv_temp, seed, params.offset, out, B, V_rows, n_real,
-            vocab_start, plan.num_samples, logits.stride(0), *out.stride()[:3], peers, parity),
-            consts, options)
+            vocab_start, plan.num_samples, logits.stride(0), *out.stride()[:3], peers, parity,
+            *tail), consts, options)
         return out
     w_arg = weight
     if cfg["W_DESC"]:  # W through the tensor-memory accelerator (host-built descriptor)
@@ -113,8 +125,36 @@ def _triton(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start
     run_kernel(fused_sample.fused_sample_records_kernel, grid, (
         hidden, w_arg, bias_arg, params.inv_temp, seed, params.offset, out,
         B, D, V_rows, n_real, vocab_start, plan.num_samples,
-        hidden.stride(0), weight.stride(0), *out.stride()[:3], peers, parity), consts, options)
+        hidden.stride(0), weight.stride(0), *out.stride()[:3], peers, parity, *tail), consts,
+        options)
     return out
+
+
+def listed_records(plan: Plan, hidden: torch.Tensor, weight: torch.Tensor, bias,
+                   params: RowParams, c, eff_mask: torch.Tensor, out: torch.Tensor, tile: int, *,
+                   n_real: int, vocab_start: int = 0, fanout=None):
+    """The extra tile of a call with listed tokens (kernels/listed_records.py): its records
+    into tile `tile` of `out` [planes, B, T + 1, 4] (every plane, or every peer's with
+    fanout), and this slot's listed bits cleared in eff_mask (int32 [B, W], a copy of the
+    allowed mask or all ones) before stage 1 reads it."""
+    B, D = hidden.shape
+    K = c.ids.shape[1]
+    peers, parity = fanout if fanout is not None else (None, None)
+    dummy = params.inv_temp
+    run_kernel(listed_records_kernel.listed_records_kernel, (B,), (
+        hidden, weight, bias if bias is not None else dummy, c.ids, c.values,
+        c.penalty if c.penalty is not None else dummy, c.mask if c.mask is not None else eff_mask,
+        eff_mask, params.inv_temp, params.seed, params.offset, out,
+        peers if peers is not None else params.seed, parity if parity is not None else params.seed,
+        K, D, n_real, vocab_start, plan.num_samples, hidden.stride(0), weight.stride(0),
+        c.ids.stride(0), (c.mask if c.mask is not None else eff_mask).stride(0),
+        eff_mask.stride(0), *out.stride()[:3], tile),
+        dict(HAS_BIAS=bias is not None, HAS_PENALTY=c.penalty is not None,
+             HAS_MASK=c.mask is not None, BLOCK_K=max(16, 1 << (K - 1).bit_length()),
+             BLOCK_D=64, NUM_PEERS=0 if peers is None else peers.shape[-1],
+             CANDIDATES=records.CANDIDATES if plan.candidates else 0,
+             NO_REPLACE=not plan.replacement, RAW_MASS=plan.raw_mass),
+        dict(num_warps=4))
 
 
 @functools.lru_cache(maxsize=64)
@@ -286,23 +326,41 @@ def stage2_filtered(plan: Plan, recs: torch.Tensor, params: RowParams, filters: 
 
 def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params: RowParams,
                        filters: Filters, out: F.FilteredOutput, logits: torch.Tensor,
-                       count: torch.Tensor, *, n_real: int, vocab_start: int = 0) -> None:
+                       count: torch.Tensor, *, n_real: int, vocab_start: int = 0,
+                       constraints=None, eff_mask: torch.Tensor | None = None) -> None:
     """The exact fallback of one device's call, after stage2_filtered and with no host
     synchronisation (kernels/filter_fallback.py): the rows flagged in out.fallback get their
     logits recomputed into `logits` (fp32 [B, tiles * TILE], scratch) and their outputs
-    redone in `out`; count (int32 [1]) gains the number of such rows."""
+    redone in `out`; count (int32 [1]) gains the number of such rows. constraints
+    (tpsample/constraints.py): the rows' logits take the mask (eff_mask: the tile pass's,
+    when the call lists tokens) and then the listed tokens' adjusted logits."""
     B, D = hidden.shape
     N = logits.shape[1]
     S = out.tokens.shape[1]
     n = filters.top_n
     dummy = params.inv_temp
+    c = constraints
+    mask = None if c is None else (eff_mask if c.listed else c.mask)
     run_kernel(filter_fallback.fallback_logits_kernel, (N // records.TILE,), (
         hidden, weight, bias if bias is not None else dummy, params.inv_temp, out.fallback,
         logits, B, weight.shape[0], n_real, D, hidden.stride(0), weight.stride(0),
-        logits.stride(0)),
+        logits.stride(0), mask if mask is not None else out.fallback,
+        mask.stride(0) if mask is not None else 0, vocab_start),
         dict(HAS_BIAS=bias is not None, BLOCK_V=records.TILE, BLOCK_D=64,
-             BLOCK_F=min(1024, max(16, 1 << (B - 1).bit_length()))),
+             BLOCK_F=min(1024, max(16, 1 << (B - 1).bit_length())), HAS_MASK=mask is not None),
         dict(num_warps=4))
+    if c is not None and c.listed:
+        K = c.ids.shape[1]
+        allowed = c.mask if c.mask is not None else eff_mask
+        run_kernel(listed_records_kernel.listed_fallback_kernel, (B,), (
+            hidden, weight, bias if bias is not None else dummy, c.ids, c.values,
+            c.penalty if c.penalty is not None else dummy, allowed, params.inv_temp,
+            out.fallback, logits, K, D, n_real, vocab_start, hidden.stride(0), weight.stride(0),
+            c.ids.stride(0), allowed.stride(0), logits.stride(0)),
+            dict(HAS_BIAS=bias is not None, HAS_PENALTY=c.penalty is not None,
+                 HAS_MASK=c.mask is not None, BLOCK_K=max(16, 1 << (K - 1).bit_length()),
+                 BLOCK_D=64),
+            dict(num_warps=4))
     run_kernel(filter_fallback.fallback_rows_kernel, (B,), (
         logits, logits.stride(0), N, vocab_start, params.inv_temp, params.seed, params.offset,
         filters.top_k if filters.top_k is not None else dummy,

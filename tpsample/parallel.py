@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from . import constraints as C
 from . import params as P
 from .pipeline import Pipeline
 from .records import num_tiles
@@ -49,11 +50,13 @@ class VocabParallelSampler:
 
     Call: sampler(hidden [B, D], temperature=1.0, seed=None, offset=0, bias=None,
     num_samples=1, return_logprobs=False, top_k=None, top_p=None, min_p=None,
-    top_logprobs=0, replacement=True, logprobs_mode="processed") → exactly what
-    tpsample.sample returns, with global token ids, identical on every rank (filtered rows:
-    the same tokens as tpsample.sample on the full weight, whatever the merge). hidden,
-    temperature, seed, offset and the filters must be equal on all ranks; bias is this
-    rank's slice [V_r]. With world > 1, calls with filters, top_logprobs, replacement=False
+    top_logprobs=0, replacement=True, logprobs_mode="processed", allowed_mask=None,
+    logit_adjust=None, repetition_penalty=None) → exactly what tpsample.sample returns, with
+    global token ids, identical on every rank (filtered rows: the same tokens as
+    tpsample.sample on the full weight, whatever the merge). hidden, temperature, seed,
+    offset, the filters and the constraints must be equal on all ranks (allowed_mask the
+    full [B, ceil(vocab / 32)] mask, logit_adjust's ids global ids: each rank uses the bits
+    and ids of its own range); bias is this rank's slice [V_r]. With world > 1, calls with filters, top_logprobs, replacement=False
     or logprobs_mode="raw" read the fallback flags back to the host (one synchronisation per
     call; such calls cannot be captured in a CUDA graph): a row without a certificate needs
     its logit shards from every rank (tpsample/filters.py, 5.).
@@ -111,6 +114,7 @@ class VocabParallelSampler:
         self.shard_starts = starts
         self.n_real = max(0, min(V_r, vocab_size - vocab_start))
         self.tiles = max(num_tiles(v) for (v, _, _, _) in layouts)
+        self.rows_total = sum(v for (v, _, _, _) in layouts)
         self.transport.reserve(max_batch * self.tiles * 4)
 
         base = torch.randint(0, P.SEED_HIGH, (1,), dtype=torch.int64)
@@ -158,17 +162,22 @@ class VocabParallelSampler:
         P.check_vocab_size(vocab_size, total, "the rows all shards cover")
 
     # -- the call ----------------------------------------------------------------------------
-    def _check_call(self, hidden, num_samples):
+    def _check_call(self, hidden, num_samples, constraints):
+        layout = (-1 if constraints.mask is None else constraints.mask.shape[1],
+                  -1 if constraints.ids is None else constraints.ids.shape[1])
         meta = torch.tensor([hidden.shape[0], hidden.shape[1], num_samples, MERGE_IDS[self.merge],
-                             P.FLOAT_DTYPES.index(hidden.dtype)], dtype=torch.int64, device=self.device)
+                             P.FLOAT_DTYPES.index(hidden.dtype), *layout], dtype=torch.int64,
+                            device=self.device)
         allm = torch.empty(self.world, meta.numel(), dtype=torch.int64, device=self.device)
         work = all_gather_flat(allm.view(-1), meta, group=self.group, async_op=True)
         self.transport.wait(work, "the per-call input check")
         allm = allm.cpu()
         if not (allm == allm[0]).all():
-            names = ["B", "D", "num_samples", "merge", "dtype"]
+            names = ["B", "D", "num_samples", "merge", "dtype", "allowed_mask width",
+                     "logit_adjust width"]
             bad = [n for i, n in enumerate(names) if not (allm[:, i] == allm[0, i]).all()]
-            raise ValueError(f"ranks disagree on {', '.join(bad)}: per-rank (B, D, num_samples, merge, dtype) = "
+            raise ValueError(f"ranks disagree on {', '.join(bad)}: per-rank (B, D, num_samples, "
+                             f"merge, dtype, mask words, adjust ids) = "
                              f"{allm.tolist()}; every rank must call the sampler with the same batch")
 
     def __call__(self, hidden: torch.Tensor, temperature: float | torch.Tensor = 1.0,
@@ -176,15 +185,18 @@ class VocabParallelSampler:
                  bias: torch.Tensor | None = None, num_samples: int = 1,
                  return_logprobs: bool = False, top_k=None, top_p=None, min_p=None,
                  top_logprobs: int = 0, replacement: bool = True,
-                 logprobs_mode: str = "processed") -> torch.Tensor | P.SampleOutput:
+                 logprobs_mode: str = "processed", allowed_mask: torch.Tensor | None = None,
+                 logit_adjust=None, repetition_penalty=None) -> torch.Tensor | P.SampleOutput:
         P.check_hidden_weight(hidden, self.weight, "weight_shard")
         P.check_options(num_samples, self.merge)
         if return_logprobs and not self.logprobs:
             raise ValueError("return_logprobs=True, but this sampler was built with logprobs=False")
         bias = P.check_bias(bias, self.weight.shape[0], hidden.device)
+        constraints = C.check_constraints(hidden, allowed_mask, logit_adjust, repetition_penalty,
+                                          self.vocab_size, self.rows_total)
         capturing = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
         if self.check_inputs and not capturing:  # a host sync cannot be captured
-            self._check_call(hidden, num_samples)
+            self._check_call(hidden, num_samples, constraints)
         B = hidden.shape[0]
         if seed is None:
             seed = torch.randint(0, P.SEED_HIGH, (B,), dtype=torch.int64, device=self.device,
@@ -203,7 +215,7 @@ class VocabParallelSampler:
         tokens, logprobs, logz, top = self.pipeline.run(
             hidden.contiguous(), self.weight, bias, row, n_real=self.n_real, merge=self.merge,
             num_samples=num_samples, need_mass=self.logprobs, vocab_start=self.vocab_start,
-            tiles=self.tiles, filters=filters)
+            tiles=self.tiles, filters=filters, constraints=constraints)
         return P.package(tokens, logprobs, logz, num_samples, return_logprobs, top)
 
 

@@ -21,6 +21,7 @@ import warnings
 
 import torch
 
+from . import constraints as C
 from . import filters as F
 from . import launchers, merge, records, replay
 from .params import NO_FILTERS, Filters, RowParams
@@ -69,6 +70,11 @@ class Pipeline:
         dev = 0 if self.device_fallback_rows is None else int(self.device_fallback_rows.item())
         return self.host_fallback_rows + dev
 
+    @staticmethod
+    def _mask_words(weight: torch.Tensor, vocab_start: int) -> int:
+        """Words of a mask covering this slot's global ids."""
+        return C.mask_words(vocab_start + weight.shape[0])
+
     def _device_fallbacks(self) -> torch.Tensor:
         if self.device_fallback_rows is None:
             self.device_fallback_rows = torch.zeros(1, dtype=torch.int32, device=self.device)
@@ -76,7 +82,7 @@ class Pipeline:
 
     def plan(self, hidden: torch.Tensor, weight: torch.Tensor, *, merge: str, num_samples: int,
              need_mass: bool, vocab_start: int = 0, tiles: int | None = None,
-             filters: Filters = NO_FILTERS) -> Plan:
+             filters: Filters = NO_FILTERS, masked: bool = False) -> Plan:
         """The plan of a call with these tensors (what run() uses when given none)."""
         kind = DeviceKind.of(hidden.device)
         fan = self.transport.fanout()
@@ -86,14 +92,15 @@ class Pipeline:
                          need_mass=need_mass, layout=layout, tiles=tiles,
                          slots=self.transport.world, backend=self.backend,
                          candidates=special(filters), replacement=filters.replacement,
-                         raw_mass=filters.raw)
+                         raw_mass=filters.raw, masked=masked)
         _warn_gluon_fallback(plan, kind)
         return plan
 
     def run(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             params: RowParams, *, n_real: int, merge: str, num_samples: int, need_mass: bool,
             vocab_start: int = 0, tiles: int | None = None, plan: Plan | None = None,
-            trace: torch.Tensor | None = None, filters: Filters = NO_FILTERS):
+            trace: torch.Tensor | None = None, filters: Filters = NO_FILTERS,
+            constraints: C.Constraints = C.NO_CONSTRAINTS):
         """tokens int64 [B, S], logprobs fp32 [B, S], logz fp32 [B] and top (None, or
         (top_tokens int64 [B, n], top_logprobs fp32 [B, n])) of one call.
 
@@ -101,35 +108,41 @@ class Pipeline:
         [vocab_start, vocab_start + V_rows)), bias fp32 [V_rows] or None, params per row;
         rows [n_real, V_rows) are padding; tiles: tiles per slot (default: this weight's);
         plan: an explicit plan (tools) instead of make_plan's; trace: see launchers.stage1;
-        filters: tpsample/filters.py (the plan then emits candidate planes)."""
+        filters: tpsample/filters.py (the plan then emits candidate planes); constraints:
+        tpsample/constraints.py (listed tokens add one tile per slot)."""
         if special(filters):
             return self._run_filtered(hidden, weight, bias, params, n_real=n_real, merge=merge,
                                       num_samples=num_samples, vocab_start=vocab_start,
-                                      tiles=tiles, filters=filters)
+                                      tiles=tiles, filters=filters, constraints=constraints)
         B = hidden.shape[0]
         T = tiles if tiles is not None else records.num_tiles(weight.shape[0])
-        mine, full = self.transport.slots(num_samples * B * T * records.WIDTH)
+        Tx = T + int(constraints.listed)  # tiles per slot in the records
+        mine, full = self.transport.slots(num_samples * B * Tx * records.WIDTH)
         if self.backend == "torch":
             plan = plan or self.plan(hidden, weight, merge=merge, num_samples=num_samples,
-                                     need_mass=need_mass, vocab_start=vocab_start, tiles=T)
+                                     need_mass=need_mass, vocab_start=vocab_start, tiles=T,
+                                     masked=constraints.any)
             rec = records_torch(hidden, weight, bias=bias, inv_temp=params.inv_temp,
                                 seed=params.seed, offset=params.offset, num_samples=num_samples,
-                                n_real=n_real, vocab_start=vocab_start, num_tiles=T, cdf=plan.cdf)
-            records.records_view(mine, num_samples, B, T).copy_(rec)
+                                n_real=n_real, vocab_start=vocab_start, num_tiles=T, cdf=plan.cdf,
+                                constraints=constraints)
+            records.records_view(mine, num_samples, B, Tx).copy_(rec)
             self.transport.exchange(mine, full)
-            return (*merge_records(records.records_view(full, num_samples, B, T), params, merge),
+            return (*merge_records(records.records_view(full, num_samples, B, Tx), params, merge),
                     None)
 
         fanout = self.transport.fanout()
         fixed = weight is self.fixed_weight
         per_call = dict(hidden=hidden, inv_temp=params.inv_temp, seed=params.seed,
-                        offset=params.offset, bias=bias)
+                        offset=params.offset, bias=bias,
+                        **constraint_tensors(constraints, B, self._mask_words(weight, vocab_start),
+                                             hidden.device))
         if not fixed:
             per_call["weight"] = weight
         key = None
         if hidden.is_cuda and trace is None and replay.Replay.usable():
             key = (plan, hidden.device, hidden.shape, hidden.stride(), n_real, vocab_start, T,
-                   num_samples, merge, need_mass, self.transport.key(),
+                   num_samples, merge, need_mass, self.transport.key(), constraint_key(constraints),
                    replay.tensor_key(tuple(per_call.values())),
                    None if fixed else (weight.shape, weight.stride()))
             # (the records buffers need no key: fresh ones are allocator-aligned, and the
@@ -138,22 +151,24 @@ class Pipeline:
             if hit is not None:
                 stage1, stage2 = hit
                 stream = replay.current_stream(hidden.device.index)
-                stage1(stream, records=mine, **per_call)
+                stage1(stream, records=records.records_view(mine, num_samples, B, Tx,
+                                                            fanout is not None), **per_call)
                 self.transport.exchange(mine, full)
                 out = replay.reduce_outputs(B, num_samples, hidden.device)
                 stage2(stream, records=full, **out, **per_call)
                 return out["tokens"], out["logprobs"], out["logz"], None
 
         plan = plan or self.plan(hidden, weight, merge=merge, num_samples=num_samples,
-                                 need_mass=need_mass, vocab_start=vocab_start, tiles=T)
+                                 need_mass=need_mass, vocab_start=vocab_start, tiles=T,
+                                 masked=constraints.any)
         tile_major = fanout is not None  # P2P stores: one contiguous run per stage-1 program
-        out_view = records.records_view(mine, num_samples, B, T, tile_major)
+        out_view = records.records_view(mine, num_samples, B, Tx, tile_major)
         with replay.record() as log1:
-            launchers.stage1(plan, hidden, weight, bias, params, out_view, n_real=n_real,
-                             vocab_start=vocab_start, fanout=fanout[:2] if fanout else None,
-                             trace=trace)
+            stage1_constrained(plan, hidden, weight, bias, params, out_view, per_call,
+                               constraints, n_real=n_real, vocab_start=vocab_start,
+                               fanout=fanout[:2] if fanout else None, trace=trace)
         self.transport.exchange(mine, full)
-        full_view = records.records_view(full, num_samples, B, T, tile_major)
+        full_view = records.records_view(full, num_samples, B, Tx, tile_major)
         with replay.record() as log2:
             tokens, logprobs, logz = launchers.stage2(
                 plan, full_view, params, *(fanout[1:] if fanout else ()))
@@ -163,39 +178,43 @@ class Pipeline:
         return tokens, logprobs, logz, None
 
     def _run_filtered(self, hidden, weight, bias, params: RowParams, *, n_real: int, merge: str,
-                      num_samples: int, vocab_start: int, tiles: int | None, filters: Filters):
+                      num_samples: int, vocab_start: int, tiles: int | None, filters: Filters,
+                      constraints: C.Constraints = C.NO_CONSTRAINTS):
         """A call with candidate planes (tpsample/filters.py): stage 1 with candidates, the
         exchange, the call's merge over the sample planes, the candidate reduce, and the exact
         fallback for rows without a certificate: on the device for a one-device Triton call
         (no host synchronisation), else from the host (one synchronisation per call)."""
         B, S = hidden.shape[0], num_samples
         T = tiles if tiles is not None else records.num_tiles(weight.shape[0])
+        Tx = T + int(constraints.listed)
         planes = records.planes(S, True)
-        mine, full = self.transport.slots(planes * B * T * records.WIDTH)
+        mine, full = self.transport.slots(planes * B * Tx * records.WIDTH)
         if self.backend == "torch":
             plan = self.plan(hidden, weight, merge=merge, num_samples=S, need_mass=True,
-                             vocab_start=vocab_start, tiles=T, filters=filters)
+                             vocab_start=vocab_start, tiles=T, filters=filters,
+                             masked=constraints.any)
             rec = records_torch(hidden, weight, bias=bias, inv_temp=params.inv_temp,
                                 seed=params.seed, offset=params.offset, num_samples=S,
                                 n_real=n_real, vocab_start=vocab_start, num_tiles=T,
                                 cdf=plan.cdf and filters.replacement, candidates=True,
-                                replacement=filters.replacement)
-            records.records_view(mine, planes, B, T).copy_(rec)
+                                replacement=filters.replacement, constraints=constraints)
+            records.records_view(mine, planes, B, Tx).copy_(rec)
             self.transport.exchange(mine, full)
-            recs = records.records_view(full, planes, B, T)
+            recs = records.records_view(full, planes, B, Tx)
             base = merge_records(recs[:, :S], params, merge if filters.replacement else "max")
             out = F.reduce_candidates(recs, params, filters, S, base)
         else:
             on_device = self.transport.world == 1 and self._device_fallback_now(hidden)
             out = self._filtered_launches(hidden, weight, bias, params, merge, S, n_real,
-                                          vocab_start, T, filters, mine, full, on_device)
+                                          vocab_start, T, filters, mine, full, on_device,
+                                          constraints)
             if on_device:
                 self.candidate_rows += B
                 self._watch_device_fallbacks(hidden)
                 top = (out.top_tokens, out.top_logprobs) if filters.top_n else None
                 return out.tokens, out.logprobs, out.logz, top
         return self._fallback(out, hidden, weight, bias, params, filters, n_real, vocab_start,
-                              T, S)
+                              T, S, constraints)
 
     def _device_fallback_now(self, hidden) -> bool:
         """Whether this one-device call takes the device fallback (else the host's).
@@ -231,17 +250,21 @@ class Pipeline:
         self._fallback_seen = (event, self._fallback_copy, before)
 
     def _filtered_launches(self, hidden, weight, bias, params, merge, S, n_real, vocab_start,
-                           T, filters, mine, full, on_device: bool) -> F.FilteredOutput:
+                           T, filters, mine, full, on_device: bool,
+                           constraints: C.Constraints) -> F.FilteredOutput:
         """Stage 1, exchange and launchers.stage2_filtered, replayed like run()'s launches
         (the key adds the filters' layout; their per-row tensors are per-call tensors)."""
         B = hidden.shape[0]
+        Tx = T + int(constraints.listed)
         planes = records.planes(S, True)
         fanout = self.transport.fanout()
         tile_major = fanout is not None
         fixed = weight is self.fixed_weight
         per_call = dict(hidden=hidden, inv_temp=params.inv_temp, seed=params.seed,
                         offset=params.offset, bias=bias, top_k=filters.top_k,
-                        top_p=filters.top_p, min_p=filters.min_p)
+                        top_p=filters.top_p, min_p=filters.min_p,
+                        **constraint_tensors(constraints, B, self._mask_words(weight, vocab_start),
+                                             hidden.device))
         if not fixed:
             per_call["weight"] = weight
         if on_device:  # the exact fallback on the device
@@ -251,28 +274,31 @@ class Pipeline:
         if hidden.is_cuda and replay.Replay.usable():
             key = ("filtered", on_device, merge, S, hidden.device, hidden.shape, hidden.stride(),
                    n_real, vocab_start, T, filters._replace(top_k=None, top_p=None, min_p=None),
+                   constraint_key(constraints),
                    self.transport.key(), replay.tensor_key(tuple(per_call.values())),
                    None if fixed else (weight.shape, weight.stride()))
             hit = self.replays.get(key)
             if hit is not None:
                 stage1, stage2 = hit
                 stream = replay.current_stream(hidden.device.index)
-                recs = records.records_view(mine, planes, B, T, tile_major)
+                recs = records.records_view(mine, planes, B, Tx, tile_major)
                 stage1(stream, records=recs, **per_call)
                 self.transport.exchange(mine, full)
-                recs = records.records_view(full, planes, B, T, tile_major)
+                recs = records.records_view(full, planes, B, Tx, tile_major)
                 out = launchers.filtered_outputs(B, S, filters.top_n, hidden.device)
                 stage2(stream, records=recs, sample_records=recs[:, :S], **out._asdict(),
                        **per_call)
                 return out
         plan = self.plan(hidden, weight, merge=merge, num_samples=S, need_mass=True,
-                         vocab_start=vocab_start, tiles=T, filters=filters)
-        out_view = records.records_view(mine, planes, B, T, tile_major)
+                         vocab_start=vocab_start, tiles=T, filters=filters,
+                         masked=constraints.any)
+        out_view = records.records_view(mine, planes, B, Tx, tile_major)
         with replay.record() as log1:
-            launchers.stage1(plan, hidden, weight, bias, params, out_view, n_real=n_real,
-                             vocab_start=vocab_start, fanout=fanout[:2] if fanout else None)
+            stage1_constrained(plan, hidden, weight, bias, params, out_view, per_call,
+                               constraints, n_real=n_real, vocab_start=vocab_start,
+                               fanout=fanout[:2] if fanout else None)
         self.transport.exchange(mine, full)
-        recs = records.records_view(full, planes, B, T, tile_major)
+        recs = records.records_view(full, planes, B, Tx, tile_major)
         out = launchers.filtered_outputs(B, S, filters.top_n, hidden.device)
         head = recs[:, :S]
         with replay.record() as log2:
@@ -282,13 +308,14 @@ class Pipeline:
                 launchers.fallback_on_device(hidden, weight, bias, params, filters, out,
                                              per_call["fallback_logits"],
                                              self._device_fallbacks(), n_real=n_real,
-                                             vocab_start=vocab_start)
+                                             vocab_start=vocab_start, constraints=constraints,
+                                             eff_mask=per_call.get("eff_mask"))
         self.replays.add(key, log1, dict(per_call, records=out_view), log2,
                          dict(per_call, records=recs, sample_records=head, **out._asdict()))
         return out
 
     def _fallback(self, out: F.FilteredOutput, hidden, weight, bias, params, filters, n_real,
-                  vocab_start, T, S):
+                  vocab_start, T, S, constraints: C.Constraints = C.NO_CONSTRAINTS):
         """5. of tpsample/filters.py: the rows without a certificate, from their full logits
         (under TP every rank gathers the rows' logit shards: the flags agree on every rank,
         computed from the same records)."""
@@ -307,7 +334,12 @@ class Pipeline:
             V_rows = weight.shape[0]
             raw = launchers.logits_fp32(hidden[rows], weight)
             valid = (torch.arange(V_rows, device=hidden.device) < n_real)[None, :]
-            local[:R, :V_rows] = transform(raw, bias, inv, valid)
+            if constraints.any:
+                raw = C.apply_dense(raw if bias is None else raw + bias, vocab_start,
+                                    constraints, rows, n_real)
+                local[:R, :V_rows] = transform(raw, None, inv, valid)
+            else:
+                local[:R, :V_rows] = transform(raw, bias, inv, valid)
             local[R] = torch.arange(vocab_start, vocab_start + n_pad, device=hidden.device,
                                     dtype=torch.float32)
             every = self.transport.all_gather(local)  # [world, R + 1, n_pad]
@@ -326,6 +358,46 @@ class Pipeline:
             top_lp[rows] = f_top_lp.float()
         top = (top_tok, top_lp) if filters.top_n else None
         return tokens, logprobs, logz, top
+
+
+def constraint_tensors(c: C.Constraints, B: int, words: int, device) -> dict:
+    """The per-call tensors of a call's constraints (replay substitutes them): the allowed
+    mask, the listed ids / values / penalties, and `eff`, the mask the tile pass reads with
+    the listed tokens' bits cleared (a fresh copy per call; listed_records_kernel clears)."""
+    out = {}
+    if c.mask is not None:
+        out["allowed_mask"] = c.mask
+    if c.listed:
+        out.update(adjust_ids=c.ids, adjust_values=c.values, eff_mask=(
+            c.mask.clone() if c.mask is not None else
+            torch.full((B, words), -1, dtype=torch.int32, device=device)))
+        if c.penalty is not None:
+            out["penalty"] = c.penalty
+    return out
+
+
+def constraint_key(c: C.Constraints) -> tuple:
+    """What a replay depends on in the constraints: which are present and their shapes."""
+    return tuple(None if t is None else tuple(t.shape) for t in c)
+
+
+def stage1_constrained(plan: Plan, hidden, weight, bias, params: RowParams, out_view,
+                       per_call: dict, c: C.Constraints, *, n_real: int, vocab_start: int,
+                       fanout, trace=None) -> None:
+    """launchers.stage1, after the extra tile (the last tile of out_view) when the call has
+    listed tokens; the tile pass reads the allowed mask, or its copy without the listed
+    tokens (tpsample/constraints.py)."""
+    if c.listed:
+        T = out_view.shape[2] - 1
+        launchers.listed_records(plan, hidden, weight, bias, params, c, per_call["eff_mask"],
+                                 out_view, T, n_real=n_real, vocab_start=vocab_start,
+                                 fanout=fanout)
+        launchers.stage1(plan, hidden, weight, bias, params, out_view[:, :, :T], n_real=n_real,
+                         vocab_start=vocab_start, fanout=fanout, trace=trace,
+                         mask=per_call["eff_mask"])
+    else:
+        launchers.stage1(plan, hidden, weight, bias, params, out_view, n_real=n_real,
+                         vocab_start=vocab_start, fanout=fanout, trace=trace, mask=c.mask)
 
 
 def special(filters: Filters) -> bool:

@@ -153,6 +153,7 @@ class Plan:
     candidates: bool = False        # candidate planes for filters / top log-probs (filters.py)
     replacement: bool = True        # False: sample planes hold each tile's best S scores
     raw_mass: bool = False          # the raw plane holds the tile log-masses at T = 1
+    masked: bool = False            # an allowed-token mask / listed tokens (constraints.py)
 
     @property
     def cfg(self) -> dict:
@@ -168,7 +169,8 @@ class Plan:
             f"tpsample plan: B={self.B} D={self.D} V={self.V} {self.dtype} merge={self.merge} "
             f"num_samples={self.num_samples} need_mass={self.need_mass} on {self.device}"
             + (" candidates" if self.candidates else "")
-            + ("" if self.replacement else " without replacement"),
+            + ("" if self.replacement else " without replacement")
+            + (" constrained" if self.masked else ""),
             f"  layout: vocab_start={lay.vocab_start} tma_aligned={lay.tma} peers={lay.peers} "
             f"tiles={self.tiles} slots={self.slots}",
             f"  stage 1: {self.strategy} " + " ".join(f"{k}={v}" for k, v in self.config),
@@ -249,12 +251,13 @@ def make_plan(device: DeviceKind, *, B: int, D: int, V: int, dtype: torch.dtype,
               merge: str = "max", num_samples: int = 1, need_mass: bool = True,
               layout: Layout = Layout(), tiles: int | None = None, slots: int = 1,
               backend: str = "triton", config: dict | None = None, candidates: bool = False,
-              replacement: bool = True, raw_mass: bool = False) -> Plan:
+              replacement: bool = True, raw_mass: bool = False, masked: bool = False) -> Plan:
     """Resolve one call shape into a Plan (see the module docstring). V: rows of this
     (shard of the) LM head; tiles: the tiles per slot (>= its own, under TP the largest
     shard's); slots: the ranks whose records stage 2 reduces. config: an explicit stage-1
     config (tools, tests) instead of the table; the fallbacks still apply. candidates,
-    replacement: the call's filtered-sampling needs (tpsample/filters.py)."""
+    replacement: the call's filtered-sampling needs (tpsample/filters.py); masked: the call
+    has an allowed-token mask or listed tokens (tpsample/constraints.py)."""
     if merge == "cdf" and not need_mass:
         raise ValueError("merge='cdf' needs the tile log-masses (need_mass=True)")
     if not replacement and merge != "max":
@@ -263,7 +266,7 @@ def make_plan(device: DeviceKind, *, B: int, D: int, V: int, dtype: torch.dtype,
     common = dict(B=B, D=D, V=V, tiles=tiles, slots=slots, num_samples=num_samples,
                   dtype=DTYPE_NAMES.get(dtype, str(dtype)), merge=merge, need_mass=need_mass,
                   layout=layout, device=device.label, candidates=candidates,
-                  replacement=replacement, raw_mass=raw_mass)
+                  replacement=replacement, raw_mass=raw_mass, masked=masked)
     if backend == "torch":
         return Plan("torch", "torch", source="backend='torch' (CPU path)", **common)
 
@@ -306,6 +309,8 @@ def make_plan(device: DeviceKind, *, B: int, D: int, V: int, dtype: torch.dtype,
     if (candidates or not replacement) and cfg["strategy"] in ("ws", "pp"):
         cfg = fall(TO_LOGITS_CANDIDATES,
                    "the Gluon kernels have no candidate / without-replacement epilogue")
+    if masked and cfg["strategy"] in ("ws", "pp"):
+        cfg = fall(TO_LOGITS, "the Gluon kernels have no mask epilogue")
 
     cfg = _resolve(cfg, device, B, D, dtype, merge, num_samples, layout, replacement)
     group = merge in GROUP_MERGES
@@ -357,7 +362,7 @@ def _resolve(cfg: dict, device: DeviceKind, B: int, D: int, dtype, merge: str, n
 def explain(B: int, D: int, V: int, *, dtype: torch.dtype = torch.bfloat16, device=None,
             merge: str = "max", num_samples: int = 1, return_logprobs: bool = False,
             vocab_start: int = 0, world: int = 1, peers: int = 0, aligned: bool = True,
-            filtered: bool = False, replacement: bool = True) -> Plan:
+            filtered: bool = False, replacement: bool = True, constrained: bool = False) -> Plan:
     """The Plan tpsample would use for a call: print it to see which kernels run and why.
 
     B, D, V: batch, hidden size, rows of the (shard of the) LM head. device: None (the
@@ -367,7 +372,8 @@ def explain(B: int, D: int, V: int, *, dtype: torch.dtype = torch.bfloat16, devi
     vocab_start, world: the shard's first id and the TP degree; peers: ranks the records
     are stored into directly (symmetric memory: world; else 0); aligned: whether hidden's
     and weight's rows are 16-byte aligned; filtered: the call sets top_k / top_p / min_p /
-    top_logprobs or logprobs_mode="raw"; replacement: as in tpsample.sample."""
+    top_logprobs or logprobs_mode="raw"; replacement: as in tpsample.sample; constrained:
+    the call passes allowed_mask or logit_adjust."""
     if device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if isinstance(device, str) and device in ("h100", "h200"):
@@ -382,7 +388,8 @@ def explain(B: int, D: int, V: int, *, dtype: torch.dtype = torch.bfloat16, devi
     return make_plan(kind, B=B, D=D, V=V, dtype=dtype, merge=merge, num_samples=num_samples,
                      need_mass=return_logprobs or merge != "max" or filtered or not replacement,
                      layout=Layout(vocab_start, aligned, peers), slots=world, backend=backend,
-                     candidates=filtered or not replacement, replacement=replacement)
+                     candidates=filtered or not replacement, replacement=replacement,
+                     masked=constrained)
 
 
 def with_options(plan: Plan, **changes) -> Plan:

@@ -75,16 +75,45 @@ def filtered_rows(l: torch.Tensor, inv_temp: torch.Tensor, seed: torch.Tensor,
     return tokens, logprobs, lz, ids[:, :n], top
 
 
+def constrained_logits(logits: torch.Tensor, allowed_mask=None, logit_adjust=None,
+                       repetition_penalty=None) -> torch.Tensor:
+    """The semantics of tpsample/constraints.py on full rows: logits [B, V] (bias applied,
+    before the temperature) → the same dtype, with the mask (-inf where the bit is 0), then
+    the repetition penalty (once per listed token) and the summed adjustments."""
+    B, V = logits.shape
+    x = logits.clone()
+    if logit_adjust is not None:
+        ids, values = logit_adjust
+        listed = torch.zeros(B, V, dtype=torch.int64, device=x.device)
+        add = torch.zeros(B, V, dtype=x.dtype, device=x.device)
+        rows = torch.arange(B, device=x.device)[:, None].expand_as(ids)
+        real = ids >= 0
+        listed.index_put_((rows[real], ids[real]), torch.ones_like(ids[real]), accumulate=True)
+        add.index_put_((rows[real], ids[real]), values[real].to(x.dtype), accumulate=True)
+        if repetition_penalty is not None:
+            r = torch.as_tensor(repetition_penalty, dtype=x.dtype, device=x.device)
+            r = r.expand(B)[:, None]
+            x = torch.where((listed > 0) & (x > 0), x / r, torch.where(listed > 0, x * r, x))
+        x = torch.where(listed > 0, x + add, x)
+    if allowed_mask is not None:
+        i = torch.arange(V, device=x.device)
+        bits = (allowed_mask.long()[:, i // 32] >> (i % 32)) & 1
+        x = x.masked_fill(bits == 0, float("-inf"))
+    return x
+
+
 def transformed_logits(hidden: torch.Tensor, weight: torch.Tensor, *,
                        temperature: float | torch.Tensor = 1.0, bias: torch.Tensor | None = None,
-                       vocab_size: int | None = None) -> torch.Tensor:
-    """l = ((h @ W.T) + bias) / T in fp32, -inf from vocab_size on; T = 0 rows use T = 1,
-    and temperatures take the limits tpsample.sample gives them. [B, V]."""
+                       vocab_size: int | None = None, allowed_mask=None, logit_adjust=None,
+                       repetition_penalty=None) -> torch.Tensor:
+    """l = ((h @ W.T) + bias, constrained) / T in fp32, -inf from vocab_size on; T = 0 rows
+    use T = 1, and temperatures take the limits tpsample.sample gives them. [B, V]."""
     V = weight.shape[0]
     vocab_size = V if vocab_size is None else vocab_size
     logits = hidden.float() @ weight.float().T
     if bias is not None:
         logits = logits + bias.float()
+    logits = constrained_logits(logits, allowed_mask, logit_adjust, repetition_penalty)
     inv = P.row_params(hidden, temperature, 0, 0).inv_temp.to(logits.device)
     logits = logits * torch.where(inv == 0, torch.ones_like(inv), inv)[:, None]
     logits[:, vocab_size:] = float("-inf")
@@ -126,12 +155,15 @@ def reference_sample(hidden: torch.Tensor, weight: torch.Tensor, *,
                      vocab_size: int | None = None, num_samples: int = 1, merge: str = "max",
                      tile: int = TILE, top_k=None, top_p=None, min_p=None,
                      top_logprobs: int = 0, replacement: bool = True,
-                     logprobs_mode: str = "processed") -> ReferenceOutput:
+                     logprobs_mode: str = "processed", allowed_mask=None, logit_adjust=None,
+                     repetition_penalty=None) -> ReferenceOutput:
     """Full-row Gumbel-max (merge="max") or Group-Gumbel-Max over `tile`-token groups, the
     token in the chosen group by Gumbel-max ("logmass") or inverse CDF ("cdf"). Arguments
     as tpsample.sample (checked the same way); tile: a positive multiple of 4. With
     filters, top_logprobs, replacement=False or logprobs_mode="raw": filtered_rows (rows
-    with filters sample by Gumbel-max over their kept set whatever the merge)."""
+    with filters sample by Gumbel-max over their kept set whatever the merge). The
+    constraints (tpsample/constraints.py) with merge "max" only: the group merges put the
+    listed tokens in a group of their own, which this full-row reference does not model."""
     P.check_hidden_weight(hidden, weight)
     B, V = hidden.shape[0], weight.shape[0]
     vocab_size = P.check_vocab_size(V if vocab_size is None else vocab_size, V)
@@ -141,7 +173,13 @@ def reference_sample(hidden: torch.Tensor, weight: torch.Tensor, *,
     bias = P.check_bias(bias, V, hidden.device)
     row = P.row_params(hidden, temperature, seed, offset)
     dev = hidden.device
-    l = transformed_logits(hidden, weight, temperature=temperature, bias=bias, vocab_size=vocab_size)
+    if logit_adjust is not None and merge != "max":
+        raise ValueError("reference_sample: logit_adjust with merge='max' only")
+    from .constraints import check_constraints
+    check_constraints(hidden, allowed_mask, logit_adjust, repetition_penalty, vocab_size, V)
+    l = transformed_logits(hidden, weight, temperature=temperature, bias=bias,
+                           vocab_size=vocab_size, allowed_mask=allowed_mask,
+                           logit_adjust=logit_adjust, repetition_penalty=repetition_penalty)
     greedy = row.inv_temp == 0
     seed, offset = row.seed, row.offset
     ids = torch.arange(V, device=dev)[None, :]

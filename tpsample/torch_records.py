@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import merge, noise
+from .constraints import NO_CONSTRAINTS, Constraints, listed_records, tile_pass
 from .records import CANDIDATE_PLANES, CANDIDATES, CDF_SUBGROUPS, TILE, planes
 
 
@@ -114,7 +115,8 @@ def cdf_pick(lt: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor, sample:
 def records_torch(hidden: torch.Tensor, weight: torch.Tensor, *, bias, inv_temp, seed, offset,
                   num_samples: int, n_real: int, vocab_start: int = 0, num_tiles: int | None = None,
                   tile: int = TILE, chunk_tiles: int = 64, cdf: bool = False,
-                  candidates: bool = False, replacement: bool = True) -> torch.Tensor:
+                  candidates: bool = False, replacement: bool = True,
+                  constraints: Constraints = NO_CONSTRAINTS, raw_mass: bool = True) -> torch.Tensor:
     """Records for rows [0, weight.shape[0]) of a (shard of the) LM head.
 
     hidden [B, D], weight [V_rows, D] any float dtype (computed in fp32); bias [V_rows]
@@ -129,8 +131,8 @@ def records_torch(hidden: torch.Tensor, weight: torch.Tensor, *, bias, inv_temp,
     T = num_tiles if num_tiles is not None else -(-V_rows // tile)
     h = hidden.float()
     greedy = inv_temp == 0
-    out = torch.empty(planes(num_samples, candidates), B, T, 4, dtype=torch.float32,
-                      device=hidden.device)
+    out = torch.empty(planes(num_samples, candidates), B, T + int(constraints.listed), 4,
+                      dtype=torch.float32, device=hidden.device)
     step = tile * chunk_tiles
     for t0 in range(0, T * tile, step):
         t1 = min(t0 + step, T * tile)
@@ -144,13 +146,22 @@ def records_torch(hidden: torch.Tensor, weight: torch.Tensor, *, bias, inv_temp,
             b = torch.zeros(t1 - t0, dtype=torch.float32, device=hidden.device)
             b[: max(r1 - t0, 0)] = bias[t0:r1]
         valid = (rows < n_real)[None, :]
+        if constraints.any:
+            logits = tile_pass(logits if b is None else logits + b, vocab_start + t0,
+                               constraints, n_real - t0)
+            b = None
         l = transform(logits, b, inv_temp, valid)
         gid = vocab_start + rows
         span = slice(t0 // tile, t1 // tile)
         out[:num_samples, :, span] = tile_records(l, gid, greedy, seed, offset, num_samples, tile,
                                                   cdf, replacement)
         if candidates:
-            raw = transform(logits, b, torch.ones_like(inv_temp), valid)
+            raw = transform(logits, b, torch.ones_like(inv_temp), valid) if raw_mass else l
             out[num_samples:, :, span] = candidate_records(no_nan(l), raw,
                                                            gid, tile)
+    if constraints.listed:
+        out[:, :, T:] = listed_records(
+            hidden, weight, bias, constraints, inv_temp, seed, offset, num_samples=num_samples,
+            n_real=n_real, vocab_start=vocab_start, candidates=candidates,
+            replacement=replacement, raw_mass=raw_mass)
     return out

@@ -1,0 +1,179 @@
+"""The extra tile of constrained decoding (tpsample/constraints.py, 2.): per row, the tokens
+listed in logit_adjust that fall in this slot's range, scored from their own dot products,
+adjusted, and written as one more tile's records; and their bits cleared in the call's copy
+of the mask, so the tile pass leaves them out.
+
+One program per row. The records are those of tile_records_epilogue for a tile whose tokens
+are the row's distinct listed ids (Gumbel-max with the same Philox words, ties to the smaller
+id), so stage 2, the candidate reduce and the fallback read it like any other tile;
+constraints.listed_records is the same in torch.
+"""
+import triton
+import triton.language as tl
+
+from .. import records
+from .fused_sample import NOISE_COEF, _max_propagating_nan, gumbel_log, philox_word, put_record
+
+NO_TOKEN = tl.constexpr(records.MAX_VOCAB)
+
+
+@triton.jit
+def _one(x):
+    """A scalar as a [1] tensor (put_record stores one record per column)."""
+    return x + tl.zeros([1], dtype=x.dtype)
+
+
+@triton.jit
+def _best(z, l, idkey):
+    """(best score, its id (the smallest among equal scores; 0 when none), its logit)."""
+    best = tl.max(z, axis=0)
+    tok = tl.min(tl.where(z == best, idkey, NO_TOKEN), axis=0)
+    tok = tl.where(tok == NO_TOKEN, 0, tok)
+    logit = tl.max(tl.where(idkey == tok, l, float("-inf")), axis=0)
+    return best, tok, logit
+
+
+@triton.jit
+def listed_logits(h_ptr, w_ptr, bias_ptr, ids_ptr, values_ptr, penalty_ptr, mask_ptr, b, K, D,
+                  n_real, vocab_start, stride_hb, stride_wv, stride_ids, stride_mask,
+                  HAS_BIAS: tl.constexpr, HAS_PENALTY: tl.constexpr, HAS_MASK: tl.constexpr,
+                  BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Row b's listed tokens [BLOCK_K]: ids (int64), ok (in this slot's range), keep (ok, the
+    first entry of its id, allowed), locc (the weight row; 0 where not ok) and x, the
+    adjusted logit before the temperature (-inf where not keep)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    row_ids = ids_ptr + b.to(tl.int64) * stride_ids
+    row_vals = values_ptr + b.to(tl.int64) * stride_ids
+    ids = tl.load(row_ids + offs_k, mask=offs_k < K, other=-1)
+    loc = ids - vocab_start
+    ok = (ids >= 0) & (loc >= 0) & (loc < n_real)
+    # a repeated id: its first entry carries the sum of its values, the others leave
+    first = ok
+    vsum = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for j0 in tl.static_range(0, BLOCK_K, 16):
+        jj = j0 + tl.arange(0, 16)
+        id_j = tl.load(row_ids + jj, mask=jj < K, other=-2)
+        v_j = tl.load(row_vals + jj, mask=jj < K, other=0.0)
+        eq = ids[:, None] == id_j[None, :]
+        dup = tl.max((eq & (jj[None, :] < offs_k[:, None])).to(tl.int32), axis=1)
+        first = first & (dup == 0)
+        vsum += tl.sum(tl.where(eq, v_j[None, :], 0.0), axis=1)
+    keep = first
+    if HAS_MASK:
+        word = tl.load(mask_ptr + b.to(tl.int64) * stride_mask + (ids >> 5), mask=ok, other=0)
+        keep = keep & (((word >> (ids & 31).to(tl.int32)) & 1) != 0)
+    locc = tl.where(ok, loc, 0)
+    acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        md = offs_d < D
+        hv = tl.load(h_ptr + b.to(tl.int64) * stride_hb + offs_d, mask=md, other=0.0)
+        wv = tl.load(w_ptr + locc[:, None] * stride_wv + offs_d[None, :],
+                     mask=keep[:, None] & md[None, :], other=0.0)
+        acc += tl.sum(wv.to(tl.float32) * hv.to(tl.float32)[None, :], axis=1)
+    x = acc
+    if HAS_BIAS:
+        x += tl.load(bias_ptr + locc, mask=keep, other=0.0)
+    if HAS_PENALTY:
+        r = tl.load(penalty_ptr + b)
+        x = tl.where(x > 0, x / r, x * r)
+    x = tl.where(keep, x + vsum, float("-inf"))
+    return ids, ok, keep, locc, x
+
+
+@triton.jit
+def listed_records_kernel(
+    h_ptr, w_ptr, bias_ptr, ids_ptr, values_ptr, penalty_ptr, mask_ptr, eff_ptr,
+    inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr, peer_ptrs, parity_ptr,
+    K, D, n_real, vocab_start, num_samples, stride_hb, stride_wv, stride_ids, stride_mask,
+    stride_eff, rec_stride_s, rec_stride_b, rec_stride_t, tile,
+    HAS_BIAS: tl.constexpr, HAS_PENALTY: tl.constexpr, HAS_MASK: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PEERS: tl.constexpr,
+    CANDIDATES: tl.constexpr, NO_REPLACE: tl.constexpr, RAW_MASS: tl.constexpr,
+):
+    """Row b: ids/values [B, K] (int64 -1 padded / fp32), penalty [B], mask int32 [B, W] (the
+    allowed mask, HAS_MASK) → the records of tile `tile` (every plane), and eff [B, W] (the
+    mask the tile pass reads) with this slot's listed bits cleared. Rows [0, n_real) of w are
+    this slot's real tokens, global ids vocab_start + row."""
+    b = tl.program_id(0)
+    ids, ok, keep, locc, x = listed_logits(
+        h_ptr, w_ptr, bias_ptr, ids_ptr, values_ptr, penalty_ptr, mask_ptr, b, K, D, n_real,
+        vocab_start, stride_hb, stride_wv, stride_ids, stride_mask, HAS_BIAS, HAS_PENALTY,
+        HAS_MASK, BLOCK_K, BLOCK_D)
+    tl.atomic_and(eff_ptr + b.to(tl.int64) * stride_eff + (ids >> 5),
+                  ~(1 << (ids & 31).to(tl.int32)), mask=ok)
+    inv = tl.load(inv_temp_ptr + b)
+    greedy = inv == 0.0
+    l = x * tl.where(greedy, 1.0, inv)
+    m = tl.reduce(l, 0, _max_propagating_nan)
+    l = tl.where(l != l, float("-inf"), l)
+    m_safe = tl.where(tl.abs(m) == float("inf"), 0.0, m)
+    lse = tl.where(m != m, m, m_safe + tl.log(tl.sum(tl.exp(l - m_safe), axis=0)))
+    idkey = tl.where(keep, ids, NO_TOKEN)
+
+    seed = tl.load(seed_ptr + b)
+    off = tl.load(offset_ptr + b)
+    off_lo = (off & 0xFFFFFFFF).to(tl.uint32)
+    off_hi = ((off >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    gid = tl.where(ids >= 0, ids, 0)
+    coef = tl.where(greedy, 0.0, NOISE_COEF)
+    mask_b = _one(b) < 1 << 30
+    rec = _one(b.to(tl.int64) * rec_stride_b + tl.cast(tile, tl.int64) * rec_stride_t)
+    lse1 = _one(lse)
+    if NO_REPLACE:
+        z = tl.fma(gumbel_log(philox_word(seed, off_lo, off_hi, tl.cast(0, tl.uint32), gid)),
+                   coef, l)
+        for s in range(num_samples):
+            best, tok, logit = _best(z, l, idkey)
+            put_record(rec_ptr, rec + s * rec_stride_s, _one(best), _one(tok.to(tl.float32)),
+                       _one(logit), lse1, mask_b, peer_ptrs, parity_ptr, NUM_PEERS)
+            z = tl.where(idkey == tok, float("-inf"), z)
+    else:
+        for s in range(num_samples):
+            z = tl.fma(gumbel_log(philox_word(seed, off_lo, off_hi, tl.cast(s, tl.uint32), gid)),
+                       coef, l)
+            best, tok, logit = _best(z, l, idkey)
+            put_record(rec_ptr, rec + s * rec_stride_s, _one(best), _one(tok.to(tl.float32)),
+                       _one(logit), lse1, mask_b, peer_ptrs, parity_ptr, NUM_PEERS)
+    if CANDIDATES > 0:
+        c = l
+        cand = rec + num_samples * rec_stride_s
+        for j in tl.static_range(CANDIDATES // 2):
+            x_a, i_a, _a = _best(c, c, idkey)
+            c = tl.where(idkey == i_a, float("-inf"), c)
+            x_b, i_b, _b = _best(c, c, idkey)
+            c = tl.where(idkey == i_b, float("-inf"), c)
+            put_record(rec_ptr, cand + j * rec_stride_s, _one(x_a), _one(i_a.to(tl.float32)),
+                       _one(x_b), _one(i_b.to(tl.float32)), mask_b, peer_ptrs, parity_ptr,
+                       NUM_PEERS)
+        if RAW_MASS:
+            r_m = tl.reduce(x, 0, _max_propagating_nan)
+            xr = tl.where(x != x, float("-inf"), x)
+            r_s = tl.where(tl.abs(r_m) == float("inf"), 0.0, r_m)
+            raw = tl.where(r_m != r_m, r_m, r_s + tl.log(tl.sum(tl.exp(xr - r_s), axis=0)))
+        else:
+            raw = lse
+        zero = tl.zeros([1], dtype=tl.float32)
+        put_record(rec_ptr, cand + (CANDIDATES // 2) * rec_stride_s, _one(raw), zero, zero,
+                   zero, mask_b, peer_ptrs, parity_ptr, NUM_PEERS)
+
+
+@triton.jit
+def listed_fallback_kernel(
+    h_ptr, w_ptr, bias_ptr, ids_ptr, values_ptr, penalty_ptr, mask_ptr, inv_temp_ptr, flag_ptr,
+    out_ptr, K, D, n_real, vocab_start, stride_hb, stride_wv, stride_ids, stride_mask, stride_ob,
+    HAS_BIAS: tl.constexpr, HAS_PENALTY: tl.constexpr, HAS_MASK: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """The device fallback's full rows (kernels/filter_fallback.py): for the rows with
+    flag[b] != 0, the listed tokens' transformed logits into out [B, >= V_rows] fp32 at their
+    rows, after fallback_logits_kernel wrote -inf there (their bits are cleared in its mask)."""
+    b = tl.program_id(0)
+    if tl.load(flag_ptr + b) != 0:
+        ids, ok, keep, locc, x = listed_logits(
+            h_ptr, w_ptr, bias_ptr, ids_ptr, values_ptr, penalty_ptr, mask_ptr, b, K, D, n_real,
+            vocab_start, stride_hb, stride_wv, stride_ids, stride_mask, HAS_BIAS, HAS_PENALTY,
+            HAS_MASK, BLOCK_K, BLOCK_D)
+        inv = tl.load(inv_temp_ptr + b)
+        l = x * tl.where(inv == 0.0, 1.0, inv)
+        tl.store(out_ptr + b.to(tl.int64) * stride_ob + locc, l, mask=keep)
