@@ -3,7 +3,9 @@ listed in logit_adjust that fall in this slot's range, scored from their own dot
 adjusted, and written as one more tile's records; and their bits cleared in the call's copy
 of the mask, so the tile pass leaves them out.
 
-One program per row. The records are those of tile_records_epilogue for a tile whose tokens
+listed_dots_kernel: the dot products, split over ids and D into many programs (partials
+summed in a fixed order after, so the logits do not depend on scheduling);
+listed_records_kernel: one program per row. The records are those of tile_records_epilogue for a tile whose tokens
 are the row's distinct listed ids (Gumbel-max with the same Philox words, ties to the smaller
 id), so stage 2, the candidate reduce and the fallback read it like any other tile;
 constraints.listed_records is the same in torch.
@@ -34,13 +36,47 @@ def _best(z, l, idkey):
 
 
 @triton.jit
-def listed_logits(h_ptr, w_ptr, bias_ptr, ids_ptr, values_ptr, penalty_ptr, mask_ptr, b, K, D,
-                  n_real, vocab_start, stride_hb, stride_wv, stride_ids, stride_mask,
-                  HAS_BIAS: tl.constexpr, HAS_PENALTY: tl.constexpr, HAS_MASK: tl.constexpr,
-                  BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+def listed_dots_kernel(h_ptr, w_ptr, ids_ptr, dots_ptr, eff_ptr, K, D, n_real, vocab_start,
+                       stride_hb, stride_wv, stride_ids, stride_eff, SPLIT_D,
+                       BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_K: tl.constexpr,
+                       CLEAR: tl.constexpr):
+    """Program (b, j, s): the partial dot products h[b] . w[id] over dims [s·SPLIT_D,
+    (s + 1)·SPLIT_D) of the listed ids [j·CHUNK_K, (j + 1)·CHUNK_K) of row b in this slot's
+    range, into dots [B, splits, BLOCK_K] (0 for the others). Many small programs: one
+    program per row would walk D serially (~100 µs at D = 4096). CLEAR: programs (b, j, 0)
+    also clear those ids' bits in eff [B, W], the mask the tile pass reads."""
+    b = tl.program_id(0)
+    j = tl.program_id(1)
+    sp = tl.program_id(2)
+    offs_k = j * CHUNK_K + tl.arange(0, CHUNK_K)
+    ids = tl.load(ids_ptr + b.to(tl.int64) * stride_ids + offs_k, mask=offs_k < K, other=-1)
+    loc = ids - vocab_start
+    ok = (ids >= 0) & (loc >= 0) & (loc < n_real)
+    if CLEAR:
+        if sp == 0:
+            tl.atomic_and(eff_ptr + b.to(tl.int64) * stride_eff + (ids >> 5),
+                          ~(1 << (ids & 31).to(tl.int32)), mask=ok)
+    locc = tl.where(ok, loc, 0)
+    acc = tl.zeros([CHUNK_K], dtype=tl.float32)
+    for d0 in range(sp * SPLIT_D, tl.minimum(D, (sp + 1) * SPLIT_D), BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        md = offs_d < D
+        hv = tl.load(h_ptr + b.to(tl.int64) * stride_hb + offs_d, mask=md, other=0.0)
+        wv = tl.load(w_ptr + locc[:, None] * stride_wv + offs_d[None, :],
+                     mask=ok[:, None] & md[None, :], other=0.0)
+        acc += tl.sum(wv.to(tl.float32) * hv.to(tl.float32)[None, :], axis=1)
+    splits = tl.num_programs(2)
+    tl.store(dots_ptr + (b.to(tl.int64) * splits + sp) * BLOCK_K + offs_k, acc)
+
+
+@triton.jit
+def listed_logits(dots_ptr, bias_ptr, ids_ptr, values_ptr, penalty_ptr, mask_ptr, b, K, SPLITS,
+                  n_real, vocab_start, stride_ids, stride_mask, HAS_BIAS: tl.constexpr,
+                  HAS_PENALTY: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_K: tl.constexpr):
     """Row b's listed tokens [BLOCK_K]: ids (int64), ok (in this slot's range), keep (ok, the
     first entry of its id, allowed), locc (the weight row; 0 where not ok) and x, the
-    adjusted logit before the temperature (-inf where not keep)."""
+    adjusted logit before the temperature (-inf where not keep); the dot products from
+    listed_dots_kernel's partials, summed in a fixed order."""
     offs_k = tl.arange(0, BLOCK_K)
     row_ids = ids_ptr + b.to(tl.int64) * stride_ids
     row_vals = values_ptr + b.to(tl.int64) * stride_ids
@@ -63,15 +99,9 @@ def listed_logits(h_ptr, w_ptr, bias_ptr, ids_ptr, values_ptr, penalty_ptr, mask
         word = tl.load(mask_ptr + b.to(tl.int64) * stride_mask + (ids >> 5), mask=ok, other=0)
         keep = keep & (((word >> (ids & 31).to(tl.int32)) & 1) != 0)
     locc = tl.where(ok, loc, 0)
-    acc = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        offs_d = d0 + tl.arange(0, BLOCK_D)
-        md = offs_d < D
-        hv = tl.load(h_ptr + b.to(tl.int64) * stride_hb + offs_d, mask=md, other=0.0)
-        wv = tl.load(w_ptr + locc[:, None] * stride_wv + offs_d[None, :],
-                     mask=keep[:, None] & md[None, :], other=0.0)
-        acc += tl.sum(wv.to(tl.float32) * hv.to(tl.float32)[None, :], axis=1)
-    x = acc
+    x = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for sp in range(SPLITS):
+        x += tl.load(dots_ptr + (b.to(tl.int64) * SPLITS + sp) * BLOCK_K + offs_k)
     if HAS_BIAS:
         x += tl.load(bias_ptr + locc, mask=keep, other=0.0)
     if HAS_PENALTY:
@@ -83,25 +113,21 @@ def listed_logits(h_ptr, w_ptr, bias_ptr, ids_ptr, values_ptr, penalty_ptr, mask
 
 @triton.jit
 def listed_records_kernel(
-    h_ptr, w_ptr, bias_ptr, ids_ptr, values_ptr, penalty_ptr, mask_ptr, eff_ptr,
+    dots_ptr, bias_ptr, ids_ptr, values_ptr, penalty_ptr, mask_ptr,
     inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr, peer_ptrs, parity_ptr,
-    K, D, n_real, vocab_start, num_samples, stride_hb, stride_wv, stride_ids, stride_mask,
-    stride_eff, rec_stride_s, rec_stride_b, rec_stride_t, tile,
+    K, SPLITS, n_real, vocab_start, num_samples, stride_ids, stride_mask,
+    rec_stride_s, rec_stride_b, rec_stride_t, tile,
     HAS_BIAS: tl.constexpr, HAS_PENALTY: tl.constexpr, HAS_MASK: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PEERS: tl.constexpr,
+    BLOCK_K: tl.constexpr, NUM_PEERS: tl.constexpr,
     CANDIDATES: tl.constexpr, NO_REPLACE: tl.constexpr, RAW_MASS: tl.constexpr,
 ):
     """Row b: ids/values [B, K] (int64 -1 padded / fp32), penalty [B], mask int32 [B, W] (the
-    allowed mask, HAS_MASK) → the records of tile `tile` (every plane), and eff [B, W] (the
-    mask the tile pass reads) with this slot's listed bits cleared. Rows [0, n_real) of w are
-    this slot's real tokens, global ids vocab_start + row."""
+    allowed mask, HAS_MASK), dots (listed_dots_kernel) → the records of tile `tile` (every
+    plane). Rows [0, n_real) of this slot are its real tokens, global ids vocab_start + row."""
     b = tl.program_id(0)
     ids, ok, keep, locc, x = listed_logits(
-        h_ptr, w_ptr, bias_ptr, ids_ptr, values_ptr, penalty_ptr, mask_ptr, b, K, D, n_real,
-        vocab_start, stride_hb, stride_wv, stride_ids, stride_mask, HAS_BIAS, HAS_PENALTY,
-        HAS_MASK, BLOCK_K, BLOCK_D)
-    tl.atomic_and(eff_ptr + b.to(tl.int64) * stride_eff + (ids >> 5),
-                  ~(1 << (ids & 31).to(tl.int32)), mask=ok)
+        dots_ptr, bias_ptr, ids_ptr, values_ptr, penalty_ptr, mask_ptr, b, K, SPLITS, n_real,
+        vocab_start, stride_ids, stride_mask, HAS_BIAS, HAS_PENALTY, HAS_MASK, BLOCK_K)
     inv = tl.load(inv_temp_ptr + b)
     greedy = inv == 0.0
     l = x * tl.where(greedy, 1.0, inv)
@@ -160,10 +186,10 @@ def listed_records_kernel(
 
 @triton.jit
 def listed_fallback_kernel(
-    h_ptr, w_ptr, bias_ptr, ids_ptr, values_ptr, penalty_ptr, mask_ptr, inv_temp_ptr, flag_ptr,
-    out_ptr, K, D, n_real, vocab_start, stride_hb, stride_wv, stride_ids, stride_mask, stride_ob,
+    dots_ptr, bias_ptr, ids_ptr, values_ptr, penalty_ptr, mask_ptr, inv_temp_ptr, flag_ptr,
+    out_ptr, K, SPLITS, n_real, vocab_start, stride_ids, stride_mask, stride_ob,
     HAS_BIAS: tl.constexpr, HAS_PENALTY: tl.constexpr, HAS_MASK: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """The device fallback's full rows (kernels/filter_fallback.py): for the rows with
     flag[b] != 0, the listed tokens' transformed logits into out [B, >= V_rows] fp32 at their
@@ -171,9 +197,8 @@ def listed_fallback_kernel(
     b = tl.program_id(0)
     if tl.load(flag_ptr + b) != 0:
         ids, ok, keep, locc, x = listed_logits(
-            h_ptr, w_ptr, bias_ptr, ids_ptr, values_ptr, penalty_ptr, mask_ptr, b, K, D, n_real,
-            vocab_start, stride_hb, stride_wv, stride_ids, stride_mask, HAS_BIAS, HAS_PENALTY,
-            HAS_MASK, BLOCK_K, BLOCK_D)
+            dots_ptr, bias_ptr, ids_ptr, values_ptr, penalty_ptr, mask_ptr, b, K, SPLITS, n_real,
+            vocab_start, stride_ids, stride_mask, HAS_BIAS, HAS_PENALTY, HAS_MASK, BLOCK_K)
         inv = tl.load(inv_temp_ptr + b)
         l = x * tl.where(inv == 0.0, 1.0, inv)
         tl.store(out_ptr + b.to(tl.int64) * stride_ob + locc, l, mask=keep)

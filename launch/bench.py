@@ -45,6 +45,13 @@ engines' torch fallbacks do), matmul + torch.topk(50) then top-p / min-p (topk_k
 FlashInfer's top_k_top_p_sampling_from_logits (fi_k50p09, if importable); plus the rows that took
 the exact fallback. Writes OUT/filters.json.
 
+--constraints (one device): constrained decoding on the same head: a random-half allowed mask
+(tps_mask), 64 listed logit adjustments per row (tps_adj64; tps_adj64_nc without the host
+check of their contents, TPSAMPLE_CHECK_TENSORS=0), both with a repetition penalty
+(tps_mask_adj), the mask with the three filters (tps_mask_kpm), against the plain call, mm,
+and matmul + the mask applied in torch + softmax/multinomial or a Gumbel argmax (FlashInfer's
+sampling_from_logits if importable). Writes OUT/constraints.json.
+
 --doc PATH --label NAME: (re)writes the section of PATH between `<!-- bench:NAME -->` and
 `<!-- /bench:NAME -->` (appended if absent) with this run's tables, the command, device and
 versions, and the plots in docs/img/ beside it. --report renders TP runs (several tp<N>.json:
@@ -416,8 +423,62 @@ def filter_variants(h, w) -> dict:
     return variants
 
 
-def run_filters(args):
+def constraint_variants(h, w) -> dict:
+    """--constraints: the plain call, a random-half allowed mask, 64 listed adjustments per
+    row, both with a repetition penalty, the mask with the three filters; baselines: matmul,
+    matmul + the mask applied in torch + softmax / multinomial (mm_mask_mult) or + a Gumbel
+    argmax (mm_mask_gumbel)."""
+    B, V = h.shape[0], w.shape[0]
+    g = torch.Generator(device=h.device).manual_seed(7)
+    words = -(-V // 32)
+    mask = torch.randint(-2 ** 31, 2 ** 31, (B, words), dtype=torch.int64, device=h.device,
+                         generator=g).to(torch.int32)
+    ids = torch.randint(0, V, (B, 64), device=h.device, generator=g)
+    values = torch.randn(B, 64, device=h.device, generator=g)
+    col = torch.arange(V, device=h.device)
+    word_of, bit_of = col >> 5, (col & 31).to(torch.int32)
+    step = itertools.count()
+
+    def call(check=True, **kw):
+        def run():
+            tpsample.knobs.CHECK_TENSORS = check  # (TPSAMPLE_CHECK_TENSORS, per variant)
+            try:
+                return tpsample.sample(h, w, seed=1234, offset=next(step), **kw)
+            finally:
+                tpsample.knobs.CHECK_TENSORS = True
+        return run
+
+    def masked_logits():
+        l = (h @ w.T).float()
+        allowed = ((mask[:, word_of] >> bit_of) & 1).bool()
+        return l.masked_fill_(~allowed, float("-inf"))
+
+    variants = {"mm": lambda: h @ w.T, "tpsample": call(),
+                "tps_mask": call(allowed_mask=mask), "tps_adj64": call(logit_adjust=(ids, values)),
+                "tps_adj64_nc": call(False, logit_adjust=(ids, values)),
+                "tps_mask_adj": call(allowed_mask=mask, logit_adjust=(ids, values),
+                                     repetition_penalty=1.2),
+                "tps_mask_kpm": call(allowed_mask=mask, top_k=50, top_p=0.9, min_p=0.05),
+                "mm_mask_mult": lambda: torch.multinomial(masked_logits().softmax(-1), 1),
+                "mm_mask_gumbel": lambda: (masked_logits()
+                                           - torch.empty(B, V, device=h.device).exponential_().log()
+                                           ).argmax(-1)}
+    try:
+        import flashinfer.sampling as fs
+        variants["fi_mask"] = lambda: fs.sampling_from_logits(masked_logits())
+    except Exception as e:  # noqa: BLE001
+        log(f"skipping FlashInfer (import failed: {type(e).__name__}: {e})")
+    return variants
+
+
+def run_constraints(args):
+    return run_filters(args, constraint_variants, "constraints.json", constraints_markdown)
+
+
+def run_filters(args, make_variants=None, json_name="filters.json", markdown=None):
     from tpsample import api
+    make_variants = make_variants or filter_variants
+    markdown = markdown or filters_markdown
     cuda = args.cuda
     device = torch.device("cuda" if cuda else "cpu")
     os.makedirs(args.out, exist_ok=True)
@@ -429,7 +490,7 @@ def run_filters(args):
         for B in args.batches:
             h, w = typical_head(D, V, B, DTYPES[args.dtype], device)
             runs, fallback = {}, {}
-            variants = filter_variants(h, w)
+            variants = make_variants(h, w)
             for p in range(args.passes):
                 for name, fn in (list if p % 2 == 0 else reversed)(list(variants.items())):
                     pipes = list(api._PIPELINES.values())
@@ -441,16 +502,16 @@ def run_filters(args):
                         fallback[name] = (after[0] - before[0]) / (after[1] - before[1])
             ms = {n: statistics.fmean(v) for n, v in runs.items()}
             rows.append({"B": B, "ms": ms, "fallback_share": fallback})
-            log(f"[filters D={D} V={V} B={B}] " + " ".join(f"{k}={v:.3f}" for k, v in ms.items())
+            log(f"[D={D} V={V} B={B}] " + " ".join(f"{k}={v:.3f}" for k, v in ms.items())
                 + " fallback " + " ".join(f"{k}={v:.2f}" for k, v in fallback.items()))
             del h, w, variants
         meta["shapes"].append({"D": D, "V": V, "floor_ms": floor_ms, "rows": rows})
-        with open(os.path.join(args.out, "filters.json"), "w") as f:
+        with open(os.path.join(args.out, json_name), "w") as f:
             json.dump(meta, f, indent=1)
-    text = filters_markdown(meta, args.doc or os.devnull, args.label or "filters")
+    text = markdown(meta, args.doc or os.devnull, args.label or json_name[:-5])
     print(text)
     if args.doc:
-        write_doc(args.doc, args.label or "filters", text)
+        write_doc(args.doc, args.label or json_name[:-5], text)
 
 
 def filters_markdown(meta: dict, doc: str, label: str) -> str:
@@ -485,7 +546,43 @@ def filters_markdown(meta: dict, doc: str, label: str) -> str:
     return "\n".join(lines)
 
 
+def constraints_markdown(meta: dict, doc: str, label: str) -> str:
+    """The section of one --constraints run: a table per shape (the costs as ratios to the
+    plain call, the baselines as ratios to the constrained call) and its plot."""
+    lines = [f"`{meta['command']}` — {meta['device']}, torch {meta['torch']}, Triton "
+             f"{meta['triton']}, {meta['date']}; median ms; mask = a random half of the "
+             "vocabulary allowed per row; adj64 = 64 listed tokens per row (logit_adjust); "
+             "mask_adj = both + repetition_penalty 1.2; mask_kpm = the mask + top_k 50, "
+             "top_p 0.9, min_p 0.05; mm_mask_* = matmul, the mask in torch, then softmax + "
+             "multinomial or a Gumbel argmax.", ""]
+    for res in meta["shapes"]:
+        names = list(dict.fromkeys(k for r in res["rows"] for k in r["ms"]))
+        base = "fi_mask" if "fi_mask" in names else "mm_mask_gumbel"
+        lines += [f"**D={res['D']}, V={res['V']}** (floor {res['floor_ms']:.3f} ms)", "",
+                  "| B | " + " | ".join(short(n) for n in names)
+                  + " | mask / plain | adj64 / plain | adj64_nc / plain | mask_adj / plain"
+                  " | mm_mask_mult / mask"
+                  f" | {short(base)} / mask |",
+                  "|---" * (len(names) + 7) + "|"]
+        for r in res["rows"]:
+            ms = r["ms"]
+            plain, mask = ms["tpsample"], ms["tps_mask"]
+            cells = [fmt(ms.get(n)) for n in names]
+            cells += [f"{mask / plain:.3f}", f"{ms['tps_adj64'] / plain:.3f}",
+                      f"{ms['tps_adj64_nc'] / plain:.3f}",
+                      f"{ms['tps_mask_adj'] / plain:.3f}", f"{ms['mm_mask_mult'] / mask:.2f}",
+                      f"{ms[base] / mask:.2f}"]
+            lines.append(f"| {r['B']} | " + " | ".join(cells) + " |")
+        png = plot_single(res, doc, label, label, main="tps_mask")
+        if png:
+            lines += ["", f"![{label} D={res['D']} V={res['V']}]({png})"]
+        lines.append("")
+    return "\n".join(lines)
+
+
 def run_single(args):
+    if args.constraints:
+        return run_constraints(args)
     if args.filters:
         return run_filters(args)
     cuda = args.cuda
@@ -846,6 +943,9 @@ def parse_args(argv=None):
     g.add_argument("--filters", action="store_true",
                    help="the filtered-sampling benchmark (tp: also top_k 50 + top_p 0.9 + "
                         "min_p 0.05 calls of each transport)")
+    g.add_argument("--constraints", action="store_true",
+                   help="the constrained-decoding benchmark: allowed mask, listed adjustments, "
+                        "repetition penalty (writes OUT/constraints.json)")
     g = p.add_argument_group("tensor parallel")
     g.add_argument("--iters", type=int, help="timed calls (default 100; CPU 20)")
     g.add_argument("--transports", help="default symm_mem,nccl (CPU: gloo)")
@@ -880,6 +980,8 @@ def main(argv=None):
         label = args.label or ("TP" if "world" in runs[0] else "single")
         if all("world" in r for r in runs):
             text = tp_markdown(runs, args.doc, label)
+        elif len(runs) == 1 and "tps_mask" in runs[0]["shapes"][0]["rows"][0]["ms"]:
+            text = constraints_markdown(runs[0], args.doc or os.devnull, label)
         elif len(runs) == 1 and "fallback_share" in runs[0]["shapes"][0]["rows"][0]:
             text = filters_markdown(runs[0], args.doc or os.devnull, label)
         elif len(runs) == 1:

@@ -44,7 +44,7 @@ from typing import NamedTuple
 
 import torch
 
-from .params import _capturing, _per_row_tensor
+from .params import skip_tensor_checks, _per_row_tensor
 
 MAX_ADJUST = 256  # ids per row of logit_adjust
 
@@ -80,7 +80,8 @@ def check_constraints(hidden: torch.Tensor, allowed_mask, logit_adjust, repetiti
     vocab_size: the real vocabulary; rows: the weight's rows over all ranks (padded). The
     mask may be ceil(vocab_size / 32) or ceil(rows / 32) words wide. Tensor contents (ids in
     range, finite values, penalties >= 1) are checked with one host synchronisation, except
-    during CUDA-graph capture, where an id outside [0, vocab_size) is ignored like padding.
+    during CUDA-graph capture or with TPSAMPLE_CHECK_TENSORS=0, where an id outside
+    [0, vocab_size) is ignored like padding.
     """
     B, dev = hidden.shape[0], hidden.device
     mask = None
@@ -148,7 +149,7 @@ def check_constraints(hidden: torch.Tensor, allowed_mask, logit_adjust, repetiti
         if ids is None:
             raise ValueError("repetition_penalty applies to the tokens listed in logit_adjust's "
                              "ids: pass logit_adjust (values may be 0)")
-    if checks and not _capturing(dev):
+    if checks and not skip_tensor_checks(dev):
         flags = torch.stack([bad.any() for *_, bad in checks]).cpu()  # one synchronisation
         for (name, rule, t, bad), hit in zip(checks, flags.tolist()):
             if hit:

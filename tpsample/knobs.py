@@ -28,6 +28,11 @@ KNOBS = (
     Knob("TPSAMPLE_GLUON", "1", ("0", "1"),
          "0: never the Hopper Gluon kernels (ws, pp); the cuBLAS + records-pass path runs "
          "where the plan would take them"),
+    Knob("TPSAMPLE_CHECK_TENSORS", "1", ("0", "1"),
+         "1: the contents of tensor arguments (temperature, top_k / top_p / min_p, logit_adjust, "
+         "repetition_penalty) are range-checked with one host synchronisation per call; 0: "
+         "never (as during CUDA-graph capture): an invalid temperature gives a degenerate row, "
+         "an id outside the vocabulary is ignored like padding"),
 )
 _BY_NAME = {k.name: k for k in KNOBS}
 
@@ -63,6 +68,7 @@ _warn_unknown()
 
 REPLAY = VALUES["TPSAMPLE_REPLAY"] == "1"
 GLUON = VALUES["TPSAMPLE_GLUON"] == "1"
+CHECK_TENSORS = VALUES["TPSAMPLE_CHECK_TENSORS"] == "1"
 
 
 def describe() -> str:

@@ -59,7 +59,7 @@ def logits_fp32(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def stage1(plan: Plan, hidden: torch.Tensor, weight: torch.Tensor, bias, params: RowParams,
            out: torch.Tensor, *, n_real: int, vocab_start: int = 0, fanout=None, trace=None,
-           mask: torch.Tensor | None = None):
+           mask: torch.Tensor | None = None, tiles: int | None = None):
     """Records [S, B, T, 4] of (a shard of) the LM head into `out` (any strides that
     records.check_layout accepts), by the plan's strategy.
 
@@ -67,7 +67,9 @@ def stage1(plan: Plan, hidden: torch.Tensor, weight: torch.Tensor, bias, params:
     [V_rows] or None; params: per-row (inv_temp, seed, offset); rows [n_real, V_rows) are
     padding; fanout: see the module docstring; trace: the pp kernel's int64 [tiles, 4]
     clock buffer when plan.trace (tools/probe.py); mask: int32 [B, W], bit i of a row allows
-    global id i (tpsample/constraints.py; the fused and records-pass kernels only)."""
+    global id i (tpsample/constraints.py; the fused and records-pass kernels only); tiles:
+    write only the first `tiles` tiles of `out` (its last one is then the extra tile of
+    constrained decoding: `out` stays the tensor a replay substitutes)."""
     S, B, T = plan.num_samples, hidden.shape[0], out.shape[2]
     records.check_layout(out, (records.planes(S, plan.candidates), B, T, records.WIDTH))
     cfg = plan.cfg
@@ -81,14 +83,16 @@ def stage1(plan: Plan, hidden: torch.Tensor, weight: torch.Tensor, bias, params:
         return _pp(plan, cfg, hidden, weight, trace=trace, **common)
     if plan.strategy == "ws":
         return _ws(plan, cfg, hidden, weight, **common)
-    return _triton(plan, cfg, hidden, weight, mask=mask, **common)
+    if tiles is not None and plan.strategy in ("pp", "ws"):
+        raise ValueError("tiles: the fused and records-pass kernels only")
+    return _triton(plan, cfg, hidden, weight, mask=mask, tiles=tiles, **common)
 
 
 def _triton(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start, peers, parity,
-            mask=None):
+            mask=None, tiles=None):
     """The fused kernel or the records pass over cuBLAS logits ("logits")."""
     B, D = hidden.shape
-    V_rows, T = weight.shape[0], out.shape[2]
+    V_rows, T = weight.shape[0], out.shape[2] if tiles is None else tiles
     seed = params.seed
     consts = dict(HAS_BIAS=bias is not None, ALIGNED4=vocab_start % 4 == 0, BLOCK_V=BLOCK_V,
                   BLOCK_B=cfg["BLOCK_B"], NUM_PEERS=0 if peers is None else peers.shape[-1],
@@ -130,28 +134,51 @@ def _triton(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start
     return out
 
 
+LISTED_CHUNK_K = 16  # listed ids per program of listed_dots_kernel
+LISTED_SPLIT_D = 512  # hidden dims per program
+
+
+def listed_dots(hidden: torch.Tensor, c) -> torch.Tensor:
+    """A fresh scratch for listed_dots_kernel: fp32 [B, splits, BLOCK_K]."""
+    B, D = hidden.shape
+    return torch.empty(B, cdiv(D, LISTED_SPLIT_D), _listed_block(c.ids.shape[1]),
+                       dtype=torch.float32, device=hidden.device)
+
+
+def _listed_block(K: int) -> int:
+    return max(16, 1 << (K - 1).bit_length())
+
+
 def listed_records(plan: Plan, hidden: torch.Tensor, weight: torch.Tensor, bias,
-                   params: RowParams, c, eff_mask: torch.Tensor, out: torch.Tensor, tile: int, *,
-                   n_real: int, vocab_start: int = 0, fanout=None):
-    """The extra tile of a call with listed tokens (kernels/listed_records.py): its records
-    into tile `tile` of `out` [planes, B, T + 1, 4] (every plane, or every peer's with
-    fanout), and this slot's listed bits cleared in eff_mask (int32 [B, W], a copy of the
-    allowed mask or all ones) before stage 1 reads it."""
+                   params: RowParams, c, eff_mask: torch.Tensor, dots: torch.Tensor,
+                   out: torch.Tensor, tile: int, *, n_real: int, vocab_start: int = 0,
+                   fanout=None):
+    """The extra tile of a call with listed tokens (kernels/listed_records.py): the listed
+    ids' dot products into `dots` (listed_dots), this slot's listed bits cleared in eff_mask
+    (int32 [B, W], a copy of the allowed mask or all ones) before stage 1 reads it, and the
+    extra tile's records into tile `tile` of `out` [planes, B, T + 1, 4] (every plane, or
+    every peer's with fanout)."""
     B, D = hidden.shape
     K = c.ids.shape[1]
+    block_k = _listed_block(K)
+    splits = dots.shape[1]
+    run_kernel(listed_records_kernel.listed_dots_kernel, (B, cdiv(K, LISTED_CHUNK_K), splits), (
+        hidden, weight, c.ids, dots, eff_mask, K, D, n_real, vocab_start, hidden.stride(0),
+        weight.stride(0), c.ids.stride(0), eff_mask.stride(0), LISTED_SPLIT_D),
+        dict(BLOCK_K=block_k, BLOCK_D=128, CHUNK_K=LISTED_CHUNK_K, CLEAR=True),
+        dict(num_warps=4))
     peers, parity = fanout if fanout is not None else (None, None)
     dummy = params.inv_temp
+    allowed = c.mask if c.mask is not None else eff_mask
     run_kernel(listed_records_kernel.listed_records_kernel, (B,), (
-        hidden, weight, bias if bias is not None else dummy, c.ids, c.values,
-        c.penalty if c.penalty is not None else dummy, c.mask if c.mask is not None else eff_mask,
-        eff_mask, params.inv_temp, params.seed, params.offset, out,
-        peers if peers is not None else params.seed, parity if parity is not None else params.seed,
-        K, D, n_real, vocab_start, plan.num_samples, hidden.stride(0), weight.stride(0),
-        c.ids.stride(0), (c.mask if c.mask is not None else eff_mask).stride(0),
-        eff_mask.stride(0), *out.stride()[:3], tile),
+        dots, bias if bias is not None else dummy, c.ids, c.values,
+        c.penalty if c.penalty is not None else dummy, allowed, params.inv_temp, params.seed,
+        params.offset, out, peers if peers is not None else params.seed,
+        parity if parity is not None else params.seed, K, splits, n_real, vocab_start,
+        plan.num_samples, c.ids.stride(0), allowed.stride(0), *out.stride()[:3], tile),
         dict(HAS_BIAS=bias is not None, HAS_PENALTY=c.penalty is not None,
-             HAS_MASK=c.mask is not None, BLOCK_K=max(16, 1 << (K - 1).bit_length()),
-             BLOCK_D=64, NUM_PEERS=0 if peers is None else peers.shape[-1],
+             HAS_MASK=c.mask is not None, BLOCK_K=block_k,
+             NUM_PEERS=0 if peers is None else peers.shape[-1],
              CANDIDATES=records.CANDIDATES if plan.candidates else 0,
              NO_REPLACE=not plan.replacement, RAW_MASS=plan.raw_mass),
         dict(num_warps=4))
@@ -327,13 +354,15 @@ def stage2_filtered(plan: Plan, recs: torch.Tensor, params: RowParams, filters: 
 def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params: RowParams,
                        filters: Filters, out: F.FilteredOutput, logits: torch.Tensor,
                        count: torch.Tensor, *, n_real: int, vocab_start: int = 0,
-                       constraints=None, eff_mask: torch.Tensor | None = None) -> None:
+                       constraints=None, eff_mask: torch.Tensor | None = None,
+                       dots: torch.Tensor | None = None) -> None:
     """The exact fallback of one device's call, after stage2_filtered and with no host
     synchronisation (kernels/filter_fallback.py): the rows flagged in out.fallback get their
     logits recomputed into `logits` (fp32 [B, tiles * TILE], scratch) and their outputs
     redone in `out`; count (int32 [1]) gains the number of such rows. constraints
     (tpsample/constraints.py): the rows' logits take the mask (eff_mask: the tile pass's,
-    when the call lists tokens) and then the listed tokens' adjusted logits."""
+    when the call lists tokens) and then the listed tokens' adjusted logits (from `dots`,
+    what listed_records computed in this call's stage 1)."""
     B, D = hidden.shape
     N = logits.shape[1]
     S = out.tokens.shape[1]
@@ -353,13 +382,12 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
         K = c.ids.shape[1]
         allowed = c.mask if c.mask is not None else eff_mask
         run_kernel(listed_records_kernel.listed_fallback_kernel, (B,), (
-            hidden, weight, bias if bias is not None else dummy, c.ids, c.values,
+            dots, bias if bias is not None else dummy, c.ids, c.values,
             c.penalty if c.penalty is not None else dummy, allowed, params.inv_temp,
-            out.fallback, logits, K, D, n_real, vocab_start, hidden.stride(0), weight.stride(0),
-            c.ids.stride(0), allowed.stride(0), logits.stride(0)),
+            out.fallback, logits, K, dots.shape[1], n_real, vocab_start, c.ids.stride(0),
+            allowed.stride(0), logits.stride(0)),
             dict(HAS_BIAS=bias is not None, HAS_PENALTY=c.penalty is not None,
-                 HAS_MASK=c.mask is not None, BLOCK_K=max(16, 1 << (K - 1).bit_length()),
-                 BLOCK_D=64),
+                 HAS_MASK=c.mask is not None, BLOCK_K=_listed_block(K)),
             dict(num_warps=4))
     run_kernel(filter_fallback.fallback_rows_kernel, (B,), (
         logits, logits.stride(0), N, vocab_start, params.inv_temp, params.seed, params.offset,

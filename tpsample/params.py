@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import knobs
 from .records import MAX_SAMPLES, MAX_VOCAB
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -144,13 +145,13 @@ def row_params(hidden: torch.Tensor, temperature, seed, offset) -> RowParams:
     """Validate and normalise temperature / seed / offset (scalars or Tensor[B]).
 
     A tensor temperature costs one host sync for its range check, except during CUDA-graph
-    capture, where an invalid row gets a NaN inverse temperature and comes back as a
+    capture or with TPSAMPLE_CHECK_TENSORS=0, where an invalid row gets a NaN inverse temperature and comes back as a
     degenerate row (token 0, logz NaN)."""
     B, dev = hidden.shape[0], hidden.device
     if isinstance(temperature, torch.Tensor):
         t = _per_row_tensor("temperature", temperature, B, dev,
                             (torch.float32, torch.float64, torch.float16, torch.bfloat16))
-        if not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        if not skip_tensor_checks(dev):
             bad = ~torch.isfinite(t) | (t < 0)
             if bool(bad.any()):
                 raise ValueError("temperature must be finite and >= 0 (0 = greedy); got "
@@ -188,8 +189,11 @@ def row_params(hidden: torch.Tensor, temperature, seed, offset) -> RowParams:
     return RowParams(inv_temp, seed_t, offset_t)
 
 
-def _capturing(device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+def skip_tensor_checks(device) -> bool:
+    """Whether tensor contents go unchecked: during CUDA-graph capture (a host
+    synchronisation cannot be captured) or with TPSAMPLE_CHECK_TENSORS=0."""
+    return not knobs.CHECK_TENSORS or (device.type == "cuda"
+                                       and torch.cuda.is_current_stream_capturing())
 
 
 def _filter_param(name: str, value, B: int, device, *, is_int: bool, ok, rule: str, off):
@@ -201,7 +205,7 @@ def _filter_param(name: str, value, B: int, device, *, is_int: bool, ok, rule: s
         dtypes = (torch.int32, torch.int64) if is_int else (torch.float32, torch.float64,
                                                             torch.float16, torch.bfloat16)
         t = _per_row_tensor(name, value, B, device, dtypes)
-        if not _capturing(device):
+        if not skip_tensor_checks(device):
             bad = ~ok(t.double())
             if bool(bad.any()):
                 raise ValueError(f"{name} must be {rule}; got {t[bad][:4].tolist()} in rows "

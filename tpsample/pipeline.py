@@ -135,8 +135,7 @@ class Pipeline:
         fixed = weight is self.fixed_weight
         per_call = dict(hidden=hidden, inv_temp=params.inv_temp, seed=params.seed,
                         offset=params.offset, bias=bias,
-                        **constraint_tensors(constraints, B, self._mask_words(weight, vocab_start),
-                                             hidden.device))
+                        **constraint_tensors(constraints, hidden, self._mask_words(weight, vocab_start)))
         if not fixed:
             per_call["weight"] = weight
         key = None
@@ -263,8 +262,7 @@ class Pipeline:
         per_call = dict(hidden=hidden, inv_temp=params.inv_temp, seed=params.seed,
                         offset=params.offset, bias=bias, top_k=filters.top_k,
                         top_p=filters.top_p, min_p=filters.min_p,
-                        **constraint_tensors(constraints, B, self._mask_words(weight, vocab_start),
-                                             hidden.device))
+                        **constraint_tensors(constraints, hidden, self._mask_words(weight, vocab_start)))
         if not fixed:
             per_call["weight"] = weight
         if on_device:  # the exact fallback on the device
@@ -309,7 +307,8 @@ class Pipeline:
                                              per_call["fallback_logits"],
                                              self._device_fallbacks(), n_real=n_real,
                                              vocab_start=vocab_start, constraints=constraints,
-                                             eff_mask=per_call.get("eff_mask"))
+                                             eff_mask=per_call.get("eff_mask"),
+                                             dots=per_call.get("listed_dots"))
         self.replays.add(key, log1, dict(per_call, records=out_view), log2,
                          dict(per_call, records=recs, sample_records=head, **out._asdict()))
         return out
@@ -360,17 +359,20 @@ class Pipeline:
         return tokens, logprobs, logz, top
 
 
-def constraint_tensors(c: C.Constraints, B: int, words: int, device) -> dict:
+def constraint_tensors(c: C.Constraints, hidden: torch.Tensor, words: int) -> dict:
     """The per-call tensors of a call's constraints (replay substitutes them): the allowed
     mask, the listed ids / values / penalties, and `eff`, the mask the tile pass reads with
-    the listed tokens' bits cleared (a fresh copy per call; listed_records_kernel clears)."""
+    the listed tokens' bits cleared (a fresh copy per call; listed_dots_kernel clears), and
+    the listed ids' dot products (a per-call scratch)."""
+    B, device = hidden.shape[0], hidden.device
     out = {}
     if c.mask is not None:
         out["allowed_mask"] = c.mask
     if c.listed:
         out.update(adjust_ids=c.ids, adjust_values=c.values, eff_mask=(
             c.mask.clone() if c.mask is not None else
-            torch.full((B, words), -1, dtype=torch.int32, device=device)))
+            torch.full((B, words), -1, dtype=torch.int32, device=device)),
+            listed_dots=launchers.listed_dots(hidden, c))
         if c.penalty is not None:
             out["penalty"] = c.penalty
     return out
@@ -390,11 +392,11 @@ def stage1_constrained(plan: Plan, hidden, weight, bias, params: RowParams, out_
     if c.listed:
         T = out_view.shape[2] - 1
         launchers.listed_records(plan, hidden, weight, bias, params, c, per_call["eff_mask"],
-                                 out_view, T, n_real=n_real, vocab_start=vocab_start,
-                                 fanout=fanout)
-        launchers.stage1(plan, hidden, weight, bias, params, out_view[:, :, :T], n_real=n_real,
+                                 per_call["listed_dots"], out_view, T, n_real=n_real,
+                                 vocab_start=vocab_start, fanout=fanout)
+        launchers.stage1(plan, hidden, weight, bias, params, out_view, n_real=n_real,
                          vocab_start=vocab_start, fanout=fanout, trace=trace,
-                         mask=per_call["eff_mask"])
+                         mask=per_call["eff_mask"], tiles=T)
     else:
         launchers.stage1(plan, hidden, weight, bias, params, out_view, n_real=n_real,
                          vocab_start=vocab_start, fanout=fanout, trace=trace, mask=c.mask)
