@@ -97,10 +97,10 @@ if AVAILABLE:
     @gluon.jit
     def _epilogue(acc_buf, acc_ready, acc_empty, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr,
                   rec_ptr, B, n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b,
-                  rec_stride_t, peer_ptrs, parity_ptr, num_tiles, num_b_tiles,
-                  HAS_BIAS: gl.constexpr, TILE_MASS: gl.constexpr, NUM_PEERS: gl.constexpr,
-                  BLOCK_V: gl.constexpr, BLOCK_B: gl.constexpr, EPI_B: gl.constexpr,
-                  EPI_WARPS: gl.constexpr):
+                  rec_stride_t, peer_ptrs, parity_ptr, num_tiles, num_b_tiles, mask_ptr,
+                  stride_mask, HAS_BIAS: gl.constexpr, TILE_MASS: gl.constexpr,
+                  NUM_PEERS: gl.constexpr, BLOCK_V: gl.constexpr, BLOCK_B: gl.constexpr,
+                  EPI_B: gl.constexpr, EPI_WARPS: gl.constexpr, HAS_MASK: gl.constexpr):
         n = 0
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             pid_v = tile // num_b_tiles
@@ -112,17 +112,18 @@ if AVAILABLE:
                     _chunk_records(acc_buf.slice(c * EPI_B, EPI_B, dim=1), pid_v, b0 + c * EPI_B,
                                    bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr, B,
                                    n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b,
-                                   rec_stride_t, peer_ptrs, parity_ptr, HAS_BIAS, TILE_MASS,
-                                   NUM_PEERS, BLOCK_V, EPI_B, EPI_WARPS)
+                                   rec_stride_t, peer_ptrs, parity_ptr, mask_ptr, stride_mask,
+                                   HAS_BIAS, TILE_MASS, NUM_PEERS, BLOCK_V, EPI_B, EPI_WARPS,
+                                   HAS_MASK)
             mbarrier.arrive(acc_empty)  # the mma warps may overwrite the buffer now
             n += 1
 
     @gluon.jit
     def _chunk_records(view, pid_v, b0, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr, B,
                        n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b, rec_stride_t,
-                       peer_ptrs, parity_ptr, HAS_BIAS: gl.constexpr, TILE_MASS: gl.constexpr,
-                       NUM_PEERS: gl.constexpr, BLOCK_V: gl.constexpr, EPI_B: gl.constexpr,
-                       EPI_WARPS: gl.constexpr):
+                       peer_ptrs, parity_ptr, mask_ptr, stride_mask, HAS_BIAS: gl.constexpr,
+                       TILE_MASS: gl.constexpr, NUM_PEERS: gl.constexpr, BLOCK_V: gl.constexpr,
+                       EPI_B: gl.constexpr, EPI_WARPS: gl.constexpr, HAS_MASK: gl.constexpr):
         """Records of columns [b0, b0 + EPI_B) of the tile in `view` [BLOCK_V, EPI_B] (rows in
         lane order: row a·Q + q holds token 4q + a, see the loader), stored at rec_ptr or, with
         NUM_PEERS > 0, into every peer's slot (see fused_sample.sample_and_store)."""
@@ -140,13 +141,20 @@ if AVAILABLE:
         coef = gl.expand_dims(noise_coef(inv_t), 0)
         scale = gl.expand_dims(gl.where(inv_t == 0.0, 1.0, inv_t), 0)
         row0 = pid_v * BLOCK_V + 4 * q  # local vocabulary row of lane 0
+        bits = row0  # (unused without HAS_MASK)
+        if HAS_MASK:  # the lanes' four bits share a word (vocab_start % 4 == 0): one load
+            g0 = vocab_start + row0
+            word = gl.load(mask_ptr + gl.expand_dims(offs_b, 0).to(gl.int64) * stride_mask
+                           + (g0 >> 5), mask=gl.expand_dims(mask_b, 0) & (row0 < n_real),
+                           other=0)
+            bits = word >> (g0 & 31)
 
         # the four lanes' transformed logits, read from shared memory once and kept in
         # registers for the max, the log-mass, the noise and the winner's logit
-        l0 = _lane(view, 0, lane_l, row0, scale, bias_ptr, n_real, HAS_BIAS)
-        l1 = _lane(view, 1, lane_l, row0, scale, bias_ptr, n_real, HAS_BIAS)
-        l2 = _lane(view, 2, lane_l, row0, scale, bias_ptr, n_real, HAS_BIAS)
-        l3 = _lane(view, 3, lane_l, row0, scale, bias_ptr, n_real, HAS_BIAS)
+        l0 = _lane(view, 0, lane_l, row0, scale, bias_ptr, n_real, HAS_BIAS, bits, HAS_MASK)
+        l1 = _lane(view, 1, lane_l, row0, scale, bias_ptr, n_real, HAS_BIAS, bits, HAS_MASK)
+        l2 = _lane(view, 2, lane_l, row0, scale, bias_ptr, n_real, HAS_BIAS, bits, HAS_MASK)
+        l3 = _lane(view, 3, lane_l, row0, scale, bias_ptr, n_real, HAS_BIAS, bits, HAS_MASK)
         # the tile max, NaN if any logit of the column is NaN (see fused_sample.py)
         m = gl.reduce(_nan_max(_nan_max(l0, l1), _nan_max(l2, l3)), 0, _nan_max)
         if TILE_MASS:
@@ -224,11 +232,15 @@ if AVAILABLE:
 
     @gluon.jit
     def _lane(view, a: gl.constexpr, layout: gl.constexpr, row0, scale, bias_ptr, n_real,
-              HAS_BIAS: gl.constexpr):
-        """Transformed logits of lane a (tokens 4q + a), read from the tile in shared memory."""
+              HAS_BIAS: gl.constexpr, bits, HAS_MASK: gl.constexpr):
+        """Transformed logits of lane a (tokens 4q + a), read from the tile in shared memory;
+        HAS_MASK: -inf where bit a of `bits` (the mask word shifted to lane 0) is 0."""
         Q: gl.constexpr = view.shape[0] // 4
         x = view.slice(a * Q, Q, dim=0).load(layout)
-        return transform(x, row0 + a, scale, bias_ptr, n_real, HAS_BIAS)
+        x = transform(x, row0 + a, scale, bias_ptr, n_real, HAS_BIAS)
+        if HAS_MASK:
+            x = gl.where(((bits >> a) & 1) != 0, x, float("-inf"))
+        return x
 
     @gluon.jit
     def transform(x, rows, scale, bias_ptr, n_real, HAS_BIAS: gl.constexpr):
@@ -291,15 +303,16 @@ if AVAILABLE:
     def ws_records_kernel(
         w_desc, h_desc, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr,
         B, n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b, rec_stride_t,
-        peer_ptrs, parity_ptr, num_tiles, num_b_tiles, k_steps,
+        peer_ptrs, parity_ptr, num_tiles, num_b_tiles, k_steps, mask_ptr, stride_mask,
         HAS_BIAS: gl.constexpr, TILE_MASS: gl.constexpr, STAGES: gl.constexpr, EPI_B: gl.constexpr,
         LOADER_REGS: gl.constexpr, MMA_REGS: gl.constexpr, MMA_WARPS: gl.constexpr = 4,
-        NUM_PEERS: gl.constexpr = 0,
+        NUM_PEERS: gl.constexpr = 0, HAS_MASK: gl.constexpr = False,
     ):
         """Records [S, B, T, 4] of the tiles (vocabulary × batch) of this program; see the
         module docstring. num_warps (the epilogue's warps) must be 4 or 8. NUM_PEERS > 0: the
         records go to every peer (P2P fan-out, as fused_sample_records_kernel's peer_ptrs and
-        parity_ptr), not to rec_ptr."""
+        parity_ptr), not to rec_ptr. HAS_MASK: mask_ptr int32 [B, W] allows global id i of row
+        b by bit i % 32 of word i // 32 (as fused_sample.tile_records_epilogue)."""
         BLOCK_V: gl.constexpr = 4 * w_desc.block_type.shape[1]
         BLOCK_K: gl.constexpr = w_desc.block_type.shape[2]
         BLOCK_B: gl.constexpr = h_desc.block_type.shape[0]
@@ -321,7 +334,8 @@ if AVAILABLE:
             (_epilogue, (acc_buf, acc_ready, acc_empty, bias_ptr, inv_temp_ptr, seed_ptr,
                          offset_ptr, rec_ptr, B, n_real, vocab_start, num_samples, rec_stride_s,
                          rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr, num_tiles, num_b_tiles,
-                         HAS_BIAS, TILE_MASS, NUM_PEERS, BLOCK_V, BLOCK_B, EPI_B, gl.num_warps())),
+                         mask_ptr, stride_mask, HAS_BIAS, TILE_MASS, NUM_PEERS, BLOCK_V, BLOCK_B,
+                         EPI_B, gl.num_warps(), HAS_MASK)),
             (_mma, (w_desc, h_desc, w_bufs, h_bufs, ready, empty, acc_buf, acc_ready, acc_empty,
                     num_tiles, num_b_tiles, k_steps, BLOCK_V, BLOCK_B, BLOCK_K, STAGES,
                     MMA_WARPS)),

@@ -3,9 +3,10 @@ listed in logit_adjust that fall in this slot's range, scored from their own dot
 adjusted, and written as one more tile's records; and their bits cleared in the call's copy
 of the mask, so the tile pass leaves them out.
 
-listed_dots_kernel: the dot products, split over ids and D into many programs (partials
-summed in a fixed order after, so the logits do not depend on scheduling);
-listed_records_kernel: one program per row. The records are those of tile_records_epilogue for a tile whose tokens
+listed_mask_kernel (before stage 1): the mask the tile pass reads. After stage 1 (as
+programmatic dependent launches on Hopper, so they run beside it): listed_dots_kernel, the
+dot products split over ids and D into many programs (partials summed in a fixed order after,
+so the logits do not depend on scheduling); listed_records_kernel, one program per row. The records are those of tile_records_epilogue for a tile whose tokens
 are the row's distinct listed ids (Gumbel-max with the same Philox words, ties to the smaller
 id), so stage 2, the candidate reduce and the fallback read it like any other tile;
 constraints.listed_records is the same in torch.
@@ -36,15 +37,38 @@ def _best(z, l, idkey):
 
 
 @triton.jit
-def listed_dots_kernel(h_ptr, w_ptr, ids_ptr, dots_ptr, eff_ptr, K, D, n_real, vocab_start,
-                       stride_hb, stride_wv, stride_ids, stride_eff, SPLIT_D,
-                       BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_K: tl.constexpr,
-                       CLEAR: tl.constexpr):
+def listed_mask_kernel(mask_ptr, eff_ptr, ids_ptr, K, W, n_real, vocab_start, stride_mask,
+                       stride_eff, stride_ids, HAS_MASK: tl.constexpr, BLOCK_W: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    """Row b of eff [B, W], the mask the tile pass reads: the allowed mask's words (all ones
+    without HAS_MASK) with this slot's listed ids' bits cleared."""
+    b = tl.program_id(0)
+    for w0 in range(0, W, BLOCK_W):
+        offs = w0 + tl.arange(0, BLOCK_W)
+        if HAS_MASK:
+            words = tl.load(mask_ptr + b.to(tl.int64) * stride_mask + offs, mask=offs < W)
+        else:
+            words = tl.full([BLOCK_W], -1, dtype=tl.int32)
+        tl.store(eff_ptr + b.to(tl.int64) * stride_eff + offs, words, mask=offs < W)
+    tl.debug_barrier()  # the row's words are in place before any thread clears a bit
+    offs_k = tl.arange(0, BLOCK_K)
+    ids = tl.load(ids_ptr + b.to(tl.int64) * stride_ids + offs_k, mask=offs_k < K, other=-1)
+    loc = ids - vocab_start
+    ok = (ids >= 0) & (loc >= 0) & (loc < n_real)
+    tl.atomic_and(eff_ptr + b.to(tl.int64) * stride_eff + (ids >> 5),
+                  ~(1 << (ids & 31).to(tl.int32)), mask=ok)
+
+
+@triton.jit
+def listed_dots_kernel(h_ptr, w_ptr, ids_ptr, dots_ptr, K, D, n_real, vocab_start, stride_hb,
+                       stride_wv, stride_ids, SPLIT_D, BLOCK_K: tl.constexpr,
+                       BLOCK_D: tl.constexpr, CHUNK_K: tl.constexpr, PDL: tl.constexpr = False):
     """Program (b, j, s): the partial dot products h[b] . w[id] over dims [s·SPLIT_D,
     (s + 1)·SPLIT_D) of the listed ids [j·CHUNK_K, (j + 1)·CHUNK_K) of row b in this slot's
     range, into dots [B, splits, BLOCK_K] (0 for the others). Many small programs: one
-    program per row would walk D serially (~100 µs at D = 4096). CLEAR: programs (b, j, 0)
-    also clear those ids' bits in eff [B, W], the mask the tile pass reads."""
+    program per row would walk D serially (~100 µs at D = 4096). PDL: launched as a
+    dependent of stage 1, it runs beside it (it reads only hidden and weight) and waits for
+    it before it ends, so the kernels after it still see stage 1 done."""
     b = tl.program_id(0)
     j = tl.program_id(1)
     sp = tl.program_id(2)
@@ -52,10 +76,6 @@ def listed_dots_kernel(h_ptr, w_ptr, ids_ptr, dots_ptr, eff_ptr, K, D, n_real, v
     ids = tl.load(ids_ptr + b.to(tl.int64) * stride_ids + offs_k, mask=offs_k < K, other=-1)
     loc = ids - vocab_start
     ok = (ids >= 0) & (loc >= 0) & (loc < n_real)
-    if CLEAR:
-        if sp == 0:
-            tl.atomic_and(eff_ptr + b.to(tl.int64) * stride_eff + (ids >> 5),
-                          ~(1 << (ids & 31).to(tl.int32)), mask=ok)
     locc = tl.where(ok, loc, 0)
     acc = tl.zeros([CHUNK_K], dtype=tl.float32)
     for d0 in range(sp * SPLIT_D, tl.minimum(D, (sp + 1) * SPLIT_D), BLOCK_D):
@@ -67,6 +87,9 @@ def listed_dots_kernel(h_ptr, w_ptr, ids_ptr, dots_ptr, eff_ptr, K, D, n_real, v
         acc += tl.sum(wv.to(tl.float32) * hv.to(tl.float32)[None, :], axis=1)
     splits = tl.num_programs(2)
     tl.store(dots_ptr + (b.to(tl.int64) * splits + sp) * BLOCK_K + offs_k, acc)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
 
 
 @triton.jit
@@ -120,11 +143,16 @@ def listed_records_kernel(
     HAS_BIAS: tl.constexpr, HAS_PENALTY: tl.constexpr, HAS_MASK: tl.constexpr,
     BLOCK_K: tl.constexpr, NUM_PEERS: tl.constexpr,
     CANDIDATES: tl.constexpr, NO_REPLACE: tl.constexpr, RAW_MASS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Row b: ids/values [B, K] (int64 -1 padded / fp32), penalty [B], mask int32 [B, W] (the
     allowed mask, HAS_MASK), dots (listed_dots_kernel) → the records of tile `tile` (every
-    plane). Rows [0, n_real) of this slot are its real tokens, global ids vocab_start + row."""
+    plane). Rows [0, n_real) of this slot are its real tokens, global ids vocab_start + row.
+    PDL: a dependent launch that waits for listed_dots_kernel first."""
     b = tl.program_id(0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     ids, ok, keep, locc, x = listed_logits(
         dots_ptr, bias_ptr, ids_ptr, values_ptr, penalty_ptr, mask_ptr, b, K, SPLITS, n_real,
         vocab_start, stride_ids, stride_mask, HAS_BIAS, HAS_PENALTY, HAS_MASK, BLOCK_K)

@@ -369,3 +369,15 @@ def test_chi2_interpreted_kernels():
     assert chi2_pvalue(tok, p) > ALPHA
     near = constrained_probs(l, allowed, ids=ids[0, :2].tolist(), values=values[0, :2].tolist())
     assert chi2_pvalue(tok, near.clamp(min=1e-12)) < ALPHA  # control: without the penalty
+
+
+def test_plan_routes_masked_calls_to_a_mask_epilogue():
+    """On Hopper the ping-pong kernel has no mask epilogue: a constrained call takes ws (its
+    mask epilogue), merge "cdf" the records pass; explain says why."""
+    plain = tpsample.explain(256, 4096, 151936, device="h100")
+    if plain.strategy != "pp":
+        pytest.skip(f"this Triton gives no pp plan: {plain.fallbacks}")
+    masked = tpsample.explain(256, 4096, 151936, device="h100", constrained=True)
+    assert masked.strategy == "ws" and "mask" in str(masked)
+    cdf = tpsample.explain(256, 4096, 151936, device="h100", constrained=True, merge="cdf")
+    assert cdf.strategy == "logits"

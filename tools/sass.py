@@ -57,21 +57,22 @@ def sass_ops(kernel, constexprs: dict, num_warps: int, arch: int = 90) -> Counte
 
 def gluon_ops(strategy: str, num_samples: int = 1, need_mass: bool = False, num_peers: int = 0,
               B: int = 256, D: int = 4096, arch: int = 90, cdf: bool = False,
-              trace_rows: int | None = None, **cfg) -> Counter:
+              trace_rows: int | None = None, masked: bool = False, **cfg) -> Counter:
     """Opcode counts of the Hopper stage-1 kernel `strategy` ("ws" or "pp") as
     tpsample.launchers would launch it with this config (their defaults for the
     keys not given): the launcher runs on CPU tensors and hands its kernel, arguments,
     constexprs and options to a compile for sm_<arch> instead of a launch."""
     return cubin_ops(gluon_compile(strategy, num_samples, need_mass, num_peers, B, D, arch, cdf,
-                                   trace_rows, **cfg))
+                                   trace_rows, masked, **cfg))
 
 
 def gluon_compile(strategy: str, num_samples: int = 1, need_mass: bool = False, num_peers: int = 0,
                   B: int = 256, D: int = 4096, arch: int = 90, cdf: bool = False,
-                  trace_rows: int | None = None, **cfg):
+                  trace_rows: int | None = None, masked: bool = False, **cfg):
     """The compiled kernel behind gluon_ops: the plan for a Hopper GPU with this config,
     launched by tpsample.launchers on CPU tensors, with the launch intercepted. trace_rows:
-    pp with its per-tile clock trace (a plan with trace=True) into a [trace_rows, 4] buffer."""
+    pp with its per-tile clock trace (a plan with trace=True) into a [trace_rows, 4] buffer;
+    masked: with an allowed-token mask (ws only)."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
     V = 4096
@@ -100,7 +101,8 @@ def gluon_compile(strategy: str, num_samples: int = 1, need_mass: bool = False, 
     launchers._num_sms = lambda device: 132
     try:
         launchers.stage1(plan, hidden, weight, None, RowParams(row, seed, seed), out, n_real=V,
-                         fanout=fanout, trace=trace)
+                         fanout=fanout, trace=trace,
+                         mask=torch.empty(B, V // 32, dtype=torch.int32) if masked else None)
     finally:
         launchers.run_kernel, launchers._num_sms = saved
     kernel = launch["fn"]

@@ -76,15 +76,15 @@ def stage1(plan: Plan, hidden: torch.Tensor, weight: torch.Tensor, bias, params:
     peers, parity = fanout if fanout is not None else (None, None)
     common = dict(bias=bias, params=params, out=out, n_real=n_real, vocab_start=vocab_start,
                   peers=peers, parity=parity)
-    if plan.strategy in ("pp", "ws") and mask is not None:
-        raise ValueError(f"the {plan.strategy} kernel has no mask epilogue (the plan avoids it "
-                         "for constrained calls)")
+    if plan.strategy == "pp" and mask is not None:
+        raise ValueError("the pp kernel has no mask epilogue (the plan avoids it for "
+                         "constrained calls)")
     if plan.strategy == "pp":
         return _pp(plan, cfg, hidden, weight, trace=trace, **common)
     if plan.strategy == "ws":
-        return _ws(plan, cfg, hidden, weight, **common)
-    if tiles is not None and plan.strategy in ("pp", "ws"):
-        raise ValueError("tiles: the fused and records-pass kernels only")
+        return _ws(plan, cfg, hidden, weight, mask=mask, tiles=tiles, **common)
+    if tiles is not None and plan.strategy == "pp":
+        raise ValueError("tiles: not the pp kernel")
     return _triton(plan, cfg, hidden, weight, mask=mask, tiles=tiles, **common)
 
 
@@ -149,39 +149,53 @@ def _listed_block(K: int) -> int:
     return max(16, 1 << (K - 1).bit_length())
 
 
+def listed_mask(hidden: torch.Tensor, c, eff_mask: torch.Tensor, *, n_real: int,
+                vocab_start: int = 0) -> None:
+    """eff_mask (int32 [B, W], written here): the allowed mask (all ones without one) with
+    this slot's listed ids' bits cleared: what stage 1 reads in a call with listed tokens."""
+    B = hidden.shape[0]
+    K = c.ids.shape[1]
+    allowed = c.mask if c.mask is not None else eff_mask
+    run_kernel(listed_records_kernel.listed_mask_kernel, (B,), (
+        allowed, eff_mask, c.ids, K, eff_mask.shape[1], n_real, vocab_start, allowed.stride(0),
+        eff_mask.stride(0), c.ids.stride(0)),
+        dict(HAS_MASK=c.mask is not None, BLOCK_W=1024, BLOCK_K=_listed_block(K)),
+        dict(num_warps=4))
+
+
 def listed_records(plan: Plan, hidden: torch.Tensor, weight: torch.Tensor, bias,
-                   params: RowParams, c, eff_mask: torch.Tensor, dots: torch.Tensor,
-                   out: torch.Tensor, tile: int, *, n_real: int, vocab_start: int = 0,
-                   fanout=None):
-    """The extra tile of a call with listed tokens (kernels/listed_records.py): the listed
-    ids' dot products into `dots` (listed_dots), this slot's listed bits cleared in eff_mask
-    (int32 [B, W], a copy of the allowed mask or all ones) before stage 1 reads it, and the
-    extra tile's records into tile `tile` of `out` [planes, B, T + 1, 4] (every plane, or
-    every peer's with fanout)."""
+                   params: RowParams, c, dots: torch.Tensor, out: torch.Tensor, tile: int, *,
+                   n_real: int, vocab_start: int = 0, fanout=None):
+    """The extra tile of a call with listed tokens (kernels/listed_records.py), after stage 1:
+    the listed ids' dot products into `dots` (listed_dots), then the extra tile's records
+    into tile `tile` of `out` [planes, B, T + 1, 4] (every plane, or every peer's with
+    fanout). With plan.pdl both are programmatic dependent launches that overlap stage 1."""
     B, D = hidden.shape
     K = c.ids.shape[1]
     block_k = _listed_block(K)
     splits = dots.shape[1]
+    pdl = dict(launch_pdl=True) if plan.pdl else {}
     run_kernel(listed_records_kernel.listed_dots_kernel, (B, cdiv(K, LISTED_CHUNK_K), splits), (
-        hidden, weight, c.ids, dots, eff_mask, K, D, n_real, vocab_start, hidden.stride(0),
-        weight.stride(0), c.ids.stride(0), eff_mask.stride(0), LISTED_SPLIT_D),
-        dict(BLOCK_K=block_k, BLOCK_D=128, CHUNK_K=LISTED_CHUNK_K, CLEAR=True),
-        dict(num_warps=4))
+        hidden, weight, c.ids, dots, K, D, n_real, vocab_start, hidden.stride(0),
+        weight.stride(0), c.ids.stride(0), LISTED_SPLIT_D),
+        dict(BLOCK_K=block_k, BLOCK_D=128, CHUNK_K=LISTED_CHUNK_K, PDL=plan.pdl),
+        dict(num_warps=4, **pdl))
     peers, parity = fanout if fanout is not None else (None, None)
     dummy = params.inv_temp
-    allowed = c.mask if c.mask is not None else eff_mask
+    allowed = c.mask if c.mask is not None else dummy
     run_kernel(listed_records_kernel.listed_records_kernel, (B,), (
         dots, bias if bias is not None else dummy, c.ids, c.values,
         c.penalty if c.penalty is not None else dummy, allowed, params.inv_temp, params.seed,
         params.offset, out, peers if peers is not None else params.seed,
         parity if parity is not None else params.seed, K, splits, n_real, vocab_start,
-        plan.num_samples, c.ids.stride(0), allowed.stride(0), *out.stride()[:3], tile),
+        plan.num_samples, c.ids.stride(0), c.mask.stride(0) if c.mask is not None else 0,
+        *out.stride()[:3], tile),
         dict(HAS_BIAS=bias is not None, HAS_PENALTY=c.penalty is not None,
              HAS_MASK=c.mask is not None, BLOCK_K=block_k,
              NUM_PEERS=0 if peers is None else peers.shape[-1],
              CANDIDATES=records.CANDIDATES if plan.candidates else 0,
-             NO_REPLACE=not plan.replacement, RAW_MASS=plan.raw_mass),
-        dict(num_warps=4))
+             NO_REPLACE=not plan.replacement, RAW_MASS=plan.raw_mass, PDL=plan.pdl),
+        dict(num_warps=4, **pdl))
 
 
 @functools.lru_cache(maxsize=64)
@@ -192,7 +206,8 @@ def _ws_layouts(dtype: torch.dtype, block_b: int, block_k: int):
             gl.NVMMASharedLayout.get_default_for([block_b, block_k], gdt))
 
 
-def _ws(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start, peers, parity):
+def _ws(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start, peers, parity,
+        mask=None, tiles=None):
     """The warp-specialized Hopper kernel (kernels/gluon_sample.py): a persistent grid of one
     program per SM over [BLOCK_V, BLOCK_B] tiles. W [V_rows, D] is handed to TMA as the view
     [4, V_rows / 4, D] (row 4q + a at [a, q]), so each tile lands in shared memory in lane
@@ -210,12 +225,13 @@ def _ws(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start, pe
     h_desc = GluonDescriptor(hidden, list(hidden.shape), list(hidden.stride()),
                              [block_b, block_k], h_layout)
     nb = cdiv(B, block_b)
-    tiles = out.shape[2] * nb
+    tiles = (out.shape[2] if tiles is None else tiles) * nb
     grid = (min(tiles, _num_sms(hidden.device)),)
     constexprs = dict(
         HAS_BIAS=bias is not None, TILE_MASS=plan.need_mass, STAGES=cfg["NUM_STAGES"],
         EPI_B=cfg["EPI_B"], LOADER_REGS=WS_LOADER_REGS, MMA_REGS=168 if mma_warps == 4 else 160,
-        MMA_WARPS=mma_warps, NUM_PEERS=0 if peers is None else peers.shape[-1])
+        MMA_WARPS=mma_warps, NUM_PEERS=0 if peers is None else peers.shape[-1],
+        HAS_MASK=mask is not None)
     # the register file split evenly over all warps (epilogue + mma + 4 for the loader)
     # before setmaxnreg moves registers from the loader to the others
     options = dict(num_warps=num_warps,
@@ -225,7 +241,8 @@ def _ws(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start, pe
         w_desc, h_desc, bias if bias is not None else params.inv_temp, params.inv_temp, seed,
         params.offset, out, B, n_real, vocab_start, plan.num_samples, *out.stride()[:3],
         peers if peers is not None else seed, parity if parity is not None else seed, tiles, nb,
-        cdiv(D, block_k)), constexprs, options)
+        cdiv(D, block_k), mask if mask is not None else seed,
+        mask.stride(0) if mask is not None else 0), constexprs, options)
     return out
 
 
@@ -370,6 +387,8 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
     dummy = params.inv_temp
     c = constraints
     mask = None if c is None else (eff_mask if c.listed else c.mask)
+    if c is not None and c.listed:
+        allowed_or_eff = c.mask if c.mask is not None else eff_mask
     run_kernel(filter_fallback.fallback_logits_kernel, (N // records.TILE,), (
         hidden, weight, bias if bias is not None else dummy, params.inv_temp, out.fallback,
         logits, B, weight.shape[0], n_real, D, hidden.stride(0), weight.stride(0),
@@ -380,7 +399,7 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
         dict(num_warps=4))
     if c is not None and c.listed:
         K = c.ids.shape[1]
-        allowed = c.mask if c.mask is not None else eff_mask
+        allowed = allowed_or_eff
         run_kernel(listed_records_kernel.listed_fallback_kernel, (B,), (
             dots, bias if bias is not None else dummy, c.ids, c.values,
             c.penalty if c.penalty is not None else dummy, allowed, params.inv_temp,

@@ -362,17 +362,17 @@ class Pipeline:
 def constraint_tensors(c: C.Constraints, hidden: torch.Tensor, words: int) -> dict:
     """The per-call tensors of a call's constraints (replay substitutes them): the allowed
     mask, the listed ids / values / penalties, and `eff`, the mask the tile pass reads with
-    the listed tokens' bits cleared (a fresh copy per call; listed_dots_kernel clears), and
-    the listed ids' dot products (a per-call scratch)."""
+    the listed tokens' bits cleared (per call; launchers.listed_mask writes it), and the
+    listed ids' dot products (a per-call scratch)."""
     B, device = hidden.shape[0], hidden.device
     out = {}
     if c.mask is not None:
         out["allowed_mask"] = c.mask
     if c.listed:
-        out.update(adjust_ids=c.ids, adjust_values=c.values, eff_mask=(
-            c.mask.clone() if c.mask is not None else
-            torch.full((B, words), -1, dtype=torch.int32, device=device)),
-            listed_dots=launchers.listed_dots(hidden, c))
+        out.update(adjust_ids=c.ids, adjust_values=c.values,
+                   eff_mask=torch.empty(B, words if c.mask is None else c.mask.shape[1],
+                                        dtype=torch.int32, device=device),
+                   listed_dots=launchers.listed_dots(hidden, c))
         if c.penalty is not None:
             out["penalty"] = c.penalty
     return out
@@ -386,17 +386,19 @@ def constraint_key(c: C.Constraints) -> tuple:
 def stage1_constrained(plan: Plan, hidden, weight, bias, params: RowParams, out_view,
                        per_call: dict, c: C.Constraints, *, n_real: int, vocab_start: int,
                        fanout, trace=None) -> None:
-    """launchers.stage1, after the extra tile (the last tile of out_view) when the call has
-    listed tokens; the tile pass reads the allowed mask, or its copy without the listed
-    tokens (tpsample/constraints.py)."""
+    """launchers.stage1; with listed tokens first the mask it reads (the allowed mask
+    without them) and after it the extra tile (the last tile of out_view), see
+    tpsample/constraints.py."""
     if c.listed:
         T = out_view.shape[2] - 1
-        launchers.listed_records(plan, hidden, weight, bias, params, c, per_call["eff_mask"],
-                                 per_call["listed_dots"], out_view, T, n_real=n_real,
-                                 vocab_start=vocab_start, fanout=fanout)
+        launchers.listed_mask(hidden, c, per_call["eff_mask"], n_real=n_real,
+                              vocab_start=vocab_start)
         launchers.stage1(plan, hidden, weight, bias, params, out_view, n_real=n_real,
                          vocab_start=vocab_start, fanout=fanout, trace=trace,
                          mask=per_call["eff_mask"], tiles=T)
+        launchers.listed_records(plan, hidden, weight, bias, params, c, per_call["listed_dots"],
+                                 out_view, T, n_real=n_real, vocab_start=vocab_start,
+                                 fanout=fanout)
     else:
         launchers.stage1(plan, hidden, weight, bias, params, out_view, n_real=n_real,
                          vocab_start=vocab_start, fanout=fanout, trace=trace, mask=c.mask)

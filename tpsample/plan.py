@@ -309,8 +309,11 @@ def make_plan(device: DeviceKind, *, B: int, D: int, V: int, dtype: torch.dtype,
     if (candidates or not replacement) and cfg["strategy"] in ("ws", "pp"):
         cfg = fall(TO_LOGITS_CANDIDATES,
                    "the Gluon kernels have no candidate / without-replacement epilogue")
-    if masked and cfg["strategy"] in ("ws", "pp"):
-        cfg = fall(TO_LOGITS, "the Gluon kernels have no mask epilogue")
+    if masked and cfg["strategy"] == "pp":
+        why = gluon_refusal(device, dtype, V, layout, pp=False)
+        cfg = fall(TO_LOGITS if why or merge == "cdf" else PP_TO_WS,
+                   why or "the ping-pong kernel has no mask epilogue"
+                   + (" (and ws no cdf epilogue)" if merge == "cdf" else ""))
 
     cfg = _resolve(cfg, device, B, D, dtype, merge, num_samples, layout, replacement)
     group = merge in GROUP_MERGES

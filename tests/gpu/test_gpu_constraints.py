@@ -31,7 +31,8 @@ def constrained_call(B, V, g, filters=False):
                 tuple(t.cuda() for t in v) if isinstance(v, tuple) else v) for k, v in kw.items()}
 
 
-@pytest.mark.parametrize("B,filters", [(1, False), (16, True), (64, False), (256, True)])
+@pytest.mark.parametrize("B,filters", [(1, False), (16, True), (64, False), (128, False),
+                                       (256, True)])
 def test_kernels_equal_torch_path(B, filters):
     """D = 4096, V = 151936 bf16: the Triton path (fused or records pass, the extra tile's
     kernel, the filter kernels) against the torch path on the same call: tokens equal up to

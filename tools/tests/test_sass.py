@@ -47,7 +47,7 @@ def test_records_pass_instructions_per_token(tmp_path):
 GLUON = ("from tools import sass\n"
          "for kw in (dict(strategy='ws'), dict(strategy='pp'), dict(strategy='pp', need_mass=True),\n"
          "           dict(strategy='pp', num_samples=2),\n"
-         "           dict(strategy='pp', need_mass=True, cdf=True)):\n"
+         "           dict(strategy='pp', need_mass=True, cdf=True), dict(strategy='ws', masked=True)):\n"
          "    ops = sass.gluon_ops(**kw)\n"
          "    print(ops['LDL'] + ops['STL'], ops['HGMMA'], sum(ops.values()))\n")
 
@@ -98,10 +98,10 @@ def test_contention_microbenchmark_keeps_the_instructions_it_times(tmp_path):
 @pytest.mark.skipif(not os.path.exists(NVDISASM), reason="Triton ships no nvdisasm here")
 def test_hopper_kernels_compile_without_spills(tmp_path):
     """ws and pp as tpsample.launchers launches them (shipped register budgets) compile for sm_90
-    with no spilled words, one sample or two, and pp with the cdf records (an earlier pp's
-    S > 1 path spilled 134 words)."""
+    with no spilled words, one sample or two, pp with the cdf records (an earlier pp's
+    S > 1 path spilled 134 words) and ws with the allowed-token mask."""
     rows = [tuple(int(x) for x in row) for row in run_gluon_script(GLUON, tmp_path)]
-    assert len(rows) == 5
+    assert len(rows) == 6
     for spilled, hgmma, total in rows:
         assert spilled == 0 and hgmma > 0 and total > 1000, (spilled, hgmma, total)
 
