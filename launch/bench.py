@@ -514,6 +514,12 @@ def run_filters(args, make_variants=None, json_name="filters.json", markdown=Non
         write_doc(args.doc, args.label or json_name[:-5], text)
 
 
+def shape_plot(res: dict, doc: str, label: str, main: str) -> list[str]:
+    """The markdown lines closing one shape's table: its plot (when one was drawn), a blank."""
+    png = plot_single(res, doc, label, label, main=main)
+    return (["", f"![{label} D={res['D']} V={res['V']}]({png})"] if png else []) + [""]
+
+
 def filters_markdown(meta: dict, doc: str, label: str) -> str:
     """The section of one filtered run: a table per shape and its plot."""
     lines = [f"`{meta['command']}` — {meta['device']}, torch {meta['torch']}, Triton "
@@ -539,10 +545,7 @@ def filters_markdown(meta: dict, doc: str, label: str) -> str:
             fb = r["fallback_share"]
             cells.append(", ".join(f"{short(n)} {v:.2f}" for n, v in fb.items() if v) or "0")
             lines.append(f"| {r['B']} | " + " | ".join(cells) + " |")
-        png = plot_single(res, doc, label, label, main="tps_kpm")
-        if png:
-            lines += ["", f"![{label} D={res['D']} V={res['V']}]({png})"]
-        lines.append("")
+        lines += shape_plot(res, doc, label, "tps_kpm")
     return "\n".join(lines)
 
 
@@ -573,10 +576,7 @@ def constraints_markdown(meta: dict, doc: str, label: str) -> str:
                       f"{ms['tps_mask_adj'] / plain:.3f}", f"{ms['mm_mask_mult'] / mask:.2f}",
                       f"{ms[base] / mask:.2f}"]
             lines.append(f"| {r['B']} | " + " | ".join(cells) + " |")
-        png = plot_single(res, doc, label, label, main="tps_mask")
-        if png:
-            lines += ["", f"![{label} D={res['D']} V={res['V']}]({png})"]
-        lines.append("")
+        lines += shape_plot(res, doc, label, "tps_mask")
     return "\n".join(lines)
 
 
