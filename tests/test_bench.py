@@ -66,6 +66,21 @@ def test_filters_mode_writes_json_doc_and_report(tmp_path):
     assert "kpm / floor" in text
 
 
+def test_constraints_mode_writes_json_doc_and_report(tmp_path):
+    doc = tmp_path / "perf.md"
+    run([sys.executable, "-m", "tpsample.launch.bench", "--constraints", "--shapes", "64x1000",
+         "--batches", "2", "--out", str(tmp_path), "--doc", str(doc), "--label", "CPU c"],
+        tmp_path)
+    meta = json.loads((tmp_path / "constraints.json").read_text())
+    row = meta["shapes"][0]["rows"][0]
+    assert row["B"] == 2 and {"tpsample", "tps_mask", "tps_adj64", "tps_adj64_nc",
+                              "tps_mask_adj", "mm_mask_mult"} <= set(row["ms"])
+    assert "mask / plain" in doc.read_text() and (tmp_path / "img" / "cpu_c_64x1000.png").exists()
+    text = run([sys.executable, "-m", "tpsample.launch.bench", "--report",
+                str(tmp_path / "constraints.json")], tmp_path)
+    assert "adj64 / plain" in text
+
+
 def test_doc_sections_are_replaced_in_place_or_appended(tmp_path):
     doc = tmp_path / "d.md"
     doc.write_text("# Title\n\n<!-- bench:A -->\nold A\n<!-- /bench:A -->\n\ntext\n\n"
