@@ -62,7 +62,8 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, *, temperature: float | t
         top_logprobs: n >= 0 (at most 64): also return the n most probable token ids per
             row and their log-probs (SampleOutput.top_tokens / top_logprobs).
         logprobs_mode: "processed" (log-probs under the distribution sampled from: after
-            temperature and filters) or "raw" (bias only, T = 1, no filters); see SampleOutput.
+            temperature and filters) or "raw" (bias and constraints, T = 1, no filters); see
+            SampleOutput.
         allowed_mask: None | Tensor[B, ceil(V / 32)] int32, packed as grammar engines
             produce it: bit j of word i allows token 32 i + j; disallowed tokens are -inf
             before the noise. A row that allows nothing is degenerate (token 0, log Z -inf).

@@ -32,10 +32,11 @@ class SampleOutput(NamedTuple):
     the log-normaliser those log-probs use, so logprobs = logit - logz.
 
     Which distribution (logprobs_mode):
-      "processed" (default) the distribution sampled from: bias, temperature and the
+      "processed" (default) the distribution sampled from: bias, the constraints
+                  (allowed_mask, logit_adjust, repetition_penalty), temperature and the
                   filters applied (a filtered row's logz is the logsumexp over its kept set;
                   tokens outside it have log-prob -inf). Greedy rows: T = 1, no filters.
-      "raw"       bias applied, T = 1, no filters.
+      "raw"       bias and the constraints applied, T = 1, no filters.
     top_tokens int64 [B, n] / top_logprobs fp32 [B, n] (top_logprobs=n > 0, else None): the
     n most probable tokens in (logit desc, id asc) order and their log-probs in that mode.
     """
