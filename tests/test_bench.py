@@ -51,34 +51,34 @@ def test_tp_mode_under_torchrun_and_report(tmp_path):
     assert "Scaling, D=64, V=1000" in text and "| TP1 | TP2 |" in text
 
 
-def test_filters_mode_writes_json_doc_and_report(tmp_path):
+def run_mode(tmp_path, flag: str, label: str):
+    """bench `flag` at D=64, V=1000, B=2 with --doc, then --report of its json: (its one
+    row, the doc's text, the report's text); the plot must exist."""
     doc = tmp_path / "perf.md"
-    run([sys.executable, "-m", "tpsample.launch.bench", "--filters", "--shapes", "64x1000",
-         "--batches", "2", "--out", str(tmp_path), "--doc", str(doc), "--label", "CPU filters"],
+    run([sys.executable, "-m", "tpsample.launch.bench", flag, "--shapes", "64x1000",
+         "--batches", "2", "--out", str(tmp_path), "--doc", str(doc), "--label", label],
         tmp_path)
-    meta = json.loads((tmp_path / "filters.json").read_text())
-    row = meta["shapes"][0]["rows"][0]
+    name = flag.lstrip("-")
+    meta = json.loads((tmp_path / f"{name}.json").read_text())
+    slug = label.lower().replace(" ", "_")
+    assert (tmp_path / "img" / f"{slug}_64x1000.png").exists()
+    report = run([sys.executable, "-m", "tpsample.launch.bench", "--report",
+                  str(tmp_path / f"{name}.json")], tmp_path)
+    return meta["shapes"][0]["rows"][0], doc.read_text(), report
+
+
+def test_filters_mode_writes_json_doc_and_report(tmp_path):
+    row, doc, report = run_mode(tmp_path, "--filters", "CPU filters")
     assert row["B"] == 2 and {"mm", "tpsample", "tps_kpm", "sort_kpm", "topk_kpm"} <= set(row["ms"])
     assert set(row["fallback_share"]) >= {"tps_k", "tps_kpm"}
-    assert "| 2 |" in doc.read_text() and (tmp_path / "img" / "cpu_filters_64x1000.png").exists()
-    text = run([sys.executable, "-m", "tpsample.launch.bench", "--report",
-                str(tmp_path / "filters.json")], tmp_path)
-    assert "kpm / floor" in text
+    assert "| 2 |" in doc and "kpm / floor" in report
 
 
 def test_constraints_mode_writes_json_doc_and_report(tmp_path):
-    doc = tmp_path / "perf.md"
-    run([sys.executable, "-m", "tpsample.launch.bench", "--constraints", "--shapes", "64x1000",
-         "--batches", "2", "--out", str(tmp_path), "--doc", str(doc), "--label", "CPU c"],
-        tmp_path)
-    meta = json.loads((tmp_path / "constraints.json").read_text())
-    row = meta["shapes"][0]["rows"][0]
+    row, doc, report = run_mode(tmp_path, "--constraints", "CPU c")
     assert row["B"] == 2 and {"tpsample", "tps_mask", "tps_adj64", "tps_adj64_nc",
                               "tps_mask_adj", "mm_mask_mult"} <= set(row["ms"])
-    assert "mask / plain" in doc.read_text() and (tmp_path / "img" / "cpu_c_64x1000.png").exists()
-    text = run([sys.executable, "-m", "tpsample.launch.bench", "--report",
-                str(tmp_path / "constraints.json")], tmp_path)
-    assert "adj64 / plain" in text
+    assert "mask / plain" in doc and "adj64 / plain" in report
 
 
 def test_doc_sections_are_replaced_in_place_or_appended(tmp_path):
