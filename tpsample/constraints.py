@@ -44,7 +44,7 @@ from typing import NamedTuple
 
 import torch
 
-from .params import skip_tensor_checks, _per_row_tensor
+from .params import _filled, _per_row_tensor, skip_tensor_checks
 
 MAX_ADJUST = 256  # ids per row of logit_adjust
 
@@ -142,7 +142,7 @@ def check_constraints(hidden: torch.Tensor, allowed_mask, logit_adjust, repetiti
                 raise ValueError(f"repetition_penalty must be finite and >= 1, got "
                                  f"{repetition_penalty!r}")
             if repetition_penalty != 1:
-                penalty = torch.full((B,), float(repetition_penalty), device=dev)
+                penalty = _filled(B, float(repetition_penalty), torch.float32, dev)
         else:
             raise TypeError(f"repetition_penalty must be None, a float or a Tensor[B], got "
                             f"{type(repetition_penalty).__name__}")
