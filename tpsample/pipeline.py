@@ -150,8 +150,7 @@ class Pipeline:
             if hit is not None:
                 stage1, stage2 = hit
                 stream = replay.current_stream(hidden.device.index)
-                stage1(stream, records=records.records_view(mine, num_samples, B, Tx,
-                                                            fanout is not None), **per_call)
+                stage1(stream, records=mine, **per_call)
                 self.transport.exchange(mine, full)
                 out = replay.reduce_outputs(B, num_samples, hidden.device)
                 stage2(stream, records=full, **out, **per_call)
