@@ -74,35 +74,24 @@ def row_keys(row, v0, N, vocab_start, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def kth_row_key(row, N, vocab_start, k, BLOCK: tl.constexpr):
-    """The k-th largest key of the row (k >= 1); 0 when the row has fewer than k."""
-    lo = tl.cast(0, tl.int64)
-    hi = tl.cast(KEY_TOP, tl.int64)
-    for _ in range(57):
-        mid = lo + (hi - lo + 1) // 2
-        count = tl.cast(0, tl.int32)
-        for v0 in range(0, N, BLOCK):
-            x, key = row_keys(row, v0, N, vocab_start, BLOCK)
-            count += tl.sum((key >= mid).to(tl.int32))
-        ok = count >= k
-        lo = tl.where(ok, mid, lo)
-        hi = tl.where(ok, hi, mid - 1)
-    return lo
-
-
-@triton.jit
-def mass_cut_key(row, N, vocab_start, xmax, floor_key, target, BLOCK: tl.constexpr):
-    """The largest c >= floor_key with sum over {key >= c} of exp(x - xmax) >= target: the
-    key of the token where the prefix mass (in order) first reaches target."""
+def key_cut(row, N, vocab_start, floor_key, target, xmax, MASS: tl.constexpr,
+            BLOCK: tl.constexpr):
+    """The largest c >= floor_key (int64) whose tokens {key >= c} reach `target`: in number
+    (MASS False: the target-th largest key; floor_key when the row has fewer) or in mass
+    exp(x - xmax) (MASS: the key of the token where the prefix mass, in order, first reaches
+    target). A bisection over the key range; counts are exact in float32 (N < 2**24)."""
     lo = floor_key
     hi = tl.cast(KEY_TOP, tl.int64)
     for _ in range(57):
         mid = lo + (hi - lo + 1) // 2
-        mass = tl.cast(0.0, tl.float32)
+        total = tl.cast(0.0, tl.float32)
         for v0 in range(0, N, BLOCK):
             x, key = row_keys(row, v0, N, vocab_start, BLOCK)
-            mass += tl.sum(tl.where(key >= mid, tl.exp(x - xmax), 0.0))
-        ok = mass >= target
+            if MASS:
+                total += tl.sum(tl.where(key >= mid, tl.exp(x - xmax), 0.0))
+            else:
+                total += tl.sum((key >= mid).to(tl.float32))
+        ok = total >= target
         lo = tl.where(ok, mid, lo)
         hi = tl.where(ok, hi, mid - 1)
     return lo
@@ -146,13 +135,13 @@ def fallback_rows_kernel(
         if filtered:
             zk = z
             if k > 0:
-                cut = kth_row_key(row, N, vocab_start, k, BLOCK)
+                cut = key_cut(row, N, vocab_start, tl.cast(0, tl.int64), k, 0.0, False, BLOCK)
                 zk = tl.cast(0.0, tl.float32)
                 for v0 in range(0, N, BLOCK):
                     x, key = row_keys(row, v0, N, vocab_start, BLOCK)
                     zk += tl.sum(tl.where(key >= cut, tl.exp(x - xmax), 0.0))
             if p < 1.0:
-                cut = mass_cut_key(row, N, vocab_start, xmax, cut, p * zk, BLOCK)
+                cut = key_cut(row, N, vocab_start, cut, p * zk, xmax, True, BLOCK)
         kept_mass = tl.cast(0.0, tl.float32)
         for v0 in range(0, N, BLOCK):
             x, key = row_keys(row, v0, N, vocab_start, BLOCK)
@@ -205,7 +194,7 @@ def fallback_rows_kernel(
                 tl.store(logz_ptr + b, lz)
 
         if n_top > 0:  # the first n of the order: compact the keys >= the n-th, sort them
-            cn = kth_row_key(row, N, vocab_start, n_top, BLOCK)
+            cn = key_cut(row, N, vocab_start, tl.cast(0, tl.int64), n_top, 0.0, False, BLOCK)
             scratch = scratch_ptr + b.to(tl.int64) * CAP
             taken = tl.cast(0, tl.int32)
             for v0 in range(0, N, BLOCK):
