@@ -24,14 +24,12 @@ token 32w + 4j + 2r + h of the tile at that row, so a thread's four rows with th
 bits as fused_sample.gumbel_noise_tile. W is read as the view [2, V/32, 2, 8, D] (r, 4·tile
 + w, h, j, k), which needs V_rows % 32 == 0 (tpsample.plan.gluon_refusal).
 """
-from .gluon_sample import AVAILABLE
+from .gluon_compat import AVAILABLE
 
 
 if AVAILABLE:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
-                                                                  warpgroup_mma_wait)
+    from .gluon_compat import (gl, gluon, mbarrier, reinterpret, thread_barrier, tma_load,
+                               warpgroup_mma, warpgroup_mma_wait)
 
     from .fused_sample import CDF_PICK_STREAM, CDF_STREAM, TWO_POW_M23, philox
     from .gluon_sample import (_exp_or_0, _nan_max, best_lane, noise_coef, sm_clock,
@@ -57,9 +55,8 @@ if AVAILABLE:
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
                 bar = ready.index(s)
                 mbarrier.expect(bar, w_desc.block_type.nbytes + h_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(w_desc, [0, v32, 0, 0, k * BLOCK_K], bar,
-                                                w_bufs.index(s))
-                tma.async_copy_global_to_shared(h_desc, [b0, k * BLOCK_K], bar, h_bufs.index(s))
+                tma_load(w_desc, [0, v32, 0, 0, k * BLOCK_K], bar, w_bufs.index(s))
+                tma_load(h_desc, [b0, k * BLOCK_K], bar, h_bufs.index(s))
                 it += 1
 
     @gluon.jit
@@ -164,15 +161,15 @@ if AVAILABLE:
         k2, k6 = gl.split(k2)
         k3, k7 = gl.split(k3)
         tile_start = vocab_start + pid_v * 128
-        gl.thread_barrier()  # the previous tile's partials and parameters have been read
+        thread_barrier()  # the previous tile's partials and parameters have been read
         _stage_params(params, b0, tile_start, inv_temp_ptr, seed_ptr, offset_ptr, B, CDF)
-        gl.thread_barrier()
+        thread_barrier()
         if SINGLE:
             for c in range(0, 8):  # rotate the chunks not yet done through the registers
                 _chunk_one_sample(k0, c, part_a, part_b, params, pid_v, bias_ptr, n_real,
                                   tile_start, HAS_BIAS, TILE_MASS, CDF)
                 k0, k1, k2, k3, k4, k5, k6, k7 = k1, k2, k3, k4, k5, k6, k7, k0
-            gl.thread_barrier()
+            thread_barrier()
             _merge_warps(part_a, part_b, params, pid_v, b0, 0, tile_start, rec_ptr, B,
                          rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr,
                          TILE_MASS, NUM_PEERS, CDF)
@@ -186,7 +183,7 @@ if AVAILABLE:
             l6 = _chunk_logits(k6, 6, part_a, params, pid_v, bias_ptr, n_real, HAS_BIAS, TILE_MASS)
             l7 = _chunk_logits(k7, 7, part_a, params, pid_v, bias_ptr, n_real, HAS_BIAS, TILE_MASS)
             for s in range(num_samples):
-                gl.thread_barrier()  # the previous sample's partials have been read
+                thread_barrier()  # the previous sample's partials have been read
                 _chunk_noise(l0, 0, part_b, params, s, tile_start, TILE_MASS)
                 _chunk_noise(l1, 1, part_b, params, s, tile_start, TILE_MASS)
                 _chunk_noise(l2, 2, part_b, params, s, tile_start, TILE_MASS)
@@ -195,7 +192,7 @@ if AVAILABLE:
                 _chunk_noise(l5, 5, part_b, params, s, tile_start, TILE_MASS)
                 _chunk_noise(l6, 6, part_b, params, s, tile_start, TILE_MASS)
                 _chunk_noise(l7, 7, part_b, params, s, tile_start, TILE_MASS)
-                gl.thread_barrier()
+                thread_barrier()
                 _merge_warps(part_a, part_b, params, pid_v, b0, s, tile_start, rec_ptr, B,
                              rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr,
                              TILE_MASS, NUM_PEERS, False)
@@ -225,7 +222,9 @@ if AVAILABLE:
         inv_t = gl.load(inv_temp_ptr + offs, mask=mask, other=1.0)
         seed = gl.load(seed_ptr + offs, mask=mask, other=0)
         off = gl.load(offset_ptr + offs, mask=mask, other=0)
-        rows = params._reinterpret(gl.int32, [64, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        P_ROWS: gl.constexpr = 128 if CDF else 64  # (a view must keep the buffer's size)
+        rows = reinterpret(params, gl.int32, [P_ROWS, 16],
+                           gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         rows.slice(0, 8).store(gl.reshape(inv_t.to(gl.int32, bitcast=True), [8, 16]))
         rows.slice(8, 8).store(gl.reshape(seed.to(gl.int32), [8, 16]))
         rows.slice(16, 8).store(gl.reshape((seed >> 32).to(gl.int32), [8, 16]))
@@ -243,8 +242,8 @@ if AVAILABLE:
             u = gl.join(gl.join(_uniform_bits(r0), _uniform_bits(r2)),
                         gl.join(_uniform_bits(r1), _uniform_bits(r3)))  # [128, 2, 2]: word 2i + k
             u = gl.permute(gl.reshape(u, [8, 16, 4]), [0, 2, 1])  # [chunk, w, column]
-            per_warp = params._reinterpret(gl.int32, [32, 4, 16],
-                                           gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+            per_warp = reinterpret(params, gl.int32, [32, 4, 16],
+                                   gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
             per_warp.slice(16, 8, dim=0).store(u)  # rows 64 + 4·chunk + w
 
     @gluon.jit
@@ -328,7 +327,7 @@ if AVAILABLE:
         before = gl.convert_layout(before, c3.type.layout) - c3
         u_layout: gl.constexpr = gl.SliceLayout(1, l0.type.layout)
         # (a layout of one rank less than the view: .index drops the leading dimension)
-        u = params._reinterpret(gl.int32, [32, 4, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        u = reinterpret(params, gl.int32, [32, 4, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         u = gl.expand_dims(u.index(16 + c).load(u_layout).to(gl.float32, bitcast=True), 1)
         target = u * gl.expand_dims(mass, 1)
         greedy = inv_t == 0.0
@@ -433,10 +432,10 @@ if AVAILABLE:
         b_l: gl.constexpr = gl.BlockedLayout([1, 4, 1, 4], [2, 1, 16, 1], [4, 1, 1, 1],
                                              [3, 1, 2, 0])
         flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
-        pb = part_b._reinterpret(gl.float32, [8, 4, 16, 4], flat).load(b_l)
+        pb = reinterpret(part_b, gl.float32, [8, 4, 16, 4], flat).load(b_l)
         best_w, idx_w, logit_w, _ = _quarters(gl.reshape(pb, [8, 4, 16, 2, 2]))
         best, idx, logit = gl.reduce((best_w, idx_w, logit_w), 1, _argmax_combine)  # [8, 16]
-        m_w, mass_w = gl.split(part_a._reinterpret(gl.float32, [8, 4, 16, 2], flat).load(a_l))
+        m_w, mass_w = gl.split(reinterpret(part_a, gl.float32, [8, 4, 16, 2], flat).load(a_l))
         m = gl.reduce(m_w, 1, _nan_max)
         if TILE_MASS:
             m_safe = gl.where(m == float("-inf"), 0.0, m)
@@ -447,7 +446,7 @@ if AVAILABLE:
         if CDF:
             cl: gl.constexpr = gl.SliceLayout(1, m_w.type.layout)
             row_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-            rows = params._reinterpret(gl.int32, [128, 16], row_l)
+            rows = reinterpret(params, gl.int32, [128, 16], row_l)
             greedy = rows.slice(0, 8).load(cl).to(gl.float32, bitcast=True) == 0.0
             u = rows.slice(40, 8).load(cl).to(gl.float32, bitcast=True)
             wi = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, m_w.type.layout)))

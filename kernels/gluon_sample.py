@@ -23,28 +23,13 @@ serves four tokens without any register shuffles.
 Gluon has no interpreter: this module is compiled and run on Hopper GPUs only (tests marked
 gpu); everywhere else the Triton kernels produce the same records.
 """
-import triton
 import triton.language as tl
 
-# The Triton versions whose Gluon API these kernels (and gluon_pingpong's) are written for
-# and run on (the devices' 3.6). Gluon is experimental and changes between releases (3.9
-# renamed thread_barrier and removed async_copy_global_to_shared), so elsewhere the kernels
-# are not used: tpsample.plan falls back to the cuBLAS + records-pass path and says so once.
-GLUON_VERSIONS = ((3, 6),)
-TRITON_VERSION = tuple(int(x) for x in triton.__version__.split(".")[:2])
-
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
-                                                                  warpgroup_mma_wait)
-    AVAILABLE = TRITON_VERSION in GLUON_VERSIONS
-except ImportError:  # Triton without Gluon (< 3.4)
-    AVAILABLE = False
-
 from .fused_sample import NOISE_COEF, gumbel_log, philox
+from .gluon_compat import AVAILABLE
 
 if AVAILABLE:
+    from .gluon_compat import gl, gluon, mbarrier, tma_load, warpgroup_mma, warpgroup_mma_wait
 
     @gluon.jit
     def _loader(w_desc, h_desc, w_bufs, h_bufs, ready, empty, acc_buf, acc_ready, acc_empty,
@@ -60,9 +45,8 @@ if AVAILABLE:
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
                 bar = ready.index(s)
                 mbarrier.expect(bar, w_desc.block_type.nbytes + h_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(w_desc, [0, v0 // 4, k * BLOCK_K], bar,
-                                                w_bufs.index(s))
-                tma.async_copy_global_to_shared(h_desc, [b0, k * BLOCK_K], bar, h_bufs.index(s))
+                tma_load(w_desc, [0, v0 // 4, k * BLOCK_K], bar, w_bufs.index(s))
+                tma_load(h_desc, [b0, k * BLOCK_K], bar, h_bufs.index(s))
                 it += 1
 
     @gluon.jit

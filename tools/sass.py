@@ -27,7 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from tpsample import launchers, records
-from tpsample.kernels import gluon_sample
+from tpsample.kernels import gluon_compat
 from tpsample.kernels.fused_sample import fused_sample_records_kernel, logits_records_kernel
 from tpsample.params import RowParams
 from tpsample.plan import DeviceKind, make_plan, with_options
@@ -203,9 +203,8 @@ def main(argv=None):
         ops = sass_ops(fused_sample_records_kernel, consts, nw, a.arch)
         print(f"fused kernel BLOCK_B={bb:3d} warps={nw}: {sum(ops.values())} instructions in the "
               f"binary (HGMMA {ops['HGMMA']}, MUFU {ops['MUFU']}, SHFL {ops['SHFL']}, BAR {ops['BAR']})")
-    if not gluon_sample.AVAILABLE:
-        print(f"ws and pp not counted: their Gluon API is not Triton {triton.__version__}'s "
-              f"(kernels/gluon_sample.GLUON_VERSIONS)")
+    if not gluon_compat.AVAILABLE:
+        print(f"ws and pp not counted: {gluon_compat.unavailable_reason()}")
         return
     for name, kw in (("max", {}), ("max with log-masses", dict(need_mass=True)),
                      ("cdf", dict(need_mass=True, cdf=True))):

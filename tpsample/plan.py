@@ -91,14 +91,10 @@ def _interpret() -> bool:
 
 
 def _gluon_missing() -> str | None:
-    from .kernels import gluon_sample
+    from .kernels import gluon_compat
     if not knobs.GLUON:
         return "TPSAMPLE_GLUON=0"
-    if not gluon_sample.AVAILABLE:
-        allowed = " or ".join(f"{a}.{b}" for a, b in gluon_sample.GLUON_VERSIONS)
-        return (f"the Gluon kernels are written for Triton {allowed}'s Gluon API, this is "
-                f"Triton {gluon_sample.TRITON_VERSION[0]}.{gluon_sample.TRITON_VERSION[1]}")
-    return None
+    return gluon_compat.unavailable_reason()
 
 
 @functools.lru_cache(maxsize=None)

@@ -12,9 +12,10 @@ COUNT = ("from tools import sass; per, ops = sass.records_pass_per_token(16, 4);
          "print(per, ops['MUFU'], ops['STG'])")
 
 
-# Upper bounds per Triton version, between the shipped count (3.6: 63.5, 3.9: 62.5) and the
-# count with Triton's own Philox multiplies (68.5 on both) or libdevice's inner log (80-81).
-BOUND = {"3.6": 66, "3.9": 65}
+# Upper bounds per Triton version, between the shipped count (3.6, 3.7, 3.8: 63.5, 3.9: 62.5)
+# and the count with Triton's own Philox multiplies (68.5 on 3.6 and 3.9) or libdevice's inner
+# log (80-81).
+BOUND = {"3.6": 66, "3.7": 66, "3.8": 66, "3.9": 65}
 VERSION = ".".join(triton.__version__.split(".")[:2])
 
 
@@ -44,12 +45,23 @@ def test_records_pass_instructions_per_token(tmp_path):
     assert 60 <= float(per) <= BOUND[VERSION], f"{per} SASS instructions per token"
 
 
+# The Gluon kernels as tpsample.launchers launches them, and their SASS instructions in the
+# Triton 3.6 build (the one tuned and measured on the devices; 3.7-3.9 give 0.98-1.01 of it).
+GLUON_VARIANTS = {
+    "ws": ("dict(strategy='ws')", 3536),
+    "pp": ("dict(strategy='pp')", 2952),
+    "pp_mass": ("dict(strategy='pp', need_mass=True)", 3488),
+    "pp_two_samples": ("dict(strategy='pp', num_samples=2)", 13768),
+    "pp_cdf": ("dict(strategy='pp', need_mass=True, cdf=True)", 2832),
+    "ws_masked": ("dict(strategy='ws', masked=True)", 3800),
+}
 GLUON = ("from tools import sass\n"
-         "for kw in (dict(strategy='ws'), dict(strategy='pp'), dict(strategy='pp', need_mass=True),\n"
-         "           dict(strategy='pp', num_samples=2),\n"
-         "           dict(strategy='pp', need_mass=True, cdf=True), dict(strategy='ws', masked=True)):\n"
-         "    ops = sass.gluon_ops(**kw)\n"
-         "    print(ops['LDL'] + ops['STL'], ops['HGMMA'], sum(ops.values()))\n")
+         + "".join(f"ops = sass.gluon_ops(**{kw})\n"
+                   f"print('{name}', ops['LDL'] + ops['STL'], ops['HGMMA'], sum(ops.values()))\n"
+                   for name, (kw, _) in GLUON_VARIANTS.items()))
+# Against the 3.6 build: ptxas schedules differ by a few instructions a binary across versions;
+# a rise past this is a changed kernel, not a scheduling difference.
+BUILD_RATIO = 0.03
 
 
 CONTENTION = (
@@ -72,9 +84,9 @@ def run_gluon_script(script: str, tmp_path) -> list[list[str]]:
     """The whitespace-split lines `script` prints, run in a fresh process with the shipped
     kernels (no interpreter); skips where the Gluon kernels do not
     compile (another Triton)."""
-    from tpsample.kernels import gluon_sample
-    if not gluon_sample.AVAILABLE:
-        pytest.skip(f"the Gluon kernels are not written for Triton {triton.__version__}")
+    from tpsample.kernels import gluon_compat
+    if not gluon_compat.AVAILABLE:
+        pytest.skip(gluon_compat.unavailable_reason())
     out = subprocess.run([sys.executable, "-c", script], env=subprocess_env(tmp_path), cwd=tmp_path,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -98,12 +110,16 @@ def test_contention_microbenchmark_keeps_the_instructions_it_times(tmp_path):
 @pytest.mark.skipif(not os.path.exists(NVDISASM), reason="Triton ships no nvdisasm here")
 def test_hopper_kernels_compile_without_spills(tmp_path):
     """ws and pp as tpsample.launchers launches them (shipped register budgets) compile for sm_90
-    with no spilled words, one sample or two, pp with the cdf records (an earlier pp's
-    S > 1 path spilled 134 words) and ws with the allowed-token mask."""
-    rows = [tuple(int(x) for x in row) for row in run_gluon_script(GLUON, tmp_path)]
-    assert len(rows) == 6
-    for spilled, hgmma, total in rows:
-        assert spilled == 0 and hgmma > 0 and total > 1000, (spilled, hgmma, total)
+    with this Triton, with no spilled words, one sample or two, pp with the cdf records (an
+    earlier pp's S > 1 path spilled 134 words) and ws with the allowed-token mask; each binary
+    within BUILD_RATIO of its instruction count in the Triton 3.6 build."""
+    rows = run_gluon_script(GLUON, tmp_path)
+    assert [r[0] for r in rows] == list(GLUON_VARIANTS), rows
+    for name, spilled, hgmma, total in rows:
+        spilled, hgmma, total = int(spilled), int(hgmma), int(total)
+        assert spilled == 0 and hgmma > 0, (name, spilled, hgmma)
+        ref = GLUON_VARIANTS[name][1]
+        assert abs(total / ref - 1) <= BUILD_RATIO, f"{name}: {total} instructions, 3.6: {ref}"
 
 
 PP_LOOPS = ("from tools import sass\n"
@@ -116,8 +132,11 @@ PP_LOOPS = ("from tools import sass\n"
 def test_pp_cdf_records_loop_is_the_cheapest(tmp_path):
     """pp's records loop per token (16 tokens per thread per pass): the cdf
     records, which draw no per-token noise, take at most 42 instructions (39.9 on Triton 3.6),
-    under 0.7 of the max merge's (59.2), whose log-mass variant takes 71.9."""
+    under 0.7 of the max merge's (59.2), whose log-mass variant takes 71.9. Each loop within
+    BUILD_RATIO of the 3.6 build's (3.7-3.9: 39.6-40.0, 59.2-59.3, 71.9-72.2)."""
     (plain, *_), (mass, *_), (cdf, mufu, shfl) = [
         [float(x) for x in row] for row in run_gluon_script(PP_LOOPS, tmp_path)]
     assert 50 < plain < mass and mufu == 16 and shfl > 0
     assert cdf <= 42 and cdf < 0.7 * plain, (cdf, plain, mass)
+    for got, ref in ((plain, 59.2), (mass, 71.9), (cdf, 39.9)):
+        assert abs(got / ref - 1) <= BUILD_RATIO, (got, ref)
