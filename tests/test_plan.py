@@ -122,3 +122,18 @@ def test_gluon_fallback_warns_once_per_process(monkeypatch):
         warnings.simplefilter("error")
         pipeline._warn_gluon_fallback(p, H100_NO_GLUON)
         pipeline._warn_gluon_fallback(plan(H100_NO_GLUON, B=8), H100_NO_GLUON)  # no fallback
+
+
+def test_gluon_compat_reports_why_the_kernels_cannot_run(monkeypatch):
+    """kernels/gluon_compat: the kernels' version-dependent names exist wherever Gluon does,
+    and a Triton outside SUPPORTED gets a reason that names the supported versions (what the
+    plan and tpsample.explain show)."""
+    from tpsample.kernels import gluon_compat as gc
+    assert (gc.unavailable_reason() is None) == gc.AVAILABLE
+    if gc.HAS_GLUON:
+        assert all(callable(f) for f in (gc.thread_barrier, gc.tma_load, gc.reinterpret))
+    monkeypatch.setattr(gc, "TRITON_VERSION", (3, 99))
+    reason = gc.unavailable_reason()
+    assert reason is not None and "3.6, 3.7, 3.8, 3.9" in reason
+    monkeypatch.setattr(gc, "HAS_GLUON", False)
+    assert "no Gluon" in gc.unavailable_reason()
