@@ -19,6 +19,13 @@ against the default path:
 
     python -m tools.ab --arm max:AB_MASS=0 --arm cdf:AB_MERGE=cdf \
         --batches 64,128,256
+
+AB_CALL=sample times the whole public call instead (tpsample.sample, eager, the median of
+triton.testing.do_bench) next to cuBLAS's matmul alone (column mm), e.g. two Tritons on
+one GPU (tools/triton_carry.sh unpacks the second into /tmp/t39):
+
+    python -m tools.ab --rounds 2 --batches 1,16,64,128,256 --arm 3.6:AB_CALL=sample \
+        --arm "3.9:AB_CALL=sample,$(tools/triton_carry.sh arm /tmp/t39)"
 """
 import argparse
 import json
@@ -30,6 +37,11 @@ import tempfile
 
 def worker(shapes, batches, reps_ms: int):
     import torch
+    call = os.environ.get("AB_CALL", "stages")
+    if call not in ("stages", "sample"):
+        sys.exit(f"AB_CALL must be stages or sample, got {call!r}")
+    if call == "sample":
+        return sample_worker(shapes, batches, reps_ms)
 
     from tools import calls
     from tpsample.params import row_params
@@ -57,6 +69,28 @@ def worker(shapes, batches, reps_ms: int):
             print(json.dumps(dict(D=D, V=V, B=B, ms=ms, tokens=int(tokens.sum()),
                                   records=float(rec.double().nan_to_num(0, 0, 0).sum()))),
                   flush=True)
+
+
+def sample_worker(shapes, batches, reps_ms: int):
+    """tpsample.sample as a user calls it (eager, default plan) and torch.mm alone."""
+    import torch
+    import triton
+
+    import tpsample
+    from tpsample.launch.bench import typical_head
+    for D, V in shapes:
+        for B in batches:
+            h, w = typical_head(D, V, B, torch.bfloat16, "cuda")
+            seed = torch.arange(B, device="cuda") + 7
+            tokens = tpsample.sample(h, w, seed=seed)
+            ms = triton.testing.do_bench(lambda: tpsample.sample(h, w, seed=seed), warmup=25,
+                                         rep=reps_ms, return_mode="median")
+            mm = triton.testing.do_bench(lambda: torch.mm(h, w.T), warmup=25, rep=reps_ms,
+                                         return_mode="median")
+            weights = torch.arange(1, B + 1, device="cuda")
+            print(json.dumps(dict(D=D, V=V, B=B, ms=ms, mm=mm,
+                                  tokens=int((tokens.long() * weights).sum()),
+                                  strategy=tpsample.explain(B, D, V).strategy)), flush=True)
 
 
 def parse_shapes(text):
@@ -91,7 +125,7 @@ def main(argv=None):
     for r in range(a.rounds):
         order = arms if r % 2 == 0 else arms[::-1]
         for name, env in order:
-            cmd = [sys.executable, "-m", "tpsample.ab", "--worker", "--shapes", a.shapes,
+            cmd = [sys.executable, "-m", "tools.ab", "--worker", "--shapes", a.shapes,
                    "--batches", a.batches, "--reps-ms", str(a.reps_ms)]
             full_env = dict(os.environ, **env, TRITON_CACHE_DIR=os.path.join(cache_root, name))
             out = subprocess.run(cmd, env=full_env, capture_output=True, text=True)
@@ -100,8 +134,9 @@ def main(argv=None):
             for line in out.stdout.splitlines():
                 row = dict(json.loads(line), arm=name, round=r)
                 rows.append(row)
+                extra = f", mm {row['mm']:.4f} ms, {row['strategy']}" if "mm" in row else ""
                 print(f"round {r} {name:>10s} D={row['D']} B={row['B']}: {row['ms']:.4f} ms "
-                      f"(tokens {row['tokens']})", flush=True)
+                      f"(tokens {row['tokens']}{extra})", flush=True)
     if a.out:
         with open(a.out, "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
@@ -112,8 +147,11 @@ def main(argv=None):
             cell = [x for x in rows if x["D"] == D and x["B"] == B]
             mean = {n: sum(x["ms"] for x in cell if x["arm"] == n) / a.rounds for n, _ in arms}
             same = len({x["tokens"] for x in cell}) == 1
+            mm = [x["mm"] for x in cell if "mm" in x]
+            vs_mm = f"  mm {sum(mm) / len(mm):.4f}" if mm else ""
             print(f"D={D} B={B}: " + "  ".join(f"{n} {mean[n]:.4f} ({mean[n] / mean[base]:.3f})"
-                                                for n, _ in arms) + f"  tokens equal: {same}")
+                                                for n, _ in arms) + vs_mm
+                  + f"  tokens equal: {same}")
 
 
 if __name__ == "__main__":

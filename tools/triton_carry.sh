@@ -5,6 +5,7 @@
 #   here:   tools/triton_carry.sh pack 3.9.0 DIR      # DIR/triton-3.9.0.part-aa, -ab, ...
 #   there:  tools/triton_carry.sh unpack DIR DEST     # after every part has been copied to DIR
 #           eval "$(tools/triton_carry.sh env DEST)"  # PYTHONPATH and Triton's settings
+#           tools/triton_carry.sh arm DEST            # the same as VAR=VALUE,... for tools.ab
 #
 # pack downloads the cp312 manylinux wheel, drops what a Hopper run does not need (the AMD
 # backend, the Blackwell ptxas and CUPTI, CUPTI's static libraries, proton), compresses the
@@ -53,8 +54,13 @@ env)
     echo "export TRITON_BACKENDS_IN_TREE=1 TRITON_PTXAS_PATH=$ptxas TRITON_PTXAS_BLACKWELL_PATH=$ptxas"
     echo "export TRITON_DEFAULT_FP_FUSION=1"
     ;;
+arm)
+    dest=$2
+    ptxas=$(command -v ptxas || echo /usr/local/cuda/bin/ptxas)
+    echo "PYTHONPATH=$dest${PYTHONPATH:+:$PYTHONPATH},TRITON_BACKENDS_IN_TREE=1,TRITON_PTXAS_PATH=$ptxas,TRITON_PTXAS_BLACKWELL_PATH=$ptxas,TRITON_DEFAULT_FP_FUSION=1"
+    ;;
 *)
-    echo "usage: $0 pack VERSION DIR | unpack DIR DEST | env DEST" >&2
+    echo "usage: $0 pack VERSION DIR | unpack DIR DEST | env DEST | arm DEST" >&2
     exit 2
     ;;
 esac

@@ -51,3 +51,11 @@ def test_probe_help_lists_its_modes(capsys):
     with pytest.raises(SystemExit) as e:
         probe.main(["--help"])
     assert e.value.code == 0 and "--pp-trace" in capsys.readouterr().out
+
+
+def test_ab_worker_checks_its_call(monkeypatch):
+    """AB_CALL picks what a worker times (the stages, or the public call): anything else stops
+    the worker with a message naming the variable, before it touches a GPU."""
+    monkeypatch.setenv("AB_CALL", "everything")
+    with pytest.raises(SystemExit, match="AB_CALL"):
+        ab.worker([(64, 128)], [1], 10)
