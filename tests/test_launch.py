@@ -36,3 +36,13 @@ def test_tp_decode_example_two_ranks(tmp_path):
 def test_single_device_example(tmp_path):
     example = Path(__file__).resolve().parents[1] / "examples" / "single_gpu.py"
     assert run([sys.executable, str(example)], tmp_path).strip()
+
+
+def test_hf_decode_example(tmp_path):
+    """examples/hf_decode.py on its random model: decodes, and at temperature 0 gives
+    transformers' own greedy tokens."""
+    pytest.importorskip("transformers")
+    example = Path(__file__).resolve().parents[1] / "examples" / "hf_decode.py"
+    text = run([sys.executable, str(example), "--steps", "6", "--top-k", "50", "--top-p", "0.9"],
+               tmp_path)
+    assert "greedy tokens equal transformers' generate: True" in text
