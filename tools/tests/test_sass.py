@@ -80,16 +80,22 @@ CONTENTION = (
     "    print('pp_trace_shape', int('trace' in str(e)), 1)\n")
 
 
+GLUON_CHECK = ("from tpsample.kernels import gluon_compat\n"
+               "if not gluon_compat.AVAILABLE:\n"
+               "    print('unavailable:', gluon_compat.unavailable_reason())\n"
+               "    raise SystemExit(0)\n")
+
+
 def run_gluon_script(script: str, tmp_path) -> list[list[str]]:
     """The whitespace-split lines `script` prints, run in a fresh process with the shipped
-    kernels (no interpreter); skips where the Gluon kernels do not
-    compile (another Triton)."""
-    from tpsample.kernels import gluon_compat
-    if not gluon_compat.AVAILABLE:
-        pytest.skip(gluon_compat.unavailable_reason())
-    out = subprocess.run([sys.executable, "-c", script], env=subprocess_env(tmp_path), cwd=tmp_path,
-                         capture_output=True, text=True, timeout=600)
+    kernels (no interpreter); skips where the Gluon kernels do not compile (another Triton).
+    The check runs in that process too: this one may see the source tree's tpsample, which
+    has no kernels until installed."""
+    out = subprocess.run([sys.executable, "-c", GLUON_CHECK + script], env=subprocess_env(tmp_path),
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
+    if out.stdout.startswith("unavailable:"):
+        pytest.skip(out.stdout.strip())
     return [line.split() for line in out.stdout.splitlines() if line.strip()]
 
 
