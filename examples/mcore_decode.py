@@ -16,6 +16,7 @@ needs the flash-attn package). Both paths take the decoder's output through GPTM
 same code in both; only the LM head and the sampling differ.
 """
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -115,10 +116,11 @@ class Timed:
         return sum(s.elapsed_time(e) for s, e in self.events[skip:])
 
 
-def generate(model, prompts: torch.Tensor, new_tokens: int, head, step_events=False):
+def generate(model, prompts: torch.Tensor, new_tokens: int, head, decode_context=None):
     """prompts int64 [B, P] (the same on every TP rank) -> tokens int64 [B, new_tokens] and the
-    decode steps' wall times in ms (a CUDA sync after the last step only, unless step_events).
-    The prefill gives the first token; each later one is a decode step on the KV cache."""
+    decode steps' mean wall time in ms (a CUDA sync after the last step only). The prefill
+    gives the first token; each later one is a decode step on the KV cache. decode_context:
+    a context manager around the decode steps (a profiler)."""
     from megatron.core.inference.contexts import StaticInferenceContext
     B, P = prompts.shape
     ctx = StaticInferenceContext(max_batch_size=B, max_sequence_length=P + new_tokens)
@@ -129,13 +131,14 @@ def generate(model, prompts: torch.Tensor, new_tokens: int, head, step_events=Fa
     out = [tokens]
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    for step in range(1, new_tokens):
-        pos = torch.full((B, 1), P + step - 1, device=prompts.device)
-        tokens = model(tokens[:, None], pos, None, inference_context=ctx,
-                       output_processor=head(step))
-        ctx.increment_sequence_len_offset(1)
-        out.append(tokens)
-    torch.cuda.synchronize()
+    with decode_context if decode_context is not None else contextlib.nullcontext():
+        for step in range(1, new_tokens):
+            pos = torch.full((B, 1), P + step - 1, device=prompts.device)
+            tokens = model(tokens[:, None], pos, None, inference_context=ctx,
+                           output_processor=head(step))
+            ctx.increment_sequence_len_offset(1)
+            out.append(tokens)
+        torch.cuda.synchronize()
     decode_ms = (time.perf_counter() - t0) * 1e3
     return torch.stack(out, 1), decode_ms / max(new_tokens - 1, 1)
 
@@ -181,6 +184,20 @@ def check_greedy(model, sampler, vocab, prompts, new_tokens):
         tokens = model(tokens[:, None], pos, None, inference_context=ctx, output_processor=processor)
         ctx.increment_sequence_len_offset(1)
     return found
+
+
+def gpu_ms_per_step(model, prompts, new_tokens, head) -> float:
+    """The GPU time of one decode step: the summed durations of its kernels and copies (torch
+    profiler), the max over ranks. Unlike the wall time of an eager step, which megatron-core's
+    host work dominates, this is what the step costs where launches are not the bottleneck
+    (CUDA graphs, as serving engines run it)."""
+    from torch.profiler import ProfilerActivity, profile
+    prof = profile(activities=[ProfilerActivity.CUDA])
+    generate(model, prompts, new_tokens, head, decode_context=prof)
+    us = sum(e.self_device_time_total for e in prof.key_averages())
+    t = torch.tensor([us / 1e3 / (new_tokens - 1)], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
 
 
 def head_ms(fn, iters=50, warmup=5) -> float:
@@ -232,10 +249,14 @@ def tpot_point(model, sampler, vocab, B, prompt_len, new_tokens, temperature, re
         point[name] = {"tpot_ms": statistics.median(res[name]["tpot"]),
                        "tpot_runs": res[name]["tpot"],
                        "head_share": statistics.median(res[name]["head_share"]),
-                       "head_alone_ms": head_ms(alone[name])}
+                       "head_alone_ms": head_ms(alone[name]),
+                       "gpu_step_ms": gpu_ms_per_step(model, prompts, new_tokens, paths[name])}
     stock, ours = point["stock"], point["tpsample"]
+    saved = stock["head_alone_ms"] - ours["head_alone_ms"]
     point["measured_gain"] = 1 - ours["tpot_ms"] / stock["tpot_ms"]
-    point["predicted_gain"] = (stock["head_alone_ms"] - ours["head_alone_ms"]) / stock["tpot_ms"]
+    point["predicted_gain"] = saved / stock["tpot_ms"]
+    point["gpu_gain"] = 1 - ours["gpu_step_ms"] / stock["gpu_step_ms"]
+    point["gpu_predicted_gain"] = saved / stock["gpu_step_ms"]
     return point
 
 
@@ -249,15 +270,20 @@ def render(runs: list) -> str:
         meta = rs[0]
         lines += [f"**{config}** ({meta['shape']}; prompt {meta['prompt_len']}, "
                   f"{meta['new_tokens']} generated, T = {meta['temperature']}; {meta['device']})", "",
-                  "| TP | B | TPOT stock (ms) | TPOT tpsample (ms) | gain measured | gain predicted "
-                  "| head + sampling share, stock / tpsample | head alone, stock / tpsample (ms) |",
+                  "| TP | B | TPOT stock / tpsample (ms) | TPOT gain (predicted) "
+                  "| GPU time per step stock / tpsample (ms) | GPU-time gain (predicted) "
+                  "| head + sampling share of the step, stock / tpsample "
+                  "| head alone, stock / tpsample (ms) |",
                   "|---|---|---|---|---|---|---|---|"]
         for run in sorted(rs, key=lambda r: r["tp"]):
             for p in run["points"]:
                 s, t = p["stock"], p["tpsample"]
-                lines.append(f"| {run['tp']} | {p['B']} | {s['tpot_ms']:.2f} | {t['tpot_ms']:.2f} | "
-                             f"{100 * p['measured_gain']:.1f} % | {100 * p['predicted_gain']:.1f} % | "
-                             f"{100 * s['head_share']:.1f} % / {100 * t['head_share']:.1f} % | "
+                gpu = (f"{s['gpu_step_ms']:.2f} / {t['gpu_step_ms']:.2f} | "
+                       f"{100 * p['gpu_gain']:.1f} % ({100 * p['gpu_predicted_gain']:.1f} %)"
+                       if "gpu_gain" in p else "— | —")
+                lines.append(f"| {run['tp']} | {p['B']} | {s['tpot_ms']:.2f} / {t['tpot_ms']:.2f} | "
+                             f"{100 * p['measured_gain']:.1f} % ({100 * p['predicted_gain']:.1f} %) | "
+                             f"{gpu} | {100 * s['head_share']:.1f} % / {100 * t['head_share']:.1f} % | "
                              f"{s['head_alone_ms']:.3f} / {t['head_alone_ms']:.3f} |")
         lines.append("")
     return "\n".join(lines)
@@ -275,13 +301,16 @@ def plot(runs: list, path: str) -> str | None:
     for ax, config in zip(axes[0], configs):
         for run in sorted((r for r in runs if r["config"] == config), key=lambda r: r["tp"]):
             bs = [p["B"] for p in run["points"]]
-            ax.plot(bs, [100 * p["measured_gain"] for p in run["points"]], "o-",
-                    label=f"TP{run['tp']} measured")
-            ax.plot(bs, [100 * p["predicted_gain"] for p in run["points"]], "x--",
-                    label=f"TP{run['tp']} predicted")
+            ax.plot(bs, [100 * p["measured_gain"] for p in run["points"]], "o:",
+                    label=f"TP{run['tp']} TPOT (eager wall)")
+            if all("gpu_gain" in p for p in run["points"]):
+                ax.plot(bs, [100 * p["gpu_gain"] for p in run["points"]], "s-",
+                        label=f"TP{run['tp']} GPU time per step")
+                ax.plot(bs, [100 * p["gpu_predicted_gain"] for p in run["points"]], "x--",
+                        label=f"TP{run['tp']} predicted from the head alone")
         ax.set_xscale("log", base=2)
         ax.axhline(0, color="grey", lw=0.5)
-        ax.set(title=config, xlabel="batch", ylabel="TPOT gain over stock (%)")
+        ax.set(title=config, xlabel="batch", ylabel="gain over the stock path (%)")
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -354,7 +383,11 @@ def main(argv=None):
                         print(f"{name} TP{tp} B={B}: TPOT stock {point['stock']['tpot_ms']:.2f} ms, "
                               f"tpsample {point['tpsample']['tpot_ms']:.2f} ms, gain "
                               f"{100 * point['measured_gain']:.1f} % (predicted "
-                              f"{100 * point['predicted_gain']:.1f} %)", flush=True)
+                              f"{100 * point['predicted_gain']:.1f} %); GPU time per step "
+                              f"{point['stock']['gpu_step_ms']:.2f} / "
+                              f"{point['tpsample']['gpu_step_ms']:.2f} ms, gain "
+                              f"{100 * point['gpu_gain']:.1f} % (predicted "
+                              f"{100 * point['gpu_predicted_gain']:.1f} %)", flush=True)
                 if rank == 0:
                     c = CONFIGS[name]
                     run = dict(config=name, tp=tp, prompt_len=args.prompt_len,

@@ -163,3 +163,44 @@ def test_tp_missing_rank_times_out_with_clear_message():
     outs = run_world(2, tp_timeout)
     assert outs[0]["error"] == "ExchangeTimeout", outs[0]
     assert "never made the same call" in outs[0]["message"] and outs[0]["elapsed"] < 5.5
+
+
+def tp_timeout_recovery(rank, world):
+    """A service's drill: rank 1 skips a call; rank 0 gets ExchangeTimeout, and the sampler
+    refuses further calls; every rank then builds a new group and a new sampler, which
+    samples the same tokens as before the failure."""
+    import torch.distributed as dist
+    h, w, *_ = common_inputs()
+    lo, hi = shard_bounds(rank, world, V)
+
+    def build(group):
+        return VocabParallelSampler(w[lo:hi].contiguous(), vocab_size=V, timeout_s=1.5,
+                                    backend="torch", group=group)
+    sampler = build(None)
+    result = {"before": sampler(h, seed=1)}
+    if rank == 1:
+        time.sleep(4)  # skips the next call, alive past rank 0's timeout
+    else:
+        for name, seed in (("timeout", 2), ("again", 3)):
+            t0 = time.time()
+            try:
+                sampler(h, seed=seed)
+                result[name] = "no error"
+            except tpsample.ExchangeTimeout as e:
+                result[name] = {"message": str(e), "call": e.call, "elapsed": time.time() - t0}
+    fresh = build(dist.new_group(backend="gloo"))
+    result["after"] = fresh(h, seed=1)
+    return result
+
+
+def test_tp_after_a_timeout_the_sampler_refuses_and_a_rebuilt_one_samples():
+    outs = run_world(2, tp_timeout_recovery)
+    r0 = outs[0]
+    assert isinstance(r0["timeout"], dict), r0
+    assert "did not complete within 1.5 s" in r0["timeout"]["message"]
+    assert r0["timeout"]["elapsed"] < 1.5 + 1.0
+    assert isinstance(r0["again"], dict) and "unusable" in r0["again"]["message"], r0
+    assert r0["again"]["elapsed"] < 0.5  # refused at once, no second wait
+    for o in outs:
+        assert torch.equal(o["after"], o["before"]), o
+    assert torch.equal(outs[0]["after"], outs[1]["after"])

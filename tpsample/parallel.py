@@ -38,7 +38,8 @@ class VocabParallelSampler:
         merge: "max" (pathwise; tokens identical to tpsample.sample on the full weight, for
             any world size), "logmass" or "cdf" (exact, but tokens depend on the partition;
             see tpsample.sample).
-        timeout_s: how long an exchange may wait for peers before ExchangeTimeout.
+        timeout_s: how long an exchange may wait for peers before ExchangeTimeout (see
+            check_exchange and tpsample/transport.py for when each transport raises it).
         check_inputs: every call, all ranks compare (B, D, num_samples, merge, dtypes) and
             raise on disagreement. On CUDA this costs a tiny all-gather and a host sync per
             call; turn it off in production once the integration is tested.
@@ -161,6 +162,15 @@ class VocabParallelSampler:
         total = sum(sizes)
         P.check_vocab_size(vocab_size, total, "the rows all shards cover")
 
+    def check_exchange(self) -> None:
+        """Raise ExchangeTimeout now if an exchange of the calls issued so far failed.
+
+        Waits for those calls (a host synchronisation: symm_mem waits for the current stream,
+        nccl for the last all-gather, at most timeout_s). Without it, a failed symm_mem
+        exchange raises at the sampler's next call. After an ExchangeTimeout every call
+        raises it again: the ranks are out of step; build a new sampler on a new group."""
+        self.transport.check(synchronize=True)
+
     # -- the call ----------------------------------------------------------------------------
     def _check_call(self, hidden, num_samples, constraints):
         layout = (-1 if constraints.mask is None else constraints.mask.shape[1],
@@ -187,6 +197,7 @@ class VocabParallelSampler:
                  top_logprobs: int = 0, replacement: bool = True,
                  logprobs_mode: str = "processed", allowed_mask: torch.Tensor | None = None,
                  logit_adjust=None, repetition_penalty=None) -> torch.Tensor | P.SampleOutput:
+        self.transport.check()  # an earlier exchange that failed on the device raises here
         P.check_hidden_weight(hidden, self.weight, "weight_shard")
         P.check_options(num_samples, self.merge)
         if return_logprobs and not self.logprobs:

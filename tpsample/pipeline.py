@@ -319,6 +319,7 @@ class Pipeline:
         computed from the same records)."""
         tokens, logprobs, logz, top_tok, top_lp, flag, _ = out
         rows = flag.cpu().nonzero()[:, 0]  # the host synchronisation: one [B] copy
+        self.transport.check()  # synchronised: a failed device-side exchange raises now
         self.candidate_rows += flag.shape[0]
         self.host_fallback_rows += rows.numel()
         if rows.numel() == 0:

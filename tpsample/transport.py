@@ -9,20 +9,40 @@ on every rank. Only records travel, never logits.
 
   symm_mem  CUDA + P2P: the buffer is torch symmetric memory; the kernel stores its records
             straight into every peer's slot (fan-out from the epilogue) and `exchange` is
-            the symmetric-memory barrier. Two buffers alternate between calls, so a fast
-            rank's next call never overwrites records a slow rank is still reducing (passing
-            the barrier of call k+1 implies every peer finished reducing call k). The parity
-            is a device tensor that the reduce kernel flips, so CUDA-graph replays alternate too.
+            one program of kernels/exchange_wait.py: it signals every peer through a
+            symmetric-memory flag and waits on the device, bounded by timeout_s, for the
+            peers' flags. Two buffers alternate between calls, so a fast rank's next call
+            never overwrites records a slow rank is still reducing (passing the exchange of
+            call k+1 implies every peer finished reducing call k). The parity is a device
+            tensor that the reduce kernel flips, so CUDA-graph replays alternate too.
   nccl      CUDA: the records are all-gathered with NCCL.
   gloo      CPU tensors: all-gather with gloo (what CI runs).
+
+Failures. An exchange a peer does not join within timeout_s raises ExchangeTimeout, naming
+the peers that did not arrive:
+  gloo      at once (the host waits for the all-gather);
+  symm_mem  the device wait gives up after timeout_s without trapping; the call's outputs
+            are the degenerate rows (token 0, log-prob NaN, log Z NaN) and the host raises
+            at the next call of the sampler, or at once from check() (which synchronises);
+  nccl      NCCL has no device-side bound: the process group's timeout and its watchdog
+            decide (torch's default tears the process down); check() waits for the last
+            all-gather for at most timeout_s on the host and raises if it has not finished.
+After an ExchangeTimeout the ranks are out of step (a late peer's next exchange meets a call
+its peers never make), so the transport, and the sampler that owns it, refuses every later
+call with ExchangeTimeout: build a new sampler on a new process group to go on.
 """
 from __future__ import annotations
 
 import datetime
 import logging
+import os
+import socket
 
 import torch
 import torch.distributed as dist
+import triton
+
+from . import replay
 
 log = logging.getLogger("tpsample")
 
@@ -32,7 +52,14 @@ all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_in
 
 
 class ExchangeTimeout(TimeoutError):
-    """A peer rank did not join an exchange in time."""
+    """A peer rank did not join an exchange in time (or this sampler's group is out of step
+    since an earlier one did). `missing`: the peer ranks (in the sampler's group) that did
+    not arrive, when known; `call`: the exchange's number (1 = the sampler's first call)."""
+
+    def __init__(self, message: str, missing: list[int] | None = None, call: int | None = None):
+        super().__init__(message)
+        self.missing = missing
+        self.call = call
 
 
 class Transport:
@@ -50,6 +77,25 @@ class Transport:
         self.device = device
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.capacity = 0
+        self.failure: ExchangeTimeout | None = None  # set by the first failed exchange
+
+    def check(self, synchronize: bool = False) -> None:
+        """Raise ExchangeTimeout if an exchange of this transport has failed (then every
+        later call does too: the group is out of step). synchronize: first wait for the work
+        issued so far (the exchanges that are still running count then)."""
+        if self.failure is not None:
+            raise ExchangeTimeout(
+                f"{self._who()}: this sampler is unusable since exchange #{self.failure.call} "
+                f"failed ({self.failure}); its ranks are out of step. Build a new "
+                "VocabParallelSampler on a new process group to go on.",
+                self.failure.missing, self.failure.call) from self.failure
+
+    def _who(self) -> str:
+        return f"tpsample rank {self.rank}/{self.world} ({self.name})"
+
+    def _fail(self, message: str, missing=None, call=None) -> ExchangeTimeout:
+        self.failure = ExchangeTimeout(message, missing, call)
+        return self.failure
 
     def reserve(self, numel: int) -> None:
         """Make every slot hold at least numel floats (collective for symm_mem: all ranks call it)."""
@@ -83,11 +129,10 @@ class Transport:
         try:
             work.wait(self.timeout)
         except RuntimeError as e:
-            raise ExchangeTimeout(
-                f"tpsample rank {self.rank}/{self.world} ({self.name}): {what} did not complete "
-                f"within {self.timeout.total_seconds():g} s; a peer rank probably never made the "
-                f"same call (every rank must call the sampler with the same batch). Cause: {e}"
-            ) from e
+            raise self._fail(
+                f"{self._who()}: {what} did not complete within "
+                f"{self.timeout.total_seconds():g} s; a peer rank probably never made the same "
+                f"call (every rank must call the sampler with the same batch). Cause: {e}") from e
 
 
 class LocalTransport(Transport):
@@ -97,6 +142,7 @@ class LocalTransport(Transport):
 
     def __init__(self, device: torch.device):
         self.rank, self.world, self.device, self.capacity = 0, 1, device, 0
+        self.failure = None
 
     def slots(self, numel):
         mine = torch.empty(numel, dtype=torch.float32, device=self.device)
@@ -112,6 +158,8 @@ class LocalTransport(Transport):
 class CollectiveTransport(Transport):
     """all_gather_into_tensor over a process group (nccl on CUDA, gloo on CPU)."""
 
+    _last_work = None
+
     def _allocate(self, numel):
         self.send = torch.empty(numel, dtype=torch.float32, device=self.device)
         self.buf = torch.empty(self.world, numel, dtype=torch.float32, device=self.device)
@@ -122,11 +170,20 @@ class CollectiveTransport(Transport):
         return self.send[:numel], self.buf.view(-1)[: self.world * numel].view(self.world, numel)
 
     def exchange(self, mine, full):
+        self.check()
         work = all_gather_flat(full.view(-1), mine, group=self.group, async_op=True)
         if self.name == "gloo":
             self.wait(work, "the record all-gather")
         else:
             work.wait()  # NCCL: orders the current stream after the collective; no host sync
+            self._last_work = work
+
+    def check(self, synchronize: bool = False) -> None:
+        super().check()
+        work = self._last_work
+        if synchronize and work is not None:  # NCCL: bounded host wait for the last exchange
+            self._last_work = None
+            self.wait(work, "the last record all-gather")
 
 
 class GlooTransport(CollectiveTransport):
@@ -143,12 +200,16 @@ class SymmMemTransport(Transport):
     def __init__(self, group, device: torch.device, timeout_s: float):
         super().__init__(group, device, timeout_s)
         self._views: dict = {}  # numel -> (mine, full) slot views of the current buffer
+        self._signal = None  # the exchange's recorded launch (replay.Replay), per buffer
+        self.flags = None
 
     def key(self):
         return (self.buf.data_ptr(), self.capacity) if self.capacity else ()
 
     def _allocate(self, numel):
         import torch.distributed._symmetric_memory as symm_mem
+        if self.flags is None:
+            self._allocate_flags(symm_mem)
         half = self.world * numel  # one buffer; two alternate halves
         self.buf = symm_mem.empty(2 * half, dtype=torch.float32, device=self.device)
         self.handle = symm_mem.rendezvous(self.buf, self.group.group_name)
@@ -160,6 +221,23 @@ class SymmMemTransport(Transport):
         self.parity = torch.zeros(2, dtype=torch.int32, device=self.device)
         self.capacity = numel
         self._views.clear()
+        self._signal = None
+
+    def _allocate_flags(self, symm_mem) -> None:
+        """The exchange's flags (int64 [world] per rank, symmetric memory; see
+        kernels/exchange_wait.py), this rank's count of its exchanges, and the status the
+        device wait writes into pinned host memory (read per call without a sync)."""
+        self.flags = symm_mem.empty(self.world, dtype=torch.int64, device=self.device)
+        self.flags.zero_()
+        flags_handle = symm_mem.rendezvous(self.flags, self.group.group_name)
+        self.peer_flags = torch.tensor(
+            [flags_handle.get_buffer(p, (self.world,), torch.int64, 0).data_ptr() + 8 * self.rank
+             for p in range(self.world)], dtype=torch.int64, device=self.device)
+        self.calls = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.status = torch.zeros(self.world, dtype=torch.int32, pin_memory=True)
+        self._status = self.status.numpy()
+        flags_handle.barrier(channel=0)  # once: every rank's flags are zero before any signal
+        self._flags_handle = flags_handle
 
     def slots(self, numel):
         views = self._views.get(numel)  # emptied by every re-allocation
@@ -173,14 +251,50 @@ class SymmMemTransport(Transport):
         return self.ptrs, self.parity, self.world * self.capacity
 
     def exchange(self, mine, full):
-        # release/acquire across the group: every peer's fan-out stores are visible after it
-        self.handle.barrier(channel=0, timeout_ms=int(self.timeout.total_seconds() * 1000))
+        self.check()
+        stream = replay.current_stream(self.device.index)
+        if self._signal is not None:
+            self._signal(stream)
+            return
+        with replay.record() as log:
+            signal_and_wait(self.flags, self.peer_flags, self.calls, self.status, self.buf,
+                            self.parity, rank=self.rank, world=self.world,
+                            slot_numel=self.capacity, parity_stride=self.world * self.capacity,
+                            timeout_s=self.timeout.total_seconds())
+        if replay.Replay.usable() and all(hasattr(c, "run") and hasattr(c, "packed_metadata")
+                                          for _, c, *_ in log):
+            self._signal = replay.Replay(log, {})
+
+    def check(self, synchronize: bool = False) -> None:
+        if synchronize and self.flags is not None:
+            torch.cuda.current_stream(self.device).synchronize()
+        if self.failure is None and self.flags is not None and self._status.any():
+            missing = [int(p) for p in self._status.nonzero()[0]]
+            call = int(self._status.max())
+            self._fail(f"{self._who()}: peer rank(s) {missing} did not reach exchange #{call} "
+                       f"within {self.timeout.total_seconds():g} s (the device wait gave up; that "
+                       "call returned degenerate rows: token 0, log-prob NaN, log Z NaN)",
+                       missing, call)
+        super().check()
+
+
+def signal_and_wait(flags, peer_flags, calls, status, buf, parity, *, rank: int, world: int,
+                    slot_numel: int, parity_stride: int, timeout_s: float) -> None:
+    """One launch of kernels/exchange_wait.py (its docstring has the protocol)."""
+    from .kernels.exchange_wait import signal_wait_kernel
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    replay.run_kernel(signal_wait_kernel, (1,), (
+        flags, peer_flags, calls, status, buf, parity, rank, world, slot_numel, parity_stride,
+        int(timeout_s * 1e9)), dict(WORLD_P2=triton.next_power_of_2(world),
+                                    USE_CLOCK=not interpreted, BLOCK=1024), dict(num_warps=1))
 
 
 def symm_mem_usable(group, device) -> tuple[bool, str]:
-    """Whether every rank of the group can store into every peer's memory (P2P on one host).
-    tpsample only uses symmetric memory's P2P pointers and barrier, never NVLink multicast;
-    hosts where multicast must stay off set TORCH_SYMM_MEM_DISABLE_MULTICAST=1 for torch."""
+    """Whether every rank of the group can store into every peer's memory: all ranks on one
+    host, one GPU each, every pair of GPUs P2P-capable. Collective: every
+    rank of the group calls it (make_transport does, at construction). tpsample only uses
+    symmetric memory's P2P pointers, never NVLink multicast; hosts where multicast must stay
+    off set TORCH_SYMM_MEM_DISABLE_MULTICAST=1 for torch."""
     if device.type != "cuda":
         return False, "tensors are on the CPU"
     try:
@@ -188,14 +302,17 @@ def symm_mem_usable(group, device) -> tuple[bool, str]:
     except ImportError as e:
         return False, f"torch symmetric memory unavailable ({e})"
     world = dist.get_world_size(group)
-    ranks = dist.get_process_group_ranks(group)
-    local = torch.cuda.device_count()
-    if max(ranks) >= local and world > local:
+    where = [None] * world
+    dist.all_gather_object(where, (socket.gethostname(), device.index), group=group)
+    if len({host for host, _ in where}) > 1:
         return False, "ranks span several hosts"
-    for peer in range(local):
-        if peer != device.index and not torch.cuda.can_device_access_peer(device.index, peer):
-            return False, f"GPU {device.index} cannot reach GPU {peer} over P2P"
-    return True, "CUDA tensors, all peers reachable over P2P"
+    indices = [index for _, index in where]
+    if len(set(indices)) < world:
+        return False, "ranks share a GPU (torch symmetric memory needs one GPU per rank)"
+    for index in indices:
+        if index != device.index and not torch.cuda.can_device_access_peer(device.index, index):
+            return False, f"GPU {device.index} cannot reach GPU {index} over P2P"
+    return True, "CUDA tensors, one GPU per rank on one host, all reachable over P2P"
 
 
 def make_transport(name: str, group, device: torch.device, timeout_s: float) -> Transport:

@@ -1,0 +1,77 @@
+"""The symmetric-memory exchange's signal and bounded wait (one program, between stages).
+
+Each rank owns, in symmetric memory, a flag per peer: flags[p] is the number of exchanges
+rank p has entered, as far as this rank has seen. A call's exchange, launched after stage 1
+on the same stream (so every fan-out store of this rank is done):
+
+  1. epoch = calls[0] + 1 (calls: this rank's count of its own exchanges, device memory,
+     so CUDA-graph replays count too);
+  2. signal: store epoch into flags[rank] of every peer, with release semantics at system
+     scope (the peer that reads it also sees this rank's records);
+  3. wait: poll this rank's own flags with acquire loads until flags[p] >= epoch for every
+     peer p, or until timeout_ns have passed on the GPU's global timer;
+  4. calls[0] = epoch. A peer that did not arrive gets status[p] = epoch (status: int32
+     [world], pinned host memory the host reads without a synchronisation), and its
+     records slot of this call's buffer is filled with NaN, so stage 2 returns the
+     degenerate row for every row (token 0, log-prob NaN, log Z NaN). Then the kernel ends
+     normally: no trap, the CUDA context stays usable.
+
+Passing call k's exchange implies every peer finished its stage 2 of call k - 1 (its
+signal k is issued after it on its stream), which is what lets the records alternate
+between two buffers (tpsample/transport.py). Under TRITON_INTERPRET=1 the global timer is
+unavailable and the bound counts polls as 1 µs each.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _now_ns(USE_CLOCK: tl.constexpr, polls):
+    if USE_CLOCK:
+        return tl.extra.cuda.globaltimer()
+    else:
+        return polls * 1000
+
+
+@triton.jit
+def _poll(flags_ptr, p, ok, epoch):
+    seen = tl.atomic_add(flags_ptr + p, 0, mask=ok, sem="acquire", scope="sys")
+    return tl.where(ok, seen < epoch, False)
+
+
+@triton.jit
+def signal_wait_kernel(flags_ptr, peer_flags_ptr, calls_ptr, status_ptr, buf_ptr, parity_ptr,
+                       rank, world, slot_numel, parity_stride, timeout_ns,
+                       WORLD_P2: tl.constexpr, USE_CLOCK: tl.constexpr, BLOCK: tl.constexpr):
+    # flags_ptr: int64 [world], this rank's flags (symmetric memory); peer_flags_ptr: int64
+    # [world], the address of flags[rank] in each peer's flags; calls_ptr: int64 [1];
+    # status_ptr: int32 [world]; buf_ptr: this rank's records buffer (two halves of
+    # parity_stride floats, slot p of a half at p * slot_numel); parity_ptr[0]: the half
+    # this call's stage 1 wrote.
+    p = tl.arange(0, WORLD_P2)
+    ok = p < world
+    epoch = tl.load(calls_ptr) + 1
+    # a peer's flag as an element offset from flags_ptr (a pointer made from an integer)
+    delta = (tl.load(peer_flags_ptr + p, mask=ok, other=0)
+             - flags_ptr.to(tl.int64, bitcast=True)) >> 3
+    tl.atomic_xchg(flags_ptr + delta, tl.zeros_like(delta) + epoch, mask=ok, sem="release",
+                   scope="sys")
+    missing = _poll(flags_ptr, p, ok, epoch)
+    polls = tl.full([], 0, tl.int64)
+    start = _now_ns(USE_CLOCK, polls)
+    waiting = tl.sum(missing.to(tl.int32)) > 0
+    while waiting:
+        missing = _poll(flags_ptr, p, ok, epoch)
+        polls += 1
+        in_time = _now_ns(USE_CLOCK, polls) - start <= timeout_ns
+        waiting = (tl.sum(missing.to(tl.int32)) > 0) & in_time
+    tl.store(calls_ptr, epoch)
+    tl.store(status_ptr + p, epoch.to(tl.int32), mask=missing)
+    if tl.sum(missing.to(tl.int32)) > 0:
+        base = buf_ptr + tl.load(parity_ptr).to(tl.int64) * parity_stride
+        nan = tl.full((BLOCK,), float("nan"), tl.float32)
+        for q in range(0, world):
+            if tl.sum(tl.where(p == q, missing.to(tl.int32), 0)) > 0:
+                for i in range(0, slot_numel, BLOCK):
+                    at = i + tl.arange(0, BLOCK)
+                    tl.store(base + q * slot_numel + at, nan, mask=at < slot_numel)

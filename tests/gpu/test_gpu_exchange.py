@@ -1,0 +1,122 @@
+"""The symmetric-memory exchange on a GPU (kernels/exchange_wait.py): the device-side wait
+gives up after its bound without trapping, the CUDA context stays usable, the host raises
+ExchangeTimeout naming the missing peers, and a rebuilt sampler samples again.
+
+The bounded wait and the one-rank sampler run on one GPU; the two-rank drill needs two
+(torch's symmetric-memory rendezvous refuses two ranks on one GPU)."""
+import time
+
+import pytest
+import torch
+
+import tpsample
+from tpsample.transport import signal_and_wait
+
+from dist_utils import run_world
+from test_multigpu import gpu_rank, inputs, VOCAB
+
+pytestmark = pytest.mark.gpu
+
+
+def test_device_wait_is_bounded_and_leaves_the_context_usable():
+    """A peer that never signals: the wait ends after timeout_s (measured on the host
+    around a synchronisation), status names it, its slot is NaN, later work runs."""
+    dev = torch.device("cuda")
+    world, n = 2, 4096
+    flags = torch.zeros(world, dtype=torch.int64, device=dev)
+    ghost = torch.zeros(world, dtype=torch.int64, device=dev)  # the peer's flags
+    peer_flags = torch.tensor([flags.data_ptr(), ghost.data_ptr()], dtype=torch.int64, device=dev)
+    calls = torch.zeros(1, dtype=torch.int64, device=dev)
+    status = torch.zeros(world, dtype=torch.int32, pin_memory=True)
+    buf = torch.zeros(2 * world * n, device=dev)
+    parity = torch.zeros(2, dtype=torch.int32, device=dev)
+    kw = dict(rank=0, world=world, slot_numel=n, parity_stride=world * n)
+    signal_and_wait(flags, peer_flags, calls, status, buf, parity, timeout_s=0.01, **kw)  # compile
+    torch.cuda.synchronize()
+    status.zero_()
+    t0 = time.perf_counter()
+    signal_and_wait(flags, peer_flags, calls, status, buf, parity, timeout_s=0.5, **kw)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    assert 0.5 <= elapsed < 0.6, elapsed
+    assert status.tolist() == [0, 2] and calls.item() == 2 and ghost[0].item() == 2
+    assert torch.isnan(buf[n:2 * n]).all() and not torch.isnan(buf[:n]).any()
+    x = torch.randn(1000, device=dev)
+    assert torch.allclose((x @ torch.eye(1000, device=dev)).sum(), x.sum(), rtol=1e-4)
+
+
+def test_one_rank_symm_mem_sampler_equals_single_gpu_and_replays_in_graphs():
+    """world 1 over symmetric memory: the exchange signals itself and passes; eager calls,
+    launch replays and a captured CUDA graph give tpsample.sample's tokens."""
+    B = 16
+    (out,) = run_world(1, gpu_rank, "symm_mem", "max", B, backend="nccl")
+    assert out["transport"] == "symm_mem", out
+    h, w, temp, seeds = inputs(B)
+    dev = torch.device("cuda")
+    for k in range(3):
+        want = tpsample.sample(h.to(dev), w.to(dev), temperature=temp.to(dev), seed=seeds.to(dev),
+                               offset=k, vocab_size=VOCAB)
+        assert torch.equal(out["eager"][k], want.cpu())
+        assert torch.equal(out["replay"][k], want.cpu())
+
+
+def drill(rank, world, timeout_s):
+    """Rank 1 skips a call; rank 0's check_exchange raises within timeout_s + 1 s; its
+    context still works; the sampler refuses further calls; every rank then builds a new
+    group and sampler, which samples the tokens of before."""
+    import torch.distributed as dist
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    B = 8
+    h, w, temp, seeds = inputs(B)
+    h, temp, seeds = h.to(dev), temp.to(dev), seeds.to(dev)
+    V = w.shape[0]
+    lo, hi = (0, V // 2) if rank == 0 else (V // 2, V)
+
+    def build(group):
+        return tpsample.VocabParallelSampler(w[lo:hi].contiguous().to(dev), vocab_size=VOCAB,
+                                             group=group, transport="symm_mem",
+                                             timeout_s=timeout_s, check_inputs=False)
+    sampler = build(None)
+    res = {"before": sampler(h, temperature=temp, seed=seeds).cpu()}
+    torch.cuda.synchronize()
+    dist.barrier()
+    if rank == 1:
+        time.sleep(timeout_s + 3)
+    else:
+        t0 = time.time()
+        out = sampler(h, temperature=temp, seed=seeds, return_logprobs=True)
+        try:
+            sampler.check_exchange()
+            res["timeout"] = "no error"
+        except tpsample.ExchangeTimeout as e:
+            res["timeout"] = dict(message=str(e), missing=e.missing, call=e.call,
+                                  elapsed=time.time() - t0)
+        res["degenerate"] = bool((out.tokens == 0).all() and torch.isnan(out.logz).all())
+        res["context_ok"] = float(torch.ones(4096, device=dev).sum()) == 4096.0
+        try:
+            sampler(h, temperature=temp, seed=seeds)
+            res["again"] = "no error"
+        except tpsample.ExchangeTimeout as e:
+            res["again"] = str(e)
+    fresh = build(dist.new_group(backend="gloo"))
+    res["after"] = fresh(h, temperature=temp, seed=seeds).cpu()
+    fresh.check_exchange()
+    return res
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_rank_that_skips_a_call_gives_exchange_timeout_and_the_service_recovers():
+    timeout_s = 2.0
+    outs = run_world(2, drill, timeout_s)  # gloo for the control plane, CUDA tensors
+    r0 = outs[0]
+    assert isinstance(r0.get("timeout"), dict), outs
+    assert r0["timeout"]["missing"] == [1] and r0["timeout"]["call"] == 2, r0
+    assert "peer rank(s) [1]" in r0["timeout"]["message"]
+    assert timeout_s <= r0["timeout"]["elapsed"] < timeout_s + 1.0, r0
+    assert r0["degenerate"] and r0["context_ok"], r0
+    assert "unusable" in r0["again"], r0
+    for o in outs:
+        assert torch.equal(o["after"], o["before"]), o
+    assert torch.equal(outs[0]["after"], outs[1]["after"])

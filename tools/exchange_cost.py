@@ -1,0 +1,92 @@
+"""What the symmetric-memory exchange costs per call, on the GPUs at hand (one process per
+rank under torchrun; one rank works too: the exchange then signals itself).
+
+    torchrun --nproc-per-node=N -m tools.exchange_cost [--out DIR]
+
+Per (D, B): the per-call latency (CUDA events, a host sync per call, median of 200, max over
+ranks) of the local matmul h @ W_r.T, of the sampler with the device-side signal and bounded
+wait (kernels/exchange_wait.py, the shipped exchange), and of the same sampler with torch's
+symmetric-memory barrier in its place (the exchange before it), alternating in one run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+import torch.distributed as dist
+
+import tpsample
+
+
+def per_call_ms(fn, iters: int = 200, warmup: int = 20) -> float:
+    times = []
+    for i in range(warmup + iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        if i >= warmup:
+            times.append(s.elapsed_time(e))
+    t = torch.tensor([statistics.median(times)], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def torch_barrier(transport):
+    """The exchange as it was: torch's symmetric-memory barrier on the records buffer."""
+    def exchange(mine, full):
+        transport.handle.barrier(channel=0, timeout_ms=int(transport.timeout.total_seconds() * 1e3))
+    return exchange
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="4096x151936,8192x128256")
+    p.add_argument("--batch", default="1,16,64,256")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = []
+    for shape in args.shapes.split(","):
+        D, V = (int(x) for x in shape.split("x"))
+        g = torch.Generator(device="cuda").manual_seed(0)
+        per = -(-V // world)
+        w = (torch.randn(per, D, device="cuda", generator=g) * 0.02).bfloat16()
+        sampler = tpsample.VocabParallelSampler(w, vocab_size=per * world, transport="symm_mem",
+                                                check_inputs=False, max_batch=256)
+        t = sampler.transport
+        ours, old = t.exchange, torch_barrier(t)
+        for B in (int(b) for b in args.batch.split(",")):
+            h = torch.randn(B, D, device="cuda", generator=g).bfloat16()
+            seeds = torch.arange(B, device="cuda")
+            call = lambda: sampler(h, seed=seeds)  # noqa: E731
+            row = {"D": D, "V": V, "B": B, "world": world,
+                   "mm": per_call_ms(lambda: h @ w.T)}
+            for name, exchange in (("signal_wait", ours), ("torch_barrier", old)) * 2:
+                t.exchange = exchange
+                row.setdefault(name, []).append(per_call_ms(call))
+            t.exchange = ours
+            sampler.check_exchange()
+            row = {k: (min(v) if isinstance(v, list) else v) for k, v in row.items()}
+            rows.append(row)
+            if rank == 0:
+                print(f"D={D} B={B:4d} world={world}: mm {row['mm']:.3f}  signal_wait "
+                      f"{row['signal_wait']:.3f}  torch_barrier {row['torch_barrier']:.3f} ms  "
+                      f"(ratio {row['signal_wait'] / row['torch_barrier']:.3f})", flush=True)
+        sampler = None
+    if rank == 0 and args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"exchange_cost_tp{world}.json"), "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
