@@ -5,7 +5,8 @@ stock path (the LM head's logits gathered over the TP group, softmax, torch.mult
     torchrun --nproc-per-node=2 examples/mcore_decode.py                 # a small random model
     torchrun --nproc-per-node=2 examples/mcore_decode.py --check         # greedy = stock argmax
     torchrun --nproc-per-node=2 examples/mcore_decode.py --tpot --config qwen3-8b --out bench_out
-    python examples/mcore_decode.py --report bench_out/tpot_*.json --doc docs/performance.md
+    python examples/mcore_decode.py --report bench_out/tpot_*.json --doc docs/performance.md \
+        --label "H100 megatron-core decode"
 
 Needs CUDA and megatron-core (`pip install tpsample[megatron]`). The model is built from a
 config with the local layer spec (no Transformer Engine; torch norms), random weights, bf16;
@@ -322,9 +323,11 @@ def report(paths: list, doc: str | None, label: str):
     body = render(runs)
     if doc:
         from tpsample.launch.bench import slug, write_doc
-        img = plot(runs, os.path.join(os.path.dirname(doc), f"{slug(label)}.png"))
+        img_dir = os.path.join(os.path.dirname(doc), "img")
+        os.makedirs(img_dir, exist_ok=True)
+        img = plot(runs, os.path.join(img_dir, f"{slug(label)}.png"))
         if img:
-            body += f"\n![TPOT gain]({os.path.basename(img)})\n"
+            body += f"\n![{label}](img/{os.path.basename(img)})\n"
         write_doc(doc, label, body)
     print(body)
 
