@@ -125,6 +125,20 @@ def gluon_compile(strategy: str, num_samples: int = 1, need_mass: bool = False, 
 INSTRUCTION = re.compile(r"\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)(\S*)(.*)")
 
 
+def exchange_wait_sass(world: int = 2, arch: int = 90) -> str:
+    """The SASS of the exchange's signal and bounded wait (kernels/exchange_wait.py) as
+    tpsample.transport launches it (one warp, the global timer)."""
+    from tpsample.kernels.exchange_wait import signal_wait_kernel
+    sig = {"flags_ptr": "*i64", "peer_flags_ptr": "*i64", "calls_ptr": "*i64", "status_ptr": "*i32",
+           "buf_ptr": "*fp32", "parity_ptr": "*i32", "rank": "i32", "world": "i32",
+           "slot_numel": "i32", "parity_stride": "i32", "timeout_ns": "i64",
+           "WORLD_P2": "constexpr", "USE_CLOCK": "constexpr", "BLOCK": "constexpr"}
+    consts = dict(WORLD_P2=triton.next_power_of_2(world), USE_CLOCK=True, BLOCK=1024)
+    compiled = triton.compile(ASTSource(signal_wait_kernel, sig, consts, {}),
+                              target=GPUTarget("cuda", arch, 32), options=dict(num_warps=1))
+    return disassemble(compiled)
+
+
 def disassemble(compiled) -> str:
     """The SASS of a compiled kernel's cubin (nvdisasm)."""
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
@@ -137,8 +151,13 @@ def disassemble(compiled) -> str:
 
 def cubin_ops(compiled) -> Counter:
     """Opcode counts of a compiled kernel's cubin (nvdisasm)."""
+    return text_ops(disassemble(compiled))
+
+
+def text_ops(text: str) -> Counter:
+    """Opcode counts of a disassembly."""
     ops = Counter()
-    for line in disassemble(compiled).splitlines():
+    for line in text.splitlines():
         m = INSTRUCTION.match(line)
         if m:
             ops[m.group(1)] += 1
