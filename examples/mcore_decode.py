@@ -203,20 +203,8 @@ def gpu_ms_per_step(model, prompts, new_tokens, head) -> float:
 
 def head_ms(fn, iters=50, warmup=5) -> float:
     """Median ms of fn() alone (CUDA events, a sync per call), the max over the TP ranks."""
-    times = []
-    for i in range(warmup + iters):
-        dist.barrier()
-        torch.cuda.synchronize()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        if i >= warmup:
-            times.append(s.elapsed_time(e))
-    t = torch.tensor([statistics.median(times)], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
+    from tpsample.launch.bench import time_calls
+    return time_calls(fn, torch.device("cuda", torch.cuda.current_device()), iters, warmup)
 
 
 def tpot_point(model, sampler, vocab, B, prompt_len, new_tokens, temperature, repeats):

@@ -46,3 +46,37 @@ def test_hf_decode_example(tmp_path):
     text = run([sys.executable, str(example), "--steps", "6", "--top-k", "50", "--top-p", "0.9"],
                tmp_path)
     assert "greedy tokens equal transformers' generate: True" in text
+
+
+def test_mcore_decode_report_renders_tables_and_plot(tmp_path):
+    """examples/mcore_decode.py --report (no GPU needed): a TPOT run's JSON becomes a doc
+    section with a row per batch and the plot; a run without GPU-time columns shows dashes."""
+    import json
+    example = Path(__file__).resolve().parents[1] / "examples" / "mcore_decode.py"
+    path = {"stock": 1.0, "tpsample": 0.5}
+    points = []
+    for B in (1, 8):
+        p = {"B": B, "measured_gain": 0.01, "predicted_gain": 0.02, "gpu_gain": 0.03,
+             "gpu_predicted_gain": 0.04}
+        for name, head in path.items():
+            p[name] = {"tpot_ms": 10.0, "tpot_runs": [10.0], "head_share": 0.01,
+                       "head_alone_ms": head, "gpu_step_ms": 5.0}
+        points.append(p)
+    run_ = dict(config="tiny", tp=1, prompt_len=8, new_tokens=4, temperature=0.8, device="dev",
+                shape="2 layers", points=points)
+    old = dict(run_, config="older", points=[{k: v for k, v in p.items() if "gpu" not in k}
+                                             for p in points])
+    files = []
+    for r in (run_, old):
+        files.append(tmp_path / f"{r['config']}.json")
+        files[-1].write_text(json.dumps(r))
+    doc = tmp_path / "docs" / "perf.md"
+    doc.parent.mkdir()
+    doc.write_text("# Perf\n")
+    text = run([sys.executable, str(example), "--report", *map(str, files), "--doc", str(doc),
+                "--label", "tpot test"], tmp_path)
+    assert "| 1 | 8 | 10.00 / 10.00 | 1.0 % (2.0 %) | 5.00 / 5.00 | 3.0 % (4.0 %) |" in text
+    assert "| 1 | 8 | 10.00 / 10.00 | 1.0 % (2.0 %) | — | — |" in text
+    body = doc.read_text()
+    assert "<!-- bench:tpot test -->" in body and "img/tpot_test.png" in body
+    assert (tmp_path / "docs" / "img" / "tpot_test.png").exists()

@@ -13,27 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 
 import torch
 import torch.distributed as dist
 
 import tpsample
+from tpsample.launch.bench import time_calls
 
-
-def per_call_ms(fn, iters: int = 200, warmup: int = 20) -> float:
-    times = []
-    for i in range(warmup + iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        if i >= warmup:
-            times.append(s.elapsed_time(e))
-    t = torch.tensor([statistics.median(times)], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
+ITERS, WARMUP = 200, 20
 
 
 def torch_barrier(transport):
@@ -67,11 +54,12 @@ def main(argv=None):
             h = torch.randn(B, D, device="cuda", generator=g).bfloat16()
             seeds = torch.arange(B, device="cuda")
             call = lambda: sampler(h, seed=seeds)  # noqa: E731
+            dev = h.device
             row = {"D": D, "V": V, "B": B, "world": world,
-                   "mm": per_call_ms(lambda: h @ w.T)}
+                   "mm": time_calls(lambda: h @ w.T, dev, ITERS, WARMUP)}
             for name, exchange in (("signal_wait", ours), ("torch_barrier", old)) * 2:
                 t.exchange = exchange
-                row.setdefault(name, []).append(per_call_ms(call))
+                row.setdefault(name, []).append(time_calls(call, dev, ITERS, WARMUP))
             t.exchange = ours
             sampler.check_exchange()
             row = {k: (min(v) if isinstance(v, list) else v) for k, v in row.items()}
