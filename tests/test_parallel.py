@@ -125,6 +125,8 @@ def tp_bad(rank, world, case):
         kw["logprobs"] = rank == 0
     elif case == "no_logprobs":
         kw["logprobs"] = False
+    elif case == "timeout_s":
+        kw["timeout_s"] = float("inf")
     sampler = VocabParallelSampler(shard, **kw)
     if case == "B":
         sampler(h[: B - rank], seed=1)
@@ -137,7 +139,8 @@ def tp_bad(rank, world, case):
                                             ("vocab_start", "ValueError", "vocab_start"),
                                             ("B", "ValueError", "disagree on B"),
                                             ("logprobs", "ValueError", "logprobs differs"),
-                                            ("no_logprobs", "ValueError", "logprobs=False")])
+                                            ("no_logprobs", "ValueError", "logprobs=False"),
+                                            ("timeout_s", "ValueError", "timeout_s")])
 def test_tp_bad_input_raises_on_every_rank(case, exc, words):
     outs = run_world(2, tp_bad, case)
     for o in outs:
@@ -199,7 +202,7 @@ def test_tp_after_a_timeout_the_sampler_refuses_and_a_rebuilt_one_samples():
     assert isinstance(r0["timeout"], dict), r0
     assert "did not complete within 1.5 s" in r0["timeout"]["message"]
     assert r0["timeout"]["elapsed"] < 1.5 + 1.0
-    assert isinstance(r0["again"], dict) and "unusable" in r0["again"]["message"], r0
+    assert isinstance(r0["again"], dict) and "unusable since an exchange failed" in r0["again"]["message"], r0
     assert r0["again"]["elapsed"] < 0.5  # refused at once, no second wait
     for o in outs:
         assert torch.equal(o["after"], o["before"]), o

@@ -87,6 +87,9 @@ class VocabParallelSampler:
             raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
         if vocab_start is not None and (not isinstance(vocab_start, int) or vocab_start < 0):
             raise ValueError(f"vocab_start must be None or an int >= 0, got {vocab_start!r}")
+        if (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                or not 0 < timeout_s <= 1e6):
+            raise ValueError(f"timeout_s must be a number of seconds in (0, 1e6], got {timeout_s!r}")
         if not isinstance(logprobs, bool):
             raise TypeError(f"logprobs must be a bool, got {type(logprobs).__name__}")
         if not logprobs and merge != "max":

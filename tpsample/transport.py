@@ -84,8 +84,9 @@ class Transport:
         later call does too: the group is out of step). synchronize: first wait for the work
         issued so far (the exchanges that are still running count then)."""
         if self.failure is not None:
+            which = "an exchange" if self.failure.call is None else f"exchange #{self.failure.call}"
             raise ExchangeTimeout(
-                f"{self._who()}: this sampler is unusable since exchange #{self.failure.call} "
+                f"{self._who()}: this sampler is unusable since {which} "
                 f"failed ({self.failure}); its ranks are out of step. Build a new "
                 "VocabParallelSampler on a new process group to go on.",
                 self.failure.missing, self.failure.call) from self.failure
