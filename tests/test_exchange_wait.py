@@ -68,13 +68,19 @@ def test_a_missing_peer_times_out_and_its_slot_becomes_nan(device):
     assert not torch.isnan(r.half(0, 0)).any()  # the other half untouched
 
 
-def test_a_nan_slot_gives_every_row_the_degenerate_result():
-    """What stage 2 makes of a timed-out call's records: token 0, log-prob and log Z NaN."""
-    slots, S, B, T = 2, 1, 4, 3
-    rec = torch.randn(slots, S, B, T, records.WIDTH)
-    rec[1] = float("nan")
+@pytest.mark.parametrize("merge_mode", ["max", "logmass", "cdf"])
+@pytest.mark.parametrize("nan_part", ["slot", "some tiles"])
+def test_a_nan_slot_gives_every_row_the_degenerate_result(merge_mode, nan_part):
+    """What stage 2 makes of a timed-out call's records (a whole peer slot NaN, or part of
+    one: an NCCL all-gather aborted midway): token 0, log-prob and log Z NaN."""
+    slots, S, B, T = 3, 1, 4, 3
+    rec = torch.randn(slots, S, B, T, records.WIDTH, generator=torch.Generator().manual_seed(0))
+    if nan_part == "slot":
+        rec[1] = float("nan")
+    else:
+        rec[1, :, :, :2] = float("nan")
     tokens, logprobs, logz = merge.reduce_records(rec, torch.arange(B), torch.zeros(B, dtype=torch.int64),
-                                                  torch.zeros(B, dtype=torch.bool), "max")
+                                                  torch.zeros(B, dtype=torch.bool), merge_mode)
     assert (tokens == 0).all() and torch.isnan(logprobs).all() and torch.isnan(logz).all()
 
 

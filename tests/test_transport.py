@@ -1,5 +1,6 @@
 """Transports: the local one, gloo, and how "auto" chooses (symmetric memory needs no
 environment variable: tpsample never uses NVLink multicast)."""
+import pytest
 import torch
 
 from tpsample import transport
@@ -61,3 +62,74 @@ def test_symm_mem_is_usable_wherever_p2p_works_without_the_multicast_variable(mo
     _fake_group(monkeypatch, [("h", 0), ("g", 1)])
     usable, why = transport.symm_mem_usable(None, torch.device("cuda", 0))
     assert not usable and "several hosts" in why
+
+
+class FakeResult:
+    """A WorkResult future: pending until the watchdog (the test) decides."""
+
+    def __init__(self):
+        self.value_ = None
+
+    def done(self):
+        return self.value_ is not None
+
+    def value(self):
+        return self.value_
+
+
+class FakeWork:
+    def __init__(self, finishes: bool = True):
+        self.result, self.finishes, self.waited = FakeResult(), finishes, []
+
+    def wait(self, timeout=None):
+        self.waited.append(timeout)
+        if timeout is not None and not self.finishes:
+            raise RuntimeError("Work ran time out")
+
+    def get_future_result(self):
+        return self.result
+
+
+def _nccl_without_a_group(monkeypatch, works):
+    """An NcclTransport on the CPU whose all-gathers issue `works` and write nothing (a
+    collective that has not run, or that the watchdog aborted)."""
+    monkeypatch.setattr(transport.dist, "get_rank", lambda group: 0)
+    monkeypatch.setattr(transport.dist, "get_world_size", lambda group: 2)
+    monkeypatch.setattr(transport, "all_gather_flat", lambda out, inp, group, async_op: works.pop(0))
+    return transport.NcclTransport(None, torch.device("cpu"), 2.0)
+
+
+def test_nccl_a_failed_all_gather_gives_nan_records_and_raises_at_the_next_call(monkeypatch):
+    """No host wait per call; a WorkResult other than SUCCESS, read at the next call, raises
+    ExchangeTimeout naming the call; that call's records are NaN (the degenerate row), never
+    the last call's; the transport then refuses every call."""
+    works = [FakeWork(), FakeWork(), FakeWork()]
+    first, second = works[0], works[1]
+    t = _nccl_without_a_group(monkeypatch, works)
+    mine, full = t.slots(6)
+    full.fill_(1.0)  # the records of an earlier call
+    t.exchange(mine, full)
+    assert torch.isnan(full).all() and first.waited == [None]  # stream-ordered wait only
+    t.check()  # its result is not known yet: no error, no blocking
+    first.result.value_ = 0  # SUCCESS
+    t.exchange(mine, full)
+    second.result.value_ = 1  # TIMEOUT: the watchdog aborted all-gather #2
+    with pytest.raises(transport.ExchangeTimeout, match=r"record all-gather #2 failed") as e:
+        t.exchange(mine, full)
+    assert e.value.call == 2 and e.value.missing is None and len(works) == 1
+    with pytest.raises(transport.ExchangeTimeout, match="unusable since exchange #2 failed"):
+        t.check()
+
+
+def test_nccl_check_synchronize_waits_for_the_newest_all_gather_bounded(monkeypatch):
+    works = [FakeWork(), FakeWork(finishes=False)]
+    done, hung = works
+    t = _nccl_without_a_group(monkeypatch, works)
+    mine, full = t.slots(4)
+    t.exchange(mine, full)
+    t.check(synchronize=True)
+    assert done.waited[-1] == t.timeout
+    t.exchange(mine, full)
+    with pytest.raises(transport.ExchangeTimeout, match=r"record all-gather #2 did not complete within 2 s") as e:
+        t.check(synchronize=True)
+    assert e.value.call == 2

@@ -24,15 +24,20 @@ the peers that did not arrive:
   symm_mem  the device wait gives up after timeout_s without trapping; the call's outputs
             are the degenerate rows (token 0, log-prob NaN, log Z NaN) and the host raises
             at the next call of the sampler, or at once from check() (which synchronises);
-  nccl      NCCL has no device-side bound: the process group's timeout and its watchdog
-            decide (torch's default tears the process down); check() waits for the last
-            all-gather for at most timeout_s on the host and raises if it has not finished.
+  nccl      NCCL has no device-side bound torch exposes: the process group's timeout and
+            torch's watchdog decide. With the default TORCH_NCCL_ASYNC_ERROR_HANDLING (3) the
+            watchdog tears the process down; with 2 it aborts the communicator and the process
+            lives on: the record buffer is NaN before every all-gather, so the aborted call's
+            outputs are the degenerate rows, and the host raises at the next call (each call's
+            WorkResult future, read without blocking; calls captured in a CUDA graph have none).
+            check() waits for the newest all-gather for at most timeout_s on the host.
 After an ExchangeTimeout the ranks are out of step (a late peer's next exchange meets a call
 its peers never make), so the transport, and the sampler that owns it, refuses every later
 call with ExchangeTimeout: build a new sampler on a new process group to go on.
 """
 from __future__ import annotations
 
+import collections
 import datetime
 import logging
 import os
@@ -125,7 +130,7 @@ class Transport:
         self.wait(work, "the fallback all-gather")
         return out
 
-    def wait(self, work, what: str) -> None:
+    def wait(self, work, what: str, call: int | None = None) -> None:
         """Wait for an async collective; a peer that never joins raises ExchangeTimeout."""
         try:
             work.wait(self.timeout)
@@ -133,7 +138,8 @@ class Transport:
             raise self._fail(
                 f"{self._who()}: {what} did not complete within "
                 f"{self.timeout.total_seconds():g} s; a peer rank probably never made the same "
-                f"call (every rank must call the sampler with the same batch). Cause: {e}") from e
+                f"call (every rank must call the sampler with the same batch). Cause: {e}",
+                None, call) from e
 
 
 class LocalTransport(Transport):
@@ -159,7 +165,7 @@ class LocalTransport(Transport):
 class CollectiveTransport(Transport):
     """all_gather_into_tensor over a process group (nccl on CUDA, gloo on CPU)."""
 
-    _last_work = None
+    calls = 0  # exchanges issued
 
     def _allocate(self, numel):
         self.send = torch.empty(numel, dtype=torch.float32, device=self.device)
@@ -172,19 +178,9 @@ class CollectiveTransport(Transport):
 
     def exchange(self, mine, full):
         self.check()
+        self.calls += 1
         work = all_gather_flat(full.view(-1), mine, group=self.group, async_op=True)
-        if self.name == "gloo":
-            self.wait(work, "the record all-gather")
-        else:
-            work.wait()  # NCCL: orders the current stream after the collective; no host sync
-            self._last_work = work
-
-    def check(self, synchronize: bool = False) -> None:
-        super().check()
-        work = self._last_work
-        if synchronize and work is not None:  # NCCL: bounded host wait for the last exchange
-            self._last_work = None
-            self.wait(work, "the last record all-gather")
+        self.wait(work, "the record all-gather", self.calls)
 
 
 class GlooTransport(CollectiveTransport):
@@ -192,7 +188,50 @@ class GlooTransport(CollectiveTransport):
 
 
 class NcclTransport(CollectiveTransport):
+    """The all-gather is stream-ordered (no host wait per call). Each call's WorkResult
+    future, which torch's watchdog completes (TIMEOUT or COMM_ERROR when it aborted the
+    collective, possible only with TORCH_NCCL_ASYNC_ERROR_HANDLING=2: the default tears the
+    process down), is read at the next call without blocking."""
     name = "nccl"
+
+    def __init__(self, group, device, timeout_s):
+        super().__init__(group, device, timeout_s)
+        self._pending: collections.deque = collections.deque()  # (call, work, result future)
+
+    def exchange(self, mine, full):
+        self.check()
+        self.calls += 1
+        # An aborted all-gather leaves the peers' slots as the last call left them: NaN makes
+        # that call's rows the degenerate ones (token 0, NaN log Z), never stale tokens.
+        full.fill_(float("nan"))
+        work = all_gather_flat(full.view(-1), mine, group=self.group, async_op=True)
+        work.wait()  # orders the current stream after the collective; no host sync
+        if full.is_cuda and torch.cuda.is_current_stream_capturing():
+            return  # a captured collective has no watchdog entry: its future never completes
+        try:
+            result = work.get_future_result()
+        except RuntimeError:  # a backend without it: the watchdog alone decides
+            result = None
+        self._pending.append((self.calls, work, result))
+
+    def check(self, synchronize: bool = False) -> None:
+        super().check()
+        if synchronize and self._pending:  # bounded host wait for the newest exchange: the
+            call, work, _ = self._pending[-1]  # earlier ones ran before it on the same stream
+            self._pending.clear()
+            self.wait(work, f"record all-gather #{call}", call)
+        while self._pending:
+            call, work, result = self._pending[0]
+            if result is None or not result.done():
+                return
+            self._pending.popleft()
+            outcome = result.value()
+            if outcome != 0:  # WorkResult.SUCCESS
+                raise self._fail(
+                    f"{self._who()}: record all-gather #{call} failed (WorkResult {outcome}: "
+                    "torch's NCCL watchdog aborted it after the process group's timeout, or the "
+                    "communicator failed); that call returned degenerate rows (token 0, "
+                    "log-prob NaN, log Z NaN)", None, call)
 
 
 class SymmMemTransport(Transport):

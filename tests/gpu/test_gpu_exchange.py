@@ -2,8 +2,9 @@
 gives up after its bound without trapping, the CUDA context stays usable, the host raises
 ExchangeTimeout naming the missing peers, and a rebuilt sampler samples again.
 
-The bounded wait and the one-rank sampler run on one GPU; the two-rank drill needs two
-(torch's symmetric-memory rendezvous refuses two ranks on one GPU)."""
+The bounded wait and the one-rank sampler run on one GPU; the two-rank drill (over
+symmetric memory, and over NCCL with the watchdog set to abort the communicator only) needs
+two (torch's symmetric-memory rendezvous refuses two ranks on one GPU)."""
 import time
 
 import pytest
@@ -60,10 +61,14 @@ def test_one_rank_symm_mem_sampler_equals_single_gpu_and_replays_in_graphs():
         assert torch.equal(out["replay"][k], want.cpu())
 
 
-def drill(rank, world, timeout_s):
+def drill(rank, world, timeout_s, transport):
     """Rank 1 skips a call; rank 0's check_exchange raises within timeout_s + 1 s; its
     context still works; the sampler refuses further calls; every rank then builds a new
-    group and sampler, which samples the tokens of before."""
+    group and sampler, which samples the tokens of before. NCCL: the sampler's group has
+    timeout_s as its timeout and TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (the watchdog aborts the
+    communicator and leaves the process up), as the README tells a service to set it."""
+    import datetime
+    import os
     import torch.distributed as dist
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)
@@ -73,11 +78,17 @@ def drill(rank, world, timeout_s):
     V = w.shape[0]
     lo, hi = (0, V // 2) if rank == 0 else (V // 2, V)
 
+    def new_group():
+        if transport == "symm_mem":
+            return dist.new_group(backend="gloo")
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+        return dist.new_group(backend="nccl", timeout=datetime.timedelta(seconds=timeout_s))
+
     def build(group):
         return tpsample.VocabParallelSampler(w[lo:hi].contiguous().to(dev), vocab_size=VOCAB,
-                                             group=group, transport="symm_mem",
+                                             group=group, transport=transport,
                                              timeout_s=timeout_s, check_inputs=False)
-    sampler = build(None)
+    sampler = build(new_group())
     res = {"before": sampler(h, temperature=temp, seed=seeds).cpu()}
     torch.cuda.synchronize()
     dist.barrier()
@@ -99,7 +110,7 @@ def drill(rank, world, timeout_s):
             res["again"] = "no error"
         except tpsample.ExchangeTimeout as e:
             res["again"] = str(e)
-    fresh = build(dist.new_group(backend="gloo"))
+    fresh = build(new_group())
     res["after"] = fresh(h, temperature=temp, seed=seeds).cpu()
     fresh.check_exchange()
     return res
@@ -107,13 +118,17 @@ def drill(rank, world, timeout_s):
 
 @pytest.mark.multigpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_a_rank_that_skips_a_call_gives_exchange_timeout_and_the_service_recovers():
+@pytest.mark.parametrize("transport", ["symm_mem", "nccl"])
+def test_a_rank_that_skips_a_call_gives_exchange_timeout_and_the_service_recovers(transport):
     timeout_s = 2.0
-    outs = run_world(2, drill, timeout_s)  # gloo for the control plane, CUDA tensors
+    outs = run_world(2, drill, timeout_s, transport)  # gloo for the control plane, CUDA tensors
     r0 = outs[0]
     assert isinstance(r0.get("timeout"), dict), outs
-    assert r0["timeout"]["missing"] == [1] and r0["timeout"]["call"] == 2, r0
-    assert "peer rank(s) [1]" in r0["timeout"]["message"]
+    assert r0["timeout"]["call"] == 2, r0
+    if transport == "symm_mem":
+        assert r0["timeout"]["missing"] == [1] and "peer rank(s) [1]" in r0["timeout"]["message"]
+    else:
+        assert "record all-gather #2" in r0["timeout"]["message"], r0
     assert timeout_s <= r0["timeout"]["elapsed"] < timeout_s + 1.0, r0
     assert r0["degenerate"] and r0["context_ok"], r0
     assert "unusable" in r0["again"], r0
