@@ -170,8 +170,9 @@ def test_tp_missing_rank_times_out_with_clear_message():
 
 def tp_timeout_recovery(rank, world):
     """A service's drill: rank 1 skips a call; rank 0 gets ExchangeTimeout, and the sampler
-    refuses further calls; every rank then builds a new group and a new sampler, which
-    samples the same tokens as before the failure."""
+    refuses further calls; rank 1's late call gets ExchangeTimeout too; every rank then
+    builds a new group and a new sampler, which samples the same tokens as before the
+    failure."""
     import torch.distributed as dist
     h, w, *_ = common_inputs()
     lo, hi = shard_bounds(rank, world, V)
@@ -183,6 +184,10 @@ def tp_timeout_recovery(rank, world):
     result = {"before": sampler(h, seed=1)}
     if rank == 1:
         time.sleep(4)  # skips the next call, alive past rank 0's timeout
+        try:  # then makes it late: never tokens paired with a call rank 0 gave up on
+            result["late"] = sampler(h, seed=2)
+        except tpsample.ExchangeTimeout as e:
+            result["late"] = {"message": str(e)}
     else:
         for name, seed in (("timeout", 2), ("again", 3)):
             t0 = time.time()
@@ -204,6 +209,7 @@ def test_tp_after_a_timeout_the_sampler_refuses_and_a_rebuilt_one_samples():
     assert r0["timeout"]["elapsed"] < 1.5 + 1.0
     assert isinstance(r0["again"], dict) and "unusable since an exchange failed" in r0["again"]["message"], r0
     assert r0["again"]["elapsed"] < 0.5  # refused at once, no second wait
+    assert isinstance(outs[1]["late"], dict) and "did not complete" in outs[1]["late"]["message"], outs[1]
     for o in outs:
         assert torch.equal(o["after"], o["before"]), o
     assert torch.equal(outs[0]["after"], outs[1]["after"])

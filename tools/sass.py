@@ -130,7 +130,7 @@ def exchange_wait_sass(world: int = 2, arch: int = 90) -> str:
     tpsample.transport launches it (one warp, the global timer)."""
     from tpsample.kernels.exchange_wait import signal_wait_kernel
     sig = {"flags_ptr": "*i64", "peer_flags_ptr": "*i64", "calls_ptr": "*i64", "status_ptr": "*i32",
-           "buf_ptr": "*fp32", "parity_ptr": "*i32", "rank": "i32", "world": "i32",
+           "buf_ptr": "*fp32", "parity_ptr": "*i32", "peer_ptrs_ptr": "*i64", "rank": "i32", "world": "i32",
            "slot_numel": "i32", "parity_stride": "i32", "timeout_ns": "i64",
            "WORLD_P2": "constexpr", "USE_CLOCK": "constexpr", "BLOCK": "constexpr"}
     consts = dict(WORLD_P2=triton.next_power_of_2(world), USE_CLOCK=True, BLOCK=1024)

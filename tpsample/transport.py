@@ -21,9 +21,11 @@ on every rank. Only records travel, never logits.
 Failures. An exchange a peer does not join within timeout_s raises ExchangeTimeout, naming
 the peers that did not arrive:
   gloo      at once (the host waits for the all-gather);
-  symm_mem  the device wait gives up after timeout_s without trapping; the call's outputs
-            are the degenerate rows (token 0, log-prob NaN, log Z NaN) and the host raises
-            at the next call of the sampler, or at once from check() (which synchronises);
+  symm_mem  the device wait gives up after timeout_s without trapping and tells every peer
+            (a late peer then gives up too, at once, rather than pair its call with records
+            out of step); the outputs of that call and of any later call this rank ran are
+            the degenerate rows (token 0, log-prob NaN, log Z NaN), and the host raises at
+            the next call of the sampler, or at once from check() (which synchronises);
   nccl      NCCL has no device-side bound torch exposes: the process group's timeout and
             torch's watchdog decide. With the default TORCH_NCCL_ASYNC_ERROR_HANDLING (3) the
             watchdog tears the process down; with 2 it aborts the communicator and the process
@@ -298,7 +300,7 @@ class SymmMemTransport(Transport):
             return
         with replay.record() as log:
             signal_and_wait(self.flags, self.peer_flags, self.calls, self.status, self.buf,
-                            self.parity, rank=self.rank, world=self.world,
+                            self.parity, self.ptrs, rank=self.rank, world=self.world,
                             slot_numel=self.capacity, parity_stride=self.world * self.capacity,
                             timeout_s=self.timeout.total_seconds())
         if replay.Replay.usable() and all(hasattr(c, "run") and hasattr(c, "packed_metadata")
@@ -312,21 +314,22 @@ class SymmMemTransport(Transport):
             missing = [int(p) for p in self._status.nonzero()[0]]
             call = int(self._status.max())
             self._fail(f"{self._who()}: peer rank(s) {missing} did not reach exchange #{call} "
-                       f"within {self.timeout.total_seconds():g} s (the device wait gave up; that "
-                       "call returned degenerate rows: token 0, log-prob NaN, log Z NaN)",
-                       missing, call)
+                       f"within {self.timeout.total_seconds():g} s, or gave up on it (the device "
+                       "wait gave up; that call and any this rank ran after it returned "
+                       "degenerate rows: token 0, log-prob NaN, log Z NaN)", missing, call)
         super().check()
 
 
-def signal_and_wait(flags, peer_flags, calls, status, buf, parity, *, rank: int, world: int,
-                    slot_numel: int, parity_stride: int, timeout_s: float) -> None:
+def signal_and_wait(flags, peer_flags, calls, status, buf, parity, peer_ptrs, *, rank: int,
+                    world: int, slot_numel: int, parity_stride: int, timeout_s: float) -> None:
     """One launch of kernels/exchange_wait.py (its docstring has the protocol)."""
     from .kernels.exchange_wait import signal_wait_kernel
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     replay.run_kernel(signal_wait_kernel, (1,), (
-        flags, peer_flags, calls, status, buf, parity, rank, world, slot_numel, parity_stride,
-        int(timeout_s * 1e9)), dict(WORLD_P2=triton.next_power_of_2(world),
-                                    USE_CLOCK=not interpreted, BLOCK=1024), dict(num_warps=1))
+        flags, peer_flags, calls, status, buf, parity, peer_ptrs, rank, world, slot_numel,
+        parity_stride, int(timeout_s * 1e9)), dict(WORLD_P2=triton.next_power_of_2(world),
+                                                   USE_CLOCK=not interpreted, BLOCK=1024),
+        dict(num_warps=1))
 
 
 def symm_mem_usable(group, device) -> tuple[bool, str]:

@@ -11,37 +11,54 @@ import pytest
 import torch
 
 import tpsample
+from tpsample.kernels import exchange_wait
 from tpsample.transport import signal_and_wait
 
 from dist_utils import run_world
 from test_multigpu import gpu_rank, inputs, VOCAB
 
 pytestmark = pytest.mark.gpu
+BROKEN = exchange_wait.BROKEN.value
 
 
 def test_device_wait_is_bounded_and_leaves_the_context_usable():
     """A peer that never signals: the wait ends after timeout_s (measured on the host
-    around a synchronisation), status names it, its slot is NaN, later work runs."""
+    around a synchronisation), status names it, its slot is NaN, the rank tells the peer it
+    gave up (BROKEN) and fans out locally from then on; a later exchange ends at once;
+    later work runs."""
     dev = torch.device("cuda")
     world, n = 2, 4096
-    flags = torch.zeros(world, dtype=torch.int64, device=dev)
-    ghost = torch.zeros(world, dtype=torch.int64, device=dev)  # the peer's flags
-    peer_flags = torch.tensor([flags.data_ptr(), ghost.data_ptr()], dtype=torch.int64, device=dev)
-    calls = torch.zeros(1, dtype=torch.int64, device=dev)
-    status = torch.zeros(world, dtype=torch.int32, pin_memory=True)
-    buf = torch.zeros(2 * world * n, device=dev)
-    parity = torch.zeros(2, dtype=torch.int32, device=dev)
+
+    def state():
+        flags = torch.zeros(world, dtype=torch.int64, device=dev)
+        ghost = torch.zeros(world, dtype=torch.int64, device=dev)  # the peer's flags
+        peer_flags = torch.tensor([flags.data_ptr(), ghost.data_ptr()], dtype=torch.int64, device=dev)
+        calls = torch.zeros(1, dtype=torch.int64, device=dev)
+        status = torch.zeros(world, dtype=torch.int32, pin_memory=True)
+        buf = torch.zeros(2 * world * n, device=dev)
+        ptrs = torch.tensor([[buf.data_ptr() + 4 * k * world * n, 1 << 40] for k in range(2)],
+                            dtype=torch.int64, device=dev)  # own slot, a peer's (never stored to)
+        parity = torch.zeros(2, dtype=torch.int32, device=dev)
+        return flags, ghost, peer_flags, calls, status, buf, parity, ptrs
+
     kw = dict(rank=0, world=world, slot_numel=n, parity_stride=world * n)
-    signal_and_wait(flags, peer_flags, calls, status, buf, parity, timeout_s=0.01, **kw)  # compile
+    flags, ghost, peer_flags, calls, status, buf, parity, ptrs = state()
+    signal_and_wait(flags, peer_flags, calls, status, buf, parity, ptrs, timeout_s=0.01, **kw)  # compile
     torch.cuda.synchronize()
-    status.zero_()
+    flags, ghost, peer_flags, calls, status, buf, parity, ptrs = state()
+    own = ptrs[:, :1].clone()
     t0 = time.perf_counter()
-    signal_and_wait(flags, peer_flags, calls, status, buf, parity, timeout_s=0.5, **kw)
+    signal_and_wait(flags, peer_flags, calls, status, buf, parity, ptrs, timeout_s=0.5, **kw)
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     assert 0.5 <= elapsed < 0.6, elapsed
-    assert status.tolist() == [0, 2] and calls.item() == 2 and ghost[0].item() == 2
+    assert status.tolist() == [0, 1] and calls.item() == -1 and ghost[0].item() == BROKEN
+    assert torch.equal(ptrs, own.expand(2, world))
     assert torch.isnan(buf[n:2 * n]).all() and not torch.isnan(buf[:n]).any()
+    t0 = time.perf_counter()
+    signal_and_wait(flags, peer_flags, calls, status, buf, parity, ptrs, timeout_s=0.5, **kw)
+    torch.cuda.synchronize()
+    assert time.perf_counter() - t0 < 0.05 and calls.item() == -2 and status.tolist() == [0, 1]
     x = torch.randn(1000, device=dev)
     assert torch.allclose((x @ torch.eye(1000, device=dev)).sum(), x.sum(), rtol=1e-4)
 
@@ -63,7 +80,8 @@ def test_one_rank_symm_mem_sampler_equals_single_gpu_and_replays_in_graphs():
 
 def drill(rank, world, timeout_s, transport):
     """Rank 1 skips a call; rank 0's check_exchange raises within timeout_s + 1 s; its
-    context still works; the sampler refuses further calls; every rank then builds a new
+    context still works; the sampler refuses further calls; rank 1's late call gives the
+    degenerate rows and ExchangeTimeout too; every rank then builds a new
     group and sampler, which samples the tokens of before. NCCL: the sampler's group has
     timeout_s as its timeout and TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (the watchdog aborts the
     communicator and leaves the process up), as the README tells a service to set it."""
@@ -94,6 +112,13 @@ def drill(rank, world, timeout_s, transport):
     dist.barrier()
     if rank == 1:
         time.sleep(timeout_s + 3)
+        late = sampler(h, temperature=temp, seed=seeds, return_logprobs=True)  # the late call
+        try:
+            sampler.check_exchange()
+            res["late"] = "no error"
+        except tpsample.ExchangeTimeout as e:
+            res["late"] = dict(message=str(e), missing=e.missing)
+        res["late_degenerate"] = bool((late.tokens == 0).all() and torch.isnan(late.logz).all())
     else:
         t0 = time.time()
         out = sampler(h, temperature=temp, seed=seeds, return_logprobs=True)
@@ -132,6 +157,10 @@ def test_a_rank_that_skips_a_call_gives_exchange_timeout_and_the_service_recover
     assert timeout_s <= r0["timeout"]["elapsed"] < timeout_s + 1.0, r0
     assert r0["degenerate"] and r0["context_ok"], r0
     assert "unusable" in r0["again"], r0
+    r1 = outs[1]  # the late rank: never tokens paired with a call rank 0 gave up on
+    assert isinstance(r1.get("late"), dict) and r1["late_degenerate"], r1
+    if transport == "symm_mem":
+        assert r1["late"]["missing"] == [0], r1  # it found rank 0's flag BROKEN
     for o in outs:
         assert torch.equal(o["after"], o["before"]), o
     assert torch.equal(outs[0]["after"], outs[1]["after"])
