@@ -196,6 +196,11 @@ def tp_timeout_recovery(rank, world):
                 result[name] = "no error"
             except tpsample.ExchangeTimeout as e:
                 result[name] = {"message": str(e), "call": e.call, "elapsed": time.time() - t0}
+        try:
+            sampler.check_exchange(synchronize=False)
+            result["check"] = "no error"
+        except tpsample.ExchangeTimeout as e:
+            result["check"] = str(e)
     fresh = build(dist.new_group(backend="gloo"))
     result["after"] = fresh(h, seed=1)
     return result
@@ -209,6 +214,7 @@ def test_tp_after_a_timeout_the_sampler_refuses_and_a_rebuilt_one_samples():
     assert r0["timeout"]["elapsed"] < 1.5 + 1.0
     assert isinstance(r0["again"], dict) and "unusable since an exchange failed" in r0["again"]["message"], r0
     assert r0["again"]["elapsed"] < 0.5  # refused at once, no second wait
+    assert "unusable since an exchange failed" in r0["check"], r0
     assert isinstance(outs[1]["late"], dict) and "did not complete" in outs[1]["late"]["message"], outs[1]
     for o in outs:
         assert torch.equal(o["after"], o["before"]), o

@@ -165,14 +165,18 @@ class VocabParallelSampler:
         total = sum(sizes)
         P.check_vocab_size(vocab_size, total, "the rows all shards cover")
 
-    def check_exchange(self) -> None:
+    def check_exchange(self, synchronize: bool = True) -> None:
         """Raise ExchangeTimeout now if an exchange of the calls issued so far failed.
 
-        Waits for those calls (a host synchronisation: symm_mem waits for the current stream,
-        nccl for the last all-gather, at most timeout_s). Without it, a failed symm_mem
-        exchange raises at the sampler's next call. After an ExchangeTimeout every call
-        raises it again: the ranks are out of step; build a new sampler on a new group."""
-        self.transport.check(synchronize=True)
+        synchronize=True waits for those calls (a host synchronisation: symm_mem waits for
+        the current stream, nccl for the newest all-gather, at most timeout_s).
+        synchronize=False only reports what the host already knows (the device wait's status
+        in pinned memory, NCCL results already in), without blocking: what a loop replaying
+        a captured CUDA graph calls between replays, since replays never call the sampler.
+        Without either, a failure raises at the sampler's next call. After an
+        ExchangeTimeout every call raises it again: the ranks are out of step; build a new
+        sampler on a new group."""
+        self.transport.check(synchronize=synchronize)
 
     # -- the call ----------------------------------------------------------------------------
     def _check_call(self, hidden, num_samples, constraints):
