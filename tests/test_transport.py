@@ -90,9 +90,10 @@ class FakeWork:
         return self.result
 
 
-def _nccl_without_a_group(monkeypatch, works):
+def _nccl_without_a_group(monkeypatch, works, handling="2"):
     """An NcclTransport on the CPU whose all-gathers issue `works` and write nothing (a
     collective that has not run, or that the watchdog aborted)."""
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", handling)
     monkeypatch.setattr(transport.dist, "get_rank", lambda group: 0)
     monkeypatch.setattr(transport.dist, "get_world_size", lambda group: 2)
     monkeypatch.setattr(transport, "all_gather_flat", lambda out, inp, group, async_op: works.pop(0))
@@ -119,6 +120,16 @@ def test_nccl_a_failed_all_gather_gives_nan_records_and_raises_at_the_next_call(
     assert e.value.call == 2 and e.value.missing is None and len(works) == 1
     with pytest.raises(transport.ExchangeTimeout, match="unusable since exchange #2 failed"):
         t.check()
+
+
+def test_nccl_fills_no_records_where_an_abort_ends_the_process(monkeypatch):
+    """Torch's default error handling (3) tears the process down, so no call can return
+    stale records: no fill per call."""
+    t = _nccl_without_a_group(monkeypatch, [FakeWork()], handling="3")
+    mine, full = t.slots(4)
+    full.fill_(1.0)
+    t.exchange(mine, full)
+    assert not t.survives_abort and (full == 1.0).all()
 
 
 def test_nccl_check_synchronize_waits_for_the_newest_all_gather_bounded(monkeypatch):

@@ -29,8 +29,9 @@ the peers that did not arrive:
   nccl      NCCL has no device-side bound torch exposes: the process group's timeout and
             torch's watchdog decide. With the default TORCH_NCCL_ASYNC_ERROR_HANDLING (3) the
             watchdog tears the process down; with 2 it aborts the communicator and the process
-            lives on: the record buffer is NaN before every all-gather, so the aborted call's
-            outputs are the degenerate rows, and the host raises at the next call (each call's
+            lives on: then the record buffer is NaN before every all-gather (one fill per
+            call), so the aborted call's outputs are the degenerate rows, and the host raises
+            at the next call (each call's
             WorkResult future, read without blocking; calls captured in a CUDA graph have none).
             check() waits for the newest all-gather for at most timeout_s on the host.
 After an ExchangeTimeout the ranks are out of step (a late peer's next exchange meets a call
@@ -199,13 +200,17 @@ class NcclTransport(CollectiveTransport):
     def __init__(self, group, device, timeout_s):
         super().__init__(group, device, timeout_s)
         self._pending: collections.deque = collections.deque()  # (call, work, result future)
+        # Only this mode lets a process run on after an aborted all-gather (torch reads the
+        # variable when it builds the group; the others hang or end the process).
+        self.survives_abort = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == "2"
 
     def exchange(self, mine, full):
         self.check()
         self.calls += 1
-        # An aborted all-gather leaves the peers' slots as the last call left them: NaN makes
-        # that call's rows the degenerate ones (token 0, NaN log Z), never stale tokens.
-        full.fill_(float("nan"))
+        if self.survives_abort:
+            # An aborted all-gather leaves the peers' slots as the last call left them: NaN
+            # makes that call's rows the degenerate ones (token 0, NaN log Z), never stale tokens.
+            full.fill_(float("nan"))
         work = all_gather_flat(full.view(-1), mine, group=self.group, async_op=True)
         work.wait()  # orders the current stream after the collective; no host sync
         if full.is_cuda and torch.cuda.is_current_stream_capturing():
