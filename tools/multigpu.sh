@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Everything that needs several GPUs of one host, in parts that each fit one ~10-minute run:
+#
+#   tools/multigpu.sh tests OUT    # the multigpu tests: TP tokens, the exchange drills
+#                                  # (symm_mem and nccl), megatron-core decoding at TP N
+#   tools/multigpu.sh bench OUT    # bench TP N (merge max with filtered calls, merge cdf) and
+#                                  # tools.exchange_cost (device wait vs torch's barrier)
+#   tools/multigpu.sh tpot OUT     # examples/mcore_decode.py --tpot at TP N, both configs
+#
+# N = NPROC (default: every visible GPU). Writes JSON, logs and plots under OUT; the bench
+# parts print their tables last. Run from the repository root with tpsample importable
+# (PYTHONPATH or an install); megatron-core for the tests and tpot parts (a wheel in .whl/
+# is installed into OUT/site if megatron.core does not import). NVLink multicast stays off
+# (the variables below): tpsample never uses it, and some shared hosts must not see it.
+set -euo pipefail
+
+part=${1:?part: tests, bench or tpot}
+out=${2:?output directory}
+mkdir -p "$out"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+n=${NPROC:-$(python -c "import torch; print(torch.cuda.device_count())")}
+run() { torchrun --standalone --nproc-per-node="$n" "$@"; }
+
+need_megatron() {
+    python -c "import megatron.core" 2>/dev/null && return
+    wheel=$(ls .whl/megatron_core-*.whl 2>/dev/null | tail -n 1)
+    [ -n "$wheel" ] || { echo "megatron-core missing and no wheel in .whl/"; exit 2; }
+    pip install -q --no-deps --target "$out/site" "$wheel"
+    export PYTHONPATH="$out/site${PYTHONPATH:+:$PYTHONPATH}"
+}
+
+case "$part" in
+tests)
+    need_megatron
+    python -m pytest -q -ra -m "gpu or multigpu" tests/gpu/test_multigpu.py \
+        tests/gpu/test_gpu_exchange.py tests/gpu/test_gpu_mcore.py 2>&1 | tee "$out/tests.log"
+    ;;
+bench)
+    # merge max with the filtered calls beside the plain ones; then merge cdf
+    run -m tpsample.launch.bench --filters --out "$out/max" 2>&1 | tee "$out/bench_max.log"
+    run -m tpsample.launch.bench --merge cdf --out "$out/cdf" 2>&1 | tee "$out/bench_cdf.log"
+    run -m tools.exchange_cost --out "$out/exchange" 2>&1 | tee "$out/exchange_cost.log"
+    ;;
+tpot)
+    need_megatron
+    run examples/mcore_decode.py --tpot --config qwen3-1.7b,qwen3-8b --batch 1,8,32,128 \
+        --prompt-len 512 --new-tokens 64 --out "$out/tpot" 2>&1 | tee "$out/tpot.log"
+    ;;
+*)
+    echo "unknown part $part (tests, bench or tpot)"; exit 2 ;;
+esac
