@@ -47,6 +47,8 @@ def gpu_rank(rank, world, transport, merge, B):
         graph.replay()
         replays.append(out.clone())
     torch.cuda.synchronize()
+    sampler.check_exchange(synchronize=False)  # no exchange failed: neither check raises
+    sampler.check_exchange()
     return dict(transport=sampler.transport.name, eager=[e.tokens for e in eager],
                 logz=eager[0].logz, replay=replays, replayed_calls=len(sampler.pipeline.replays))
 
