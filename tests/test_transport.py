@@ -144,3 +144,13 @@ def test_nccl_check_synchronize_waits_for_the_newest_all_gather_bounded(monkeypa
     with pytest.raises(transport.ExchangeTimeout, match=r"record all-gather #2 did not complete within 2 s") as e:
         t.check(synchronize=True)
     assert e.value.call == 2
+
+
+def test_nccl_unread_results_stay_bounded(monkeypatch):
+    works = [FakeWork() for _ in range(5)]
+    t = _nccl_without_a_group(monkeypatch, works)
+    monkeypatch.setattr(transport, "MAX_PENDING", 3)
+    mine, full = t.slots(2)
+    for _ in range(5):
+        t.exchange(mine, full)  # the watchdog never reports: results stay unread
+    assert [call for call, *_ in t._pending] == [3, 4, 5]

@@ -190,11 +190,15 @@ class GlooTransport(CollectiveTransport):
     name = "gloo"
 
 
+MAX_PENDING = 4096  # NCCL exchanges whose WorkResult is still unread (torch's watchdog marks
+# them every ~100 ms: a few hundred calls at most)
+
+
 class NcclTransport(CollectiveTransport):
     """The all-gather is stream-ordered (no host wait per call). Each call's WorkResult
-    future, which torch's watchdog completes (TIMEOUT or COMM_ERROR when it aborted the
-    collective, possible only with TORCH_NCCL_ASYNC_ERROR_HANDLING=2: the default tears the
-    process down), is read at the next call without blocking."""
+    future, which torch's watchdog completes (SUCCESS, or TIMEOUT / COMM_ERROR on a failure),
+    is read at the next call without blocking; a process lives on after a failure only with
+    TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (the default tears it down)."""
     name = "nccl"
 
     def __init__(self, group, device, timeout_s):
@@ -220,6 +224,8 @@ class NcclTransport(CollectiveTransport):
         except RuntimeError:  # a backend without it: the watchdog alone decides
             result = None
         self._pending.append((self.calls, work, result))
+        if len(self._pending) > MAX_PENDING:  # never read (a watchdog that does not track
+            self._pending.popleft()  # them): bounded; later calls on that communicator fail too
 
     def check(self, synchronize: bool = False) -> None:
         super().check()
