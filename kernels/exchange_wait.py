@@ -10,8 +10,8 @@ rank is done):
   2. signal: store epoch into flags[rank] of every peer, with release semantics at system
      scope (the peer that reads it also sees this rank's records);
   3. wait: poll this rank's own flags with acquire loads until flags[p] >= epoch for every
-     peer p, or a peer's flag is BROKEN, or timeout_ns have passed on the GPU's global
-     timer;
+     peer p, or any peer's flag is BROKEN (the call is lost: no use waiting for the
+     others), or timeout_ns have passed on the GPU's global timer;
   4. if every peer arrived: calls[0] = epoch. Else this rank gives up, and says so:
      - status[p] = epoch for each peer p that did not arrive (status: int32 [world], pinned
        host memory the host reads without a synchronisation; kept from the first failure);
@@ -82,12 +82,13 @@ def signal_wait_kernel(flags_ptr, peer_flags_ptr, calls_ptr, status_ptr, buf_ptr
         missing, broken = _poll(flags_ptr, p, ok, epoch)
         polls = tl.full([], 0, tl.int64)
         start = _now_ns(USE_CLOCK, polls)
-        waiting = tl.sum((missing & ~broken).to(tl.int32)) > 0
+        waiting = (tl.sum(missing.to(tl.int32)) > 0) & (tl.sum(broken.to(tl.int32)) == 0)
         while waiting:
             missing, broken = _poll(flags_ptr, p, ok, epoch)
             polls += 1
             in_time = _now_ns(USE_CLOCK, polls) - start <= timeout_ns
-            waiting = (tl.sum((missing & ~broken).to(tl.int32)) > 0) & in_time
+            waiting = ((tl.sum(missing.to(tl.int32)) > 0) & (tl.sum(broken.to(tl.int32)) == 0)
+                       & in_time)
     failed = tl.sum(missing.to(tl.int32)) > 0
     if failed:
         if not gave_up:

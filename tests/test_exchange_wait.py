@@ -112,6 +112,16 @@ def test_a_late_peer_gives_up_at_once_instead_of_pairing_with_a_rank_that_gave_u
     assert r.told_everyone(1, BROKEN) and r.fans_out_locally(1)
 
 
+def test_a_rank_that_gave_up_ends_every_peers_wait_at_once(device):
+    """world 3: rank 0 gives up on ranks 1 and 2; rank 2 then arrives and, though rank 1 has
+    neither arrived nor given up, stops waiting: the call is lost. Its status names both."""
+    r = Ranks(3, 4, device)
+    r.exchange(0)
+    assert r.exchange(2, timeout_s=LONG) < AT_ONCE
+    assert r.status[2].tolist() == [1, 1, 0] and r.calls[2].item() == -1
+    assert torch.isnan(r.half(2, 0)[[0, 1]]).all() and r.told_everyone(2, BROKEN)
+
+
 def test_after_giving_up_later_exchanges_end_at_once_with_degenerate_records(device):
     """The calls a rank runs before its host notices: no signal (the peers keep BROKEN), no
     wait, every peer slot of the call's half NaN, the first failure's status kept."""
