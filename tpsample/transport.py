@@ -31,9 +31,9 @@ the peers that did not arrive:
             watchdog tears the process down; with 2 it aborts the communicator and the process
             lives on: then the record buffer is NaN before every all-gather (one fill per
             call), so the aborted call's outputs are the degenerate rows, and the host raises
-            at the next call (each call's
-            WorkResult future, read without blocking; calls captured in a CUDA graph have none).
-            check() waits for the newest all-gather for at most timeout_s on the host.
+            at the next call (each call's WorkResult future, read without blocking; calls
+            captured in a CUDA graph have none). check() waits for the newest all-gather for
+            at most timeout_s on the host.
 After an ExchangeTimeout the ranks are out of step (a late peer's next exchange meets a call
 its peers never make), so the transport, and the sampler that owns it, refuses every later
 call with ExchangeTimeout: build a new sampler on a new process group to go on.
