@@ -148,9 +148,14 @@ def test_tp_bad_input_raises_on_every_rank(case, exc, words):
 
 
 def tp_timeout(rank, world):
+    import datetime
+    import torch.distributed as dist
     h, w, *_ = common_inputs()
     lo, hi = shard_bounds(rank, world, V)
-    sampler = VocabParallelSampler(w[lo:hi].contiguous(), vocab_size=V, timeout_s=2.0, backend="torch")
+    dist.barrier()  # the group's timeout ends rank 0's abandoned all-gather (see below)
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=2.0))
+    sampler = VocabParallelSampler(w[lo:hi].contiguous(), vocab_size=V, timeout_s=2.0,
+                                   backend="torch", group=group)
     if rank == 1:
         time.sleep(6)  # never calls; stays alive past rank 0's timeout
         return "skipped"
@@ -173,14 +178,19 @@ def tp_timeout_recovery(rank, world):
     refuses further calls; rank 1's late call gets ExchangeTimeout too; every rank then
     builds a new group and a new sampler, which samples the same tokens as before the
     failure."""
+    import datetime
     import torch.distributed as dist
     h, w, *_ = common_inputs()
     lo, hi = shard_bounds(rank, world, V)
+    timeout_s = 1.5
 
     def build(group):
-        return VocabParallelSampler(w[lo:hi].contiguous(), vocab_size=V, timeout_s=1.5,
+        return VocabParallelSampler(w[lo:hi].contiguous(), vocab_size=V, timeout_s=timeout_s,
                                     backend="torch", group=group)
-    sampler = build(None)
+    # The group's own timeout ends an abandoned all-gather in gloo's worker; with the default
+    # (30 min) it outlives the process, and torch aborts an exit that it races.
+    dist.barrier()  # both ranks connect the new group well within timeout_s
+    sampler = build(dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)))
     result = {"before": sampler(h, seed=1)}
     if rank == 1:
         time.sleep(4)  # skips the next call, alive past rank 0's timeout
@@ -201,7 +211,7 @@ def tp_timeout_recovery(rank, world):
             result["check"] = "no error"
         except tpsample.ExchangeTimeout as e:
             result["check"] = str(e)
-    fresh = build(dist.new_group(backend="gloo"))
+    fresh = build(dist.new_group(backend="gloo"))  # waits for the late rank
     result["after"] = fresh(h, seed=1)
     return result
 

@@ -20,7 +20,9 @@ on every rank. Only records travel, never logits.
 
 Failures. An exchange a peer does not join within timeout_s raises ExchangeTimeout, naming
 the peers that did not arrive:
-  gloo      at once (the host waits for the all-gather);
+  gloo      at once (the host waits for the all-gather; the abandoned all-gather stays in
+            gloo's worker until the group's own timeout, so the group should have timeout_s
+            too: a process that exits while one is held can abort in torch's teardown);
   symm_mem  the device wait gives up after timeout_s without trapping and tells every peer
             (a late peer then gives up too, at once, rather than pair its call with records
             out of step); the outputs of that call and of any later call this rank ran are
