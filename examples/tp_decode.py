@@ -7,6 +7,7 @@ block (all-reduce), a final norm, and the vocab-parallel LM head — whose logit
 formed: VocabParallelSampler samples from the shard directly and every rank receives the
 same next tokens, which feed the next step's embedding lookup on every rank.
 """
+import datetime
 import os
 
 import torch
@@ -24,7 +25,10 @@ def main():
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo")
+    # gloo: the group's timeout = the sampler's timeout_s (300 s), so a timed-out
+    # all-gather ends with it
+    dist.init_process_group("nccl" if cuda else "gloo",
+                            timeout=None if cuda else datetime.timedelta(seconds=300))
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     g = torch.Generator().manual_seed(0)  # same full weights on every rank; each keeps its shard

@@ -60,6 +60,7 @@ the scaling table and plot; or one single.json) without measuring.
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
 import itertools
 import json
@@ -622,7 +623,8 @@ def single_markdown_plain(meta: dict) -> str:
 def init_dist(cuda: bool) -> torch.device:
     if not cuda:
         torch.set_num_threads(1)
-        dist.init_process_group("gloo")
+        # the sampler's timeout_s (300 s): a timed-out gloo all-gather ends with it
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
         return torch.device("cpu")
     dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     torch.cuda.set_device(dev)

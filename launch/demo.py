@@ -11,6 +11,7 @@ seeds (TP invariance of the pathwise max merge), and the per-call latency.
 from __future__ import annotations
 
 import argparse
+import datetime
 import logging
 import os
 import statistics
@@ -34,7 +35,8 @@ def setup():
         dist.init_process_group("nccl", device_id=torch.device("cuda", local))
         return torch.device("cuda", local)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo")
+    # the sampler's timeout_s (300 s): a timed-out gloo all-gather ends with it
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     return torch.device("cpu")
 
 

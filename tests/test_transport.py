@@ -34,6 +34,30 @@ def test_auto_picks_gloo_on_cpu_and_every_slot_arrives():
         assert not r["usable"] and "CPU" in r["why"]
 
 
+def _gloo_group_timeouts(rank, world):
+    import datetime
+    import logging
+    import torch.distributed as dist
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("tpsample").addHandler(handler)
+    short = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=30))
+    transport.make_transport("gloo", short, torch.device("cpu"), 30.0)
+    fine = list(said)
+    transport.make_transport("gloo", dist.group.WORLD, torch.device("cpu"), 30.0)
+    return dict(fine=fine, default=said[len(fine):])
+
+
+def test_gloo_warns_when_the_group_outlives_timeout_s():
+    """A group whose own timeout is longer than timeout_s (the default group's 30 min) keeps a
+    timed-out all-gather in gloo's worker: the transport says so; a group built with
+    timeout_s does not warn."""
+    for r in run_world(2, _gloo_group_timeouts):
+        assert r["fine"] == [], r
+        assert len(r["default"]) == 1 and "timeout (0:30:00) is longer than timeout_s (30 s)" in r["default"][0], r
+
+
 def _fake_group(monkeypatch, where):
     """symm_mem_usable's view of a group whose ranks sit at `where` [(host, GPU index)]."""
     def gather(out, obj, group=None):
@@ -154,3 +178,21 @@ def test_nccl_unread_results_stay_bounded(monkeypatch):
     for _ in range(5):
         t.exchange(mine, full)  # the watchdog never reports: results stay unread
     assert [call for call, *_ in t._pending] == [3, 4, 5]
+
+
+def test_nccl_warns_when_the_group_outlives_timeout_s_only_where_the_process_survives(monkeypatch, caplog):
+    """With TORCH_NCCL_ASYNC_ERROR_HANDLING=2 a lost peer is reported after the group's
+    timeout: a group timeout above timeout_s is a misconfiguration worth a warning; with the
+    default (3) the watchdog ends the process anyway."""
+    import datetime
+    monkeypatch.setattr(transport, "group_timeout", lambda group, device: datetime.timedelta(minutes=10))
+    with caplog.at_level("WARNING", logger="tpsample"):
+        _nccl_without_a_group(monkeypatch, [], handling="3")
+        assert caplog.messages == []
+        _nccl_without_a_group(monkeypatch, [], handling="2")
+    assert len(caplog.messages) == 1 and "timeout (0:10:00) is longer than timeout_s (2 s)" in caplog.messages[0]
+    monkeypatch.setattr(transport, "group_timeout", lambda group, device: datetime.timedelta(seconds=2))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="tpsample"):
+        _nccl_without_a_group(monkeypatch, [], handling="2")
+    assert caplog.messages == []

@@ -40,6 +40,8 @@ class VocabParallelSampler:
             see tpsample.sample).
         timeout_s: how long an exchange may wait for peers before ExchangeTimeout (see
             check_exchange and tpsample/transport.py for when each transport raises it).
+            With gloo or nccl, build the group with the same timeout (the collective's own
+            bound); the transport warns where the group's is longer.
         check_inputs: every call, all ranks compare (B, D, num_samples, merge, dtypes) and
             raise on disagreement. On CUDA this costs a tiny all-gather and a host sync per
             call; turn it off in production once the integration is tested.

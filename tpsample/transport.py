@@ -188,8 +188,29 @@ class CollectiveTransport(Transport):
         self.wait(work, "the record all-gather", self.calls)
 
 
+def group_timeout(group, device: torch.device) -> datetime.timedelta | None:
+    """The process group's own collective timeout (its backend's options), or None where torch
+    does not say."""
+    try:
+        pg = group if group is not None else dist.group.WORLD
+        return pg._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+
+
 class GlooTransport(CollectiveTransport):
+    """The host waits for each all-gather, bounded by timeout_s."""
     name = "gloo"
+
+    def __init__(self, group, device, timeout_s):
+        super().__init__(group, device, timeout_s)
+        own = group_timeout(group, device)
+        if own is not None and own > self.timeout:
+            log.warning(
+                "%s: the process group's timeout (%s) is longer than timeout_s (%g s): an "
+                "all-gather abandoned by an ExchangeTimeout stays in gloo's worker until then, "
+                "and a process that exits meanwhile can abort; build the group with "
+                "timeout=timedelta(seconds=timeout_s)", self._who(), own, timeout_s)
 
 
 MAX_PENDING = 4096  # NCCL exchanges whose WorkResult is still unread (torch's watchdog marks
@@ -209,6 +230,12 @@ class NcclTransport(CollectiveTransport):
         # Only this mode lets a process run on after an aborted all-gather (torch reads the
         # variable when it builds the group; the others hang or end the process).
         self.survives_abort = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == "2"
+        own = group_timeout(group, device)
+        if self.survives_abort and own is not None and own > self.timeout:
+            log.warning(
+                "%s: the process group's timeout (%s) is longer than timeout_s (%g s): a lost "
+                "peer is reported only after the group's timeout; build the group with "
+                "timeout=timedelta(seconds=timeout_s)", self._who(), own, timeout_s)
 
     def exchange(self, mine, full):
         self.check()
