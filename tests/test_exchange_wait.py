@@ -8,9 +8,9 @@ import torch
 
 from tpsample import merge, records
 from tpsample.kernels import exchange_wait
+from tpsample.transport import signal_and_wait
 
 BROKEN = exchange_wait.BROKEN.value
-from tpsample.transport import signal_and_wait
 
 
 class Ranks:

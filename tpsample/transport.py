@@ -187,6 +187,13 @@ class CollectiveTransport(Transport):
         work = all_gather_flat(full.view(-1), mine, group=self.group, async_op=True)
         self.wait(work, "the record all-gather", self.calls)
 
+    def _warn_if_the_group_outlives_timeout(self, consequence: str) -> None:
+        own = group_timeout(self.group, self.device)
+        if own is not None and own > self.timeout:
+            log.warning("%s: the process group's timeout (%s) is longer than timeout_s (%g s): "
+                        "%s; build the group with timeout=timedelta(seconds=timeout_s)",
+                        self._who(), own, self.timeout.total_seconds(), consequence)
+
 
 def group_timeout(group, device: torch.device) -> datetime.timedelta | None:
     """The process group's own collective timeout (its backend's options), or None where torch
@@ -204,13 +211,9 @@ class GlooTransport(CollectiveTransport):
 
     def __init__(self, group, device, timeout_s):
         super().__init__(group, device, timeout_s)
-        own = group_timeout(group, device)
-        if own is not None and own > self.timeout:
-            log.warning(
-                "%s: the process group's timeout (%s) is longer than timeout_s (%g s): an "
-                "all-gather abandoned by an ExchangeTimeout stays in gloo's worker until then, "
-                "and a process that exits meanwhile can abort; build the group with "
-                "timeout=timedelta(seconds=timeout_s)", self._who(), own, timeout_s)
+        self._warn_if_the_group_outlives_timeout(
+            "an all-gather abandoned by an ExchangeTimeout stays in gloo's worker until then, "
+            "and a process that exits meanwhile can abort")
 
 
 MAX_PENDING = 4096  # NCCL exchanges whose WorkResult is still unread (torch's watchdog marks
@@ -230,12 +233,9 @@ class NcclTransport(CollectiveTransport):
         # Only this mode lets a process run on after an aborted all-gather (torch reads the
         # variable when it builds the group; the others hang or end the process).
         self.survives_abort = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == "2"
-        own = group_timeout(group, device)
-        if self.survives_abort and own is not None and own > self.timeout:
-            log.warning(
-                "%s: the process group's timeout (%s) is longer than timeout_s (%g s): a lost "
-                "peer is reported only after the group's timeout; build the group with "
-                "timeout=timedelta(seconds=timeout_s)", self._who(), own, timeout_s)
+        if self.survives_abort:
+            self._warn_if_the_group_outlives_timeout(
+                "a lost peer is reported only after the group's timeout")
 
     def exchange(self, mine, full):
         self.check()
