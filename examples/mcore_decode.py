@@ -187,18 +187,53 @@ def check_greedy(model, sampler, vocab, prompts, new_tokens):
     return found
 
 
-def gpu_ms_per_step(model, prompts, new_tokens, head) -> float:
-    """The GPU time of one decode step: the summed durations of its kernels and copies (torch
-    profiler), the max over ranks. Unlike the wall time of an eager step, which megatron-core's
-    host work dominates, this is what the step costs where launches are not the bottleneck
-    (CUDA graphs, as serving engines run it)."""
+def device_runs(prof) -> dict[str, list[float]]:
+    """The device kernels and copies of a profile: name -> durations in µs, in start order."""
+    from torch.autograd import DeviceType
+    runs = {}
+    for e in sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+                    key=lambda e: e.time_range.start):
+        runs.setdefault(e.name, []).append(e.time_range.elapsed_us())
+    return runs
+
+
+def launched_together_us(per_rank: list[dict[str, list[float]]]) -> tuple[float, int]:
+    """The device time of the same steps on TP ranks as if the ranks had launched them together
+    (as under CUDA graphs): each kernel's k-th run counted at the rank where it was shortest.
+    In eager decoding one rank's host runs ahead of the other's, and its collectives (NCCL's,
+    the sampler's exchange) spin until the late peer arrives, which at TP2 adds tens of ms of
+    host skew per step; the rank that arrived last waited least, and a compute kernel takes
+    the same time on every rank. A name whose run count differs across ranks counts its
+    smallest total. Returns (µs, how many names had differing counts); one rank: the plain sum."""
+    total, differing = 0.0, 0
+    for name in set().union(*per_rank):
+        runs = [r.get(name, []) for r in per_rank]
+        if all(len(x) == len(runs[0]) for x in runs):
+            total += sum(min(k) for k in zip(*runs))
+        else:
+            total += min(sum(x) for x in runs)
+            differing += 1
+    return total, differing
+
+
+def gpu_ms_per_step(model, prompts, new_tokens, head) -> dict:
+    """The GPU time of one decode step, from a profiled run's kernels and copies:
+    `gpu_step_ms`, the ranks launched together (launched_together_us); `gpu_busy_ms`, the
+    plain sum on the busiest rank, collectives' waits for a late peer included. Unlike the wall
+    time of an eager step, which megatron-core's host work dominates, `gpu_step_ms` is what
+    the step costs where launches are not the bottleneck (CUDA graphs, as serving engines
+    run it)."""
     from torch.profiler import ProfilerActivity, profile
     prof = profile(activities=[ProfilerActivity.CUDA])
     generate(model, prompts, new_tokens, head, decode_context=prof)
-    us = sum(e.self_device_time_total for e in prof.key_averages())
-    t = torch.tensor([us / 1e3 / (new_tokens - 1)], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
+    runs = device_runs(prof)
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, runs)
+    together, differing = launched_together_us(per_rank)
+    steps = new_tokens - 1
+    return {"gpu_step_ms": together / 1e3 / steps,
+            "gpu_busy_ms": max(sum(map(sum, r.values())) for r in per_rank) / 1e3 / steps,
+            "kernel_names_differing": differing}
 
 
 def head_ms(fn, iters=50, warmup=5) -> float:
@@ -217,11 +252,11 @@ def tpot_point(model, sampler, vocab, B, prompt_len, new_tokens, temperature, re
     paths = {"stock": stock_head(vocab, temperature),
              "tpsample": tpsample_head(sampler, temperature, seeds)}
     res = {name: {"tpot": [], "head_share": []} for name in paths}
-    for rep in range(repeats + 1):  # the first round warms up (allocations, autotuning)
+    for rep in range(repeats + 1):  # the first round warms up (allocations, autotuning): 4 steps
         for name, head in (paths.items() if rep % 2 == 0 else reversed(paths.items())):
             timed = Timed(head)
             dist.barrier()
-            _, ms = generate(model, prompts, new_tokens, timed)
+            _, ms = generate(model, prompts, new_tokens if rep else min(new_tokens, 4), timed)
             if rep:
                 t = torch.tensor([ms], device="cuda")
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -239,7 +274,7 @@ def tpot_point(model, sampler, vocab, B, prompt_len, new_tokens, temperature, re
                        "tpot_runs": res[name]["tpot"],
                        "head_share": statistics.median(res[name]["head_share"]),
                        "head_alone_ms": head_ms(alone[name]),
-                       "gpu_step_ms": gpu_ms_per_step(model, prompts, new_tokens, paths[name])}
+                       **gpu_ms_per_step(model, prompts, new_tokens, paths[name])}
     stock, ours = point["stock"], point["tpsample"]
     saved = stock["head_alone_ms"] - ours["head_alone_ms"]
     point["measured_gain"] = 1 - ours["tpot_ms"] / stock["tpot_ms"]

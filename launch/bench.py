@@ -738,28 +738,32 @@ def make_shard(D, V, rank, world, dev) -> torch.Tensor:
     return torch.randn(split_rows(V, world)[rank], D, generator=g, device=dev, dtype=torch.bfloat16).mul_(D ** -0.5)
 
 
-def make_samplers(W, V, transports, max_batch, dev, merge="max") -> dict:
-    """{variant: sampler}; a transport that fails on any rank is skipped on all of them."""
+def make_samplers(W, V, transports, max_batch, dev, merge="max", filters=False) -> dict:
+    """{variant: sampler}; a transport that fails on any rank is skipped on all of them. With
+    filters, each transport also gets a sampler with the tile log-masses (`tpsample_<t>_kpm`),
+    which filtered calls need; the plain one stays tokens-only."""
     import tpsample
     out, backend = {}, "auto" if dev.type == "cuda" else "torch"
+    # plain calls: tokens only, like the baselines (stage 1 skips the log-masses where the
+    # merge allows it)
+    kinds = [("", merge != "max")] + ([("_kpm", True)] if filters else [])
     for t in transports:
-        s, why = None, "failed on another rank"
-        try:
-            # tokens only, like the baselines: no log-probs (stage 1 skips the log-masses where
-            # the merge allows it)
-            s = tpsample.VocabParallelSampler(W, vocab_size=V, transport=t, check_inputs=False,
-                                              max_batch=max_batch, backend=backend, merge=merge,
-                                              logprobs=merge != "max")
-        except Exception as e:  # noqa: BLE001 - report the reason and go on
-            why = f"{type(e).__name__}: {e}"
-        if all_ranks(int(s is not None), dev, dist.ReduceOp.MIN, torch.int32):
-            out[f"tpsample_{t}"] = s
-        elif dist.get_rank() == 0:
-            log(f"[rank {dist.get_rank()}] skipping transport {t}: {why}")
+        for suffix, logprobs in kinds:
+            s, why = None, "failed on another rank"
+            try:
+                s = tpsample.VocabParallelSampler(W, vocab_size=V, transport=t, check_inputs=False,
+                                                  max_batch=max_batch, backend=backend, merge=merge,
+                                                  logprobs=logprobs)
+            except Exception as e:  # noqa: BLE001 - report the reason and go on
+                why = f"{type(e).__name__}: {e}"
+            if all_ranks(int(s is not None), dev, dist.ReduceOp.MIN, torch.int32):
+                out[f"tpsample_{t}{suffix}"] = s
+            elif dist.get_rank() == 0:
+                log(f"[rank {dist.get_rank()}] skipping transport {t}{suffix}: {why}")
     return out
 
 
-def tp_variants(h, W, V, samplers, seed, step, filters: bool = False) -> dict:
+def tp_variants(h, W, V, samplers, seed, step) -> dict:
     rows = split_rows(V, dist.get_world_size())
     def gather_logits():
         local = h @ W.T
@@ -774,10 +778,10 @@ def tp_variants(h, W, V, samplers, seed, step, filters: bool = False) -> dict:
         return (logits - torch.empty_like(logits).exponential_().log()).argmax(dim=-1)
     fns = {"mm_local": lambda: h @ W.T, BASE: multinomial, "allgather_gumbel": gumbel}
     for name, s in samplers.items():
-        fns[name] = lambda s=s: s(h, seed=seed, offset=step)
-        if filters:  # one host synchronisation per call: no CUDA-graph column
-            fns[f"{name}_kpm"] = lambda s=s: s(h, seed=seed, offset=step, top_k=50, top_p=0.9,
-                                               min_p=0.05)
+        if name.endswith("_kpm"):  # one host synchronisation per call: no CUDA-graph column
+            fns[name] = lambda s=s: s(h, seed=seed, offset=step, top_k=50, top_p=0.9, min_p=0.05)
+        else:
+            fns[name] = lambda s=s: s(h, seed=seed, offset=step)
     return fns
 
 
@@ -799,7 +803,7 @@ def bench_batch(D, V, B, W, samplers, args, dev):
     h = torch.randn(B, D, generator=g, device=dev, dtype=torch.bfloat16)
     seed, step = (torch.full((B,), v, dtype=torch.int64, device=dev) for v in (1234, 7))  # fixed, on device
     res, warns = {}, []
-    for name, fn in tp_variants(h, W, V, samplers, seed, step, args.filters).items():
+    for name, fn in tp_variants(h, W, V, samplers, seed, step).items():
         r = res[name] = {"eager_ms": time_calls(fn, dev, args.iters)}
         if dev.type == "cuda":
             r["eager_aligned_ms"] = time_calls(fn, dev, args.iters, align=True)
@@ -850,7 +854,8 @@ def run_tp(args):
     shapes, warns = [], []
     for D, V in args.shapes:
         W = make_shard(D, V, rank, world, dev)
-        samplers = make_samplers(W, V, args.transports, max(args.batches), dev, args.merge)
+        samplers = make_samplers(W, V, args.transports, max(args.batches), dev, args.merge,
+                                 args.filters)
         shapes.append({"D": D, "V": V, "shard_rows": split_rows(V, world), "results": {}})
         for B in args.batches:
             t0 = time.perf_counter()

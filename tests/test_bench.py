@@ -39,10 +39,12 @@ def test_single_device_mode_writes_json_doc_and_summary(tmp_path):
 def test_tp_mode_under_torchrun_and_report(tmp_path):
     for n in (1, 2):
         run([str(TORCHRUN), "--standalone", f"--nproc-per-node={n}", "-m", "tpsample.launch.bench",
-             "--shapes", "64x1000", "--batches", "1,4", "--iters", "3", "--merge", "cdf", "--out",
-             str(tmp_path)] + (["--filters"] if n == 2 else []), tmp_path)
+             "--shapes", "64x1000", "--batches", "1,4", "--iters", "3", "--out", str(tmp_path)]
+            + (["--filters"] if n == 2 else ["--merge", "cdf"]), tmp_path)
+    # TP2: merge max, whose plain sampler has no log-masses; the filtered calls get their own
     meta = json.loads((tmp_path / "tp2.json").read_text())
-    assert meta["world"] == 2 and meta["config"]["merge"] == "cdf" and meta["shapes"][0]["D"] == 64
+    assert meta["world"] == 2 and meta["config"]["merge"] == "max" and meta["shapes"][0]["D"] == 64
+    assert json.loads((tmp_path / "tp1.json").read_text())["config"]["merge"] == "cdf"
     assert set(meta["shapes"][0]["results"]["4"]) == {"mm_local", "allgather_multinomial",
                                                       "allgather_gumbel", "tpsample_gloo",
                                                       "tpsample_gloo_kpm"}

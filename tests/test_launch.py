@@ -80,3 +80,21 @@ def test_mcore_decode_report_renders_tables_and_plot(tmp_path):
     body = doc.read_text()
     assert "<!-- bench:tpot test -->" in body and "img/tpot_test.png" in body
     assert (tmp_path / "docs" / "img" / "tpot_test.png").exists()
+
+
+def test_mcore_decode_gpu_time_counts_each_kernel_at_its_shortest_rank():
+    """The TP GPU time per step: a collective that spun on the early rank counts at the late
+    rank's duration, compute at either (equal); one rank is the plain sum; a name whose run
+    count differs counts its smallest total and is reported."""
+    import importlib.util
+    example = Path(__file__).resolve().parents[1] / "examples" / "mcore_decode.py"
+    spec = importlib.util.spec_from_file_location("mcore_decode", example)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rank0 = {"gemm": [10.0, 10.0], "allreduce": [500.0, 3.0], "sample": [4.0]}
+    rank1 = {"gemm": [10.0, 10.0], "allreduce": [2.0, 900.0], "sample": [4.0]}
+    assert mod.launched_together_us([rank0, rank1]) == (10 + 10 + 2 + 3 + 4, 0)
+    assert mod.launched_together_us([rank0]) == (10 + 10 + 500 + 3 + 4, 0)
+    rank1["copy"] = [7.0, 1.0]
+    rank0["copy"] = [5.0]
+    assert mod.launched_together_us([rank0, rank1]) == (10 + 10 + 2 + 3 + 4 + 5, 1)

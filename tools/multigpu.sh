@@ -9,15 +9,18 @@
 #
 # N = NPROC (default: every visible GPU). Writes JSON, logs and plots under OUT; the bench
 # parts print their tables last. Run from the repository root with tpsample importable
-# (PYTHONPATH or an install); megatron-core for the tests and tpot parts (a wheel in .whl/
-# is installed into OUT/site if megatron.core does not import). NVLink multicast stays off
-# (the variables below): tpsample never uses it, and some shared hosts must not see it.
+# (PYTHONPATH or an install; the source tree's tpsample/ has no kernels, so it is kept off
+# sys.path: PYTHONSAFEPATH, and the repository root goes last on PYTHONPATH for tools/ and
+# tests/); megatron-core for the tests and tpot parts (a wheel in .whl/ is installed into
+# OUT/site if megatron.core does not import). NVLink multicast stays off (the variables
+# below): tpsample never uses it, and some shared hosts must not see it.
 set -euo pipefail
 
 part=${1:?part: tests, bench or tpot}
 out=${2:?output directory}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONSAFEPATH=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 n=${NPROC:-$(python -c "import torch; print(torch.cuda.device_count())")}
 run() { torchrun --standalone --nproc-per-node="$n" "$@"; }
 
