@@ -400,12 +400,20 @@ def main(argv=None):
                     if found["wrong"] or not found["ranks_agree"]:
                         raise SystemExit(f"greedy tokens differ from the stock argmax: {found}")
             elif args.tpot:
-                points = []
+                c = CONFIGS[name]
+                run = dict(config=name, tp=tp, prompt_len=args.prompt_len,
+                           new_tokens=args.new_tokens, temperature=args.temperature,
+                           device=torch.cuda.get_device_name(), points=[],
+                           shape=f"{c['num_layers']} layers, hidden {c['hidden_size']}, "
+                                 f"V {c['vocab']}, {'tied' if c['tied'] else 'untied'}, bf16")
+                path = os.path.join(args.out, f"tpot_{name}_tp{tp}.json")
                 for B in batches:
                     point = tpot_point(model, sampler, vocab, B, args.prompt_len, args.new_tokens,
                                        args.temperature, args.repeats)
-                    points.append(point)
-                    if rank == 0:
+                    run["points"].append(point)
+                    if rank == 0:  # after every point: a run cut short keeps what it measured
+                        os.makedirs(args.out, exist_ok=True)
+                        json.dump(run, open(path, "w"), indent=1)
                         print(f"{name} TP{tp} B={B}: TPOT stock {point['stock']['tpot_ms']:.2f} ms, "
                               f"tpsample {point['tpsample']['tpot_ms']:.2f} ms, gain "
                               f"{100 * point['measured_gain']:.1f} % (predicted "
@@ -413,18 +421,7 @@ def main(argv=None):
                               f"{point['stock']['gpu_step_ms']:.2f} / "
                               f"{point['tpsample']['gpu_step_ms']:.2f} ms, gain "
                               f"{100 * point['gpu_gain']:.1f} % (predicted "
-                              f"{100 * point['gpu_predicted_gain']:.1f} %)", flush=True)
-                if rank == 0:
-                    c = CONFIGS[name]
-                    run = dict(config=name, tp=tp, prompt_len=args.prompt_len,
-                               new_tokens=args.new_tokens, temperature=args.temperature,
-                               device=torch.cuda.get_device_name(), points=points,
-                               shape=f"{c['num_layers']} layers, hidden {c['hidden_size']}, "
-                                     f"V {c['vocab']}, {'tied' if c['tied'] else 'untied'}, bf16")
-                    os.makedirs(args.out, exist_ok=True)
-                    path = os.path.join(args.out, f"tpot_{name}_tp{tp}.json")
-                    json.dump(run, open(path, "w"), indent=1)
-                    print(f"wrote {path}")
+                              f"{100 * point['gpu_predicted_gain']:.1f} %); wrote {path}", flush=True)
             else:
                 B = batches[0]
                 g = torch.Generator(device="cuda").manual_seed(0)
