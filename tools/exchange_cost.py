@@ -2,6 +2,7 @@
 rank under torchrun; one rank works too: the exchange then signals itself).
 
     torchrun --nproc-per-node=N -m tools.exchange_cost [--out DIR]
+    python -m tools.exchange_cost --report DIR/exchange_cost_tp2.json [--doc F --label L]
 
 Per (D, B): the per-call latency (CUDA events, a host sync per call, median of 200, max over
 ranks) of the local matmul h @ W_r.T, of the sampler with the device-side signal and bounded
@@ -21,6 +22,23 @@ import tpsample
 from tpsample.launch.bench import time_calls
 
 ITERS, WARMUP = 200, 20
+BOUND = (1.2, 0.020)  # the target for the shipped exchange: within 1.2 x the matmul + 20 µs
+
+
+def markdown(meta: dict) -> str:
+    """One row per (D, B): the three latencies, the A/B ratio and the target's bound."""
+    k, extra = BOUND
+    lines = [f"{meta['device']}, TP{meta['rows'][0]['world']}; ms per call (host sync per call, "
+             "median of 200, max over ranks); bound = "
+             f"{k} × matmul + {extra * 1e3:g} µs.", "",
+             "| D | B | matmul | signal wait (shipped) | torch barrier | wait / barrier "
+             "| bound | wait within bound |", "|---|---|---|---|---|---|---|---|"]
+    for r in meta["rows"]:
+        bound = k * r["mm"] + extra
+        lines.append(f"| {r['D']} | {r['B']} | {r['mm']:.3f} | {r['signal_wait']:.3f} | "
+                     f"{r['torch_barrier']:.3f} | {r['signal_wait'] / r['torch_barrier']:.3f} | "
+                     f"{bound:.3f} | {'yes' if r['signal_wait'] <= bound else 'no'} |")
+    return "\n".join(lines) + "\n"
 
 
 def torch_barrier(transport):
@@ -35,7 +53,17 @@ def main(argv=None):
     p.add_argument("--shapes", default="4096x151936,8192x128256")
     p.add_argument("--batch", default="1,16,64,256")
     p.add_argument("--out", default=None)
+    p.add_argument("--report", metavar="JSON", help="render an exchange_cost_tp<N>.json, no run")
+    p.add_argument("--doc", help="markdown file whose section --label the report rewrites")
+    p.add_argument("--label", default="exchange cost")
     args = p.parse_args(argv)
+    if args.report:
+        body = markdown(json.load(open(args.report)))
+        if args.doc:
+            from tpsample.launch.bench import write_doc
+            write_doc(args.doc, args.label, body)
+        print(body)
+        return
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl")

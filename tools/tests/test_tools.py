@@ -59,3 +59,20 @@ def test_ab_worker_checks_its_call(monkeypatch):
     monkeypatch.setenv("AB_CALL", "everything")
     with pytest.raises(SystemExit, match="AB_CALL"):
         ab.worker([(64, 128)], [1], 10)
+
+
+def test_exchange_cost_report_states_the_ab_ratio_and_the_bound(tmp_path):
+    import json
+    from tools import exchange_cost
+    rows = [{"D": 4096, "V": 151936, "B": 1, "world": 2, "mm": 0.25, "signal_wait": 0.30,
+             "torch_barrier": 0.32},
+            {"D": 4096, "V": 151936, "B": 256, "world": 2, "mm": 0.25, "signal_wait": 0.40,
+             "torch_barrier": 0.38}]
+    path = tmp_path / "exchange_cost_tp2.json"
+    path.write_text(json.dumps({"device": "GPU", "rows": rows}))
+    doc = tmp_path / "perf.md"
+    exchange_cost.main(["--report", str(path), "--doc", str(doc), "--label", "x"])
+    text = doc.read_text()
+    assert "| 4096 | 1 | 0.250 | 0.300 | 0.320 | 0.938 | 0.320 | yes |" in text
+    assert "| 4096 | 256 | 0.250 | 0.400 | 0.380 | 1.053 | 0.320 | no |" in text
+    assert text.startswith("<!-- bench:x -->") and "GPU, TP2" in text
