@@ -31,11 +31,13 @@ the peers that did not arrive:
   nccl      NCCL has no device-side bound torch exposes: the process group's timeout and
             torch's watchdog decide. With the default TORCH_NCCL_ASYNC_ERROR_HANDLING (3) the
             watchdog tears the process down; with 2 it aborts the communicator and the process
-            lives on: then the record buffer is NaN before every all-gather (one fill per
-            call), so the aborted call's outputs are the degenerate rows, and the host raises
-            at the next call (each call's WorkResult future, read without blocking; calls
-            captured in a CUDA graph have none). check() waits for the newest all-gather for
-            at most timeout_s on the host.
+            lives on, and the host raises at the next call (each call's WorkResult future,
+            read without blocking; calls captured in a CUDA graph have none). check() waits
+            for the newest all-gather for at most timeout_s on the host. The record buffer is
+            NaN before every all-gather (one fill per call), but an aborted all-gather can
+            leave other records (NCCL 2.28.9 did): the outputs of calls since the last clean
+            check() are not to be trusted, and NCCL gives no same-process recovery that was
+            seen to work (README).
 After an ExchangeTimeout the ranks are out of step (a late peer's next exchange meets a call
 its peers never make), so the transport, and the sampler that owns it, refuses every later
 call with ExchangeTimeout: build a new sampler on a new process group to go on.
@@ -241,8 +243,9 @@ class NcclTransport(CollectiveTransport):
         self.check()
         self.calls += 1
         if self.survives_abort:
-            # An aborted all-gather leaves the peers' slots as the last call left them: NaN
-            # makes that call's rows the degenerate ones (token 0, NaN log Z), never stale tokens.
+            # Best effort: where an aborted all-gather wrote nothing, NaN makes that call's rows
+            # the degenerate ones. NCCL 2.28.9 was seen to leave other records there, so the
+            # ExchangeTimeout that follows is the only signal (README).
             full.fill_(float("nan"))
         work = all_gather_flat(full.view(-1), mine, group=self.group, async_op=True)
         work.wait()  # orders the current stream after the collective; no host sync
@@ -272,8 +275,8 @@ class NcclTransport(CollectiveTransport):
                 raise self._fail(
                     f"{self._who()}: record all-gather #{call} failed (WorkResult {outcome}: "
                     "torch's NCCL watchdog aborted it after the process group's timeout, or the "
-                    "communicator failed); that call returned degenerate rows (token 0, "
-                    "log-prob NaN, log Z NaN)", None, call)
+                    "communicator failed); the tokens of that call and of later ones are not "
+                    "to be trusted", None, call)
 
 
 class SymmMemTransport(Transport):
