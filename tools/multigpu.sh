@@ -5,7 +5,9 @@
 #                                  # (symm_mem and nccl), megatron-core decoding at TP N
 #   tools/multigpu.sh bench OUT    # bench TP N (merge max with filtered calls, merge cdf) and
 #                                  # tools.exchange_cost (device wait vs torch's barrier)
-#   tools/multigpu.sh tpot OUT     # examples/mcore_decode.py --tpot at TP N, both configs
+#   tools/multigpu.sh tpot OUT     # examples/mcore_decode.py --tpot at TP N; CONFIG picks one
+#                                  # config (qwen3-1.7b, qwen3-8b: about 7-8 min each at TP2
+#                                  # on two H100s, so one per run), default both
 #
 # N = NPROC (default: every visible GPU). Writes JSON, logs and plots under OUT; the bench
 # parts print their tables last. Run from the repository root with tpsample importable
@@ -46,8 +48,9 @@ bench)
     ;;
 tpot)
     need_megatron
-    run examples/mcore_decode.py --tpot --config qwen3-1.7b,qwen3-8b --batch 1,8,32,128 \
-        --prompt-len 512 --new-tokens 64 --out "$out/tpot" 2>&1 | tee "$out/tpot.log"
+    config=${CONFIG:-qwen3-1.7b,qwen3-8b}
+    run examples/mcore_decode.py --tpot --config "$config" --batch 1,8,32,128 \
+        --prompt-len 512 --new-tokens 64 --repeats 1 --out "$out/tpot" 2>&1 | tee "$out/tpot_$config.log"
     ;;
 *)
     echo "unknown part $part (tests, bench or tpot)"; exit 2 ;;
