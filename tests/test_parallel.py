@@ -229,3 +229,38 @@ def test_tp_after_a_timeout_the_sampler_refuses_and_a_rebuilt_one_samples():
     for o in outs:
         assert torch.equal(o["after"], o["before"]), o
     assert torch.equal(outs[0]["after"], outs[1]["after"])
+
+
+def tp_stamped_collective(rank, world, backend):
+    """The NCCL transport's stamped layout (TORCH_NCCL_ASYNC_ERROR_HANDLING=2: each slot ends in
+    a stamp, so the records a stage reads are a strided view) through the whole sampler,
+    over a gloo all-gather on the CPU: plain calls and a filtered one."""
+    import os
+    from tpsample import parallel, transport
+    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+    parallel.make_transport = lambda name, group, device, timeout_s: transport.NcclTransport(
+        group, device, timeout_s)
+    h, w, bias, temp, seeds, offsets = common_inputs()
+    lo, hi = shard_bounds(rank, world, V)
+    sampler = VocabParallelSampler(w[lo:hi].contiguous(), vocab_size=VOCAB, backend=backend)
+    assert sampler.transport.name == "nccl" and sampler.transport.survives_abort
+    kw = dict(temperature=temp, seed=seeds, offset=offsets, bias=bias[lo:hi])
+    return (sampler(h, num_samples=2, return_logprobs=True, **kw),
+            sampler(h, top_k=5, top_p=0.9, return_logprobs=True, **kw))
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_tp_stamped_record_slots_give_the_single_device_tokens(backend):
+    outs = run_world(2, tp_stamped_collective, backend)
+    for o in outs:
+        assert not isinstance(o, dict), o
+    h, w, bias, temp, seeds, offsets = common_inputs()
+    kw = dict(temperature=temp, seed=seeds, offset=offsets, bias=bias, vocab_size=VOCAB,
+              return_logprobs=True, backend="torch")
+    plain = tpsample.sample(h, w, num_samples=2, **kw)
+    filtered = tpsample.sample(h, w, top_k=5, top_p=0.9, **kw)
+    for got_plain, got_filtered in outs:
+        assert torch.equal(got_plain.tokens, plain.tokens)
+        assert torch.allclose(got_plain.logprobs, plain.logprobs, atol=1e-5)
+        assert torch.equal(got_filtered.tokens, filtered.tokens)
+        assert torch.allclose(got_filtered.logprobs, filtered.logprobs, atol=1e-5)

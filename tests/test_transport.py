@@ -148,12 +148,70 @@ def test_nccl_a_failed_all_gather_gives_nan_records_and_raises_at_the_next_call(
 
 def test_nccl_fills_no_records_where_an_abort_ends_the_process(monkeypatch):
     """Torch's default error handling (3) tears the process down, so no call can return
-    stale records: no fill per call."""
+    stale records: no stamps, no fill per call."""
     t = _nccl_without_a_group(monkeypatch, [FakeWork()], handling="3")
     mine, full = t.slots(4)
     full.fill_(1.0)
     t.exchange(mine, full)
-    assert not t.survives_abort and (full == 1.0).all()
+    assert not t.survives_abort and (full == 1.0).all() and full.is_contiguous()
+
+
+def test_nccl_a_slot_without_this_calls_stamp_becomes_nan(monkeypatch):
+    """Rank 0 of 2. The all-gather (simulated: it copies the slots it is given) delivers the
+    peer's records with the peer's stamp on call 1; on call 2 it is aborted and writes the
+    peer's call-1 slot again (stale data, as an aborted NCCL all-gather can leave); on call 3
+    the peer's slot gets this rank's own records and stamp (foreign). Only the peer's slot of
+    calls 2 and 3 becomes NaN; the records keep their alignment (slot stride a multiple of
+    WIDTH). A NaN fill before the all-gather fails this test."""
+    from tpsample import records
+    sent, peer = [], []
+
+    def all_gather(out, inp, group, async_op):
+        rows, pad = out.view(2, -1), inp.numel()
+        rows[0].copy_(inp)  # this rank's slot always arrives
+        if len(sent) == 0:  # the peer's call-1 slot, stamped as the peer stamps it
+            peer.append(inp.clone())
+            peer[0][:-t.STAMP].fill_(7.0)
+            peer[0][pad - t.STAMP:pad - t.STAMP + 1].view(torch.int32).add_(1)
+        rows[1].copy_(peer[0] if len(sent) < 2 else inp)
+        sent.append(inp.clone())
+        return FakeWork()
+
+    t = _nccl_without_a_group(monkeypatch, [])
+    monkeypatch.setattr(transport, "all_gather_flat", all_gather)
+    mine, full = t.slots(8)
+    assert full.shape == (2, 8) and full.stride(0) % records.WIDTH == 0
+    for call in range(3):
+        mine.copy_(torch.arange(8.0) + call)
+        t.exchange(mine, full)
+        assert torch.equal(full[0], mine)
+        if call == 0:
+            assert (full[1] == 7.0).all()
+        else:
+            assert torch.isnan(full[1]).all(), call
+    assert [int(x[8:9].view(torch.int32)) for x in sent] == [2, 4, 6]  # call × world + rank
+
+
+def _stamped_all_gather_rank(rank, world):
+    """A real all-gather (gloo) through the stamped layout: every rank's records arrive."""
+    import os
+    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+    t = transport.NcclTransport(None, torch.device("cpu"), 30.0)
+    out = []
+    for call in range(2):
+        mine, full = t.slots(12)
+        mine.copy_(torch.arange(12.0) + 100 * rank + call)
+        t.exchange(mine, full)
+        out.append(full.clone())
+    return out
+
+
+def test_nccl_stamped_slots_carry_every_ranks_records_over_a_real_all_gather():
+    from dist_utils import run_world
+    for rank_out in run_world(3, _stamped_all_gather_rank):
+        for call, full in enumerate(rank_out):
+            want = torch.stack([torch.arange(12.0) + 100 * r + call for r in range(3)])
+            assert torch.equal(full, want), (call, full)
 
 
 def test_nccl_check_synchronize_waits_for_the_newest_all_gather_bounded(monkeypatch):

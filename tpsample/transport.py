@@ -34,10 +34,10 @@ the peers that did not arrive:
             lives on, and the host raises at the next call (each call's WorkResult future,
             read without blocking; calls captured in a CUDA graph have none). check() waits
             for the newest all-gather for at most timeout_s on the host. The record buffer is
-            NaN before every all-gather (one fill per call), but an aborted all-gather can
-            leave other records (NCCL 2.28.9 did): the outputs of calls since the last clean
-            check() are not to be trusted, and NCCL gives no same-process recovery that was
-            seen to work (README).
+            stamped per call and a slot without this call's stamp becomes NaN, so an aborted
+            all-gather's rows are the degenerate ones whatever it left behind (a NaN fill
+            before the all-gather was not enough: NCCL 2.28.9 left other records). No
+            same-process recovery was seen to work over NCCL (README).
 After an ExchangeTimeout the ranks are out of step (a late peer's next exchange meets a call
 its peers never make), so the transport, and the sampler that owns it, refuses every later
 call with ExchangeTimeout: build a new sampler on a new process group to go on.
@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 import triton
 
-from . import replay
+from . import records, replay
 
 log = logging.getLogger("tpsample")
 
@@ -226,8 +226,17 @@ class NcclTransport(CollectiveTransport):
     """The all-gather is stream-ordered (no host wait per call). Each call's WorkResult
     future, which torch's watchdog completes (SUCCESS, or TIMEOUT / COMM_ERROR on a failure),
     is read at the next call without blocking; a process lives on after a failure only with
-    TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (the default tears it down)."""
+    TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (the default tears it down).
+
+    In that mode each slot ends in a stamp (one record's width, so the records keep their
+    alignment): the call count on the device times world plus the rank. After the
+    all-gather, a slot whose stamp is not this call's becomes NaN, so the call's rows are the
+    degenerate ones: a peer that never made the call cannot have sent this call's stamp,
+    whatever an aborted all-gather left behind (NCCL 2.28.9 left records other than a NaN
+    fill there). Five small launches per call; the count lives on the device, so graph
+    replays count."""
     name = "nccl"
+    STAMP = records.WIDTH  # floats after each slot's records (the first holds the int32 stamp)
 
     def __init__(self, group, device, timeout_s):
         super().__init__(group, device, timeout_s)
@@ -238,17 +247,44 @@ class NcclTransport(CollectiveTransport):
         if self.survives_abort:
             self._warn_if_the_group_outlives_timeout(
                 "a lost peer is reported only after the group's timeout")
+            self.stamp = torch.zeros(1, dtype=torch.int32, device=device)  # calls × world
+            self.ranks = torch.arange(self.world, dtype=torch.int32, device=device)[:, None]
+
+    def _allocate(self, numel):
+        if not self.survives_abort:
+            return super()._allocate(numel)
+        pad = numel + self.STAMP  # zeros: no slot holds a call's stamp before that call
+        self.send = torch.zeros(pad, dtype=torch.float32, device=self.device)
+        self.buf = torch.zeros(self.world * pad, dtype=torch.float32, device=self.device)
+        self.capacity = numel
+
+    def _stamped(self, numel):
+        """(this rank's slot with its stamp [numel + STAMP], all of them [world, numel + STAMP])"""
+        pad = numel + self.STAMP
+        return self.send[:pad], self.buf[: self.world * pad].view(self.world, pad)
+
+    def slots(self, numel):
+        if not self.survives_abort:
+            return super().slots(numel)
+        self.reserve(numel)
+        send, rows = self._stamped(numel)
+        return send[:numel], rows[:, :numel]
 
     def exchange(self, mine, full):
         self.check()
         self.calls += 1
         if self.survives_abort:
-            # Best effort: where an aborted all-gather wrote nothing, NaN makes that call's rows
-            # the degenerate ones. NCCL 2.28.9 was seen to leave other records there, so the
-            # ExchangeTimeout that follows is the only signal (README).
-            full.fill_(float("nan"))
-        work = all_gather_flat(full.view(-1), mine, group=self.group, async_op=True)
-        work.wait()  # orders the current stream after the collective; no host sync
+            numel = mine.numel()
+            send, rows = self._stamped(numel)
+            self.stamp += self.world
+            torch.add(self.stamp, self.rank, out=send[numel:numel + 1].view(torch.int32))
+            work = all_gather_flat(rows.view(-1), send, group=self.group, async_op=True)
+            work.wait()  # orders the current stream after the collective; no host sync
+            stale = rows[:, numel:numel + 1].view(torch.int32) != self.stamp + self.ranks
+            full.masked_fill_(stale, float("nan"))
+        else:
+            work = all_gather_flat(full.view(-1), mine, group=self.group, async_op=True)
+            work.wait()
         if full.is_cuda and torch.cuda.is_current_stream_capturing():
             return  # a captured collective has no watchdog entry: its future never completes
         try:
@@ -275,8 +311,8 @@ class NcclTransport(CollectiveTransport):
                 raise self._fail(
                     f"{self._who()}: record all-gather #{call} failed (WorkResult {outcome}: "
                     "torch's NCCL watchdog aborted it after the process group's timeout, or the "
-                    "communicator failed); the tokens of that call and of later ones are not "
-                    "to be trusted", None, call)
+                    "communicator failed); that call returned degenerate rows (token 0, "
+                    "log-prob NaN, log Z NaN)", None, call)
 
 
 class SymmMemTransport(Transport):

@@ -18,8 +18,9 @@ from dist_utils import run_world
 from test_multigpu import gpu_rank, inputs, VOCAB
 
 NCCL_DRILL = ("two H100s, torch 2.11, NCCL 2.28.9: rank 0's bounded wait raised in 2.5 s and its "
-              "context stayed usable, but the aborted call's tokens were not the degenerate rows "
-              "and building a new NCCL group and sampler in that process ended it (SIGSEGV); README")
+              "context stayed usable, but its tokens were not the degenerate rows (before the "
+              "per-call stamp) and building a new NCCL group and sampler in that process "
+              "ended it (SIGSEGV); README")
 
 pytestmark = pytest.mark.gpu
 BROKEN = exchange_wait.BROKEN.value
