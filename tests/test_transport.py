@@ -171,8 +171,8 @@ def test_nccl_a_slot_without_this_calls_stamp_becomes_nan(monkeypatch):
         rows[0].copy_(inp)  # this rank's slot always arrives
         if len(sent) == 0:  # the peer's call-1 slot, stamped as the peer stamps it
             peer.append(inp.clone())
-            peer[0][:-t.STAMP].fill_(7.0)
-            peer[0][pad - t.STAMP:pad - t.STAMP + 1].view(torch.int32).add_(1)
+            peer[0][:-t.stamp_width].fill_(7.0)
+            peer[0][pad - t.stamp_width:pad - t.stamp_width + 1].view(torch.int32).add_(1)
         rows[1].copy_(peer[0] if len(sent) < 2 else inp)
         sent.append(inp.clone())
         return FakeWork()

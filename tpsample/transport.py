@@ -173,15 +173,23 @@ class CollectiveTransport(Transport):
     """all_gather_into_tensor over a process group (nccl on CUDA, gloo on CPU)."""
 
     calls = 0  # exchanges issued
+    stamp_width = 0  # floats after each slot's records (NcclTransport's per-call stamp)
 
     def _allocate(self, numel):
-        self.send = torch.empty(numel, dtype=torch.float32, device=self.device)
-        self.buf = torch.empty(self.world, numel, dtype=torch.float32, device=self.device)
+        padded = numel + self.stamp_width  # zeros: no slot holds a stamp before its call
+        self.send = torch.zeros(padded, dtype=torch.float32, device=self.device)
+        self.buf = torch.zeros(self.world * padded, dtype=torch.float32, device=self.device)
         self.capacity = numel
+
+    def _padded(self, numel):
+        """(this rank's slot with its stamp [numel + stamp_width], all of them [world, same])"""
+        padded = numel + self.stamp_width
+        return self.send[:padded], self.buf[: self.world * padded].view(self.world, padded)
 
     def slots(self, numel):
         self.reserve(numel)
-        return self.send[:numel], self.buf.view(-1)[: self.world * numel].view(self.world, numel)
+        send, rows = self._padded(numel)
+        return send[:numel], rows[:, :numel]
 
     def exchange(self, mine, full):
         self.check()
@@ -236,7 +244,6 @@ class NcclTransport(CollectiveTransport):
     fill there). Five small launches per call; the count lives on the device, so graph
     replays count."""
     name = "nccl"
-    STAMP = records.WIDTH  # floats after each slot's records (the first holds the int32 stamp)
 
     def __init__(self, group, device, timeout_s):
         super().__init__(group, device, timeout_s)
@@ -247,35 +254,16 @@ class NcclTransport(CollectiveTransport):
         if self.survives_abort:
             self._warn_if_the_group_outlives_timeout(
                 "a lost peer is reported only after the group's timeout")
+            self.stamp_width = records.WIDTH  # the first float holds the int32 stamp
             self.stamp = torch.zeros(1, dtype=torch.int32, device=device)  # calls × world
             self.ranks = torch.arange(self.world, dtype=torch.int32, device=device)[:, None]
-
-    def _allocate(self, numel):
-        if not self.survives_abort:
-            return super()._allocate(numel)
-        pad = numel + self.STAMP  # zeros: no slot holds a call's stamp before that call
-        self.send = torch.zeros(pad, dtype=torch.float32, device=self.device)
-        self.buf = torch.zeros(self.world * pad, dtype=torch.float32, device=self.device)
-        self.capacity = numel
-
-    def _stamped(self, numel):
-        """(this rank's slot with its stamp [numel + STAMP], all of them [world, numel + STAMP])"""
-        pad = numel + self.STAMP
-        return self.send[:pad], self.buf[: self.world * pad].view(self.world, pad)
-
-    def slots(self, numel):
-        if not self.survives_abort:
-            return super().slots(numel)
-        self.reserve(numel)
-        send, rows = self._stamped(numel)
-        return send[:numel], rows[:, :numel]
 
     def exchange(self, mine, full):
         self.check()
         self.calls += 1
         if self.survives_abort:
             numel = mine.numel()
-            send, rows = self._stamped(numel)
+            send, rows = self._padded(numel)
             self.stamp += self.world
             torch.add(self.stamp, self.rank, out=send[numel:numel + 1].view(torch.int32))
             work = all_gather_flat(rows.view(-1), send, group=self.group, async_op=True)
