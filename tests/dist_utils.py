@@ -14,7 +14,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world, port, out_dir, backend, fn, args):
+def _entry(rank, world, port, out_dir, backend, fn, args, hard_exit=False):
     torch.set_num_threads(1)
     kw = {}
     if backend == "nccl":
@@ -30,13 +30,17 @@ def _entry(rank, world, port, out_dir, backend, fn, args):
     except Exception as e:  # reported to the parent, which asserts on it
         result = {"error": type(e).__name__, "message": str(e)}
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    if hard_exit:  # a process whose communicator was aborted: end it as a service restarts it
+        os._exit(0)
     dist.destroy_process_group()
 
 
-def run_world(world: int, fn, *args, backend: str = "gloo"):
+def run_world(world: int, fn, *args, backend: str = "gloo", hard_exit: bool = False):
     """fn(rank, world, *args) on every rank → list of per-rank results (or error dicts).
-    Results are moved to the CPU by torch.save/load (map_location)."""
+    Results are moved to the CPU by torch.save/load (map_location). hard_exit: each rank
+    ends with os._exit after saving its result (no process-group teardown)."""
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_entry, args=(world, free_port(), d, backend, fn, args), nprocs=world, join=True)
+        mp.spawn(_entry, args=(world, free_port(), d, backend, fn, args, hard_exit),
+                 nprocs=world, join=True)
         return [torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False, map_location="cpu")
                 for r in range(world)]

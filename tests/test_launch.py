@@ -60,12 +60,14 @@ def test_mcore_decode_report_renders_tables_and_plot(tmp_path):
              "gpu_predicted_gain": 0.04}
         for name, head in path.items():
             p[name] = {"tpot_ms": 10.0, "tpot_runs": [10.0], "head_share": 0.01,
-                       "head_alone_ms": head, "gpu_step_ms": 5.0}
+                       "head_alone_ms": head, "head_gpu_ms": head / 2, "gpu_step_ms": 5.0}
         points.append(p)
     run_ = dict(config="tiny", tp=1, prompt_len=8, new_tokens=4, temperature=0.8, device="dev",
                 shape="2 layers", points=points)
-    old = dict(run_, config="older", points=[{k: v for k, v in p.items() if "gpu" not in k}
-                                             for p in points])
+    def without_gpu(p):  # a run from before the GPU-time columns
+        return {k: ({kk: vv for kk, vv in v.items() if "gpu" not in kk} if isinstance(v, dict)
+                    else v) for k, v in p.items() if "gpu" not in k}
+    old = dict(run_, config="older", points=[without_gpu(p) for p in points])
     files = []
     for r in (run_, old):
         files.append(tmp_path / f"{r['config']}.json")
@@ -76,7 +78,9 @@ def test_mcore_decode_report_renders_tables_and_plot(tmp_path):
     text = run([sys.executable, str(example), "--report", *map(str, files), "--doc", str(doc),
                 "--label", "tpot test"], tmp_path)
     assert "| 1 | 8 | 10.00 / 10.00 | 1.0 % (2.0 %) | 5.00 / 5.00 | 3.0 % (4.0 %) |" in text
+    assert "| 1.0 % / 1.0 % | 1.000 / 0.500 | 0.500 / 0.250 |" in text
     assert "| 1 | 8 | 10.00 / 10.00 | 1.0 % (2.0 %) | — | — |" in text
+    assert "| 1.000 / 0.500 | — |" in text  # an older run without the heads' GPU time
     body = doc.read_text()
     assert "<!-- bench:tpot test -->" in body and "img/tpot_test.png" in body
     assert (tmp_path / "docs" / "img" / "tpot_test.png").exists()

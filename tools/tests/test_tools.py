@@ -76,3 +76,29 @@ def test_exchange_cost_report_states_the_ab_ratio_and_the_bound(tmp_path):
     assert "| 4096 | 1 | 0.250 | 0.300 | 0.320 | 0.938 | 0.320 | yes |" in text
     assert "| 4096 | 256 | 0.250 | 0.400 | 0.380 | 1.053 | 0.320 | no |" in text
     assert text.startswith("<!-- bench:x -->") and "GPU, TP2" in text
+
+
+def test_timeline_summary_matches_ops_by_position_and_renders_gaps(tmp_path, capsys):
+    """tools.timeline: per-op medians over the calls with the usual op count (a call that
+    lost an op is left out), the GPU end, and the gaps the report prints."""
+    import json
+    from tools import timeline
+
+    def call(shift, ops=("stage1", "wait", "reduce")):
+        spans = {"stage1": (10.0 + shift, 200.0), "wait": (212.0 + shift, 5.0),
+                 "reduce": (220.0 + shift, 4.0)}
+        return {"host_us": 50.0 + shift, "gpu": [(n, *spans[n]) for n in ops],
+                "api": [("cuLaunchKernelEx", 5.0 + shift, 4.0)]}
+    calls = [call(0.0), call(2.0), call(4.0), call(1.0, ops=("stage1",))]
+    s = timeline.summarise(calls)
+    assert s["calls"] == 3 and s["host_us"] == 52.0
+    assert [op["name"] for op in s["ops"]] == ["stage1", "wait", "reduce"]
+    assert s["ops"][1]["start_us"] == 214.0 and s["end_us"] == 226.0
+    meta = {"device": "GPU", "world": 2, "calls": 4,
+            "rows": [{"D": 8, "B": 1, "ranks": [{"tp_symm_mem": s}, {"tp_symm_mem": s}]}]}
+    path = tmp_path / "timeline_tp2.json"
+    path.write_text(json.dumps(meta))
+    timeline.main(["--report", str(path)])
+    text = capsys.readouterr().out
+    assert "D=8 B=1 rank 1 tp_symm_mem: host 52.0, GPU end 226.0 (3 calls)" in text
+    assert "(gap     2.0)  wait" in text and "cuLaunchKernelEx @7.0+4.0" in text
