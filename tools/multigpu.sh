@@ -5,9 +5,11 @@
 #                                  # (symm_mem and nccl), megatron-core decoding at TP N
 #   tools/multigpu.sh bench OUT    # bench TP N (merge max with filtered calls, merge cdf) and
 #                                  # tools.exchange_cost (device wait vs torch's barrier)
-#   tools/multigpu.sh tpot OUT     # examples/mcore_decode.py --tpot at TP N; CONFIG picks one
-#                                  # config (qwen3-1.7b, qwen3-8b: about 7-8 min each at TP2
-#                                  # on two H100s, so one per run), default both
+#   tools/multigpu.sh tpot OUT     # examples/mcore_decode.py --tpot for each config (CONFIG,
+#                                  # default qwen3-1.7b,qwen3-8b) at each TP degree (TP,
+#                                  # default "1 N"), then the table and plot of every
+#                                  # OUT/tpot/tpot_*.json in OUT/tpot.md (3-4 min per config
+#                                  # and degree on H100s; CONFIG=.. TP=.. picks one)
 #
 # N = NPROC (default: every visible GPU). Writes JSON, logs and plots under OUT; the bench
 # parts print their tables last. Run from the repository root with tpsample importable
@@ -49,8 +51,13 @@ bench)
 tpot)
     need_megatron
     config=${CONFIG:-qwen3-1.7b,qwen3-8b}
-    run examples/mcore_decode.py --tpot --config "$config" --batch 1,8,32,128 \
-        --prompt-len 512 --new-tokens 64 --repeats 1 --out "$out/tpot" 2>&1 | tee "$out/tpot_$config.log"
+    for tp in ${TP:-$( [ "$n" -gt 1 ] && echo "1 $n" || echo 1 )}; do
+        torchrun --standalone --nproc-per-node="$tp" examples/mcore_decode.py --tpot \
+            --config "$config" --batch 1,8,32,128 --prompt-len 512 --new-tokens 64 \
+            --repeats 1 --out "$out/tpot" 2>&1 | tee "$out/tpot_${config}_tp$tp.log"
+    done
+    python examples/mcore_decode.py --report "$out"/tpot/tpot_*.json --doc "$out/tpot.md" \
+        --label "megatron-core decode"
     ;;
 *)
     echo "unknown part $part (tests, bench or tpot)"; exit 2 ;;
