@@ -246,16 +246,9 @@ def head_gpu_ms(fn, iters=20, warmup=3) -> float:
     """The GPU time of one head call alone (its kernels and copies, the TP ranks launched
     together as in launched_together_us): the prediction for the GPU time per step, which a
     host-synchronised call's wall time is not at TP > 1 (there it adds the ranks' host skew)."""
-    from torch.profiler import ProfilerActivity, profile
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
+    from tpsample.launch.bench import profile_cuda
     per_rank = [None] * dist.get_world_size()
-    dist.all_gather_object(per_rank, device_runs(prof))
+    dist.all_gather_object(per_rank, device_runs(profile_cuda(fn, iters, warmup)))
     return launched_together_us(per_rank)[0] / 1e3 / iters
 
 

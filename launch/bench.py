@@ -694,15 +694,22 @@ def host_ops(fn, iters: int = 20, top: int = 8) -> dict[str, float]:
     return {e.key[:60]: e.self_cpu_time_total / iters for e in ops}
 
 
-def kernel_times(fn, iters: int = 20) -> dict[str, float]:
-    """{kernel name: device ms per call} over `iters` calls, largest first (CUDA only)."""
+def profile_cuda(fn, iters: int, warmup: int = 1):
+    """The torch profiler (CUDA activity only) of `iters` calls of fn, after `warmup` calls."""
     from torch.profiler import ProfilerActivity, profile
-    fn()
+    for _ in range(warmup):
+        fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
+    return prof
+
+
+def kernel_times(fn, iters: int = 20) -> dict[str, float]:
+    """{kernel name: device ms per call} over `iters` calls, largest first (CUDA only)."""
+    prof = profile_cuda(fn, iters)
     per = {e.key[:80]: e.device_time_total / iters / 1e3 for e in prof.key_averages()
            if e.device_time_total > 0}
     return dict(sorted(per.items(), key=lambda kv: -kv[1]))

@@ -42,6 +42,31 @@ def markdown(meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def init_ranks() -> tuple[int, int]:
+    """(rank, world) of this torchrun process, its GPU selected, NCCL initialised (NVLink
+    multicast off unless the environment says otherwise)."""
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def weight_shards(shapes: str, world: int):
+    """For each "DxV" in the comma list: (D, V, this rank's random bf16 LM-head shard
+    [ceil(V / world), D], the generator that drew it: seeded, so every run draws the same)."""
+    for shape in shapes.split(","):
+        D, V = (int(x) for x in shape.split("x"))
+        g = torch.Generator(device="cuda").manual_seed(0)
+        per = -(-V // world)
+        yield D, V, (torch.randn(per, D, device="cuda", generator=g) * 0.02).bfloat16(), g
+
+
+def sampler_on(w: torch.Tensor, world: int, transport: str):
+    """A VocabParallelSampler on shard w of a world-way split (no host checks, B <= 256)."""
+    return tpsample.VocabParallelSampler(w, vocab_size=w.shape[0] * world, transport=transport,
+                                         check_inputs=False, max_batch=256)
+
+
 def torch_barrier(transport):
     """The exchange as it was: torch's symmetric-memory barrier on the records buffer."""
     def exchange(mine, full):
@@ -65,18 +90,10 @@ def main(argv=None):
             write_doc(args.doc, args.label, body)
         print(body)
         return
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = init_ranks()
     rows = []
-    for shape in args.shapes.split(","):
-        D, V = (int(x) for x in shape.split("x"))
-        g = torch.Generator(device="cuda").manual_seed(0)
-        per = -(-V // world)
-        w = (torch.randn(per, D, device="cuda", generator=g) * 0.02).bfloat16()
-        sampler = tpsample.VocabParallelSampler(w, vocab_size=per * world, transport="symm_mem",
-                                                check_inputs=False, max_batch=256)
+    for D, V, w, g in weight_shards(args.shapes, world):
+        sampler = sampler_on(w, world, "symm_mem")
         t = sampler.transport
         ours, old = t.exchange, torch_barrier(t)
         for B in (int(b) for b in args.batch.split(",")):

@@ -23,7 +23,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-import tpsample
+from tools.exchange_cost import init_ranks, sampler_on, weight_shards
 
 GPU_TYPES = (torch.autograd.DeviceType.CUDA,)
 
@@ -108,18 +108,10 @@ def main(argv=None):
     if args.report:
         print(render(json.load(open(args.report))))
         return
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = init_ranks()
     rows = []
-    for shape in args.shapes.split(","):
-        D, V = (int(x) for x in shape.split("x"))
-        g = torch.Generator(device="cuda").manual_seed(0)
-        per = -(-V // world)
-        w = (torch.randn(per, D, device="cuda", generator=g) * 0.02).bfloat16()
-        make = lambda t: tpsample.VocabParallelSampler(  # noqa: E731
-            w, vocab_size=per * world, transport=t, check_inputs=False, max_batch=256)
+    for D, V, w, g in weight_shards(args.shapes, world):
+        make = lambda t: sampler_on(w, world, t)  # noqa: E731
         samplers = {"symm_mem": make("symm_mem")}
         if args.nccl:
             samplers["nccl"] = make("nccl")
