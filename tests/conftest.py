@@ -1,6 +1,8 @@
 """Test setup: without CUDA the Triton kernels run under TRITON_INTERPRET=1 (set before
 Triton compiles anything). Tests pick `device` = cuda when present, else cpu."""
+import importlib.util
 import os
+import sys
 
 import pytest
 import torch
@@ -17,6 +19,14 @@ except ImportError as e:
                 "tpsample.launch when installed: run `pip install -e .` once, or, with a non-editable "
                 "install, run `pytest` rather than `python -m pytest` from the repository root "
                 "(which puts the source tree first on sys.path).", returncode=4)
+
+# From the repository root (`python -m pytest`) the checkout's top-level kernels/ (installed as
+# tpsample.kernels) shadows Hugging Face's `kernels` package, which transformers imports when it
+# finds one; no test imports a top-level `kernels`, so that name is made absent while ours.
+_spec = importlib.util.find_spec("kernels")
+if _spec is not None and _spec.origin and os.path.dirname(os.path.dirname(
+        os.path.abspath(_spec.origin))) == os.path.dirname(os.path.dirname(os.path.abspath(__file__))):
+    sys.modules["kernels"] = None
 
 HAS_CUDA = torch.cuda.is_available()
 KERNEL_OK = HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1"
