@@ -197,6 +197,13 @@ def device_runs(prof) -> dict[str, list[float]]:
     return runs
 
 
+def runs_per_rank(prof) -> list[dict[str, list[float]]]:
+    """device_runs of this rank's profile, gathered from every TP rank."""
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, device_runs(prof))
+    return per_rank
+
+
 def launched_together_us(per_rank: list[dict[str, list[float]]]) -> tuple[float, int]:
     """The device time of the same steps on TP ranks as if the ranks had launched them together
     (as under CUDA graphs): each kernel's k-th run counted at the rank where it was shortest.
@@ -226,9 +233,7 @@ def gpu_ms_per_step(model, prompts, new_tokens, head) -> dict:
     from torch.profiler import ProfilerActivity, profile
     prof = profile(activities=[ProfilerActivity.CUDA])
     generate(model, prompts, new_tokens, head, decode_context=prof)
-    runs = device_runs(prof)
-    per_rank = [None] * dist.get_world_size()
-    dist.all_gather_object(per_rank, runs)
+    per_rank = runs_per_rank(prof)
     together, differing = launched_together_us(per_rank)
     steps = new_tokens - 1
     return {"gpu_step_ms": together / 1e3 / steps,
@@ -247,9 +252,7 @@ def head_gpu_ms(fn, iters=20, warmup=3) -> float:
     together as in launched_together_us): the prediction for the GPU time per step, which a
     host-synchronised call's wall time is not at TP > 1 (there it adds the ranks' host skew)."""
     from tpsample.launch.bench import profile_cuda
-    per_rank = [None] * dist.get_world_size()
-    dist.all_gather_object(per_rank, device_runs(profile_cuda(fn, iters, warmup)))
-    return launched_together_us(per_rank)[0] / 1e3 / iters
+    return launched_together_us(runs_per_rank(profile_cuda(fn, iters, warmup)))[0] / 1e3 / iters
 
 
 def tpot_point(model, sampler, vocab, B, prompt_len, new_tokens, temperature, repeats):

@@ -4,14 +4,15 @@
     python -m tools.timeline --report DIR/timeline_tp2.json
 
 Per (D, B) and variant (the local matmul h @ W_r.T; the sampler over symmetric memory, and
-over NCCL with --nccl, without and with the stamp of TORCH_NCCL_ASYNC_ERROR_HANDLING=2), `--calls` eager calls are profiled the way tools.exchange_cost times
-them (the device drained before each call, one call at a time). For each call, in the
-profiler's clock, relative to the call's host entry: when the call returned on the host,
-when it entered each CUDA API call (launches, copies, waits), and for each GPU activity (kernel, copy, set) when it started and how long it ran. The
-report gives medians over the calls, per rank: a kernel starting long after its
-predecessor ended means the GPU waited for the host; a long exchange wait means the peer's
-stage 1 ended late (its host started later, or its kernel ran longer). The profiler adds
-a few µs of host time per launch, so absolute host times are upper bounds.
+over NCCL with --nccl, without and with the stamp of TORCH_NCCL_ASYNC_ERROR_HANDLING=2),
+`--calls` eager calls are profiled the way tools.exchange_cost times them (the device drained
+before each call, one call at a time). For each call, in the profiler's clock, relative to
+the call's host entry: when the call returned on the host, when it entered each CUDA API
+call (launches, copies, waits), and for each GPU activity (kernel, copy, set) when it started
+and how long it ran. The report gives medians over the calls, per rank: a kernel starting
+long after its predecessor ended means the GPU waited for the host; a long exchange wait
+means the peer's stage 1 ended late (its host started later, or its kernel ran longer). The
+profiler adds a few µs of host time per launch, so absolute host times are upper bounds.
 """
 from __future__ import annotations
 
@@ -52,8 +53,8 @@ def profile_calls(fn, calls: int, warmup: int = 10) -> list[dict]:
     for i, (t0, t1) in enumerate(marks):
         t_next = marks[i + 1][0] if i + 1 < len(marks) else float("inf")
         ops = [(name, s - t0, e - s) for s, e, name in gpu if t0 <= s < t_next]
-        calls = [(name, s - t0, e - s) for s, e, name in api if t0 <= s < t1]
-        out.append({"host_us": t1 - t0, "gpu": ops, "api": calls})
+        api_calls = [(name, s - t0, e - s) for s, e, name in api if t0 <= s < t1]
+        out.append({"host_us": t1 - t0, "gpu": ops, "api": api_calls})
     return out
 
 
