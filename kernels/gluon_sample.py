@@ -84,7 +84,8 @@ if AVAILABLE:
                   rec_stride_t, peer_ptrs, parity_ptr, num_tiles, num_b_tiles, mask_ptr,
                   stride_mask, HAS_BIAS: gl.constexpr, TILE_MASS: gl.constexpr,
                   NUM_PEERS: gl.constexpr, BLOCK_V: gl.constexpr, BLOCK_B: gl.constexpr,
-                  EPI_B: gl.constexpr, EPI_WARPS: gl.constexpr, HAS_MASK: gl.constexpr):
+                  EPI_B: gl.constexpr, EPI_WARPS: gl.constexpr, HAS_MASK: gl.constexpr,
+                  CANDIDATES: gl.constexpr, RAW_MASS: gl.constexpr):
         n = 0
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             pid_v = tile // num_b_tiles
@@ -98,7 +99,7 @@ if AVAILABLE:
                                    n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b,
                                    rec_stride_t, peer_ptrs, parity_ptr, mask_ptr, stride_mask,
                                    HAS_BIAS, TILE_MASS, NUM_PEERS, BLOCK_V, EPI_B, EPI_WARPS,
-                                   HAS_MASK)
+                                   HAS_MASK, CANDIDATES, RAW_MASS)
             mbarrier.arrive(acc_empty)  # the mma warps may overwrite the buffer now
             n += 1
 
@@ -107,10 +108,13 @@ if AVAILABLE:
                        n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b, rec_stride_t,
                        peer_ptrs, parity_ptr, mask_ptr, stride_mask, HAS_BIAS: gl.constexpr,
                        TILE_MASS: gl.constexpr, NUM_PEERS: gl.constexpr, BLOCK_V: gl.constexpr,
-                       EPI_B: gl.constexpr, EPI_WARPS: gl.constexpr, HAS_MASK: gl.constexpr):
+                       EPI_B: gl.constexpr, EPI_WARPS: gl.constexpr, HAS_MASK: gl.constexpr,
+                       CANDIDATES: gl.constexpr, RAW_MASS: gl.constexpr):
         """Records of columns [b0, b0 + EPI_B) of the tile in `view` [BLOCK_V, EPI_B] (rows in
         lane order: row a·Q + q holds token 4q + a, see the loader), stored at rec_ptr or, with
-        NUM_PEERS > 0, into every peer's slot (see fused_sample.sample_and_store)."""
+        NUM_PEERS > 0, into every peer's slot (see fused_sample.sample_and_store). CANDIDATES > 0:
+        also the candidate planes and the raw plane after the sample planes, as
+        fused_sample.tile_records_epilogue writes them (tpsample/records.py)."""
         Q: gl.constexpr = BLOCK_V // 4
         # lanes [Q, EPI_B]: a warp spans the columns (conflict-free shared reads), the rows
         # of a column spread over the warps (the argmax reduces over axis 0)
@@ -175,6 +179,63 @@ if AVAILABLE:
             token = (tile_start + idx).to(gl.float32)
             store_records(rec_ptr, peer_ptrs, parity_ptr, rec + s * rec_stride_s, best, token,
                           logit, lse, mask_b, NUM_PEERS, EPI_WARPS)
+        if CANDIDATES > 0:
+            # the tile's best CANDIDATES (logit desc, id asc), NaN logits as -inf; the lanes'
+            # registers are free now, so the running copies take their place
+            c0 = gl.where(l0 != l0, float("-inf"), l0)
+            c1 = gl.where(l1 != l1, float("-inf"), l1)
+            c2 = gl.where(l2 != l2, float("-inf"), l2)
+            c3 = gl.where(l3 != l3, float("-inf"), l3)
+            cand = rec + num_samples * rec_stride_s
+            for j in gl.static_range(CANDIDATES // 2):
+                x_a, i_a, c0, c1, c2, c3 = _take_best(c0, c1, c2, c3, q, BLOCK_V)
+                x_b, i_b, c0, c1, c2, c3 = _take_best(c0, c1, c2, c3, q, BLOCK_V)
+                store_records(rec_ptr, peer_ptrs, parity_ptr, cand + j * rec_stride_s, x_a,
+                              (tile_start + i_a).to(gl.float32), x_b,
+                              (tile_start + i_b).to(gl.float32), mask_b, NUM_PEERS, EPI_WARPS)
+            if RAW_MASS:  # the log-mass at T = 1
+                raw = _raw_log_mass(view, lane_l, row0, gl.full_like(scale, 1.0), bias_ptr,
+                                    n_real, HAS_BIAS, bits, HAS_MASK)
+            else:
+                raw = lse
+            zero = gl.zeros_like(lse)
+            store_records(rec_ptr, peer_ptrs, parity_ptr, cand + (CANDIDATES // 2) * rec_stride_s,
+                          raw, zero, zero, zero, mask_b, NUM_PEERS, EPI_WARPS)
+
+    @gluon.jit
+    def _take_best(c0, c1, c2, c3, q, BLOCK_V: gl.constexpr):
+        """Per column: the largest value of the four lanes (tokens 4q + a) and its tile-local
+        id, the smallest on ties (all -inf: the smallest id holding -inf, as the Triton
+        epilogue takes it); that entry becomes -inf, so the next call takes the next best."""
+        x = gl.max(gl.maximum(gl.maximum(c0, c1), gl.maximum(c2, c3)), axis=0)
+        xe = gl.expand_dims(x, 0)
+        i = gl.where(c0 == xe, 4 * q, BLOCK_V)
+        i = gl.minimum(i, gl.where(c1 == xe, 4 * q + 1, BLOCK_V))
+        i = gl.minimum(i, gl.where(c2 == xe, 4 * q + 2, BLOCK_V))
+        i = gl.minimum(i, gl.where(c3 == xe, 4 * q + 3, BLOCK_V))
+        i = gl.min(i, axis=0)
+        d = gl.expand_dims(i, 0) - 4 * q  # the pick's lane at its position, else outside 0..3
+        c0 = gl.where(d == 0, float("-inf"), c0)
+        c1 = gl.where(d == 1, float("-inf"), c1)
+        c2 = gl.where(d == 2, float("-inf"), c2)
+        c3 = gl.where(d == 3, float("-inf"), c3)
+        return x, i, c0, c1, c2, c3
+
+    @gluon.jit
+    def _raw_log_mass(view, layout: gl.constexpr, row0, one, bias_ptr, n_real,
+                      HAS_BIAS: gl.constexpr, bits, HAS_MASK: gl.constexpr):
+        """Per column: logsumexp of the tile's logits at T = 1 (bias and mask applied; NaN if
+        any is NaN), re-read from shared memory."""
+        a0 = _lane(view, 0, layout, row0, one, bias_ptr, n_real, HAS_BIAS, bits, HAS_MASK)
+        a1 = _lane(view, 1, layout, row0, one, bias_ptr, n_real, HAS_BIAS, bits, HAS_MASK)
+        a2 = _lane(view, 2, layout, row0, one, bias_ptr, n_real, HAS_BIAS, bits, HAS_MASK)
+        a3 = _lane(view, 3, layout, row0, one, bias_ptr, n_real, HAS_BIAS, bits, HAS_MASK)
+        m = gl.reduce(_nan_max(_nan_max(a0, a1), _nan_max(a2, a3)), 0, _nan_max)
+        m_safe = gl.expand_dims(gl.where(m == float("-inf"), 0.0, m), 0)
+        mass = _exp_or_0(a0, m_safe) + _exp_or_0(a1, m_safe)
+        mass = (mass + _exp_or_0(a2, m_safe)) + _exp_or_0(a3, m_safe)
+        lse = gl.where(m == float("-inf"), 0.0, m) + gl.log(gl.sum(mass, axis=0))
+        return gl.where(m != m, m, lse)
 
     @gluon.jit
     def store_records(rec_ptr, peer_ptrs, parity_ptr, rec, best, token, logit, lse, mask_b,
@@ -291,12 +352,15 @@ if AVAILABLE:
         HAS_BIAS: gl.constexpr, TILE_MASS: gl.constexpr, STAGES: gl.constexpr, EPI_B: gl.constexpr,
         LOADER_REGS: gl.constexpr, MMA_REGS: gl.constexpr, MMA_WARPS: gl.constexpr = 4,
         NUM_PEERS: gl.constexpr = 0, HAS_MASK: gl.constexpr = False,
+        CANDIDATES: gl.constexpr = 0, RAW_MASS: gl.constexpr = False,
     ):
         """Records [S, B, T, 4] of the tiles (vocabulary × batch) of this program; see the
         module docstring. num_warps (the epilogue's warps) must be 4 or 8. NUM_PEERS > 0: the
         records go to every peer (P2P fan-out, as fused_sample_records_kernel's peer_ptrs and
         parity_ptr), not to rec_ptr. HAS_MASK: mask_ptr int32 [B, W] allows global id i of row
-        b by bit i % 32 of word i // 32 (as fused_sample.tile_records_epilogue)."""
+        b by bit i % 32 of word i // 32 (as fused_sample.tile_records_epilogue). CANDIDATES,
+        RAW_MASS: the candidate and raw planes after the S sample planes (tpsample/records.py;
+        sampling with replacement only)."""
         BLOCK_V: gl.constexpr = 4 * w_desc.block_type.shape[1]
         BLOCK_K: gl.constexpr = w_desc.block_type.shape[2]
         BLOCK_B: gl.constexpr = h_desc.block_type.shape[0]
@@ -319,7 +383,7 @@ if AVAILABLE:
                          offset_ptr, rec_ptr, B, n_real, vocab_start, num_samples, rec_stride_s,
                          rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr, num_tiles, num_b_tiles,
                          mask_ptr, stride_mask, HAS_BIAS, TILE_MASS, NUM_PEERS, BLOCK_V, BLOCK_B,
-                         EPI_B, gl.num_warps(), HAS_MASK)),
+                         EPI_B, gl.num_warps(), HAS_MASK, CANDIDATES, RAW_MASS)),
             (_mma, (w_desc, h_desc, w_bufs, h_bufs, ready, empty, acc_buf, acc_ready, acc_empty,
                     num_tiles, num_b_tiles, k_steps, BLOCK_V, BLOCK_B, BLOCK_K, STAGES,
                     MMA_WARPS)),

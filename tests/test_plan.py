@@ -85,6 +85,21 @@ def test_cdf_takes_pp_at_large_batch_and_the_records_pass_elsewhere():
         plan(config=dict(strategy="persistent", BLOCK_B=64))
 
 
+def test_candidate_calls_take_ws_where_a_gluon_kernel_would_run():
+    """Filtered calls (candidate planes) keep the Hopper kernels through ws's candidate
+    epilogue; pp has none, and neither has a without-replacement or cdf one."""
+    p = plan(B=256, candidates=True)  # the table says pp
+    assert p.strategy == "ws" and p.fallbacks == (("pp -> ws", "the ping-pong kernel has no candidate epilogue"),)
+    assert plan(B=128, candidates=True, raw_mass=True).strategy == "ws"
+    assert plan(B=256, candidates=True, masked=True).strategy == "ws"
+    assert plan(B=16, candidates=True).strategy == "fused"  # the fused kernel has candidates
+    p = plan(B=256, candidates=True, replacement=False, num_samples=2)
+    assert p.strategy == "logits" and "without-replacement" in p.fallbacks[-1][1]
+    assert plan(B=256, candidates=True, merge="cdf").strategy == "logits"
+    assert plan(B=256, candidates=True, V=151940).strategy == "ws"  # pp refuses, ws takes it
+    assert plan(B=256, candidates=True, V=151937).strategy == "logits"  # neither takes it
+
+
 def test_stage2_launch_and_pdl():
     assert plan(B=8).reduce == (1, 2048, 4) and plan(B=8).pdl
     assert plan(B=8, merge="logmass").reduce[2] == 8  # group noise: 8 warps

@@ -57,28 +57,31 @@ def sass_ops(kernel, constexprs: dict, num_warps: int, arch: int = 90) -> Counte
 
 def gluon_ops(strategy: str, num_samples: int = 1, need_mass: bool = False, num_peers: int = 0,
               B: int = 256, D: int = 4096, arch: int = 90, cdf: bool = False,
-              trace_rows: int | None = None, masked: bool = False, **cfg) -> Counter:
+              trace_rows: int | None = None, masked: bool = False, candidates: bool = False,
+              raw_mass: bool = False, **cfg) -> Counter:
     """Opcode counts of the Hopper stage-1 kernel `strategy` ("ws" or "pp") as
     tpsample.launchers would launch it with this config (their defaults for the
     keys not given): the launcher runs on CPU tensors and hands its kernel, arguments,
     constexprs and options to a compile for sm_<arch> instead of a launch."""
     return cubin_ops(gluon_compile(strategy, num_samples, need_mass, num_peers, B, D, arch, cdf,
-                                   trace_rows, masked, **cfg))
+                                   trace_rows, masked, candidates, raw_mass, **cfg))
 
 
 def gluon_compile(strategy: str, num_samples: int = 1, need_mass: bool = False, num_peers: int = 0,
                   B: int = 256, D: int = 4096, arch: int = 90, cdf: bool = False,
-                  trace_rows: int | None = None, masked: bool = False, **cfg):
+                  trace_rows: int | None = None, masked: bool = False, candidates: bool = False,
+                  raw_mass: bool = False, **cfg):
     """The compiled kernel behind gluon_ops: the plan for a Hopper GPU with this config,
     launched by tpsample.launchers on CPU tensors, with the launch intercepted. trace_rows:
     pp with its per-tile clock trace (a plan with trace=True) into a [trace_rows, 4] buffer;
-    masked: with an allowed-token mask (ws only)."""
+    masked: with an allowed-token mask (ws only); candidates, raw_mass: with the candidate
+    planes (ws only; raw_mass: the raw plane at T = 1)."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
     V = 4096
     hidden, weight = torch.empty(B, D, dtype=torch.bfloat16), torch.empty(V, D, dtype=torch.bfloat16)
     row, seed = torch.empty(B), torch.empty(B, dtype=torch.int64)
-    out = torch.empty(num_samples, B, V // records.TILE, 4)
+    out = torch.empty(records.planes(num_samples, candidates), B, V // records.TILE, 4)
     fanout = (torch.empty(2, num_peers, dtype=torch.int64), torch.empty(2, dtype=torch.int32)) \
         if num_peers else None
     if strategy == "ws":
@@ -89,7 +92,8 @@ def gluon_compile(strategy: str, num_samples: int = 1, need_mass: bool = False, 
         raise ValueError(f"strategy must be 'ws' or 'pp', got {strategy!r}")
     hopper = DeviceKind("cuda", None, (arch // 10, arch % 10), 132, gluon_missing=None)
     plan = make_plan(hopper, B=B, D=D, V=V, dtype=torch.bfloat16, merge="cdf" if cdf else "max",
-                     num_samples=num_samples, need_mass=need_mass, config=cfg)
+                     num_samples=num_samples, need_mass=need_mass, config=cfg,
+                     candidates=candidates, raw_mass=raw_mass)
     trace = None
     if trace_rows is not None:
         plan = with_options(plan, trace=True)

@@ -231,7 +231,11 @@ def _ws(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start, pe
         HAS_BIAS=bias is not None, TILE_MASS=plan.need_mass, STAGES=cfg["NUM_STAGES"],
         EPI_B=cfg["EPI_B"], LOADER_REGS=WS_LOADER_REGS, MMA_REGS=168 if mma_warps == 4 else 160,
         MMA_WARPS=mma_warps, NUM_PEERS=0 if peers is None else peers.shape[-1],
-        HAS_MASK=mask is not None)
+        HAS_MASK=mask is not None, CANDIDATES=records.CANDIDATES if plan.candidates else 0,
+        RAW_MASS=plan.candidates and plan.raw_mass)
+    if not plan.replacement:
+        raise ValueError("the ws kernel has no without-replacement epilogue (the plan takes the "
+                         "records pass)")
     # the register file split evenly over all warps (epilogue + mma + 4 for the loader)
     # before setmaxnreg moves registers from the loader to the others
     options = dict(num_warps=num_warps,

@@ -303,8 +303,13 @@ def make_plan(device: DeviceKind, *, B: int, D: int, V: int, dtype: torch.dtype,
         if why:
             cfg = fall(TO_LOGITS, why)
     if (candidates or not replacement) and cfg["strategy"] in ("ws", "pp"):
-        cfg = fall(TO_LOGITS_CANDIDATES,
-                   "the Gluon kernels have no candidate / without-replacement epilogue")
+        if not replacement or merge == "cdf":
+            cfg = fall(TO_LOGITS_CANDIDATES, "the Gluon kernels have no without-replacement or "
+                       "cdf candidate epilogue")
+        elif cfg["strategy"] == "pp":
+            why = gluon_refusal(device, dtype, V, layout, pp=False)
+            cfg = fall(TO_LOGITS_CANDIDATES if why else PP_TO_WS,
+                       why or "the ping-pong kernel has no candidate epilogue")
     if masked and cfg["strategy"] == "pp":
         why = gluon_refusal(device, dtype, V, layout, pp=False)
         cfg = fall(TO_LOGITS if why or merge == "cdf" else PP_TO_WS,
@@ -312,6 +317,10 @@ def make_plan(device: DeviceKind, *, B: int, D: int, V: int, dtype: torch.dtype,
                    + (" (and ws no cdf epilogue)" if merge == "cdf" else ""))
 
     cfg = _resolve(cfg, device, B, D, dtype, merge, num_samples, layout, replacement)
+    if candidates and cfg["strategy"] == "ws":
+        # the candidate epilogue keeps four more lanes of the chunk in registers: 64-column
+        # chunks spill (110 spill instructions at BLOCK_B 128, 8 warps; Triton 3.6), 32 none
+        cfg["EPI_B"] = min(cfg["EPI_B"], 32)
     group = merge in GROUP_MERGES
     N = slots * tiles
     if device.type == "cuda":  # one (sample, row) per program, all its records in one pass
