@@ -93,10 +93,11 @@ def test_candidate_calls_take_ws_where_a_gluon_kernel_would_run():
     assert plan(B=128, candidates=True, raw_mass=True).strategy == "ws"
     assert plan(B=256, candidates=True, masked=True).strategy == "ws"
     assert plan(B=16, candidates=True).strategy == "fused"  # the fused kernel has candidates
-    p = plan(B=32, D=8192, candidates=True)  # the table says fused
+    assert plan(B=32, D=8192, candidates=True).strategy == "fused"
+    p = plan(B=64, D=8192, candidates=True)  # the table says fused
     assert p.strategy == "ws" and p.fallbacks[0][0] == "fused -> ws"
-    assert plan(B=32, D=8192, candidates=True, V=151937).strategy == "fused"
-    assert plan(A100, B=32, candidates=True).strategy == "fused"
+    assert plan(B=64, D=8192, candidates=True, V=151937).strategy == "fused"
+    assert plan(A100, B=64, candidates=True).strategy == "fused"
     p = plan(B=256, candidates=True, replacement=False, num_samples=2)
     assert p.strategy == "logits" and "without-replacement" in p.fallbacks[-1][1]
     assert plan(B=256, candidates=True, merge="cdf").strategy == "logits"

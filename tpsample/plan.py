@@ -42,8 +42,9 @@ TO_LOGITS = dict(strategy="logits", BLOCK_B=64, num_warps=8)
 # the records pass with candidate planes: its per-tile top-4 wants narrow row blocks (H100,
 # D = 4096, stage 1 at B = 64 / 256: 0.521 / 0.759 ms against 0.559 / 0.887 with TO_LOGITS)
 TO_LOGITS_CANDIDATES = dict(strategy="logits", BLOCK_B=16, num_warps=4)
-# filtered calls at B > 16 where a table says fused: ws's candidate epilogue runs beside the
-# matmul, the fused kernel's after it (H200, D = 8192, stage 1 at B = 32: 0.508 vs 0.522 ms)
+# filtered calls at B > 32 where a table says fused: ws's candidate epilogue runs beside the
+# matmul, the fused kernel's after it (H100, D = 8192, stage 1 at B = 64: 0.740 vs 0.756 ms;
+# at B = 32 the fused kernel's 0.714 beats ws's 0.731)
 FUSED_TO_WS_CANDIDATES = dict(strategy="ws", BLOCK_B=32, NUM_STAGES=8, EPI_B=32, num_warps=4)
 
 # Gluon kernel defaults (a table may override them)
@@ -284,9 +285,9 @@ def make_plan(device: DeviceKind, *, B: int, D: int, V: int, dtype: torch.dtype,
         fallbacks.append((f"{cfg['strategy']} -> {to['strategy']}", why))
         return dict(to)
 
-    if (candidates and replacement and merge != "cdf" and cfg["strategy"] == "fused" and B > 16
+    if (candidates and replacement and merge != "cdf" and cfg["strategy"] == "fused" and B > 32
             and config is None and not gluon_refusal(device, dtype, V, layout, pp=False)):
-        cfg = fall(FUSED_TO_WS_CANDIDATES, "candidates at B > 16: ws's epilogue runs beside "
+        cfg = fall(FUSED_TO_WS_CANDIDATES, "candidates at B > 32: ws's epilogue runs beside "
                    "the matmul")
     if cfg["strategy"] == "pp":
         if cfg.get("BLOCK_B", 128) != 128:
