@@ -67,7 +67,7 @@ def stage1(plan: Plan, hidden: torch.Tensor, weight: torch.Tensor, bias, params:
     [V_rows] or None; params: per-row (inv_temp, seed, offset); rows [n_real, V_rows) are
     padding; fanout: see the module docstring; trace: the pp kernel's int64 [tiles, 4]
     clock buffer when plan.trace (tools/probe.py); mask: int32 [B, W], bit i of a row allows
-    global id i (tpsample/constraints.py; the fused and records-pass kernels only); tiles:
+    global id i (tpsample/constraints.py; every strategy but pp); tiles:
     write only the first `tiles` tiles of `out` (its last one is then the extra tile of
     constrained decoding: `out` stays the tensor a replay substitutes)."""
     S, B, T = plan.num_samples, hidden.shape[0], out.shape[2]
