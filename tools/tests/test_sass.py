@@ -54,6 +54,9 @@ GLUON_VARIANTS = {
     "pp_two_samples": ("dict(strategy='pp', num_samples=2)", 13768),
     "pp_cdf": ("dict(strategy='pp', need_mass=True, cdf=True)", 2832),
     "ws_masked": ("dict(strategy='ws', masked=True)", 3800),
+    "ws_candidates": ("dict(strategy='ws', candidates=True, need_mass=True)", 6472),
+    "ws_candidates_raw_masked": ("dict(strategy='ws', candidates=True, need_mass=True, "
+                                 "raw_mass=True, masked=True)", 8256),
 }
 GLUON = ("from tools import sass\n"
          + "".join(f"ops = sass.gluon_ops(**{kw})\n"
@@ -62,6 +65,12 @@ GLUON = ("from tools import sass\n"
 # Against the 3.6 build: ptxas schedules differ by a few instructions a binary across versions;
 # a rise past this is a changed kernel, not a scheduling difference.
 BUILD_RATIO = 0.03
+# The candidate epilogue's four unrolled chunks drift further from the 3.6 build (up to 3.2 %):
+# their counts on the other versions, measured, stand in for the 3.6 count there.
+OTHER_BUILDS = {
+    "ws_candidates": {"3.7": 6504, "3.8": 6664, "3.9": 6680},
+    "ws_candidates_raw_masked": {"3.7": 8136, "3.8": 8056, "3.9": 8016},
+}
 
 
 CONTENTION = (
@@ -117,15 +126,16 @@ def test_contention_microbenchmark_keeps_the_instructions_it_times(tmp_path):
 def test_hopper_kernels_compile_without_spills(tmp_path):
     """ws and pp as tpsample.launchers launches them (shipped register budgets) compile for sm_90
     with this Triton, with no spilled words, one sample or two, pp with the cdf records (an
-    earlier pp's S > 1 path spilled 134 words) and ws with the allowed-token mask; each binary
+    earlier pp's S > 1 path spilled 134 words), ws with the allowed-token mask and with the
+    candidate planes (64-column chunks spilled 110 words); each binary
     within BUILD_RATIO of its instruction count in the Triton 3.6 build."""
     rows = run_gluon_script(GLUON, tmp_path)
     assert [r[0] for r in rows] == list(GLUON_VARIANTS), rows
     for name, spilled, hgmma, total in rows:
         spilled, hgmma, total = int(spilled), int(hgmma), int(total)
         assert spilled == 0 and hgmma > 0, (name, spilled, hgmma)
-        ref = GLUON_VARIANTS[name][1]
-        assert abs(total / ref - 1) <= BUILD_RATIO, f"{name}: {total} instructions, 3.6: {ref}"
+        ref = OTHER_BUILDS.get(name, {}).get(VERSION, GLUON_VARIANTS[name][1])
+        assert abs(total / ref - 1) <= BUILD_RATIO, f"{name}: {total} instructions, reference: {ref}"
 
 
 PP_LOOPS = ("from tools import sass\n"
