@@ -30,6 +30,11 @@
         the ping-pong stage 1 (kernels/gluon_pingpong.py) with per-tile SM clocks: each
         consumer's wait for the other's MMAs, its MMAs, its epilogue, and the cycles the
         tensor cores wait because the next tile's MMAs are not issued yet (S = 0 and 1)
+    python -m tools.probe --candidates [--shape ...] [--batches 16,32,64,128,256]
+        stage 1 of a filtered call (the candidate planes) by kernel: the plan's, the fused
+        kernel's, ws's (FUSED_TO_WS_CANDIDATES, B <= 64) and the records pass over cuBLAS
+        logits, beside the unfiltered stage 1, cuBLAS h @ W.T alone and the whole calls
+        (plain; top_k 50 + top_p 0.9 + min_p 0.05), on the benchmark's typical-entropy head
     ncu --clock-control none -k regex:records --launch-skip 2 --launch-count 1 \\
         python -m tools.probe --ncu --batches 64
         three plain stage-1 launches for Nsight Compute
@@ -358,6 +363,43 @@ def ws_sweep(D, V, B) -> dict:
     return r
 
 
+def candidate_stage1(D, V, B) -> dict:
+    """Stage 1 with the candidate planes per kernel (see the module docstring), ms."""
+    from tpsample.launch.bench import typical_head
+    from tpsample.plan import (FUSED_TO_WS_CANDIDATES, TO_LOGITS_CANDIDATES, DeviceKind, Layout,
+                               default_config, load_table, make_plan, table_config)
+    bench = lambda f: triton.testing.do_bench(f, warmup=30, rep=150, return_mode="median")  # noqa: E731
+    h, w = typical_head(D, V, B, torch.bfloat16, "cuda")
+    p = row_params(h, 0.8, torch.arange(B, device="cuda"), 1)
+    kind = DeviceKind.of(h.device)
+    table = (table_config(*load_table(kind.table), B, D)[0] if kind.table
+             else default_config(kind, B, h.dtype)[0])
+    fused = table if table["strategy"] == "fused" else dict(
+        strategy="fused", BLOCK_B=min(64, max(16, 1 << (B - 1).bit_length())), BLOCK_D=128,
+        NUM_STAGES=4, num_warps=4 if B <= 16 else 8)
+    arms = dict(plain=(None, False), plan=(None, True), fused=(fused, True),
+                logits=(TO_LOGITS_CANDIDATES, True))
+    if B <= 64:
+        arms["ws"] = (FUSED_TO_WS_CANDIDATES, True)
+    r = dict(B=B)
+    for name, (config, cand) in arms.items():
+        plan = make_plan(kind, B=B, D=D, V=V, dtype=h.dtype, layout=Layout.of(h, w),
+                         candidates=cand, config=config)
+        rec = torch.empty(records.planes(1, cand), B, records.num_tiles(V), records.WIDTH,
+                          device="cuda")
+        try:
+            r[name] = bench(lambda: launchers.stage1(plan, h, w, None, p, rec, n_real=V))
+        except Exception as e:  # noqa: BLE001 - a config that does not compile/fit is skipped
+            r[name] = float("nan")
+            print(f"{name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        if name == "plan":
+            r["plan_strategy"] = plan.strategy
+    r.update(mm=bench(lambda: h @ w.T), call_plain=bench(lambda: sample(h, w, temperature=0.8, seed=1)),
+             call_kpm=bench(lambda: sample(h, w, temperature=0.8, seed=1, top_k=50, top_p=0.9,
+                                           min_p=0.05)))
+    return r
+
+
 def api_paths(D, V, B) -> dict:
     """One shape, B rows: device vs host time of the public call (see the module docstring)."""
     bench = lambda f: triton.testing.do_bench(f, warmup=25, rep=100, return_mode="median")  # noqa: E731
@@ -438,6 +480,8 @@ def main(argv=None):
     ap.add_argument("--ws", action="store_true", help="warp-specialized Hopper stage 1")
     ap.add_argument("--api", action="store_true", help="host vs device time of sample()")
     ap.add_argument("--pp-trace", action="store_true", help="per-tile clocks of the pp kernel")
+    ap.add_argument("--candidates", action="store_true",
+                    help="stage 1 of a filtered call per kernel")
     args = ap.parse_args(argv)
     if args.host:
         launch_paths()
@@ -458,7 +502,7 @@ def main(argv=None):
     if args.ws:
         rows.append(dict(check=ws_check()))
     for B in batches:
-        rows.append((pp_trace if args.pp_trace else api_paths if args.api else ws_sweep if args.ws else ab_parts if args.ab else logits_pass if args.logits else chunked_hybrid
+        rows.append((candidate_stage1 if args.candidates else pp_trace if args.pp_trace else api_paths if args.api else ws_sweep if args.ws else ab_parts if args.ab else logits_pass if args.logits else chunked_hybrid
                      if args.chunks else noise_placement if args.noise else device_parts)(D, V, B))
         print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in rows[-1].items()),
               flush=True)
