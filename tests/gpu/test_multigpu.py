@@ -76,31 +76,33 @@ def test_tp_gpu_transports(transport, merge, B):
             assert torch.equal(outs[0]["eager"][k], single.cpu())
 
 
-def filtered_rank(rank, world, transport):
-    h, w, temp, seeds = inputs(16)
+def filtered_rank(rank, world, transport, B):
+    h, w, temp, seeds = inputs(B)
     dev = torch.device("cuda", rank)
     base, extra = divmod(V, world)
     lo = rank * base + min(rank, extra)
     hi = lo + base + (rank < extra)
     sampler = tpsample.VocabParallelSampler(w[lo:hi].contiguous().to(dev), vocab_size=VOCAB,
                                             transport=transport, check_inputs=False)
-    k = torch.arange(16, device=dev) % 7 * 10
+    k = torch.arange(B, device=dev) % 7 * 10
     return sampler(h.to(dev), temperature=temp.to(dev), seed=seeds.to(dev), top_k=k, top_p=0.9,
                    min_p=0.02, top_logprobs=4, num_samples=2, return_logprobs=True)
 
 
+@pytest.mark.parametrize("B", [16, 64])
 @pytest.mark.parametrize("transport", ["symm_mem", "nccl"])
-def test_tp_filtered_equals_single_gpu(transport):
-    """Filtered sampling under TP: every rank the same tokens, equal to one GPU's call."""
+def test_tp_filtered_equals_single_gpu(transport, B):
+    """Filtered sampling under TP: every rank the same tokens, equal to one GPU's call (B = 16:
+    the fused kernel's candidate epilogue; B = 64 on Hopper: ws's, through the fan-out)."""
     world = min(torch.cuda.device_count(), 4)
     if world < 2:
         pytest.skip("needs 2 GPUs")
-    outs = run_world(world, filtered_rank, transport, backend="nccl")
+    outs = run_world(world, filtered_rank, transport, B, backend="nccl")
     for o in outs:
         assert not isinstance(o, dict), o
         assert torch.equal(o.tokens, outs[0].tokens) and torch.equal(o.top_tokens, outs[0].top_tokens)
-    h, w, temp, seeds = inputs(16)
-    k = torch.arange(16) % 7 * 10
+    h, w, temp, seeds = inputs(B)
+    k = torch.arange(B) % 7 * 10
     single = tpsample.sample(h.cuda(), w.cuda(), vocab_size=VOCAB, temperature=temp.cuda(),
                              seed=seeds.cuda(), top_k=k.cuda(), top_p=0.9, min_p=0.02,
                              top_logprobs=4, num_samples=2, return_logprobs=True)
