@@ -43,8 +43,8 @@ TO_LOGITS = dict(strategy="logits", BLOCK_B=64, num_warps=8)
 # D = 4096, stage 1 at B = 64 / 256: 0.521 / 0.759 ms against 0.559 / 0.887 with TO_LOGITS)
 TO_LOGITS_CANDIDATES = dict(strategy="logits", BLOCK_B=16, num_warps=4)
 # filtered calls at B > 32 where a table says fused: ws's candidate epilogue runs beside the
-# matmul, the fused kernel's after it (H100, D = 8192, stage 1 at B = 64: 0.740 vs 0.756 ms;
-# at B = 32 the fused kernel's 0.714 beats ws's 0.731)
+# matmul, the fused kernel's after it (H100, D = 8192, stage 1 at B = 64: 0.741 vs 0.755 ms;
+# at B = 32 the fused kernel's 0.714 beats ws's 0.734; tools.probe --candidates)
 FUSED_TO_WS_CANDIDATES = dict(strategy="ws", BLOCK_B=32, NUM_STAGES=8, EPI_B=32, num_warps=4)
 
 # Gluon kernel defaults (a table may override them)
