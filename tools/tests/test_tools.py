@@ -50,7 +50,8 @@ def test_ab_arm_specs_are_checked():
 def test_probe_help_lists_its_modes(capsys):
     with pytest.raises(SystemExit) as e:
         probe.main(["--help"])
-    assert e.value.code == 0 and "--pp-trace" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "--pp-trace" in out and "--candidates" in out
 
 
 def test_ab_worker_checks_its_call(monkeypatch):
