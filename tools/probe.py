@@ -374,9 +374,8 @@ def candidate_stage1(D, V, B) -> dict:
     kind = DeviceKind.of(h.device)
     table = (table_config(*load_table(kind.table), B, D)[0] if kind.table
              else default_config(kind, B, h.dtype)[0])
-    fused = table if table["strategy"] == "fused" else dict(
-        strategy="fused", BLOCK_B=min(64, max(16, 1 << (B - 1).bit_length())), BLOCK_D=128,
-        NUM_STAGES=4, num_warps=4 if B <= 16 else 8)
+    # where the table has no fused config: the default one of the largest fused bucket
+    fused = table if table["strategy"] == "fused" else default_config(kind, min(B, 64), h.dtype)[0]
     arms = dict(plain=(None, False), plan=(None, True), fused=(fused, True),
                 logits=(TO_LOGITS_CANDIDATES, True))
     if B <= 64:

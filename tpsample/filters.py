@@ -150,6 +150,15 @@ def gumbel_pick(xs, ids, kept, seed, offset, num_samples: int, replacement: bool
     return torch.where(zs[:, :num_samples] > NEG_INF, order, -1)
 
 
+def candidate_planes(recs: torch.Tensor, num_samples: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """recs [slots, planes, B, T, 4] → the candidates' logits and ids (float), each
+    [B, slots·T, CANDIDATES], a record's candidates in their order (logit desc, id asc)."""
+    slots, _, B, T, _ = recs.shape
+    cand = recs[:, num_samples:num_samples + CANDIDATE_PLANES].permute(2, 0, 3, 1, 4)
+    cand = cand.reshape(B, slots * T, CANDIDATES, 2)
+    return cand[..., 0], cand[..., 1]
+
+
 def reduce_candidates(recs: torch.Tensor, params: RowParams, filters: Filters, num_samples: int,
                       base) -> FilteredOutput:
     """Stage 2 of a call with candidate planes, in torch.
@@ -161,8 +170,7 @@ def reduce_candidates(recs: torch.Tensor, params: RowParams, filters: Filters, n
     S = num_samples
     dev = recs.device
     greedy = params.inv_temp == 0
-    cand = recs[:, S:S + CANDIDATE_PLANES].permute(2, 0, 3, 1, 4).reshape(B, slots * T, CANDIDATES, 2)
-    x, ids = cand[..., 0], cand[..., 1]
+    x, ids = candidate_planes(recs, S)
     tau = x[..., -1].amax(-1)
     lse = recs[:, 0, :, :, 3].permute(1, 0, 2).reshape(B, slots * T)
     logz = torch.logsumexp(lse, dim=-1)

@@ -91,14 +91,9 @@ def test_ws_candidate_planes_equal_the_records_pass(B, raw, masked):
         rec = torch.empty(records.planes(1, True), B, T, 4, device="cuda")
         launchers.stage1(plan, h, w, None, row, rec, n_real=V, mask=mask)
         got[name] = rec
-
-    def candidates(r):  # [B, T, 4] logits and ids, in the planes' order
-        x = torch.stack([r[1 + j // 2, ..., 2 * (j % 2)] for j in range(records.CANDIDATES)], -1)
-        i = torch.stack([r[1 + j // 2, ..., 2 * (j % 2) + 1] for j in range(records.CANDIDATES)], -1)
-        return x, i
     ws, ref = got["ws"], got["logits"]
-    x_ws, id_ws = candidates(ws)
-    x_ref, id_ref = candidates(ref)
+    x_ws, id_ws = F.candidate_planes(ws[None], 1)
+    x_ref, id_ref = F.candidate_planes(ref[None], 1)
     finite = torch.isfinite(x_ref)
     assert torch.equal(finite, torch.isfinite(x_ws))
     assert (x_ws[finite] - x_ref[finite]).abs().max() <= 1e-3
@@ -112,8 +107,7 @@ def test_ws_candidate_planes_equal_the_records_pass(B, raw, masked):
     assert (named[finite] - x_ws[finite]).abs().max() <= 1e-3
     assert (id_ws[finite] != id_ref[finite]).float().mean() <= 1e-3
     assert torch.allclose(ws[-1, ..., 0], ref[-1, ..., 0], rtol=0, atol=1e-3, equal_nan=True)
-    assert torch.equal(ws[0, ..., 1], ref[0, ..., 1]) or \
-        (ws[0, ..., 1] != ref[0, ..., 1]).float().mean() <= 1e-3  # the sampled tokens
+    assert (ws[0, ..., 1] != ref[0, ..., 1]).float().mean() <= 1e-3  # the sampled tokens
 
 
 @pytest.mark.parametrize("filt", [dict(top_k=20, top_p=0.8), dict(min_p=0.05, top_p=0.9),
