@@ -26,11 +26,16 @@ def fallback_logits_kernel(h_ptr, w_ptr, bias_ptr, inv_temp_ptr, flag_ptr, out_p
                            n_real, D, stride_hb, stride_wv, stride_ob, mask_ptr, stride_mask,
                            vocab_start, HAS_BIAS: tl.constexpr, BLOCK_V: tl.constexpr,
                            BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
-                           HAS_MASK: tl.constexpr = False):
+                           HAS_MASK: tl.constexpr = False, PDL: tl.constexpr = False):
     """out[b, tile] = (h[b] . W[tile] + bias) * (1/T_b), -inf from n_real on, for the rows
     b with flag[b] != 0 (out: fp32 [B, tiles * BLOCK_V]; other rows are not written).
     HAS_MASK: also -inf where the row's mask (int32 [B, W], global ids) has a 0 bit; listed
-    tokens of constrained decoding come after (listed_records_kernel, FALLBACK)."""
+    tokens of constrained decoding come after (listed_records_kernel, FALLBACK). PDL: a
+    programmatic dependent of the filter kernel (it waits for the flags, then lets its own
+    dependent start: the near-empty launches of a call without flagged rows overlap)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     offs_v = pid * BLOCK_V + tl.arange(0, BLOCK_V)
     flagged = tl.cast(0, tl.int32)
@@ -104,10 +109,14 @@ def fallback_rows_kernel(
     scratch_ptr, count_ptr, S, n_top,
     HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_M: tl.constexpr, RAW: tl.constexpr,
     REPLACE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, CAP: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Rows b with flag[b] != 0: logits l [B, N] (fallback_logits_kernel) → their tokens,
     log-probs and log Z [B, S] / [B] when the row is filtered, and their top-n [B, n_top]
-    (the outputs of filter_records_kernel, overwritten); count[0] += the rows done."""
+    (the outputs of filter_records_kernel, overwritten); count[0] += the rows done. PDL: a
+    programmatic dependent of the kernel before it (fallback_logits or listed_fallback)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
     if tl.load(flag_ptr + b) != 0:
         tl.atomic_add(count_ptr, 1)

@@ -3,11 +3,15 @@
 tpsample/filters.py holds the argument and filters.reduce_candidates the same math in torch
 (the tests compare the two on the same records). One program per row, after the call's
 reduce_records launch (whose outputs it overwrites where the row is filtered, sampled
-without replacement, or asks for raw log-probs). The row's CANDIDATES x tiles candidates sit
-in registers, each with a 56-bit key that orders them as the row's order does (the logit's
-order-preserving bits, then the inverted id); the known prefix (the candidates above tau, at
-most CAP of them) is compacted through a scratch row and sorted by that key, and the filters
-are then a cumulative sum and three masks over it.
+without replacement, or asks for raw log-probs). The row's records sit in registers as
+[records, CANDIDATES] (one load: the log-masses, the candidates' logits and ids), each
+candidate with a 56-bit key that orders it as the row's order does (the logit's
+order-preserving bits, then the inverted id). The known prefix (the candidates above tau, at
+most CAP of them) is a prefix of each record's candidates, so one cumulative sum over the
+records' counts compacts it through a scratch row; it is then sorted by that key in the
+smallest of SORT_A / SORT_B / CAP slots that holds it (the sort is the kernel's largest
+part, and its cost grows with its size, not with the prefix), and the filters are a
+cumulative sum and three masks over it.
 """
 import triton
 import triton.language as tl
@@ -73,22 +77,13 @@ def row_filters(b, top_k_ptr, top_p_ptr, min_p_ptr, HAS_K: tl.constexpr, HAS_P: 
 
 
 @triton.jit
-def tile_logsumexp(row_ptr, at0, st_slot, st_t, T, N, BLOCK_U: tl.constexpr):
-    """logsumexp over the row's N tiles of the field at element offset at0 (NaN poisons)."""
-    run_m = tl.cast(NEG_INF, tl.float32)
-    run_s = tl.cast(0.0, tl.float32)
-    nan = tl.cast(0, tl.int32)
-    for n0 in range(0, N, BLOCK_U):
-        n = n0 + tl.arange(0, BLOCK_U)
-        v = tl.load(row_ptr + at0 + (n // T).to(tl.int64) * st_slot + (n % T).to(tl.int64) * st_t,
-                    mask=n < N, other=NEG_INF)
-        nan = tl.maximum(nan, tl.max((v != v).to(tl.int32)))
-        v = tl.where(v != v, NEG_INF, v)
-        new_m = tl.maximum(run_m, tl.max(v))
-        safe = tl.where(tl.abs(new_m) == float("inf"), 0.0, new_m)
-        run_s = run_s * tl.exp(run_m - safe) + tl.sum(tl.exp(v - safe))
-        run_m = new_m
-    lz = tl.where(tl.abs(run_m) == float("inf"), run_m, run_m + tl.log(run_s))
+def masses_logsumexp(v):
+    """logsumexp of a vector of log-masses (-inf: none; any NaN gives NaN)."""
+    nan = tl.max((v != v).to(tl.int32))
+    v = tl.where(v != v, NEG_INF, v)
+    m = tl.max(v)
+    safe = tl.where(tl.abs(m) == float("inf"), 0.0, m)
+    lz = tl.where(tl.abs(m) == float("inf"), m, m + tl.log(tl.sum(tl.exp(v - safe))))
     return tl.where(nan > 0, float("nan"), lz)
 
 
@@ -98,59 +93,98 @@ def filter_records_kernel(
     top_k_ptr, top_p_ptr, min_p_ptr, tokens_ptr, logprobs_ptr, logz_ptr, top_tok_ptr,
     top_lp_ptr, flag_ptr, scratch_ptr, S, T, N, n_top, parity_ptr, parity_stride,
     HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_M: tl.constexpr, RAW: tl.constexpr,
-    REPLACE: tl.constexpr, USE_PARITY: tl.constexpr, K: tl.constexpr, BLOCK_C: tl.constexpr,
-    BLOCK_U: tl.constexpr, CAP: tl.constexpr,
+    REPLACE: tl.constexpr, USE_PARITY: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_U: tl.constexpr, CAP: tl.constexpr, SORT_A: tl.constexpr, SORT_B: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """records [slots, planes, B, T, 4] by strides (st_*: elements); outputs [B, S], [B],
     [B, n_top], flag int32 [B] (1: the row needs the exact fallback). USE_PARITY: the
-    fan-out's two buffers; reduce_records, launched before, has already flipped the parity."""
+    fan-out's two buffers; reduce_records, launched before, has already flipped the parity.
+    The known prefix is sorted in SORT_A, SORT_B or CAP slots, the fewest that hold it
+    (SORT_A <= SORT_B <= CAP, powers of 2). PDL: a programmatic dependent of reduce_records,
+    which lets it start once stage 1's records are complete; it reads the records at once and
+    waits for reduce_records to end before it touches the outputs."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        if USE_PARITY:  # reduce_records flips the parity at its end
+            tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
     if USE_PARITY:
         rec_ptr += (1 - tl.load(parity_ptr)).to(tl.int64) * parity_stride
     row_ptr = rec_ptr + b.to(tl.int64) * st_b
-    inv = tl.load(inv_temp_ptr + b)
-    greedy = inv == 0.0
-    seed = tl.load(seed_ptr + b)
-    off = tl.load(offset_ptr + b)
-    off_lo = (off & 0xFFFFFFFF).to(tl.uint32)
-    off_hi = ((off >> 32) & 0xFFFFFFFF).to(tl.uint32)
 
-    logz = tile_logsumexp(row_ptr, 3, st_slot, st_t, T, N, BLOCK_U)
+    # record n (slot n // T, tile n % T): its log-mass, and its K candidates in their order
+    n = tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    at_n = (n // T).to(tl.int64) * st_slot + (n % T).to(tl.int64) * st_t
+    c = tl.arange(0, K)[None, :]
+    at = at_n[:, None] + (S + c // 2).to(tl.int64) * st_plane + (c % 2) * 2
+    x = tl.load(row_ptr + at, mask=n_ok[:, None], other=NEG_INF)
+    tok = tl.load(row_ptr + at + 1, mask=n_ok[:, None], other=NO_TOKEN)
+    logz = masses_logsumexp(tl.load(row_ptr + at_n + 3, mask=n_ok, other=NEG_INF))
+    if RAW:
+        logz_raw = masses_logsumexp(tl.load(row_ptr + at_n + (S + K // 2) * st_plane,
+                                            mask=n_ok, other=NEG_INF))
+    else:
+        logz_raw = logz
     finite_row = (logz == logz) & (tl.abs(logz) != float("inf"))
-
-    # the candidates: position j is candidate j % K of record n = j // K (slot n // T, tile n % T)
-    j = tl.arange(0, BLOCK_C)
-    c = j % K
-    n = j // K
-    at = ((n // T).to(tl.int64) * st_slot + (S + c // 2).to(tl.int64) * st_plane
-          + (n % T).to(tl.int64) * st_t + (c % 2) * 2)
-    x = tl.load(row_ptr + at, mask=n < N, other=NEG_INF)
-    tok = tl.load(row_ptr + at + 1, mask=n < N, other=NO_TOKEN)
     tau = tl.max(tl.where(c == K - 1, x, NEG_INF))
     finite = x > NEG_INF
     key = tl.where(finite, order_key(x, tok), -1)
     xmax = tl.max(x)
     xm = tl.where(tl.abs(xmax) == float("inf"), 0.0, xmax)
-    # the known prefix: the tokens above tau (all candidates), at most CAP of them
+    # the known prefix: the tokens above tau (all candidates), at most CAP of them; a
+    # record's known candidates are a prefix of its K (they are in the order)
     kmin = ((order_key(tau, tl.cast(0.0, tl.float32)) >> 24) + 1) << 24
-    M = tl.sum((key >= kmin).to(tl.int32))
+    known = key >= kmin
+    M = tl.sum(known.to(tl.int32))
+    bound = tau  # >= any token outside the known prefix
     if M > CAP:
         kmin = kth_key(key, finite, CAP)
+        known = key >= kmin
         M = CAP
-    known = key >= kmin
-    bound = tl.max(tl.where(finite & (key < kmin), x, NEG_INF))  # >= any token outside
-    pos = tl.cumsum(known.to(tl.int32), 0) - 1
+        bound = tl.max(tl.where(finite & (key < kmin), x, NEG_INF))
+    per_n = tl.sum(known.to(tl.int32), 1)
+    pos = (tl.cumsum(per_n, 0) - per_n)[:, None] + c
     scratch = scratch_ptr + b.to(tl.int64) * CAP
     tl.store(scratch + pos, key, mask=known)
     tl.debug_barrier()
-    q = tl.arange(0, CAP)
+
+    inv = tl.load(inv_temp_ptr + b)
+    k, p, m = row_filters(b, top_k_ptr, top_p_ptr, min_p_ptr, HAS_K, HAS_P, HAS_M)
+    if M <= SORT_A:
+        known_prefix(b, row_ptr, scratch, M, bound, xm, logz, logz_raw, finite_row, inv, k, p, m,
+                     seed_ptr, offset_ptr, tokens_ptr, logprobs_ptr, logz_ptr, top_tok_ptr,
+                     top_lp_ptr, flag_ptr, S, T, N, n_top, st_slot, st_plane, st_t, RAW,
+                     REPLACE, PDL, BLOCK_U, SORT_A)
+    elif M <= SORT_B:
+        known_prefix(b, row_ptr, scratch, M, bound, xm, logz, logz_raw, finite_row, inv, k, p, m,
+                     seed_ptr, offset_ptr, tokens_ptr, logprobs_ptr, logz_ptr, top_tok_ptr,
+                     top_lp_ptr, flag_ptr, S, T, N, n_top, st_slot, st_plane, st_t, RAW,
+                     REPLACE, PDL, BLOCK_U, SORT_B)
+    else:
+        known_prefix(b, row_ptr, scratch, M, bound, xm, logz, logz_raw, finite_row, inv, k, p, m,
+                     seed_ptr, offset_ptr, tokens_ptr, logprobs_ptr, logz_ptr, top_tok_ptr,
+                     top_lp_ptr, flag_ptr, S, T, N, n_top, st_slot, st_plane, st_t, RAW,
+                     REPLACE, PDL, BLOCK_U, CAP)
+
+
+@triton.jit
+def known_prefix(b, row_ptr, scratch, M, bound, xm, logz, logz_raw, finite_row, inv, k, p, m,
+                 seed_ptr, offset_ptr, tokens_ptr, logprobs_ptr, logz_ptr, top_tok_ptr,
+                 top_lp_ptr, flag_ptr, S, T, N, n_top, st_slot, st_plane, st_t,
+                 RAW: tl.constexpr, REPLACE: tl.constexpr, PDL: tl.constexpr,
+                 BLOCK_U: tl.constexpr, SORT: tl.constexpr):
+    """The row's known prefix (M keys in scratch, M <= SORT) sorted, the filters and
+    certificates over it, the samples and the top-n; writes the row's outputs."""
+    q = tl.arange(0, SORT)
     ks = tl.sort(tl.load(scratch + q, mask=q < M, other=-1), descending=True)
     valid = ks >= 0
     xs = decode_key(ks)
     ids = ID_MASK - (ks & ID_MASK)
     e = tl.where(valid, tl.exp(xs - xm), 0.0)
 
-    k, p, m = row_filters(b, top_k_ptr, top_p_ptr, min_p_ptr, HAS_K, HAS_P, HAS_M)
+    greedy = inv == 0.0
     kon = k > 0
     pon = p < 1.0
     mon = m > 0.0
@@ -169,11 +203,14 @@ def filter_records_kernel(
     logz_kept = xm + tl.log(tl.sum(tl.where(keep, e, 0.0)))
     lz = tl.where(filtered, logz_kept, logz)
     to_raw = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, inv))
-    if RAW:
-        logz_raw = tile_logsumexp(row_ptr, S * st_plane + (K // 2) * st_plane, st_slot, st_t,
-                                  T, N, BLOCK_U)
     gid = ids.to(tl.int32)
 
+    seed = tl.load(seed_ptr + b)
+    off = tl.load(offset_ptr + b)
+    off_lo = (off & 0xFFFFFFFF).to(tl.uint32)
+    off_hi = ((off >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    if PDL:  # reduce_records writes the outputs that this kernel reads and overwrites
+        tl.extra.cuda.gdc_wait()
     # the samples
     z0 = tl.fma(gumbel_log(philox_word(seed, off_lo, off_hi, tl.cast(0, tl.uint32), gid)),
                 NOISE_COEF, xs)

@@ -217,11 +217,15 @@ def listed_fallback_kernel(
     dots_ptr, bias_ptr, ids_ptr, values_ptr, penalty_ptr, mask_ptr, inv_temp_ptr, flag_ptr,
     out_ptr, K, SPLITS, n_real, vocab_start, stride_ids, stride_mask, stride_ob,
     HAS_BIAS: tl.constexpr, HAS_PENALTY: tl.constexpr, HAS_MASK: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """The device fallback's full rows (kernels/filter_fallback.py): for the rows with
     flag[b] != 0, the listed tokens' transformed logits into out [B, >= V_rows] fp32 at their
-    rows, after fallback_logits_kernel wrote -inf there (their bits are cleared in its mask)."""
+    rows, after fallback_logits_kernel wrote -inf there (their bits are cleared in its mask).
+    PDL: a programmatic dependent of fallback_logits_kernel."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     if tl.load(flag_ptr + b) != 0:
         ids, ok, keep, locc, x = listed_logits(

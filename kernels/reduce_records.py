@@ -67,7 +67,7 @@ def reduce_records_kernel(
     B, S, N, tiles_per_slot, rec_stride_slot, rec_stride_s, rec_stride_b, rec_stride_t, parity_ptr,
     parity_stride,
     LOGMASS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, USE_PARITY: tl.constexpr,
-    ONE_SLOT: tl.constexpr = False, PDL: tl.constexpr = False,
+    ONE_SLOT: tl.constexpr = False, PDL: tl.constexpr = False, DEPENDENT: tl.constexpr = False,
 ):
     # USE_PARITY: the records are in buffer parity_ptr[0] of two, parity_stride elements apart;
     # parity_ptr[1] counts finished programs, and the last one flips the parity for the next
@@ -75,8 +75,11 @@ def reduce_records_kernel(
     # A program reduces BLOCK_R (sample, row) pairs; pair r is sample r // B of row r % B.
     # ONE_SLOT: slots == 1 (N == tiles_per_slot): no integer division per record.
     # PDL: launched as a programmatic dependent of stage 1; wait until its records are visible.
+    # DEPENDENT: then let the filter kernel start (it reads the records, then waits for this grid).
     if PDL:
         tl.extra.cuda.gdc_wait()
+        if DEPENDENT:
+            tl.extra.cuda.gdc_launch_dependents()
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < S * B
     s = r // B

@@ -229,18 +229,36 @@ def test_device_fallback_matches_reference(extra):
     assert_matches_reference(out, ref)
 
 
-def test_filtered_kernel_equals_torch_on_the_same_records():
+@pytest.mark.parametrize("sorts,cap", [(None, None), ((32, 64), None), ((16, 32), None),
+                                       (None, 32)],
+                         ids=["default", "sorts-32-64", "sorts-16-32", "capped"])
+def test_filtered_kernel_equals_torch_on_the_same_records(monkeypatch, sorts, cap):
     """kernels/filter_records.py and filters.reduce_candidates on identical records:
-    the same tokens, top tokens and fallback flags (certified and uncertified rows)."""
+    the same tokens, top tokens and fallback flags (certified and uncertified rows).
+    The rows' known prefixes hold 21-49 tokens: with sorts of 32 and 64 slots the first two
+    of the kernel's three sort sizes serve rows, with 16 and 32 the last two (128 slots);
+    capped at 32 tokens (KNOWN_CAP), the rows above it take the kernel's k-th-key cut, which
+    the torch path takes by position."""
+    if sorts is not None:
+        monkeypatch.setattr(launchers, "FILTER_SORTS", sorts)
+    if cap is not None:
+        monkeypatch.setattr(F, "KNOWN_CAP", cap)
     h, w = mixed_inputs()
     h[2] *= 0.05  # a near-flat row: its top-p 0.9 has no certificate
     row = P.row_params(h, MIXED["temperature"], torch.arange(8) * 3, 0)
+    min_p = MIXED["min_p"].clone()
     for S, replacement, raw in ((1, True, False), (2, False, False), (2, True, True)):
-        filt = P.filter_params(h, MIXED["top_k"], MIXED["top_p"], MIXED["min_p"], 5, S,
-                               replacement, "raw" if raw else "processed", 4096)
         rec = records_torch(h, w, bias=None, inv_temp=row.inv_temp, seed=row.seed,
                             offset=row.offset, num_samples=S, n_real=4096, candidates=True,
                             replacement=replacement)[None]
+        if cap is not None:
+            # row 0 (40 known tokens, no filter): a min-p between tau's ratio and the capped
+            # prefix's first unknown token's, so only the capped bound withholds the certificate
+            x = F.candidate_planes(rec, S)[0][0]
+            xs = x.flatten().sort(descending=True).values
+            min_p[0] = torch.exp((xs[cap] + x[:, -1].max()) / 2 - xs[0])
+        filt = P.filter_params(h, MIXED["top_k"], MIXED["top_p"], min_p, 5, S,
+                               replacement, "raw" if raw else "processed", 4096)
         plan = make_plan(DeviceKind.of(h.device), B=8, D=16, V=4096, dtype=torch.float32,
                          num_samples=S, candidates=True, replacement=replacement, raw_mass=raw)
         tk = launchers.stage2_filtered(plan, rec.clone(), row, filt)
@@ -248,7 +266,8 @@ def test_filtered_kernel_equals_torch_on_the_same_records():
         base = tpsample.pipeline.merge_records(rec[:, :S], row, "max")
         tt = F.reduce_candidates(rec, row, filt, S, base)
         assert torch.equal(tk.fallback, tt.fallback)
-        assert tk.fallback[2] and (~tk.fallback).sum() >= 6
+        assert tk.fallback[2] and (~tk.fallback).sum() >= (4 if cap else 6)
+        assert tk.fallback[0] == (cap is not None)
         ok = ~tt.fallback
         assert torch.equal(tk.tokens[ok], tt.tokens[ok])
         assert torch.equal(tk.top_tokens[ok], tt.top_tokens[ok])

@@ -1,4 +1,4 @@
-"""Where the time of one call goes (CUDA only). Three modes:
+"""Where the time of one call goes (CUDA only). Modes:
 
     python -m tools.probe [--shape 4096x151936] [--batches 1,64,256] [--out probe.json]
         device time (do_bench median ms) of the parts: stage 1 with num_samples = 0
@@ -30,6 +30,11 @@
         the ping-pong stage 1 (kernels/gluon_pingpong.py) with per-tile SM clocks: each
         consumer's wait for the other's MMAs, its MMAs, its epilogue, and the cycles the
         tensor cores wait because the next tile's MMAs are not issued yet (S = 0 and 1)
+    python -m tools.probe --filters [--shape ...] [--batches 1,16,64,128,256]
+        a filtered call (top_k 50 + top_p 0.9 + min_p 0.05) after stage 1: the merge, the
+        merge + filter kernel per num_warps, the device fallback's launches, the chain with and
+        without programmatic dependent launches (CUDA-graph replays, µs), the rows' known
+        prefix sizes, and the whole calls
     python -m tools.probe --candidates [--shape ...] [--batches 16,32,64,128,256]
         stage 1 of a filtered call (the candidate planes) by kernel: the plan's, the fused
         kernel's, ws's (FUSED_TO_WS_CANDIDATES, B <= 64) and the records pass over cuBLAS
@@ -40,6 +45,7 @@
         three plain stage-1 launches for Nsight Compute
 """
 import argparse
+import functools
 import inspect
 import itertools
 import json
@@ -399,6 +405,65 @@ def candidate_stage1(D, V, B) -> dict:
     return r
 
 
+@functools.lru_cache(maxsize=1)
+def _typical_head(D, V, rows=256):
+    from tpsample.launch.bench import typical_head
+    return typical_head(D, V, rows, torch.bfloat16, "cuda")
+
+
+def filter_stage(D, V, B) -> dict:
+    """What a filtered call (top_k 50 + top_p 0.9 + min_p 0.05) costs after stage 1, µs
+    (CUDA-graph replays): the merge alone, the merge + filter kernel per num_warps, the device
+    fallback's launches (no row flagged), and the whole chain with and without programmatic
+    dependent launches; the rows' known-prefix sizes; the whole calls (ms, eager)."""
+    from tpsample.plan import DeviceKind, Layout, make_plan, with_options
+    from tpsample import filters as F
+    from tpsample.params import Filters
+    graph = lambda f: triton.testing.do_bench_cudagraph(f, rep=100, return_mode="median") * 1e3  # noqa: E731
+    bench = lambda f: triton.testing.do_bench(f, warmup=30, rep=150, return_mode="median")  # noqa: E731
+    h, w = _typical_head(D, V)
+    h = h[:B].contiguous()
+    p = row_params(h, 0.8, torch.arange(B, device="cuda"), 1)
+    filt = Filters(torch.full((B,), 50, dtype=torch.int32, device="cuda"),
+                   torch.full((B,), 0.9, device="cuda"), torch.full((B,), 0.05, device="cuda"))
+    plan = make_plan(DeviceKind.of(h.device), B=B, D=D, V=V, dtype=h.dtype,
+                     layout=Layout.of(h, w), candidates=True)
+    T = records.num_tiles(V)
+    rec = torch.empty(records.planes(1, True), B, T, records.WIDTH, device="cuda")
+    launchers.stage1(plan, h, w, None, p, rec, n_real=V)
+    recs = rec[None]
+    x = F.candidate_planes(recs, 1)[0].reshape(B, -1)
+    known = (x > x.reshape(B, -1, records.CANDIDATES)[..., -1].amax(-1, keepdim=True)).sum(-1)
+    out = launchers.filtered_outputs(B, 1, 0, "cuda")
+    logits = torch.empty(B, T * records.TILE, dtype=torch.float32, device="cuda")
+    count = torch.zeros(1, dtype=torch.int32, device="cuda")
+    r = dict(B=B, strategy=plan.strategy, known_median=known.float().median().item(),
+             known_max=known.max().item(), warps=launchers.filter_warps(B),
+             merge=graph(lambda: launchers.stage2(plan, recs[:, :1], p, out=out[:3])))
+
+    def chain(pl, fallback=True):
+        def run():
+            launchers.stage2_filtered(pl, recs, p, filt, out=out)
+            if fallback:
+                launchers.fallback_on_device(h, w, None, p, filt, out, logits, count, n_real=V,
+                                             pdl=pl.pdl)
+        return run
+    shipped = launchers.filter_warps
+    for warps in (4, 8, 16):
+        launchers.filter_warps = lambda B, warps=warps: warps
+        r[f"merge_filter_w{warps}"] = graph(chain(plan, False))
+    launchers.filter_warps = shipped
+    chain(plan)()
+    r["flagged"] = int(out.fallback.sum())
+    r["chain_pdl"] = graph(chain(plan))
+    r["chain_no_pdl"] = graph(chain(with_options(plan, pdl=False)))
+    r["stage1_ms"] = bench(lambda: launchers.stage1(plan, h, w, None, p, rec, n_real=V))
+    r["call_plain_ms"] = bench(lambda: sample(h, w, temperature=0.8, seed=1))
+    r["call_kpm_ms"] = bench(lambda: sample(h, w, temperature=0.8, seed=1, top_k=50, top_p=0.9,
+                                            min_p=0.05))
+    return r
+
+
 def api_paths(D, V, B) -> dict:
     """One shape, B rows: device vs host time of the public call (see the module docstring)."""
     bench = lambda f: triton.testing.do_bench(f, warmup=25, rep=100, return_mode="median")  # noqa: E731
@@ -481,6 +546,8 @@ def main(argv=None):
     ap.add_argument("--pp-trace", action="store_true", help="per-tile clocks of the pp kernel")
     ap.add_argument("--candidates", action="store_true",
                     help="stage 1 of a filtered call per kernel")
+    ap.add_argument("--filters", action="store_true",
+                    help="a filtered call after stage 1: the filter kernel, fallback, PDL")
     args = ap.parse_args(argv)
     if args.host:
         launch_paths()
@@ -501,7 +568,7 @@ def main(argv=None):
     if args.ws:
         rows.append(dict(check=ws_check()))
     for B in batches:
-        rows.append((candidate_stage1 if args.candidates else pp_trace if args.pp_trace else api_paths if args.api else ws_sweep if args.ws else ab_parts if args.ab else logits_pass if args.logits else chunked_hybrid
+        rows.append((filter_stage if args.filters else candidate_stage1 if args.candidates else pp_trace if args.pp_trace else api_paths if args.api else ws_sweep if args.ws else ab_parts if args.ab else logits_pass if args.logits else chunked_hybrid
                      if args.chunks else noise_placement if args.noise else device_parts)(D, V, B))
         print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in rows[-1].items()),
               flush=True)

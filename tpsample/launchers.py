@@ -297,12 +297,13 @@ def _pp(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start, pe
 
 
 def stage2(plan: Plan, recs: torch.Tensor, params: RowParams, parity=None,
-           parity_stride: int = 0, out: tuple | None = None):
+           parity_stride: int = 0, out: tuple | None = None, dependent: bool = False):
     """records [slots, S, B, T, 4] (any strides, the last dim contiguous) → tokens int64
     [B, S], logprobs fp32 [B, S], logz fp32 [B] by the plan's merge (into `out`'s three when
     given). With `parity` (the fan-out's int32 [2]) the records are read parity[0] *
     parity_stride elements past `recs`, and the kernel flips parity[0] once all its programs
-    are done."""
+    are done. dependent (with plan.pdl): a programmatic dependent launch follows (the filter
+    kernel), which the kernel lets start once the records are visible."""
     slots, S, B, T, _ = recs.shape
     assert recs.stride(4) == 1
     dev = recs.device
@@ -320,9 +321,22 @@ def stage2(plan: Plan, recs: torch.Tensor, params: RowParams, parity=None,
         B, S, slots * T, T, *recs.stride()[:4],
         parity if parity is not None else params.seed, parity_stride),
         dict(LOGMASS=plan.merge in ("logmass", "cdf"), BLOCK_R=block_r, BLOCK_N=block_n,
-             USE_PARITY=parity is not None, ONE_SLOT=slots == 1, PDL=plan.pdl),
+             USE_PARITY=parity is not None, ONE_SLOT=slots == 1, PDL=plan.pdl,
+             DEPENDENT=plan.pdl and dependent),
         dict(num_warps=num_warps, **({"launch_pdl": True} if plan.pdl else {})))
     return tokens, logprobs, logz
+
+
+# the filter kernel sorts a row's known prefix in the smallest of these (or KNOWN_CAP) slots
+# that holds it: with 1187 tiles (V = 151936) it holds ~450 tokens when the logits' ranks
+# are spread over the tiles at random, fewer when high-probability ids cluster
+FILTER_SORTS = (256, 512)
+
+
+def filter_warps(B: int) -> int:
+    """The filter kernel's warps: 8 while its B programs fit the SMs once, where its
+    latency is the call's; 4 above, where its throughput is (H100, tools.probe --filters)."""
+    return 8 if B <= 132 else 4
 
 
 def filtered_outputs(B: int, S: int, n: int, device) -> F.FilteredOutput:
@@ -351,10 +365,13 @@ def stage2_filtered(plan: Plan, recs: torch.Tensor, params: RowParams, filters: 
     head = recs[:, :S] if head is None else head
     out = filtered_outputs(B, S, filters.top_n, recs.device) if out is None else out
     tokens, logprobs, logz, top_tok, top_lp, flag, scratch = out
-    stage2(plan, head, params, parity, parity_stride, out=(tokens, logprobs, logz))
+    stage2(plan, head, params, parity, parity_stride, out=(tokens, logprobs, logz),
+           dependent=True)
     n = filters.top_n
     N = slots * T
-    block_c = max(16, 1 << (N * records.CANDIDATES - 1).bit_length())
+    block_n = max(4, 1 << (N - 1).bit_length())
+    cap = min(F.KNOWN_CAP, block_n * records.CANDIDATES)  # never binds below KNOWN_CAP candidates
+    sort_a, sort_b = (min(size, cap) for size in FILTER_SORTS)
     dummy = params.inv_temp
     run_kernel(filter_records.filter_records_kernel, (B,), (
         recs, *recs.stride()[:4], params.inv_temp, params.seed, params.offset,
@@ -365,10 +382,10 @@ def stage2_filtered(plan: Plan, recs: torch.Tensor, params: RowParams, filters: 
         parity if parity is not None else params.seed, parity_stride),
         dict(HAS_K=filters.top_k is not None, HAS_P=filters.top_p is not None,
              HAS_M=filters.min_p is not None, RAW=filters.raw, REPLACE=filters.replacement,
-             USE_PARITY=parity is not None, K=records.CANDIDATES, BLOCK_C=block_c,
-             BLOCK_U=min(1024, max(16, 1 << (N - 1).bit_length())),
-             CAP=min(F.KNOWN_CAP, block_c)),  # never binds below KNOWN_CAP candidates
-        dict(num_warps=min(16, max(4, block_c // 512))))
+             USE_PARITY=parity is not None, K=records.CANDIDATES, BLOCK_N=block_n,
+             BLOCK_U=min(1024, max(16, 1 << (N - 1).bit_length())), CAP=cap, SORT_A=sort_a,
+             SORT_B=sort_b, PDL=plan.pdl),
+        dict(num_warps=filter_warps(B), **({"launch_pdl": True} if plan.pdl else {})))
     return out
 
 
@@ -376,11 +393,12 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
                        filters: Filters, out: F.FilteredOutput, logits: torch.Tensor,
                        count: torch.Tensor, *, n_real: int, vocab_start: int = 0,
                        constraints=None, eff_mask: torch.Tensor | None = None,
-                       dots: torch.Tensor | None = None) -> None:
+                       dots: torch.Tensor | None = None, pdl: bool = False) -> None:
     """The exact fallback of one device's call, after stage2_filtered and with no host
     synchronisation (kernels/filter_fallback.py): the rows flagged in out.fallback get their
     logits recomputed into `logits` (fp32 [B, tiles * TILE], scratch) and their outputs
-    redone in `out`; count (int32 [1]) gains the number of such rows. constraints
+    redone in `out`; count (int32 [1]) gains the number of such rows. pdl: its launches are
+    programmatic dependents (plan.pdl: stage2_filtered's are too). constraints
     (tpsample/constraints.py): the rows' logits take the mask (eff_mask: the tile pass's,
     when the call lists tokens) and then the listed tokens' adjusted logits (from `dots`,
     what listed_records computed in this call's stage 1)."""
@@ -390,6 +408,7 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
     n = filters.top_n
     dummy = params.inv_temp
     c = constraints
+    pdl = dict(launch_pdl=True) if pdl else {}
     mask = None if c is None else (eff_mask if c.listed else c.mask)
     if c is not None and c.listed:
         allowed_or_eff = c.mask if c.mask is not None else eff_mask
@@ -399,8 +418,9 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
         logits.stride(0), mask if mask is not None else out.fallback,
         mask.stride(0) if mask is not None else 0, vocab_start),
         dict(HAS_BIAS=bias is not None, BLOCK_V=records.TILE, BLOCK_D=64,
-             BLOCK_F=min(1024, max(16, 1 << (B - 1).bit_length())), HAS_MASK=mask is not None),
-        dict(num_warps=4))
+             BLOCK_F=min(1024, max(16, 1 << (B - 1).bit_length())), HAS_MASK=mask is not None,
+             PDL=bool(pdl)),
+        dict(num_warps=4, **pdl))
     if c is not None and c.listed:
         K = c.ids.shape[1]
         allowed = allowed_or_eff
@@ -410,8 +430,8 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
             out.fallback, logits, K, dots.shape[1], n_real, vocab_start, c.ids.stride(0),
             allowed.stride(0), logits.stride(0)),
             dict(HAS_BIAS=bias is not None, HAS_PENALTY=c.penalty is not None,
-                 HAS_MASK=c.mask is not None, BLOCK_K=_listed_block(K)),
-            dict(num_warps=4))
+                 HAS_MASK=c.mask is not None, BLOCK_K=_listed_block(K), PDL=bool(pdl)),
+            dict(num_warps=4, **pdl))
     run_kernel(filter_fallback.fallback_rows_kernel, (B,), (
         logits, logits.stride(0), N, vocab_start, params.inv_temp, params.seed, params.offset,
         filters.top_k if filters.top_k is not None else dummy,
@@ -422,5 +442,5 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
         dict(HAS_K=filters.top_k is not None, HAS_P=filters.top_p is not None,
              HAS_M=filters.min_p is not None, RAW=filters.raw, REPLACE=filters.replacement,
              BLOCK=min(1024, 1 << (N - 1).bit_length()),
-             BLOCK_N=max(16, 1 << max(n - 1, 0).bit_length()), CAP=F.KNOWN_CAP),
-        dict(num_warps=8))
+             BLOCK_N=max(16, 1 << max(n - 1, 0).bit_length()), CAP=F.KNOWN_CAP, PDL=bool(pdl)),
+        dict(num_warps=8, **pdl))

@@ -307,7 +307,7 @@ class Pipeline:
                                              self._device_fallbacks(), n_real=n_real,
                                              vocab_start=vocab_start, constraints=constraints,
                                              eff_mask=per_call.get("eff_mask"),
-                                             dots=per_call.get("listed_dots"))
+                                             dots=per_call.get("listed_dots"), pdl=plan.pdl)
         self.replays.add(key, log1, dict(per_call, records=out_view), log2,
                          dict(per_call, records=recs, sample_records=head, **out._asdict()))
         return out
