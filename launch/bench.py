@@ -55,7 +55,8 @@ sampling_from_logits if importable). Writes OUT/constraints.json.
 --doc PATH --label NAME: (re)writes the section of PATH between `<!-- bench:NAME -->` and
 `<!-- /bench:NAME -->` (appended if absent) with this run's tables, the command, device and
 versions, and the plots in docs/img/ beside it. --report renders TP runs (several tp<N>.json:
-the scaling table and plot; or one single.json) without measuring.
+the scaling table and plot; or one single.json; or filters.json files of one device, one run
+per shape, as one section) without measuring.
 """
 from __future__ import annotations
 
@@ -521,12 +522,27 @@ def shape_plot(res: dict, doc: str, label: str, main: str) -> list[str]:
     return (["", f"![{label} D={res['D']} V={res['V']}]({png})"] if png else []) + [""]
 
 
+def merge_runs(runs: list[dict]) -> dict:
+    """Several single-device runs (one per shape, e.g. where one run would not fit a time
+    limit) as one: their shapes in order, each run's command, date and copy bandwidth."""
+    if len(runs) == 1:
+        return runs[0]
+    meta = dict(runs[0], shapes=[s for r in runs for s in r["shapes"]])
+    meta["command"] = [r["command"] for r in runs]
+    meta["date"] = " / ".join(r["date"] for r in runs)
+    meta["bandwidth_bytes_per_s"] = [r["bandwidth_bytes_per_s"] for r in runs]
+    return meta
+
+
 def filters_markdown(meta: dict, doc: str, label: str) -> str:
-    """The section of one filtered run: a table per shape and its plot."""
-    lines = [f"`{meta['command']}` — {meta['device']}, torch {meta['torch']}, Triton "
-             f"{meta['triton']}, {meta['date']}; copy bandwidth "
-             f"{meta['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s; median ms; logits -1.6 ln(rank) "
-             "(~2.7 nats); k = top_k 50, p = top_p 0.9, m = min_p 0.05.", ""]
+    """The section of one filtered run (or merge_runs' runs): a table per shape, its plot."""
+    commands = meta["command"] if isinstance(meta["command"], list) else [meta["command"]]
+    bw = meta["bandwidth_bytes_per_s"]
+    bw = "/".join(f"{b / 1e9:.0f}" for b in (bw if isinstance(bw, list) else [bw]))
+    lines = [" and ".join(f"`{c}`" for c in commands)
+             + f" — {meta['device']}, torch {meta['torch']}, Triton "
+             f"{meta['triton']}, {meta['date']}; copy bandwidth {bw} GB/s; median ms; logits "
+             "-1.6 ln(rank) (~2.7 nats); k = top_k 50, p = top_p 0.9, m = min_p 0.05.", ""]
     for res in meta["shapes"]:
         names = list(dict.fromkeys(k for r in res["rows"] for k in r["ms"]))
         lines += [f"**D={res['D']}, V={res['V']}** (floor {res['floor_ms']:.3f} ms)", "",
@@ -948,7 +964,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default="bench_out")
     p.add_argument("--doc", help="markdown file whose section --label this run rewrites")
     p.add_argument("--label", help="the section's name (default: single or TP<N>)")
-    p.add_argument("--report", nargs="+", metavar="JSON", help="render tp<N>.json files, no run")
+    p.add_argument("--report", nargs="+", metavar="JSON", help="render tp<N>.json files (or a single.json, constraints.json, "
+                   "filters.json files of one device), no run")
     p.add_argument("--cpu", action="store_true", help="CPU tensors (gloo) even where CUDA exists")
     g = p.add_argument_group("one device")
     g.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
@@ -996,12 +1013,14 @@ def main(argv=None):
             text = tp_markdown(runs, args.doc, label)
         elif len(runs) == 1 and "tps_mask" in runs[0]["shapes"][0]["rows"][0]["ms"]:
             text = constraints_markdown(runs[0], args.doc or os.devnull, label)
-        elif len(runs) == 1 and "fallback_share" in runs[0]["shapes"][0]["rows"][0]:
-            text = filters_markdown(runs[0], args.doc or os.devnull, label)
+        elif all("fallback_share" in r["shapes"][0]["rows"][0] for r in runs) and \
+                len({r["device"] for r in runs}) == 1:
+            text = filters_markdown(merge_runs(runs), args.doc or os.devnull, label)
         elif len(runs) == 1:
             text = single_markdown(runs[0], args.doc or os.devnull, label)
         else:
-            sys.exit("--report takes one single.json, one filters.json or several tp<N>.json files")
+            sys.exit("--report takes one single.json, filters.json files of one device (one "
+                     "run per shape) or several tp<N>.json files")
         print(text)
         if args.doc:
             write_doc(args.doc, label, text)

@@ -76,6 +76,20 @@ def test_filters_mode_writes_json_doc_and_report(tmp_path):
     assert "| 2 |" in doc and "kpm / floor" in report
 
 
+def test_filters_runs_of_one_device_render_as_one_section():
+    """One run per shape (where one run would not fit a time limit): one section, every
+    shape's table, each run's command and copy bandwidth."""
+    def run_of(D, bw, cmd):
+        ms = dict(mm=1.0, tpsample=0.9, tps_kpm=1.0, sort_kpm=2.0, topk_kpm=1.5)
+        return dict(device="GPU", torch="t", triton="3.6", date=cmd, command=cmd,
+                    bandwidth_bytes_per_s=bw, shapes=[dict(D=D, V=1000, floor_ms=0.5, rows=[
+                        dict(B=1, ms=ms, fallback_share={})])])
+    text = bench.filters_markdown(bench.merge_runs([run_of(64, 3e12, "a"), run_of(128, 3.1e12, "b")]),
+                                  "/dev/null", "x")
+    assert "`a` and `b`" in text and "3000/3100 GB/s" in text
+    assert "**D=64, V=1000**" in text and "**D=128, V=1000**" in text
+
+
 def test_constraints_mode_writes_json_doc_and_report(tmp_path):
     row, doc, report = run_mode(tmp_path, "--constraints", "CPU c")
     assert row["B"] == 2 and {"tpsample", "tps_mask", "tps_adj64", "tps_adj64_nc",
