@@ -51,7 +51,7 @@ def test_probe_help_lists_its_modes(capsys):
     with pytest.raises(SystemExit) as e:
         probe.main(["--help"])
     out = capsys.readouterr().out
-    assert e.value.code == 0 and "--pp-trace" in out and "--candidates" in out
+    assert e.value.code == 0 and "--pp-trace" in out and "--candidates" in out and "--filters" in out
 
 
 def test_ab_worker_checks_its_call(monkeypatch):
