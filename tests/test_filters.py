@@ -13,7 +13,7 @@ import torch
 
 import tpsample
 from tpsample import filters as F
-from tpsample import launchers, params as P, records
+from tpsample import launchers, params as P
 from tpsample.api import _pipeline
 from tpsample.plan import DeviceKind, make_plan
 from tpsample.reference import reference_sample, transformed_logits
