@@ -408,7 +408,7 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
     n = filters.top_n
     dummy = params.inv_temp
     c = constraints
-    pdl = dict(launch_pdl=True) if pdl else {}
+    launch = dict(num_warps=4, **({"launch_pdl": True} if pdl else {}))
     mask = None if c is None else (eff_mask if c.listed else c.mask)
     if c is not None and c.listed:
         allowed_or_eff = c.mask if c.mask is not None else eff_mask
@@ -419,8 +419,8 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
         mask.stride(0) if mask is not None else 0, vocab_start),
         dict(HAS_BIAS=bias is not None, BLOCK_V=records.TILE, BLOCK_D=64,
              BLOCK_F=min(1024, max(16, 1 << (B - 1).bit_length())), HAS_MASK=mask is not None,
-             PDL=bool(pdl)),
-        dict(num_warps=4, **pdl))
+             PDL=pdl),
+        launch)
     if c is not None and c.listed:
         K = c.ids.shape[1]
         allowed = allowed_or_eff
@@ -430,8 +430,8 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
             out.fallback, logits, K, dots.shape[1], n_real, vocab_start, c.ids.stride(0),
             allowed.stride(0), logits.stride(0)),
             dict(HAS_BIAS=bias is not None, HAS_PENALTY=c.penalty is not None,
-                 HAS_MASK=c.mask is not None, BLOCK_K=_listed_block(K), PDL=bool(pdl)),
-            dict(num_warps=4, **pdl))
+                 HAS_MASK=c.mask is not None, BLOCK_K=_listed_block(K), PDL=pdl),
+            launch)
     run_kernel(filter_fallback.fallback_rows_kernel, (B,), (
         logits, logits.stride(0), N, vocab_start, params.inv_temp, params.seed, params.offset,
         filters.top_k if filters.top_k is not None else dummy,
@@ -442,5 +442,5 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
         dict(HAS_K=filters.top_k is not None, HAS_P=filters.top_p is not None,
              HAS_M=filters.min_p is not None, RAW=filters.raw, REPLACE=filters.replacement,
              BLOCK=min(1024, 1 << (N - 1).bit_length()),
-             BLOCK_N=max(16, 1 << max(n - 1, 0).bit_length()), CAP=F.KNOWN_CAP, PDL=bool(pdl)),
-        dict(num_warps=8, **pdl))
+             BLOCK_N=max(16, 1 << max(n - 1, 0).bit_length()), CAP=F.KNOWN_CAP, PDL=pdl),
+        dict(launch, num_warps=8))
