@@ -138,3 +138,60 @@ def test_recorder_logs_launches_and_steps_only_inside_record():
     with replay.record() as log:
         assert replay.run_step(lambda x: x + 1, (1,)) == 2
     assert len(log) == 1 and log[0][1] is None and log[0][4] == 2
+
+
+def test_direct_launch_passes_what_tritons_launcher_layers_pass(monkeypatch):
+    """On Triton 3.6 a replayed launch calls the launcher's C function itself (no per-call
+    expansion of descriptors in Python): what that function receives must be exactly what
+    Triton's own layers (CudaLauncher.__call__ and the descriptor wrapper, the real code)
+    pass it for the same per-call tensors, fixed and per-call descriptors included."""
+    import pytest
+    if replay.TRITON_VERSION != (3, 6):
+        pytest.skip("the direct launch is for Triton 3.6's launcher layout")
+    from types import SimpleNamespace
+
+    from triton.backends.nvidia import driver as nv
+    from triton.runtime import driver
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    def fill_tma(ptr, *geometry):  # the CUtensorMap stand-in: what it was encoded from
+        return ("tensormap", ptr, repr(geometry))
+    monkeypatch.setattr(driver, "_active", SimpleNamespace(
+        utils=SimpleNamespace(fill_tma_descriptor=fill_tma), get_current_stream=lambda i: 0))
+
+    def kernel(h_desc, w_desc, s_ptr, B, BLOCK: "tl.constexpr"):  # noqa: F821
+        pass
+    signature = {"h_desc": "tensordesc<bf16[16,64]>", "w_desc": "tensordesc<bf16[128,64]>",
+                 "s_ptr": "*i64", "B": "i32", "BLOCK": "constexpr"}
+    meta = [dict(swizzle=3, elem_size=2, elem_type=10, block_size=[16, 64], fp4_padded=False),
+            dict(swizzle=3, elem_size=2, elem_type=10, block_size=[128, 64], fp4_padded=False)]
+    received = []
+
+    class Launcher(nv.CudaLauncher):  # the real __call__, without compiling a module
+        def __init__(self):
+            self.num_ctas, self.launch_cooperative_grid, self.launch_pdl = 1, False, True
+            self.global_scratch_size = self.profile_scratch_size = 0
+            self.global_scratch_align = self.profile_scratch_align = 1
+            self.launch = nv.wrap_handle_tensordesc(lambda *a: received.append(a), signature,
+                                                    meta)
+
+    compiled = SimpleNamespace(run=Launcher(), function=77, packed_metadata=("packed",))
+    jit = SimpleNamespace(fn=kernel)
+    h, w, s = (torch.zeros(32, 64, dtype=torch.bfloat16), torch.zeros(256, 64, dtype=torch.bfloat16),
+               torch.zeros(32, dtype=torch.int64))
+    launch = [(jit, compiled, (5, 2), (TensorDescriptor.from_tensor(h, [16, 64]),
+                                       TensorDescriptor.from_tensor(w, [128, 64]), s, 32),
+               dict(BLOCK=16))]
+    h2, s2 = torch.ones(32, 64, dtype=torch.bfloat16), torch.ones(32, dtype=torch.int64)
+    for direct in (False, True):
+        monkeypatch.setattr(replay.knobs, "DIRECT_LAUNCH", direct)
+        rep = replay.Replay(launch, dict(hidden=h, seed=s))
+        assert isinstance(rep.launches[0][1], replay._DirectLaunch) == direct
+        rep(9, hidden=h2, seed=s2)
+    via_triton, direct_call = received
+    assert direct_call[:13] == (5, 2, 1, 9, 77, False, True, None, None, ("packed",), None,
+                                None, None)
+    assert direct_call == via_triton
+    # each 2-D descriptor expands to (CUtensorMap, 2 sizes, 2 strides)
+    assert direct_call[13][1] == h2.data_ptr() and direct_call[18][1] == w.data_ptr()
+    assert direct_call[23] is s2 and direct_call[24:] == (32, 16)

@@ -102,9 +102,10 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, *, temperature: float | t
     if not isinstance(return_logprobs, bool):
         raise TypeError(f"return_logprobs must be a bool, got {type(return_logprobs).__name__}")
     bias = P.check_bias(bias, V, hidden.device)
-    row = P.row_params(hidden, temperature, seed, offset)
+    in_capture = P.capturing(hidden.device)
+    row = P.row_params(hidden, temperature, seed, offset, in_capture)
     filters = P.filter_params(hidden, top_k, top_p, min_p, top_logprobs, num_samples,
-                              replacement, logprobs_mode, vocab_size)
+                              replacement, logprobs_mode, vocab_size, in_capture)
     if not replacement and merge != "max":
         raise ValueError(f"replacement=False needs merge='max' (Gumbel-top-S), got merge={merge!r}")
     constraints = C.check_constraints(hidden, allowed_mask, logit_adjust, repetition_penalty,

@@ -83,6 +83,8 @@ def check_constraints(hidden: torch.Tensor, allowed_mask, logit_adjust, repetiti
     during CUDA-graph capture or with TPSAMPLE_CHECK_TENSORS=0, where an id outside
     [0, vocab_size) is ignored like padding.
     """
+    if allowed_mask is None and logit_adjust is None and repetition_penalty is None:
+        return NO_CONSTRAINTS
     B, dev = hidden.shape[0], hidden.device
     mask = None
     if allowed_mask is not None:

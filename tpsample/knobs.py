@@ -25,6 +25,10 @@ KNOBS = (
          "1: a call with the shapes, strides, alignments and options of an earlier one "
          "re-issues that call's compiled launches (no plan lookup, no Triton dispatch); "
          "0: every call goes through Triton's dispatcher (debugging)"),
+    Knob("TPSAMPLE_DIRECT_LAUNCH", "1", ("0", "1"),
+         "1: on Triton 3.6 replayed launches call the launcher's C function with their "
+         "arguments expanded once (host TMA descriptors re-encoded only where per call); "
+         "0: through Triton's launcher (debugging; the same launches)"),
     Knob("TPSAMPLE_GLUON", "1", ("0", "1"),
          "0: never the Hopper Gluon kernels (ws, pp); the cuBLAS + records-pass path runs "
          "where the plan would take them"),
@@ -67,6 +71,7 @@ VALUES = {k.name: _read(k) for k in KNOBS}
 _warn_unknown()
 
 REPLAY = VALUES["TPSAMPLE_REPLAY"] == "1"
+DIRECT_LAUNCH = VALUES["TPSAMPLE_DIRECT_LAUNCH"] == "1"
 GLUON = VALUES["TPSAMPLE_GLUON"] == "1"
 CHECK_TENSORS = VALUES["TPSAMPLE_CHECK_TENSORS"] == "1"
 

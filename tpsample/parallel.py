@@ -214,16 +214,16 @@ class VocabParallelSampler:
         bias = P.check_bias(bias, self.weight.shape[0], hidden.device)
         constraints = C.check_constraints(hidden, allowed_mask, logit_adjust, repetition_penalty,
                                           self.vocab_size, self.rows_total)
-        capturing = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
+        capturing = P.capturing(hidden.device)
         if self.check_inputs and not capturing:  # a host sync cannot be captured
             self._check_call(hidden, num_samples, constraints)
         B = hidden.shape[0]
         if seed is None:
             seed = torch.randint(0, P.SEED_HIGH, (B,), dtype=torch.int64, device=self.device,
                                  generator=self.generator)
-        row = P.row_params(hidden, temperature, seed, offset)
+        row = P.row_params(hidden, temperature, seed, offset, capturing)
         filters = P.filter_params(hidden, top_k, top_p, min_p, top_logprobs, num_samples,
-                                  replacement, logprobs_mode, self.vocab_size)
+                                  replacement, logprobs_mode, self.vocab_size, capturing)
         if not replacement and self.merge != "max":
             raise ValueError(f"replacement=False needs merge='max' (Gumbel-top-S); this sampler "
                              f"was built with merge={self.merge!r}")

@@ -112,11 +112,18 @@ def check_vocab_size(vocab_size, rows: int, what: str = "rows of weight") -> int
 _FILLED: dict = {}
 
 
-def _filled(B: int, value, dtype: torch.dtype, device) -> torch.Tensor:
+def capturing(device) -> bool:
+    """Whether the current CUDA stream of `device` is capturing a graph (False on the CPU).
+    Asked once per call and passed on (each ask costs host time)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _filled(B: int, value, dtype: torch.dtype, device, in_capture: bool | None = None) -> torch.Tensor:
     """torch.full((B,), value) on device, cached for reuse across calls (kernels only read it).
     Saves a launch and ~7 µs of host time per parameter; never cached during graph capture
-    (a tensor filled inside a capture holds nothing until the first replay)."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    (a tensor filled inside a capture holds nothing until the first replay). in_capture:
+    capturing(device), when the caller knows it."""
+    if capturing(device) if in_capture is None else in_capture:
         return torch.full((B,), value, dtype=dtype, device=device)
     key = (B, value, dtype, device)
     t = _FILLED.get(key)
@@ -142,17 +149,20 @@ def inverse_temperature(temperature: float) -> float:
     return 1.0 / min(temperature, T_MAX)
 
 
-def row_params(hidden: torch.Tensor, temperature, seed, offset) -> RowParams:
+def row_params(hidden: torch.Tensor, temperature, seed, offset,
+               in_capture: bool | None = None) -> RowParams:
     """Validate and normalise temperature / seed / offset (scalars or Tensor[B]).
 
     A tensor temperature costs one host sync for its range check, except during CUDA-graph
     capture or with TPSAMPLE_CHECK_TENSORS=0, where an invalid row gets a NaN inverse temperature and comes back as a
-    degenerate row (token 0, logz NaN)."""
+    degenerate row (token 0, logz NaN). in_capture: capturing(hidden.device), if known."""
     B, dev = hidden.shape[0], hidden.device
+    if in_capture is None:
+        in_capture = capturing(dev)
     if isinstance(temperature, torch.Tensor):
         t = _per_row_tensor("temperature", temperature, B, dev,
                             (torch.float32, torch.float64, torch.float16, torch.bfloat16))
-        if not skip_tensor_checks(dev):
+        if not skip_tensor_checks(dev, in_capture):
             bad = ~torch.isfinite(t) | (t < 0)
             if bool(bad.any()):
                 raise ValueError("temperature must be finite and >= 0 (0 = greedy); got "
@@ -164,7 +174,7 @@ def row_params(hidden: torch.Tensor, temperature, seed, offset) -> RowParams:
     elif isinstance(temperature, (int, float)) and not isinstance(temperature, bool):
         if not math.isfinite(temperature) or temperature < 0:
             raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {temperature}")
-        inv_temp = _filled(B, inverse_temperature(temperature), torch.float32, dev)
+        inv_temp = _filled(B, inverse_temperature(temperature), torch.float32, dev, in_capture)
     else:
         raise TypeError(f"temperature must be a float or a Tensor[B], got {type(temperature).__name__}")
 
@@ -175,7 +185,7 @@ def row_params(hidden: torch.Tensor, temperature, seed, offset) -> RowParams:
     elif isinstance(seed, int) and not isinstance(seed, bool):
         if not -(1 << 63) <= seed < (1 << 63):
             raise ValueError(f"seed must fit in int64, got {seed}")
-        seed_t = _filled(B, seed, torch.int64, dev)
+        seed_t = _filled(B, seed, torch.int64, dev, in_capture)
     else:
         raise TypeError(f"seed must be None, an int or a Tensor[B] int64, got {type(seed).__name__}")
 
@@ -184,20 +194,20 @@ def row_params(hidden: torch.Tensor, temperature, seed, offset) -> RowParams:
     elif isinstance(offset, int) and not isinstance(offset, bool):
         if not -(1 << 63) <= offset < (1 << 63):
             raise ValueError(f"offset must fit in int64, got {offset}")
-        offset_t = _filled(B, offset, torch.int64, dev)
+        offset_t = _filled(B, offset, torch.int64, dev, in_capture)
     else:
         raise TypeError(f"offset must be an int or a Tensor[B] int64, got {type(offset).__name__}")
     return RowParams(inv_temp, seed_t, offset_t)
 
 
-def skip_tensor_checks(device) -> bool:
+def skip_tensor_checks(device, in_capture: bool | None = None) -> bool:
     """Whether tensor contents go unchecked: during CUDA-graph capture (a host
     synchronisation cannot be captured) or with TPSAMPLE_CHECK_TENSORS=0."""
-    return not knobs.CHECK_TENSORS or (device.type == "cuda"
-                                       and torch.cuda.is_current_stream_capturing())
+    return not knobs.CHECK_TENSORS or (capturing(device) if in_capture is None else in_capture)
 
 
-def _filter_param(name: str, value, B: int, device, *, is_int: bool, ok, rule: str, off):
+def _filter_param(name: str, value, B: int, device, *, is_int: bool, ok, rule: str, off,
+                  in_capture: bool):
     """One per-row filter parameter: None | scalar | Tensor[B] → Tensor[B] or None (off on
     every row). Tensors are range-checked with one host sync, except during graph capture."""
     if value is None:
@@ -206,7 +216,7 @@ def _filter_param(name: str, value, B: int, device, *, is_int: bool, ok, rule: s
         dtypes = (torch.int32, torch.int64) if is_int else (torch.float32, torch.float64,
                                                             torch.float16, torch.bfloat16)
         t = _per_row_tensor(name, value, B, device, dtypes)
-        if not skip_tensor_checks(device):
+        if not skip_tensor_checks(device, in_capture):
             bad = ~ok(t.double())
             if bool(bad.any()):
                 raise ValueError(f"{name} must be {rule}; got {t[bad][:4].tolist()} in rows "
@@ -222,21 +232,31 @@ def _filter_param(name: str, value, B: int, device, *, is_int: bool, ok, rule: s
         raise ValueError(f"{name} must be {rule}, got {value!r}")
     if value == off or (is_int and value == -1):
         return None
-    return _filled(B, value, torch.int32 if is_int else torch.float32, device)
+    return _filled(B, value, torch.int32 if is_int else torch.float32, device, in_capture)
 
 
 def filter_params(hidden: torch.Tensor, top_k, top_p, min_p, top_logprobs, num_samples: int,
-                  replacement, logprobs_mode, vocab_size: int) -> Filters:
-    """Validate and normalise the filter arguments of tpsample.sample (see its docstring)."""
+                  replacement, logprobs_mode, vocab_size: int,
+                  in_capture: bool | None = None) -> Filters:
+    """Validate and normalise the filter arguments of tpsample.sample (see its docstring).
+    in_capture: capturing(hidden.device), if known."""
+    if (top_k is None and top_p is None and min_p is None and type(top_logprobs) is int
+            and top_logprobs == 0 and replacement is True and logprobs_mode == "processed"):
+        return NO_FILTERS  # the defaults: nothing to check
     B, dev = hidden.shape[0], hidden.device
+    if in_capture is None:
+        in_capture = capturing(dev)
     k = _filter_param("top_k", top_k, B, dev, is_int=True, off=0,
-                      ok=lambda t: (t >= -1) & (t < 2 ** 31), rule="an int >= -1 (0 or -1 = off)")
+                      ok=lambda t: (t >= -1) & (t < 2 ** 31), rule="an int >= -1 (0 or -1 = off)",
+                      in_capture=in_capture)
     if isinstance(top_k, torch.Tensor):
         k = k.clamp(min=0)  # -1 and 0 both mean off (scalars: _filter_param)
     p = _filter_param("top_p", top_p, B, dev, is_int=False, off=1.0,
-                      ok=lambda t: (t > 0) & (t <= 1), rule="in (0, 1] (1 = off)")
+                      ok=lambda t: (t > 0) & (t <= 1), rule="in (0, 1] (1 = off)",
+                      in_capture=in_capture)
     m = _filter_param("min_p", min_p, B, dev, is_int=False, off=0.0,
-                      ok=lambda t: (t >= 0) & (t < 1), rule="in [0, 1) (0 = off)")
+                      ok=lambda t: (t >= 0) & (t < 1), rule="in [0, 1) (0 = off)",
+                      in_capture=in_capture)
     if (not isinstance(top_logprobs, int) or isinstance(top_logprobs, bool)
             or not 0 <= top_logprobs <= min(vocab_size, MAX_TOP_LOGPROBS)):
         raise ValueError(f"top_logprobs must be an int in [0, {min(vocab_size, MAX_TOP_LOGPROBS)}]"

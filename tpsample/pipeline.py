@@ -134,8 +134,10 @@ class Pipeline:
         fanout = self.transport.fanout()
         fixed = weight is self.fixed_weight
         per_call = dict(hidden=hidden, inv_temp=params.inv_temp, seed=params.seed,
-                        offset=params.offset, bias=bias,
-                        **constraint_tensors(constraints, hidden, self._mask_words(weight, vocab_start)))
+                        offset=params.offset, bias=bias)
+        if constraints.any:
+            per_call.update(constraint_tensors(constraints, hidden,
+                                               self._mask_words(weight, vocab_start)))
         if not fixed:
             per_call["weight"] = weight
         key = None
@@ -380,7 +382,12 @@ def constraint_tensors(c: C.Constraints, hidden: torch.Tensor, words: int) -> di
 
 def constraint_key(c: C.Constraints) -> tuple:
     """What a replay depends on in the constraints: which are present and their shapes."""
+    if c is C.NO_CONSTRAINTS:
+        return _NO_CONSTRAINT_KEY
     return tuple(None if t is None else tuple(t.shape) for t in c)
+
+
+_NO_CONSTRAINT_KEY = (None,) * len(C.NO_CONSTRAINTS)
 
 
 def stage1_constrained(plan: Plan, hidden, weight, bias, params: RowParams, out_view,

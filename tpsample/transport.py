@@ -346,6 +346,7 @@ class SymmMemTransport(Transport):
         self.calls = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.status = torch.zeros(self.world, dtype=torch.int32, pin_memory=True)
         self._status = self.status.numpy()
+        self._status_words = memoryview(self._status)  # any() over it: ~0.1 µs, numpy's ~1-2
         flags_handle.barrier(channel=0)  # once: every rank's flags are zero before any signal
         self._flags_handle = flags_handle
 
@@ -378,7 +379,7 @@ class SymmMemTransport(Transport):
     def check(self, synchronize: bool = False) -> None:
         if synchronize and self.flags is not None:
             torch.cuda.current_stream(self.device).synchronize()
-        if self.failure is None and self.flags is not None and self._status.any():
+        if self.failure is None and self.flags is not None and any(self._status_words):
             missing = [int(p) for p in self._status.nonzero()[0]]
             call = int(self._status.max())
             self._fail(f"{self._who()}: peer rank(s) {missing} did not reach exchange #{call} "

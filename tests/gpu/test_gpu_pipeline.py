@@ -95,6 +95,10 @@ def test_sample_replay_equals_a_dispatched_call(B, S, with_bias, force, monkeypa
     tpsample.sample(**first)
     (pipe,) = api._PIPELINES.values()
     assert len(pipe.replays) == 1
+    if replay.TRITON_VERSION == (3, 6) and replay.knobs.DIRECT_LAUNCH:  # what is compared below
+        launches = [c for stage in next(iter(pipe.replays.calls.values()))
+                    for _, c, *_ in stage.launches if c is not None]
+        assert launches and all(isinstance(c, replay._DirectLaunch) for c in launches)
     if force == "pp" and hopper():  # the recorded stage 1 is the ping-pong kernel's launch
         from tpsample.kernels import gluon_pingpong
         stage1 = next(iter(pipe.replays.calls.values()))[0]
