@@ -30,7 +30,9 @@ shape. Without CUDA: D=256 V=8192, B=1,4,16, perf_counter medians (indicative on
 Tensor parallel (under torchrun; --mode tp; N may be 1): each rank holds a random bf16
 shard of a D x V head (the first V % N ranks one row more); h is equal on all ranks.
 Variants: mm_local, allgather_multinomial, allgather_gumbel (all-gathered logits, then
-sampling) and tpsample_<transport> (VocabParallelSampler). Latency: CUDA events around each
+sampling) and tpsample_<transport> (VocabParallelSampler); with --filters also
+tpsample_<transport>_kpm: top_k=50, top_p=0.9, min_p=0.05 on a shard of the --filters typical
+head (its own h), with the share of rows that took the exact fallback. Latency: CUDA events around each
 call + host sync, median per rank, max over ranks: eager; eager with the ranks' GPUs lined
 up by a one-element all-reduce before each call (as the model's last collective does);
 CUDA-graph replay of one captured call. Writes OUT/tp<N>.json (rank 0). --profile: device
@@ -310,6 +312,11 @@ def tp_markdown(runs: list, doc: str | None, label: str) -> str:
                                   if k in r[n]) for n in names]
                 cells += [f"{r[BASE]['eager_ms'] / r[n]['eager_ms']:.2f}" for n in tps]
                 lines.append(f"| {B} | " + " | ".join(cells) + " |")
+            shares = [r[n]["fallback_share"] for r in s["results"].values() for n in tps
+                      if "fallback_share" in r[n]]
+            if shares:
+                lines += ["", f"Filtered calls (typical-entropy head): {min(shares):.3f}–"
+                              f"{max(shares):.3f} of their rows took the exact fallback."]
             lines.append("")
     if len(runs) > 1:
         tps = sorted(r["world"] for r in runs)
@@ -761,10 +768,12 @@ def make_shard(D, V, rank, world, dev) -> torch.Tensor:
     return torch.randn(split_rows(V, world)[rank], D, generator=g, device=dev, dtype=torch.bfloat16).mul_(D ** -0.5)
 
 
-def make_samplers(W, V, transports, max_batch, dev, merge="max", filters=False) -> dict:
+def make_samplers(W, V, transports, max_batch, dev, merge="max", filters=False,
+                  filter_weight=None) -> dict:
     """{variant: sampler}; a transport that fails on any rank is skipped on all of them. With
     filters, each transport also gets a sampler with the tile log-masses (`tpsample_<t>_kpm`),
-    which filtered calls need; the plain one stays tokens-only."""
+    which filtered calls need, on filter_weight when given (else W); the plain one stays
+    tokens-only."""
     import tpsample
     out, backend = {}, "auto" if dev.type == "cuda" else "torch"
     # plain calls: tokens only, like the baselines (stage 1 skips the log-masses where the
@@ -774,7 +783,8 @@ def make_samplers(W, V, transports, max_batch, dev, merge="max", filters=False) 
         for suffix, logprobs in kinds:
             s, why = None, "failed on another rank"
             try:
-                s = tpsample.VocabParallelSampler(W, vocab_size=V, transport=t, check_inputs=False,
+                shard = filter_weight if suffix and filter_weight is not None else W
+                s = tpsample.VocabParallelSampler(shard, vocab_size=V, transport=t, check_inputs=False,
                                                   max_batch=max_batch, backend=backend, merge=merge,
                                                   logprobs=logprobs)
             except Exception as e:  # noqa: BLE001 - report the reason and go on
@@ -786,7 +796,16 @@ def make_samplers(W, V, transports, max_batch, dev, merge="max", filters=False) 
     return out
 
 
-def tp_variants(h, W, V, samplers, seed, step) -> dict:
+def typical_shard(D: int, V: int, B: int, rank: int, world: int, dev):
+    """This rank's rows of typical_head's W (the one-device --filters head, whose logits have
+    the entropy of LM next-token distributions) and its h [B, D]: filtered TP calls on random
+    heads would measure the exact fallback, which realistic rows rarely take."""
+    h, w = typical_head(D, V, B, torch.bfloat16, "cpu")
+    start = sum(split_rows(V, world)[:rank])
+    return h.to(dev), w[start:start + split_rows(V, world)[rank]].to(dev)
+
+
+def tp_variants(h, W, V, samplers, seed, step, h_filtered=None) -> dict:
     rows = split_rows(V, dist.get_world_size())
     def gather_logits():
         local = h @ W.T
@@ -802,7 +821,9 @@ def tp_variants(h, W, V, samplers, seed, step) -> dict:
     fns = {"mm_local": lambda: h @ W.T, BASE: multinomial, "allgather_gumbel": gumbel}
     for name, s in samplers.items():
         if name.endswith("_kpm"):  # one host synchronisation per call: no CUDA-graph column
-            fns[name] = lambda s=s: s(h, seed=seed, offset=step, top_k=50, top_p=0.9, min_p=0.05)
+            hf = h if h_filtered is None else h_filtered
+            fns[name] = lambda s=s, hf=hf: s(hf, seed=seed, offset=step, top_k=50, top_p=0.9,
+                                             min_p=0.05)
         else:
             fns[name] = lambda s=s: s(h, seed=seed, offset=step)
     return fns
@@ -821,13 +842,18 @@ def check_tokens(name, fn, graph, graph_out, dev) -> list[str]:
     return [f"{name} B={eager.shape[0]}: {n}" for n in notes]
 
 
-def bench_batch(D, V, B, W, samplers, args, dev):
+def bench_batch(D, V, B, W, samplers, args, dev, h_filtered=None):
     g = torch.Generator(device=dev).manual_seed(0)  # the same h on every rank
     h = torch.randn(B, D, generator=g, device=dev, dtype=torch.bfloat16)
     seed, step = (torch.full((B,), v, dtype=torch.int64, device=dev) for v in (1234, 7))  # fixed, on device
     res, warns = {}, []
-    for name, fn in tp_variants(h, W, V, samplers, seed, step).items():
+    for name, fn in tp_variants(h, W, V, samplers, seed, step, h_filtered).items():
+        pipe = samplers[name].pipeline if name in samplers else None
+        before = (pipe.fallback_rows, pipe.candidate_rows) if pipe is not None else None
         r = res[name] = {"eager_ms": time_calls(fn, dev, args.iters)}
+        if pipe is not None and pipe.candidate_rows > before[1]:
+            r["fallback_share"] = ((pipe.fallback_rows - before[0])
+                                   / (pipe.candidate_rows - before[1]))
         if dev.type == "cuda":
             r["eager_aligned_ms"] = time_calls(fn, dev, args.iters, align=True)
         filtered = name.endswith("_kpm")  # reads a flag back per call: not capturable
@@ -877,18 +903,21 @@ def run_tp(args):
     shapes, warns = [], []
     for D, V in args.shapes:
         W = make_shard(D, V, rank, world, dev)
+        h_typ, W_typ = (typical_shard(D, V, max(args.batches), rank, world, dev) if args.filters
+                        else (None, None))
         samplers = make_samplers(W, V, args.transports, max(args.batches), dev, args.merge,
-                                 args.filters)
+                                 args.filters, W_typ)
         shapes.append({"D": D, "V": V, "shard_rows": split_rows(V, world), "results": {}})
         for B in args.batches:
             t0 = time.perf_counter()
-            res, w = bench_batch(D, V, B, W, samplers, args, dev)
+            res, w = bench_batch(D, V, B, W, samplers, args, dev,
+                                 None if h_typ is None else h_typ[:B].contiguous())
             shapes[-1]["results"][B], warns = res, warns + w
             if rank == 0:
                 cells = " ".join(f"{short(n)}={fmt(r['eager_ms'])}/{fmt(r.get('graph_ms'))}" for n, r in res.items())
                 log("".join(f"WARNING: {x}\n" for x in w) + f"[tp{world} {D}x{V} B={B}] {cells} ms "
                     f"({time.perf_counter() - t0:.1f} s)")
-        del W, samplers
+        del W, W_typ, h_typ, samplers
         gc.collect()
         torch.cuda.empty_cache()  # no-op without CUDA
     if rank == 0:

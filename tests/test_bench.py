@@ -48,9 +48,12 @@ def test_tp_mode_under_torchrun_and_report(tmp_path):
     assert set(meta["shapes"][0]["results"]["4"]) == {"mm_local", "allgather_multinomial",
                                                       "allgather_gumbel", "tpsample_gloo",
                                                       "tpsample_gloo_kpm"}
+    kpm = meta["shapes"][0]["results"]["4"]["tpsample_gloo_kpm"]
+    assert 0 <= kpm["fallback_share"] <= 1  # the filtered calls' rows: counted
     text = run([sys.executable, "-m", "tpsample.launch.bench", "--report", str(tmp_path / "tp1.json"),
                 str(tmp_path / "tp2.json"), "--doc", str(tmp_path / "p.md"), "--label", "TP"], tmp_path)
     assert "Scaling, D=64, V=1000" in text and "| TP1 | TP2 |" in text
+    assert "of their rows took the exact fallback" in text
 
 
 def run_mode(tmp_path, flag: str, label: str):
