@@ -315,8 +315,10 @@ def tp_markdown(runs: list, doc: str | None, label: str) -> str:
             shares = [r[n]["fallback_share"] for r in s["results"].values() for n in tps
                       if "fallback_share" in r[n]]
             if shares:
-                lines += ["", f"Filtered calls (typical-entropy head): {min(shares):.3f}–"
-                              f"{max(shares):.3f} of their rows took the exact fallback."]
+                took = (f"{min(shares):.3f}–{max(shares):.3f} of their rows" if max(shares) > 0
+                        else "none of their rows")
+                lines += ["", f"Filtered calls (typical-entropy head): {took} took the exact "
+                              "fallback."]
             lines.append("")
     if len(runs) > 1:
         tps = sorted(r["world"] for r in runs)

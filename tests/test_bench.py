@@ -53,7 +53,7 @@ def test_tp_mode_under_torchrun_and_report(tmp_path):
     text = run([sys.executable, "-m", "tpsample.launch.bench", "--report", str(tmp_path / "tp1.json"),
                 str(tmp_path / "tp2.json"), "--doc", str(tmp_path / "p.md"), "--label", "TP"], tmp_path)
     assert "Scaling, D=64, V=1000" in text and "| TP1 | TP2 |" in text
-    assert "of their rows took the exact fallback" in text
+    assert "of their rows took the exact fallback" in text or "none of their rows" in text
 
 
 def run_mode(tmp_path, flag: str, label: str):
