@@ -167,7 +167,7 @@ class _DirectLaunch:
     base (shape and strides are part of the call key). Only for kernels without scratch
     memory, on the launcher layout it was written against; else the launch goes through
     compiled.run (Replay.__call__)."""
-    __slots__ = ("raw", "function", "head", "args", "tensor_slots", "desc_slots")
+    __slots__ = ("raw", "function", "head", "args", "tensor_slots", "desc_slots", "fill_tma")
 
     @staticmethod
     def of(compiled, full: list, slots: list, recorded: tuple):
@@ -204,16 +204,15 @@ class _DirectLaunch:
                 m = meta[desc_at.index(i)]
                 if i in slot_desc:
                     name, template = slot_desc[i]
-                    if m is None:  # a descriptor the kernel takes apart (no TMA): not here
+                    # (a descriptor the kernel takes apart without TMA, or fp4's padded
+                    # shape: none of ours; through compiled.run)
+                    if m is None or m["fp4_padded"]:
                         return None
                     expanded = nv.make_tensordesc_arg(recorded[i], m)
-                    shape = template.shape
-                    if m["fp4_padded"]:
-                        shape = list(shape)
-                        shape[-1] *= 2
                     fill = (m["swizzle"], m["elem_size"],
                             nv.TMA_DTYPE_DEVICE_TO_HOST[m["elem_type"]], m["block_size"],
-                            shape, template.strides, 1 if template.padding == "nan" else 0)
+                            template.shape, template.strides,
+                            1 if template.padding == "nan" else 0)
                     desc_slots.append((len(out), name, fill))
                     out.extend([None, *expanded[1:]])
                 else:
@@ -225,17 +224,16 @@ class _DirectLaunch:
         self = _DirectLaunch()
         self.raw, self.function, self.head = raw, compiled.function, head
         self.args, self.tensor_slots, self.desc_slots = out, tensor_slots, desc_slots
+        self.fill_tma = driver.active.utils.fill_tma_descriptor if desc_slots else None
         return self
 
     def __call__(self, grid3, stream: int, tensors: dict) -> None:
         args = list(self.args)
         for i, name in self.tensor_slots:
             args[i] = tensors[name]
-        if self.desc_slots:
-            fill_tma = driver.active.utils.fill_tma_descriptor
-            for i, name, (swizzle, size, dtype, block, shape, strides, pad) in self.desc_slots:
-                args[i] = fill_tma(tensors[name].data_ptr(), swizzle, size, dtype, block,
-                                   shape, strides, pad)
+        for i, name, (swizzle, size, dtype, block, shape, strides, pad) in self.desc_slots:
+            args[i] = self.fill_tma(tensors[name].data_ptr(), swizzle, size, dtype, block,
+                                    shape, strides, pad)
         gx, gy, gz = grid3
         self.raw(gx, gy, gz, stream, self.function, *self.head, *args)
 
