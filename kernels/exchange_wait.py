@@ -65,12 +65,33 @@ def _store_peers(flags_ptr, peer_flags_ptr, p, ok, value):
 @triton.jit
 def signal_wait_kernel(flags_ptr, peer_flags_ptr, calls_ptr, status_ptr, buf_ptr, parity_ptr,
                        peer_ptrs_ptr, rank, world, slot_numel, parity_stride, timeout_ns,
-                       WORLD_P2: tl.constexpr, USE_CLOCK: tl.constexpr, BLOCK: tl.constexpr):
+                       cond_ptr, cond_n, WORLD_P2: tl.constexpr, USE_CLOCK: tl.constexpr,
+                       BLOCK: tl.constexpr, COND: tl.constexpr = False,
+                       BLOCK_C: tl.constexpr = 16):
     # flags_ptr: int64 [world], this rank's flags (symmetric memory); peer_flags_ptr: int64
     # [world], the address of flags[rank] in each peer's flags; calls_ptr: int64 [1];
     # status_ptr: int32 [world]; buf_ptr: this rank's records buffer (two halves of
     # parity_stride floats, slot p of a half at p * slot_numel); parity_ptr[0]: the half
     # this call's stage 1 wrote; peer_ptrs_ptr: int64 [2, world], stage 1's fan-out addresses.
+    # COND: an exchange only when some cond[i] != 0 (cond: int32 [cond_n], equal on every
+    # rank, as the filtered-sampling fallback's flags are), else nothing at all.
+    go = True
+    if COND:
+        n = tl.cast(0, tl.int32)
+        for i0 in range(0, cond_n, BLOCK_C):
+            i = i0 + tl.arange(0, BLOCK_C)
+            n += tl.sum((tl.load(cond_ptr + i, mask=i < cond_n, other=0) != 0).to(tl.int32))
+        go = n > 0
+    if go:
+        _signal_wait(flags_ptr, peer_flags_ptr, calls_ptr, status_ptr, buf_ptr, parity_ptr,
+                     peer_ptrs_ptr, rank, world, slot_numel, parity_stride, timeout_ns,
+                     WORLD_P2, USE_CLOCK, BLOCK)
+
+
+@triton.jit
+def _signal_wait(flags_ptr, peer_flags_ptr, calls_ptr, status_ptr, buf_ptr, parity_ptr,
+                 peer_ptrs_ptr, rank, world, slot_numel, parity_stride, timeout_ns,
+                 WORLD_P2: tl.constexpr, USE_CLOCK: tl.constexpr, BLOCK: tl.constexpr):
     p = tl.arange(0, WORLD_P2)
     ok = p < world
     calls = tl.load(calls_ptr)

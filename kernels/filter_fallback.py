@@ -24,15 +24,21 @@ from .fused_sample import NOISE_COEF, gumbel_log, philox_word
 @triton.jit
 def fallback_logits_kernel(h_ptr, w_ptr, bias_ptr, inv_temp_ptr, flag_ptr, out_ptr, B, V_rows,
                            n_real, D, stride_hb, stride_wv, stride_ob, mask_ptr, stride_mask,
-                           vocab_start, HAS_BIAS: tl.constexpr, BLOCK_V: tl.constexpr,
+                           vocab_start, peer_ptrs_ptr, world, calls_ptr,
+                           HAS_BIAS: tl.constexpr, BLOCK_V: tl.constexpr,
                            BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
-                           HAS_MASK: tl.constexpr = False, PDL: tl.constexpr = False):
+                           HAS_MASK: tl.constexpr = False, PDL: tl.constexpr = False,
+                           FANOUT: tl.constexpr = False):
     """out[b, tile] = (h[b] . W[tile] + bias) * (1/T_b), -inf from n_real on, for the rows
     b with flag[b] != 0 (out: fp32 [B, tiles * BLOCK_V]; other rows are not written).
     HAS_MASK: also -inf where the row's mask (int32 [B, W], global ids) has a 0 bit; listed
     tokens of constrained decoding come after (listed_records_kernel, FALLBACK). PDL: a
     programmatic dependent of the filter kernel (it waits for the flags, then lets its own
-    dependent start: the near-empty launches of a call without flagged rows overlap)."""
+    dependent start: the near-empty launches of a call without flagged rows overlap).
+    FANOUT (tensor parallel): out is this rank's shard slot of a [world, B, tiles * BLOCK_V]
+    buffer and each row is stored into that slot of every rank's buffer (peer_ptrs: int64
+    [world], the slot's address in each rank's buffer, symmetric memory); a rank whose
+    exchange has failed (calls[0] < 0) stores nothing."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -42,6 +48,8 @@ def fallback_logits_kernel(h_ptr, w_ptr, bias_ptr, inv_temp_ptr, flag_ptr, out_p
     for b0 in range(0, B, BLOCK_F):
         fb = b0 + tl.arange(0, BLOCK_F)
         flagged += tl.sum(tl.load(flag_ptr + fb, mask=fb < B, other=0))
+    if FANOUT:
+        flagged = tl.where(tl.load(calls_ptr) < 0, 0, flagged)
     if flagged > 0:
         mask_v = offs_v < V_rows
         for b in range(B):
@@ -66,21 +74,39 @@ def fallback_logits_kernel(h_ptr, w_ptr, bias_ptr, inv_temp_ptr, flag_ptr, out_p
                 inv = tl.load(inv_temp_ptr + b)
                 l = acc * tl.where(inv == 0.0, 1.0, inv)
                 l = tl.where(offs_v < n_real, l, NEG_INF)
-                tl.store(out_ptr + tl.cast(b, tl.int64) * stride_ob + offs_v, l)
+                at = tl.cast(b, tl.int64) * stride_ob + offs_v
+                if FANOUT:
+                    for q in range(world):  # the peer's slot as an offset from out_ptr
+                        delta = (tl.load(peer_ptrs_ptr + q)
+                                 - out_ptr.to(tl.int64, bitcast=True)) >> 2
+                        tl.store(out_ptr + delta + at, l)
+                else:
+                    tl.store(out_ptr + at, l)
 
 
 @triton.jit
-def row_keys(row, v0, N, vocab_start, BLOCK: tl.constexpr):
-    """Logits and order keys (-1: not a candidate, x = -inf) of row[v0 : v0 + BLOCK]."""
+def row_keys(row, v0, N, vocab_start, slots, BLOCK: tl.constexpr, SLOTTED: tl.constexpr):
+    """Logits, order keys (-1: not a candidate, x = -inf) and global ids of the row's
+    columns [v0, v0 + BLOCK). The row is row[0 : N] (ids from vocab_start) or, SLOTTED, the
+    ranks' shards one after the other: slots = (columns per shard n, the shard stride in
+    floats, starts_ptr: int64 [world], each shard's first global id)."""
     v = v0 + tl.arange(0, BLOCK)
-    x = tl.load(row + v, mask=v < N, other=NEG_INF)
-    key = tl.where(x > NEG_INF, order_key(x, vocab_start + v), -1)
-    return x, key
+    if SLOTTED:
+        n, stride, starts_ptr = slots
+        slot = v // n
+        col = v - slot * n
+        x = tl.load(row + slot.to(tl.int64) * stride + col, mask=v < N, other=NEG_INF)
+        gid = tl.load(starts_ptr + slot, mask=v < N, other=0).to(tl.int32) + col
+    else:
+        x = tl.load(row + v, mask=v < N, other=NEG_INF)
+        gid = vocab_start + v
+    key = tl.where(x > NEG_INF, order_key(x, gid), -1)
+    return x, key, gid
 
 
 @triton.jit
-def key_cut(row, N, vocab_start, floor_key, target, xmax, MASS: tl.constexpr,
-            BLOCK: tl.constexpr):
+def key_cut(row, N, vocab_start, slots, floor_key, target, xmax, MASS: tl.constexpr,
+            BLOCK: tl.constexpr, SLOTTED: tl.constexpr):
     """The largest c >= floor_key (int64) whose tokens {key >= c} reach `target`: in number
     (MASS False: the target-th largest key; floor_key when the row has fewer) or in mass
     exp(x - xmax) (MASS: the key of the token where the prefix mass, in order, first reaches
@@ -91,7 +117,7 @@ def key_cut(row, N, vocab_start, floor_key, target, xmax, MASS: tl.constexpr,
         mid = lo + (hi - lo + 1) // 2
         total = tl.cast(0.0, tl.float32)
         for v0 in range(0, N, BLOCK):
-            x, key = row_keys(row, v0, N, vocab_start, BLOCK)
+            x, key, gid = row_keys(row, v0, N, vocab_start, slots, BLOCK, SLOTTED)
             if MASS:
                 total += tl.sum(tl.where(key >= mid, tl.exp(x - xmax), 0.0))
             else:
@@ -106,19 +132,39 @@ def key_cut(row, N, vocab_start, floor_key, target, xmax, MASS: tl.constexpr,
 def fallback_rows_kernel(
     l_ptr, stride_lb, N, vocab_start, inv_temp_ptr, seed_ptr, offset_ptr, top_k_ptr, top_p_ptr,
     min_p_ptr, tokens_ptr, logprobs_ptr, logz_ptr, top_tok_ptr, top_lp_ptr, flag_ptr,
-    scratch_ptr, count_ptr, S, n_top,
+    scratch_ptr, count_ptr, S, n_top, starts_ptr, slot_n, slot_stride, calls_ptr,
     HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_M: tl.constexpr, RAW: tl.constexpr,
     REPLACE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, CAP: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, SLOTTED: tl.constexpr = False,
 ):
     """Rows b with flag[b] != 0: logits l [B, N] (fallback_logits_kernel) → their tokens,
     log-probs and log Z [B, S] / [B] when the row is filtered, and their top-n [B, n_top]
     (the outputs of filter_records_kernel, overwritten); count[0] += the rows done. PDL: a
-    programmatic dependent of the kernel before it (fallback_logits or listed_fallback)."""
+    programmatic dependent of the kernel before it (fallback_logits or listed_fallback).
+    SLOTTED (tensor parallel): l is [world, B, slot_n], every rank's shard of the rows
+    (stride_lb = slot_n, slot_stride = B * slot_n; shard r's first global id starts[r]),
+    gathered by the exchange of kernels/exchange_wait.py; when that exchange failed
+    (calls[0] < 0) the flagged rows get the degenerate outputs (token 0, NaN log-probs)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
-    if tl.load(flag_ptr + b) != 0:
+    slots = (slot_n, slot_stride, starts_ptr)
+    flagged = tl.load(flag_ptr + b) != 0
+    if SLOTTED:
+        calls = tl.load(calls_ptr)
+        if flagged & (calls < 0):
+            nan = float("nan")
+            for s in range(S):
+                tl.store(tokens_ptr + b.to(tl.int64) * S + s, tl.cast(0, tl.int64))
+                tl.store(logprobs_ptr + b.to(tl.int64) * S + s, nan)
+            tl.store(logz_ptr + b, nan)
+            q = tl.arange(0, BLOCK_N)
+            tl.store(top_tok_ptr + b.to(tl.int64) * n_top + q, tl.zeros_like(q).to(tl.int64),
+                     mask=q < n_top)
+            tl.store(top_lp_ptr + b.to(tl.int64) * n_top + q, tl.full((BLOCK_N,), nan, tl.float32),
+                     mask=q < n_top)
+        flagged = flagged & (calls >= 0)
+    if flagged:
         tl.atomic_add(count_ptr, 1)
         row = l_ptr + b.to(tl.int64) * stride_lb
         inv = tl.load(inv_temp_ptr + b)
@@ -128,11 +174,11 @@ def fallback_rows_kernel(
         off_hi = ((off >> 32) & 0xFFFFFFFF).to(tl.uint32)
         xmax = tl.cast(NEG_INF, tl.float32)
         for v0 in range(0, N, BLOCK):
-            x, key = row_keys(row, v0, N, vocab_start, BLOCK)
+            x, key, gid = row_keys(row, v0, N, vocab_start, slots, BLOCK, SLOTTED)
             xmax = tl.maximum(xmax, tl.max(x))
         z = tl.cast(0.0, tl.float32)  # flagged rows are finite: xmax is
         for v0 in range(0, N, BLOCK):
-            x, key = row_keys(row, v0, N, vocab_start, BLOCK)
+            x, key, gid = row_keys(row, v0, N, vocab_start, slots, BLOCK, SLOTTED)
             z += tl.sum(tl.exp(x - xmax))
         logz = xmax + tl.log(z)
 
@@ -144,16 +190,16 @@ def fallback_rows_kernel(
         if filtered:
             zk = z
             if k > 0:
-                cut = key_cut(row, N, vocab_start, tl.cast(0, tl.int64), k, 0.0, False, BLOCK)
+                cut = key_cut(row, N, vocab_start, slots, tl.cast(0, tl.int64), k, 0.0, False, BLOCK, SLOTTED)
                 zk = tl.cast(0.0, tl.float32)
                 for v0 in range(0, N, BLOCK):
-                    x, key = row_keys(row, v0, N, vocab_start, BLOCK)
+                    x, key, gid = row_keys(row, v0, N, vocab_start, slots, BLOCK, SLOTTED)
                     zk += tl.sum(tl.where(key >= cut, tl.exp(x - xmax), 0.0))
             if p < 1.0:
-                cut = key_cut(row, N, vocab_start, cut, p * zk, xmax, True, BLOCK)
+                cut = key_cut(row, N, vocab_start, slots, cut, p * zk, xmax, True, BLOCK, SLOTTED)
         kept_mass = tl.cast(0.0, tl.float32)
         for v0 in range(0, N, BLOCK):
-            x, key = row_keys(row, v0, N, vocab_start, BLOCK)
+            x, key, gid = row_keys(row, v0, N, vocab_start, slots, BLOCK, SLOTTED)
             e = tl.exp(x - xmax)
             kept_mass += tl.sum(tl.where((key >= cut) & (e >= m), e, 0.0))
         lz = tl.where(filtered, xmax + tl.log(kept_mass), logz)
@@ -163,7 +209,7 @@ def fallback_rows_kernel(
             rmax = xmax * to_raw
             rs = tl.cast(0.0, tl.float32)
             for v0 in range(0, N, BLOCK):
-                x, key = row_keys(row, v0, N, vocab_start, BLOCK)
+                x, key, gid = row_keys(row, v0, N, vocab_start, slots, BLOCK, SLOTTED)
                 rs += tl.sum(tl.exp(x * to_raw - rmax))
             logz_raw = rmax + tl.log(rs)
 
@@ -176,9 +222,8 @@ def fallback_rows_kernel(
                 best = tl.cast(-1, tl.int64)
                 best_x = tl.cast(NEG_INF, tl.float32)
                 for v0 in range(0, N, BLOCK):
-                    x, key = row_keys(row, v0, N, vocab_start, BLOCK)
+                    x, key, gid = row_keys(row, v0, N, vocab_start, slots, BLOCK, SLOTTED)
                     keep = (key >= cut) & (tl.exp(x - xmax) >= m)
-                    gid = vocab_start + v0 + tl.arange(0, BLOCK)
                     zs = tl.fma(gumbel_log(philox_word(seed, off_lo, off_hi, c1, gid)),
                                 NOISE_COEF, x)
                     zkey = tl.where(keep, order_key(zs, gid), -1)
@@ -203,11 +248,11 @@ def fallback_rows_kernel(
                 tl.store(logz_ptr + b, lz)
 
         if n_top > 0:  # the first n of the order: compact the keys >= the n-th, sort them
-            cn = key_cut(row, N, vocab_start, tl.cast(0, tl.int64), n_top, 0.0, False, BLOCK)
+            cn = key_cut(row, N, vocab_start, slots, tl.cast(0, tl.int64), n_top, 0.0, False, BLOCK, SLOTTED)
             scratch = scratch_ptr + b.to(tl.int64) * CAP
             taken = tl.cast(0, tl.int32)
             for v0 in range(0, N, BLOCK):
-                x, key = row_keys(row, v0, N, vocab_start, BLOCK)
+                x, key, gid = row_keys(row, v0, N, vocab_start, slots, BLOCK, SLOTTED)
                 sel = (key >= cn) & (key >= 0)
                 pos = taken + tl.cumsum(sel.to(tl.int32), 0) - 1
                 tl.store(scratch + pos, key, mask=sel & (pos < BLOCK_N))

@@ -33,8 +33,8 @@ class Ranks:
         self.parity = torch.zeros(2, dtype=torch.int32, device=device)
         self.device = device
 
-    def exchange(self, rank: int, timeout_s: float = 2e-5) -> float:
-        """One exchange of rank; its wall time in seconds."""
+    def exchange(self, rank: int, timeout_s: float = 2e-5, cond=None) -> float:
+        """One exchange of rank (cond: only if some cond[i] != 0); its wall time in seconds."""
         t0 = time.perf_counter()
         peer_flags = torch.tensor([f.data_ptr() + 8 * rank for f in self.flags],
                                   dtype=torch.int64, device=self.device)
@@ -42,7 +42,7 @@ class Ranks:
         signal_and_wait(self.flags[rank], peer_flags, self.calls[rank], status, self.bufs[rank],
                         self.parity, self.ptrs[rank], rank=rank, world=self.world,
                         slot_numel=self.slot_numel, parity_stride=self.world * self.slot_numel,
-                        timeout_s=timeout_s)
+                        timeout_s=timeout_s, cond=cond)
         self.status[rank].copy_(status.cpu())
         return time.perf_counter() - t0
 
@@ -81,6 +81,25 @@ def test_every_rank_signals_every_peer_and_passes_once_all_arrived(world, device
     r.exchange(0)
     assert r.status[0].tolist() == [0] + [2] * (world - 1)
     assert r.calls[0].item() == -2  # gave up at exchange 2
+
+
+def test_a_conditional_exchange_runs_only_where_a_flag_is_set(device):
+    """cond (the filtered fallback's flags, equal on every rank): all zero, no rank signals or
+    waits (a missing peer cannot fail it); one flag set, the exchange runs as any other."""
+    r = Ranks(2, 4, device)
+    zeros = torch.zeros(37, dtype=torch.int32, device=device)
+    for rank in (0, 1):
+        assert r.exchange(rank, timeout_s=LONG, cond=zeros) < AT_ONCE
+    assert [c.item() for c in r.calls] == [0, 0] and r.told_everyone(0, 0)
+    assert r.told_everyone(1, 0) and r.status[0].tolist() == [0, 0]
+    flagged = zeros.clone()
+    flagged[36] = 1
+    r.exchange(1, cond=flagged)  # rank 0 has not signalled: rank 1 gives up, as without cond
+    assert r.calls[1].item() == -1 and r.status[1].tolist() == [1, 0]
+    r = Ranks(2, 4, device)
+    r.flags[0][1] = 1
+    assert r.exchange(0, timeout_s=LONG, cond=flagged) < AT_ONCE
+    assert r.calls[0].item() == 1 and r.told_everyone(0, 1)
 
 
 def test_a_missing_peer_times_out_and_rank_gives_up_telling_its_peers(device):

@@ -136,8 +136,10 @@ def exchange_wait_sass(world: int = 2, arch: int = 90) -> str:
     sig = {"flags_ptr": "*i64", "peer_flags_ptr": "*i64", "calls_ptr": "*i64", "status_ptr": "*i32",
            "buf_ptr": "*fp32", "parity_ptr": "*i32", "peer_ptrs_ptr": "*i64", "rank": "i32", "world": "i32",
            "slot_numel": "i32", "parity_stride": "i32", "timeout_ns": "i64",
-           "WORLD_P2": "constexpr", "USE_CLOCK": "constexpr", "BLOCK": "constexpr"}
-    consts = dict(WORLD_P2=triton.next_power_of_2(world), USE_CLOCK=True, BLOCK=1024)
+           "cond_ptr": "*i32", "cond_n": "i32", "WORLD_P2": "constexpr", "USE_CLOCK": "constexpr",
+           "BLOCK": "constexpr", "COND": "constexpr", "BLOCK_C": "constexpr"}
+    consts = dict(WORLD_P2=triton.next_power_of_2(world), USE_CLOCK=True, BLOCK=1024, COND=False,
+                  BLOCK_C=16)
     compiled = triton.compile(ASTSource(signal_wait_kernel, sig, consts, {}),
                               target=GPUTarget("cuda", arch, 32), options=dict(num_warps=1))
     return disassemble(compiled)

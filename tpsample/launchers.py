@@ -15,6 +15,7 @@ buffers too).
 from __future__ import annotations
 
 import functools
+from typing import Callable, NamedTuple
 
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -389,11 +390,27 @@ def stage2_filtered(plan: Plan, recs: torch.Tensor, params: RowParams, filters: 
     return out
 
 
+class FallbackGather(NamedTuple):
+    """Where a tensor-parallel call's device fallback gathers the flagged rows (a transport
+    with rows_gather, tpsample/transport.py): full fp32 [world, B, n] (every rank's shard of
+    the rows, n = tiles * TILE), own = full[rank], peers int64 [world] (own's address in every
+    rank's buffer), calls int64 [1] (the transport's exchange count, < 0 once one failed),
+    starts int64 [world] (each shard's first global id), exchange(flags) (the gather's signal
+    and bounded wait, only where some flag is set)."""
+    full: torch.Tensor
+    own: torch.Tensor
+    peers: torch.Tensor
+    calls: torch.Tensor
+    starts: torch.Tensor
+    exchange: Callable[[torch.Tensor], None]
+
+
 def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params: RowParams,
-                       filters: Filters, out: F.FilteredOutput, logits: torch.Tensor,
+                       filters: Filters, out: F.FilteredOutput, logits: torch.Tensor | None,
                        count: torch.Tensor, *, n_real: int, vocab_start: int = 0,
                        constraints=None, eff_mask: torch.Tensor | None = None,
-                       dots: torch.Tensor | None = None, pdl: bool = False) -> None:
+                       dots: torch.Tensor | None = None, pdl: bool = False,
+                       gather: FallbackGather | None = None) -> None:
     """The exact fallback of one device's call, after stage2_filtered and with no host
     synchronisation (kernels/filter_fallback.py): the rows flagged in out.fallback get their
     logits recomputed into `logits` (fp32 [B, tiles * TILE], scratch) and their outputs
@@ -401,8 +418,14 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
     programmatic dependents (plan.pdl: stage2_filtered's are too). constraints
     (tpsample/constraints.py): the rows' logits take the mask (eff_mask: the tile pass's,
     when the call lists tokens) and then the listed tokens' adjusted logits (from `dots`,
-    what listed_records computed in this call's stage 1)."""
+    what listed_records computed in this call's stage 1). gather (tensor parallel, no
+    listed tokens): the rows' logit shards go to every rank (gather.own in each rank's
+    buffer) and, after gather.exchange, every rank redoes the rows from all shards."""
     B, D = hidden.shape
+    if gather is not None:
+        if constraints is not None and constraints.listed:
+            raise ValueError("the gathered device fallback does not take listed tokens")
+        logits = gather.own
     N = logits.shape[1]
     S = out.tokens.shape[1]
     n = filters.top_n
@@ -416,11 +439,21 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
         hidden, weight, bias if bias is not None else dummy, params.inv_temp, out.fallback,
         logits, B, weight.shape[0], n_real, D, hidden.stride(0), weight.stride(0),
         logits.stride(0), mask if mask is not None else out.fallback,
-        mask.stride(0) if mask is not None else 0, vocab_start),
+        mask.stride(0) if mask is not None else 0, vocab_start,
+        gather.peers if gather is not None else count, 1 if gather is None else gather.peers.numel(),
+        gather.calls if gather is not None else count),
         dict(HAS_BIAS=bias is not None, BLOCK_V=records.TILE, BLOCK_D=64,
              BLOCK_F=min(1024, max(16, 1 << (B - 1).bit_length())), HAS_MASK=mask is not None,
-             PDL=pdl),
+             PDL=pdl, FANOUT=gather is not None),
         launch)
+    rows = dict(l=logits, stride=logits.stride(0), N=N, starts=count, slot_n=N, slot_stride=0,
+                calls=count)
+    if gather is not None:
+        gather.exchange(out.fallback)
+        world = gather.full.shape[0]
+        rows = dict(l=gather.full, stride=N, N=world * N, starts=gather.starts, slot_n=N,
+                    slot_stride=B * N, calls=gather.calls)
+        launch = dict(num_warps=4)  # after the exchange in stream order
     if c is not None and c.listed:
         K = c.ids.shape[1]
         allowed = allowed_or_eff
@@ -433,14 +466,17 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
                  HAS_MASK=c.mask is not None, BLOCK_K=_listed_block(K), PDL=pdl),
             launch)
     run_kernel(filter_fallback.fallback_rows_kernel, (B,), (
-        logits, logits.stride(0), N, vocab_start, params.inv_temp, params.seed, params.offset,
+        rows["l"], rows["stride"], rows["N"], vocab_start, params.inv_temp, params.seed,
+        params.offset,
         filters.top_k if filters.top_k is not None else dummy,
         filters.top_p if filters.top_p is not None else dummy,
         filters.min_p if filters.min_p is not None else dummy,
         out.tokens, out.logprobs, out.logz, out.top_tokens, out.top_logprobs, out.fallback,
-        out.scratch, count, S, n),
+        out.scratch, count, S, n, rows["starts"], rows["slot_n"], rows["slot_stride"],
+        rows["calls"]),
         dict(HAS_K=filters.top_k is not None, HAS_P=filters.top_p is not None,
              HAS_M=filters.min_p is not None, RAW=filters.raw, REPLACE=filters.replacement,
-             BLOCK=min(1024, 1 << (N - 1).bit_length()),
-             BLOCK_N=max(16, 1 << max(n - 1, 0).bit_length()), CAP=F.KNOWN_CAP, PDL=pdl),
+             BLOCK=min(1024, 1 << (rows["N"] - 1).bit_length()),
+             BLOCK_N=max(16, 1 << max(n - 1, 0).bit_length()), CAP=F.KNOWN_CAP,
+             PDL=pdl and gather is None, SLOTTED=gather is not None),
         dict(launch, num_warps=8))

@@ -127,7 +127,8 @@ class VocabParallelSampler:
         base = self._broadcast_cpu(base)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(int(base))
-        self.pipeline = Pipeline(self.backend, self.device, self.transport, fixed_weight=weight_shard)
+        self.pipeline = Pipeline(self.backend, self.device, self.transport, fixed_weight=weight_shard,
+                                 shard_starts=starts)
 
     # -- construction helpers ------------------------------------------------------------
     def _all_gather_object(self, obj):

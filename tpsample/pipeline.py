@@ -17,6 +17,7 @@ launches with the new tensors (tpsample/replay.py): no plan lookup and no Triton
 """
 from __future__ import annotations
 
+import collections
 import warnings
 
 import torch
@@ -51,7 +52,7 @@ class Pipeline:
     it instead of substituting it per call, and the replay key leaves it out."""
 
     def __init__(self, backend: str, device: torch.device, transport: Transport | None = None,
-                 fixed_weight: torch.Tensor | None = None):
+                 fixed_weight: torch.Tensor | None = None, shard_starts: list[int] | None = None):
         self.backend = backend
         self.device = device
         self.transport = transport if transport is not None else LocalTransport(device)
@@ -63,6 +64,15 @@ class Pipeline:
         self.host_fallback_mode = False  # see _device_fallback_now
         self._fallback_seen = None
         self._fallback_copy = None
+        # transports that gather rows on the device (symm_mem): the exact fallback of
+        # filtered calls stays on the device under TP too, with the flagged rows' logit
+        # shards gathered through the transport; shard_starts: each rank's first global id
+        self.gather_fallback = getattr(self.transport, "device_gather", False)
+        self.shard_starts = None
+        if self.gather_fallback:
+            self.shard_starts = torch.tensor(shard_starts if shard_starts is not None else [0],
+                                             dtype=torch.int64, device=device)
+            self._fallback_reads = DeterministicReads(FALLBACK_READ_LAG)
 
     @property
     def fallback_rows(self) -> int:
@@ -204,7 +214,9 @@ class Pipeline:
             base = merge_records(recs[:, :S], params, merge if filters.replacement else "max")
             out = F.reduce_candidates(recs, params, filters, S, base)
         else:
-            on_device = self.transport.world == 1 and self._device_fallback_now(hidden)
+            on_device = ((self.transport.world == 1 or self.gather_fallback)
+                         and not (self.gather_fallback and constraints.listed)
+                         and self._device_fallback_now(hidden))
             out = self._filtered_launches(hidden, weight, bias, params, merge, S, n_real,
                                           vocab_start, T, filters, mine, full, on_device,
                                           constraints)
@@ -229,6 +241,13 @@ class Pipeline:
         fp32 near-ties (the logits are computed differently)."""
         if not hidden.is_cuda or torch.cuda.is_current_stream_capturing():
             return True
+        if self.gather_fallback:  # every rank must decide alike
+            if self.host_fallback_mode:
+                return False
+            if self._fallback_reads.grew():
+                self.host_fallback_mode = True
+                self._fallback_reads.drain()
+            return not self.host_fallback_mode
         if self._fallback_seen is not None and self._fallback_seen[0].query():
             event, copy, before = self._fallback_seen
             self._fallback_seen = None
@@ -238,8 +257,12 @@ class Pipeline:
 
     def _watch_device_fallbacks(self, hidden) -> None:
         """Copy the device fallback count back without blocking (read by the next calls)."""
-        if not hidden.is_cuda or self._fallback_seen is not None or \
-                torch.cuda.is_current_stream_capturing():
+        if not hidden.is_cuda or torch.cuda.is_current_stream_capturing():
+            return
+        if self.gather_fallback:
+            self._fallback_reads.push(self.device_fallback_rows)
+            return
+        if self._fallback_seen is not None:
             return
         if self._fallback_copy is None:
             self._fallback_copy = torch.zeros(1, dtype=torch.int32, pin_memory=True)
@@ -266,7 +289,12 @@ class Pipeline:
                         **constraint_tensors(constraints, hidden, self._mask_words(weight, vocab_start)))
         if not fixed:
             per_call["weight"] = weight
-        if on_device:  # the exact fallback on the device
+        gather = None
+        if on_device and self.gather_fallback:  # the flagged rows' logit shards, gathered
+            rows, own, peers = self.transport.rows_gather(B, T * records.TILE)
+            gather = launchers.FallbackGather(rows, own, peers, self.transport.calls,
+                                              self.shard_starts, self.transport.gather_exchange)
+        elif on_device:  # the exact fallback on the device
             per_call["fallback_logits"] = torch.empty(B, T * records.TILE, dtype=torch.float32,
                                                       device=hidden.device)
         key = None
@@ -305,11 +333,12 @@ class Pipeline:
                                       *(fanout[1:] if fanout else ()), head=head, out=out)
             if on_device:
                 launchers.fallback_on_device(hidden, weight, bias, params, filters, out,
-                                             per_call["fallback_logits"],
+                                             per_call.get("fallback_logits"),
                                              self._device_fallbacks(), n_real=n_real,
                                              vocab_start=vocab_start, constraints=constraints,
                                              eff_mask=per_call.get("eff_mask"),
-                                             dots=per_call.get("listed_dots"), pdl=plan.pdl)
+                                             dots=per_call.get("listed_dots"), pdl=plan.pdl,
+                                             gather=gather)
         self.replays.add(key, log1, dict(per_call, records=out_view), log2,
                          dict(per_call, records=recs, sample_records=head, **out._asdict()))
         return out
@@ -359,6 +388,51 @@ class Pipeline:
             top_lp[rows] = f_top_lp.float()
         top = (top_tok, top_lp) if filters.top_n else None
         return tokens, logprobs, logz, top
+
+
+FALLBACK_READ_LAG = 2  # calls between a device count's copy and its (blocking) read
+
+
+class DeterministicReads:
+    """A device counter (int32 [1]) read back so that every rank reads the same values at
+    the same calls, whatever its timing: the copy made at a call is read, waiting for it if
+    need be, `lag` calls later. Tensor-parallel ranks decide alike from it (the filtered
+    calls' fallback path, which every rank must take together); with lag 2 the host waits
+    only when the device is more than two calls behind."""
+
+    def __init__(self, lag: int):
+        self.lag = lag
+        self.pending: collections.deque = collections.deque()  # (event, pinned copy)
+        self.spare: list = []
+        self.last = 0
+
+    def push(self, counter: torch.Tensor) -> None:
+        """Copy counter back without blocking (after this call's launches)."""
+        copy = self.spare.pop() if self.spare else torch.zeros(1, dtype=torch.int32,
+                                                                pin_memory=True)
+        copy.copy_(counter, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.pending.append((event, copy))
+
+    def _read(self, keep: int) -> bool:
+        grew = False
+        while len(self.pending) > keep:
+            event, copy = self.pending.popleft()
+            event.synchronize()
+            value = int(copy.item())
+            grew |= value > self.last
+            self.last = value
+            self.spare.append(copy)
+        return grew
+
+    def grew(self) -> bool:
+        """Whether the counter grew in the copies that are now `lag` calls old."""
+        return self._read(self.lag)
+
+    def drain(self) -> None:
+        """Read every pending copy (waits for the newest)."""
+        self._read(0)
 
 
 def constraint_tensors(c: C.Constraints, hidden: torch.Tensor, words: int) -> dict:

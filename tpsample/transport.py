@@ -312,19 +312,27 @@ class SymmMemTransport(Transport):
         self._views: dict = {}  # numel -> (mine, full) slot views of the current buffer
         self._signal = None  # the exchange's recorded launch (replay.Replay), per buffer
         self.flags = None
+        self.gather_buf = None  # rows_gather's buffer (symmetric memory), and its views
+        self._gather_views: dict = {}
 
     def key(self):
-        return (self.buf.data_ptr(), self.capacity) if self.capacity else ()
+        return ((self.buf.data_ptr(), self.capacity) if self.capacity else ()) + \
+            ((self.gather_buf.data_ptr(),) if self.gather_buf is not None else ())
+
+    def _symmetric(self, numel: int, dtype: torch.dtype):
+        """(a symmetric-memory tensor [numel], its handle, every rank's data_ptr of it);
+        collective: every rank allocates together."""
+        import torch.distributed._symmetric_memory as symm_mem
+        t = symm_mem.empty(numel, dtype=dtype, device=self.device)
+        handle = symm_mem.rendezvous(t, self.group.group_name)
+        return t, handle, [handle.get_buffer(p, (numel,), dtype, 0).data_ptr()
+                           for p in range(self.world)]
 
     def _allocate(self, numel):
-        import torch.distributed._symmetric_memory as symm_mem
         if self.flags is None:
-            self._allocate_flags(symm_mem)
+            self._allocate_flags()
         half = self.world * numel  # one buffer; two alternate halves
-        self.buf = symm_mem.empty(2 * half, dtype=torch.float32, device=self.device)
-        self.handle = symm_mem.rendezvous(self.buf, self.group.group_name)
-        bases = [self.handle.get_buffer(p, (2 * half,), torch.float32, 0).data_ptr()
-                 for p in range(self.world)]
+        self.buf, self.handle, bases = self._symmetric(2 * half, torch.float32)
         mine = self.rank * numel * 4
         self.ptrs = torch.tensor([[b + mine + k * half * 4 for b in bases] for k in range(2)],
                                  dtype=torch.int64, device=self.device)
@@ -333,18 +341,17 @@ class SymmMemTransport(Transport):
         self._views.clear()
         self._signal = None
 
-    def _allocate_flags(self, symm_mem) -> None:
+    def _allocate_flags(self) -> None:
         """The exchange's flags (int64 [world] per rank, symmetric memory; see
         kernels/exchange_wait.py), this rank's count of its exchanges, and the status the
         device wait writes into pinned host memory (read per call without a sync)."""
-        self.flags = symm_mem.empty(self.world, dtype=torch.int64, device=self.device)
+        self.flags, flags_handle, bases = self._symmetric(self.world, torch.int64)
         self.flags.zero_()
-        flags_handle = symm_mem.rendezvous(self.flags, self.group.group_name)
-        self.peer_flags = torch.tensor(
-            [flags_handle.get_buffer(p, (self.world,), torch.int64, 0).data_ptr() + 8 * self.rank
-             for p in range(self.world)], dtype=torch.int64, device=self.device)
+        self.peer_flags = torch.tensor([b + 8 * self.rank for b in bases], dtype=torch.int64,
+                                       device=self.device)
         self.calls = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self.status = torch.zeros(self.world, dtype=torch.int32, pin_memory=True)
+        self.status = torch.zeros(self.world, dtype=torch.int32,
+                                  pin_memory=self.device.type == "cuda")
         self._status = self.status.numpy()
         self._status_words = memoryview(self._status)  # any() over it: ~0.1 µs, numpy's ~1-2
         flags_handle.barrier(channel=0)  # once: every rank's flags are zero before any signal
@@ -363,9 +370,8 @@ class SymmMemTransport(Transport):
 
     def exchange(self, mine, full):
         self.check()
-        stream = replay.current_stream(self.device.index)
         if self._signal is not None:
-            self._signal(stream)
+            self._signal(replay.current_stream(self.device.index))
             return
         with replay.record() as log:
             signal_and_wait(self.flags, self.peer_flags, self.calls, self.status, self.buf,
@@ -376,8 +382,42 @@ class SymmMemTransport(Transport):
                                           for _, c, *_ in log):
             self._signal = replay.Replay(log, {})
 
+    device_gather = True
+
+    def rows_gather(self, B: int, n: int):
+        """(full fp32 [world, B, n], mine = full[rank], peers int64 [world]: the address of
+        slot rank in every rank's buffer): where a kernel stores this rank's [B, n] shard of
+        some rows into every rank (the filtered-sampling fallback's logits, kernels/
+        filter_fallback.py), before gather_exchange. A persistent symmetric-memory buffer,
+        grown when a call needs more (collective: every rank makes the same calls)."""
+        views = self._gather_views.get((B, n))
+        if views is None:
+            if self.flags is None:
+                self._allocate_flags()
+            numel = self.world * B * n
+            if self.gather_buf is None or self.gather_buf.numel() < numel:
+                size = max(numel, 0 if self.gather_buf is None else 2 * self.gather_buf.numel())
+                self.gather_buf, self._gather_handle, self._gather_bases = \
+                    self._symmetric(size, torch.float32)
+                self._gather_views.clear()
+            full = self.gather_buf[:numel].view(self.world, B, n)
+            peers = torch.tensor([b + 4 * self.rank * B * n for b in self._gather_bases],
+                                 dtype=torch.int64, device=self.device)
+            views = self._gather_views[(B, n)] = (full, full[self.rank], peers)
+        return views
+
+    def gather_exchange(self, cond: torch.Tensor) -> None:
+        """The exchange after rows_gather's stores, only where some cond[i] != 0 (cond equal
+        on every rank: a rank skips it only when every rank does). Its signal and bounded
+        wait are the records exchange's (kernels/exchange_wait.py): a peer that does not
+        arrive makes this rank give up (calls < 0) and raise ExchangeTimeout at its next
+        call; kernels reading the buffer check calls first."""
+        signal_and_wait(self.flags, self.peer_flags, self.calls, self.status, self.buf,
+                        self.parity, self.ptrs, rank=self.rank, world=self.world, slot_numel=0,
+                        parity_stride=0, timeout_s=self.timeout.total_seconds(), cond=cond)
+
     def check(self, synchronize: bool = False) -> None:
-        if synchronize and self.flags is not None:
+        if synchronize and self.flags is not None and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         if self.failure is None and self.flags is not None and any(self._status_words):
             missing = [int(p) for p in self._status.nonzero()[0]]
@@ -390,14 +430,19 @@ class SymmMemTransport(Transport):
 
 
 def signal_and_wait(flags, peer_flags, calls, status, buf, parity, peer_ptrs, *, rank: int,
-                    world: int, slot_numel: int, parity_stride: int, timeout_s: float) -> None:
-    """One launch of kernels/exchange_wait.py (its docstring has the protocol)."""
+                    world: int, slot_numel: int, parity_stride: int, timeout_s: float,
+                    cond: torch.Tensor | None = None) -> None:
+    """One launch of kernels/exchange_wait.py (its docstring has the protocol). cond (int32
+    [n], equal on every rank): exchange only if some cond[i] != 0, else do nothing."""
     from .kernels.exchange_wait import signal_wait_kernel
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     replay.run_kernel(signal_wait_kernel, (1,), (
         flags, peer_flags, calls, status, buf, parity, peer_ptrs, rank, world, slot_numel,
-        parity_stride, int(timeout_s * 1e9)), dict(WORLD_P2=triton.next_power_of_2(world),
-                                                   USE_CLOCK=not interpreted, BLOCK=1024),
+        parity_stride, int(timeout_s * 1e9), cond if cond is not None else status,
+        0 if cond is None else cond.numel()),
+        dict(WORLD_P2=triton.next_power_of_2(world), USE_CLOCK=not interpreted, BLOCK=1024,
+             COND=cond is not None,
+             BLOCK_C=min(1024, triton.next_power_of_2(max(1, 0 if cond is None else cond.numel())))),
         dict(num_warps=1))
 
 

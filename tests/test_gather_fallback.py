@@ -1,0 +1,172 @@
+"""The exact fallback of filtered calls under TP, on the device (symm_mem transports): every
+rank stores its shard of the flagged rows' logits into every rank's buffer, a conditional
+exchange (only when a row is flagged) makes them visible, and every rank redoes the rows
+from all shards (kernels/filter_fallback.py, FANOUT and SLOTTED). Interpreted on the CPU:
+two ranks simulated in one process for the kernels, and the whole call through a one-rank
+stand-in of the symmetric-memory transport on ordinary tensors."""
+import pytest
+import torch
+
+import tpsample
+from tpsample import filters as F
+from tpsample import launchers, params as P, records
+from tpsample.reference import reference_sample
+from tpsample.transport import SymmMemTransport
+
+from dist_utils import run_world
+from test_filters import MIXED, assert_matches_reference, mixed_inputs
+
+V = 4096
+
+
+def flat_case():
+    """mixed_inputs' rows made near-flat: rows 2, 3 and 5 (top-p reaching below the
+    candidates) take the fallback."""
+    h, w = mixed_inputs()
+    return h * 0.05, w
+
+
+def call_args(h, extra):
+    kw = dict(MIXED, seed=torch.arange(8) * 7, top_logprobs=4, **extra)
+    row = P.row_params(h, kw["temperature"], kw["seed"], 0)
+    filters = P.filter_params(h, kw["top_k"], kw["top_p"], kw["min_p"], kw["top_logprobs"],
+                              kw.get("num_samples", 1), kw.get("replacement", True),
+                              kw.get("logprobs_mode", "processed"), V)
+    return row, filters, kw.get("num_samples", 1)
+
+
+def fresh_out(B, S, n, flags):
+    out = launchers.filtered_outputs(B, S, n, torch.device("cpu"))
+    for t in out[:5]:
+        t.zero_()
+    out.fallback.copy_(flags)
+    return out
+
+
+class Stop(Exception):
+    pass
+
+
+def stop(_flags):
+    raise Stop
+
+
+@pytest.mark.parametrize("extra", [dict(), dict(num_samples=3, replacement=False),
+                                   dict(num_samples=2, logprobs_mode="raw")])
+def test_two_ranks_uneven_shards_in_swapped_order_equal_one_device(extra):
+    """Rank 0 holds ids [2600, 4096), rank 1 ids [0, 2600) (a shard not a multiple of a tile,
+    the shards not in rank order): rank 0's outputs from the gathered rows equal the
+    one-device fallback's, output by output, for the flagged rows, and leave the others."""
+    h, w = flat_case()
+    row, filters, S = call_args(h, extra)
+    B, n_top = h.shape[0], filters.top_n
+    flags = torch.tensor([1, 0, 1, 1, 0, 1, 0, 1], dtype=torch.int32)
+    want = fresh_out(B, S, n_top, flags)
+    count = torch.zeros(1, dtype=torch.int32)
+    T1 = records.num_tiles(V)
+    launchers.fallback_on_device(h, w, None, row, filters, want,
+                                 torch.empty(B, T1 * records.TILE), count, n_real=V)
+    assert count.item() == 5
+
+    starts = [2600, 0]
+    shards = [w[2600:], w[:2600]]
+    T = max(records.num_tiles(s.shape[0]) for s in shards)
+    n = T * records.TILE
+    bufs = [torch.full((2, B, n), 7.0) for _ in range(2)]
+    calls = torch.zeros(1, dtype=torch.int64)
+    starts_t = torch.tensor(starts, dtype=torch.int64)
+
+    def gather(rank, exchange):
+        peers = torch.tensor([b[rank].data_ptr() for b in bufs], dtype=torch.int64)
+        return launchers.FallbackGather(bufs[rank], bufs[rank][rank], peers, calls, starts_t,
+                                        exchange)
+
+    with pytest.raises(Stop):  # rank 1 stores its shard everywhere, then waits (stopped here)
+        launchers.fallback_on_device(h, shards[1], None, row, filters, fresh_out(B, S, n_top, flags),
+                                     None, torch.zeros(1, dtype=torch.int32), n_real=2600,
+                                     vocab_start=0, gather=gather(1, stop))
+    got = fresh_out(B, S, n_top, flags)
+    count = torch.zeros(1, dtype=torch.int32)
+    launchers.fallback_on_device(h, shards[0], None, row, filters, got, None, count,
+                                 n_real=1496, vocab_start=2600, gather=gather(0, lambda f: None))
+    assert count.item() == 5
+    for b in bufs:  # flagged rows hold both shards (padding -inf), other rows are untouched
+        assert (b[:, flags == 0] == 7.0).all()
+        assert torch.isinf(b[0, flags == 1, 1496:]).all() and torch.isinf(b[1, flags == 1, 2600:]).all()
+    assert torch.equal(bufs[0][:, flags == 1], bufs[1][:, flags == 1])
+    assert torch.equal(got.tokens, want.tokens)
+    assert torch.equal(got.top_tokens, want.top_tokens)
+    for a, b in ((got.logprobs, want.logprobs), (got.logz, want.logz),
+                 (got.top_logprobs, want.top_logprobs)):
+        assert torch.allclose(a, b, atol=1e-5, equal_nan=True)
+
+
+def test_a_rank_whose_exchange_failed_stores_nothing_and_gives_degenerate_rows():
+    h, w = flat_case()
+    row, filters, S = call_args(h, {})
+    B = h.shape[0]
+    flags = torch.tensor([0, 0, 1, 0, 0, 1, 0, 0], dtype=torch.int32)
+    out = fresh_out(B, S, filters.top_n, flags)
+    n = records.num_tiles(V) * records.TILE
+    buf = torch.full((1, B, n), 7.0)
+    gather = launchers.FallbackGather(buf, buf[0], torch.tensor([buf.data_ptr()]),
+                                      torch.tensor([-3]), torch.tensor([0]), lambda f: None)
+    count = torch.zeros(1, dtype=torch.int32)
+    launchers.fallback_on_device(h, w, None, row, filters, out, None, count, n_real=V,
+                                 gather=gather)
+    assert (buf == 7.0).all() and count.item() == 0
+    lost = flags == 1
+    assert (out.tokens[lost] == 0).all() and torch.isnan(out.logprobs[lost]).all()
+    assert torch.isnan(out.logz[lost]).all() and torch.isnan(out.top_logprobs[lost]).all()
+    assert (out.tokens[~lost] == 0).all() and (out.logz[~lost] == 0).all()  # untouched
+
+
+class _Handle:
+    def barrier(self, channel=0):
+        pass
+
+
+class CpuSymmTransport(SymmMemTransport):
+    """symm_mem's protocol (fan-out, signal, bounded wait, the gathered fallback) on ordinary
+    CPU tensors, for one rank: its only peer is itself."""
+
+    def _symmetric(self, numel, dtype):
+        assert self.world == 1
+        t = torch.zeros(numel, dtype=dtype, device=self.device)
+        return t, _Handle(), [t.data_ptr()]
+
+
+def one_rank_call(rank, world, h, w, kws):
+    import tpsample.parallel as par
+    par.make_transport = lambda name, group, device, timeout_s: CpuSymmTransport(
+        group, device, timeout_s)
+    sampler = tpsample.VocabParallelSampler(w, vocab_size=V, backend="triton")
+    outs, exchanges, device_rows = [], [], []
+    pipe = sampler.pipeline
+    for hh, kw in zip(h, kws):
+        outs.append(sampler(hh, return_logprobs=True, **kw))
+        exchanges.append(int(sampler.transport.calls.item()))
+        device_rows.append(int(pipe.device_fallback_rows.item()))
+    return dict(outs=outs, exchanges=exchanges, device_rows=device_rows,
+                host_rows=pipe.host_fallback_rows)
+
+
+def test_one_rank_symm_mem_call_gathers_on_the_device_and_matches_the_reference():
+    """A whole filtered call through the symmetric-memory transport: the flagged rows take the
+    gathered device fallback (no host fallback), with a second exchange only in the call that
+    has flagged rows; outputs equal the float64 reference and tpsample.sample's."""
+    h, w = flat_case()
+    kw = dict(MIXED, seed=torch.arange(8) * 7, top_logprobs=4)
+    sharp = mixed_inputs()[0]
+    kw_sharp = dict(temperature=MIXED["temperature"], seed=torch.arange(8), top_k=3,
+                    top_logprobs=2)  # the 3 best are above every tile's 4th best: certified
+    (res,) = run_world(1, one_rank_call, [h, sharp], w, [kw, kw_sharp])
+    assert "error" not in res, res
+    assert res["host_rows"] == 0 and res["device_rows"][0] >= 3
+    assert res["device_rows"][1] == res["device_rows"][0]
+    assert res["exchanges"] == [2, 3]  # records + gather, then records alone
+    assert_matches_reference(res["outs"][0], reference_sample(h, w, **kw))
+    assert_matches_reference(res["outs"][1], reference_sample(sharp, w, **kw_sharp))
+    local = tpsample.sample(h, w, backend="triton", return_logprobs=True, **kw)
+    assert torch.equal(res["outs"][0].tokens, local.tokens)
+    assert torch.equal(res["outs"][0].top_tokens, local.top_tokens)
