@@ -822,7 +822,7 @@ def tp_variants(h, W, V, samplers, seed, step, h_filtered=None) -> dict:
         return (logits - torch.empty_like(logits).exponential_().log()).argmax(dim=-1)
     fns = {"mm_local": lambda: h @ W.T, BASE: multinomial, "allgather_gumbel": gumbel}
     for name, s in samplers.items():
-        if name.endswith("_kpm"):  # one host synchronisation per call: no CUDA-graph column
+        if name.endswith("_kpm"):  # on the typical head (h_filtered)
             hf = h if h_filtered is None else h_filtered
             fns[name] = lambda s=s, hf=hf: s(hf, seed=seed, offset=step, top_k=50, top_p=0.9,
                                              min_p=0.05)
@@ -858,10 +858,12 @@ def bench_batch(D, V, B, W, samplers, args, dev, h_filtered=None):
                                    / (pipe.candidate_rows - before[1]))
         if dev.type == "cuda":
             r["eager_aligned_ms"] = time_calls(fn, dev, args.iters, align=True)
-        filtered = name.endswith("_kpm")  # reads a flag back per call: not capturable
+        # filtered calls read a flag back per call unless the exact fallback stays on the
+        # device (symm_mem): only those are capturable
+        filtered = name.endswith("_kpm") and not pipe.gather_fallback
         graph, out = capture(fn, dev) if args.graph and not filtered else (None, None)
         if filtered and args.graph:
-            out = "filtered calls synchronise with the host"
+            out = "filtered calls over this transport synchronise with the host"
         if graph is not None:
             r["graph_ms"] = time_calls(graph.replay, dev, args.iters)
         elif args.graph:

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import tpsample
-from tpsample import filters as F
 from tpsample import launchers, params as P, records
 from tpsample.reference import reference_sample
 from tpsample.transport import SymmMemTransport

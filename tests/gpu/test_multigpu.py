@@ -108,3 +108,81 @@ def test_tp_filtered_equals_single_gpu(transport, B):
                              top_logprobs=4, num_samples=2, return_logprobs=True)
     assert (outs[0].tokens == single.tokens.cpu()).float().mean() > 0.95  # fp32 near-ties aside
     assert torch.equal(outs[0].top_tokens, single.top_tokens.cpu())
+
+
+def fallback_rank(rank, world, B):
+    """Near-flat rows (top-p reaching below the candidates) over symmetric memory: the first
+    calls take the gathered device fallback (also captured in a CUDA graph); rows that keep
+    falling back move every rank to the host fallback at the same call, and a certified
+    call moves them back."""
+    from tpsample import api
+    h, w, temp, seeds = inputs(B)
+    dev = torch.device("cuda", rank)
+    base, extra = divmod(V, world)
+    lo = rank * base + min(rank, extra)
+    hi = lo + base + (rank < extra)
+    sampler = tpsample.VocabParallelSampler(w[lo:hi].contiguous().to(dev), vocab_size=VOCAB,
+                                            transport="symm_mem", check_inputs=False)
+    h = (h * 0.02).to(dev)
+    offset = torch.zeros(B, dtype=torch.int64, device=dev)
+    kw = dict(temperature=temp.to(dev), seed=seeds.to(dev), top_p=0.9,
+              top_k=torch.arange(B, device=dev) % 3 * 4000, top_logprobs=4,
+              return_logprobs=True)
+    pipe = sampler.pipeline
+    first = sampler(h, offset=offset, **kw)
+    res = dict(first=(first.tokens.cpu(), first.top_tokens.cpu(), first.logz.cpu()))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        sampler(h, offset=offset, **kw)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = sampler(h, offset=offset, **kw)
+    graph.replay()
+    torch.cuda.synchronize()
+    res["replay"] = (captured.tokens.cpu(), captured.top_tokens.cpu())
+    res["device_rows"] = int(pipe.device_fallback_rows.item())
+    res["host_rows_before"] = pipe.host_fallback_rows
+    modes, tokens = [], []
+    for k in range(5):
+        out = sampler(h, offset=offset + k, **kw)
+        modes.append(pipe.host_fallback_mode)
+        tokens.append(out.tokens.cpu())
+    sampler(h, offset=offset, seed=kw["seed"], top_k=3)  # certified: back to the device path
+    modes.append(pipe.host_fallback_mode)
+    res.update(modes=modes, tokens=tokens, host_rows=pipe.host_fallback_rows)
+    sampler.check_exchange()
+    api._PIPELINES.clear()
+    return res
+
+
+@pytest.mark.parametrize("B", [16, 64])
+def test_tp_device_fallback_over_symm_mem(B):
+    """The exact fallback under TP without the host: every rank the same outputs, equal to one
+    GPU's device fallback (top tokens exactly; tokens up to fp32 near-ties), a captured call
+    replays to the eager one, and the switch to the host fallback happens at the same call on
+    every rank."""
+    world = min(torch.cuda.device_count(), 4)
+    if world < 2:
+        pytest.skip("needs 2 GPUs")
+    outs = run_world(world, fallback_rank, B, backend="nccl")
+    for o in outs:
+        assert "error" not in o, o
+    r0 = outs[0]
+    assert r0["device_rows"] > 0 and r0["host_rows_before"] == 0
+    assert torch.equal(r0["replay"][0], r0["first"][0]) and torch.equal(r0["replay"][1], r0["first"][1])
+    assert any(r0["modes"][:-1]) and not r0["modes"][-1] and r0["host_rows"] > 0
+    for o in outs[1:]:
+        assert o["modes"] == r0["modes"]
+        assert all(torch.equal(a, b) for a, b in zip(o["tokens"], r0["tokens"]))
+        assert all(torch.equal(a, b) for a, b in zip(o["first"], r0["first"]))
+    from tpsample import api
+    api._PIPELINES.clear()  # a fresh one-GPU pipeline: its first call takes the device fallback
+    h, w, temp, seeds = inputs(B)
+    single = tpsample.sample((h * 0.02).cuda(), w.cuda(), vocab_size=VOCAB, temperature=temp.cuda(),
+                             seed=seeds.cuda(), top_p=0.9, top_k=(torch.arange(B) % 3 * 4000).cuda(),
+                             top_logprobs=4, return_logprobs=True)
+    assert torch.equal(r0["first"][1], single.top_tokens.cpu())
+    assert (r0["first"][0] == single.tokens.cpu()).float().mean() > 0.95
+    assert torch.allclose(r0["first"][2], single.logz.cpu(), atol=1e-4)
