@@ -72,7 +72,7 @@ class Pipeline:
         if self.gather_fallback:
             self.shard_starts = torch.tensor(shard_starts if shard_starts is not None else [0],
                                              dtype=torch.int64, device=device)
-            self._fallback_reads = DeterministicReads(FALLBACK_READ_LAG)
+            self._fallback_reads = DeterministicReads(FALLBACK_READ_LAG, FALLBACK_READ_EVERY)
 
     @property
     def fallback_rows(self) -> int:
@@ -238,7 +238,10 @@ class Pipeline:
         fallback is seen (its count is copied back without blocking and read once ready);
         then the host path, which counts exactly, until a call has no fallback row. During
         CUDA-graph capture always the device path. Both are exact; their tokens agree up to
-        fp32 near-ties (the logits are computed differently)."""
+        fp32 near-ties (the logits are computed differently). Under TP (a transport that
+        gathers rows on the device) every rank must take the same path, so the count is read
+        at the same calls on every rank (DeterministicReads: a copy every 8th call, read two
+        copies later), and the switch comes up to ~24 calls after rows start falling back."""
         if not hidden.is_cuda or torch.cuda.is_current_stream_capturing():
             return True
         if self.gather_fallback:  # every rank must decide alike
@@ -390,28 +393,35 @@ class Pipeline:
         return tokens, logprobs, logz, top
 
 
-FALLBACK_READ_LAG = 2  # calls between a device count's copy and its (blocking) read
+FALLBACK_READ_EVERY = 8  # calls between two copies of the device fallback count
+FALLBACK_READ_LAG = 2  # copies between a copy and its (blocking) read
 
 
 class DeterministicReads:
     """A device counter (int32 [1]) read back so that every rank reads the same values at
-    the same calls, whatever its timing: the copy made at a call is read, waiting for it if
-    need be, `lag` calls later. Tensor-parallel ranks decide alike from it (the filtered
-    calls' fallback path, which every rank must take together); with lag 2 the host waits
-    only when the device is more than two calls behind."""
+    the same calls, whatever its timing: every `every`-th call copies it back without
+    blocking, and a copy is read, waiting for it if need be, `lag` copies later.
+    Tensor-parallel ranks decide alike from it (the filtered calls' fallback path, which
+    every rank must take together). The host waits only when the device is lag * every
+    calls behind; a copy and its event cost ~30 µs of host time, hence not every call."""
 
-    def __init__(self, lag: int):
-        self.lag = lag
+    def __init__(self, lag: int, every: int = 1):
+        self.lag, self.every = lag, every
+        self.calls = 0
         self.pending: collections.deque = collections.deque()  # (event, pinned copy)
         self.spare: list = []
         self.last = 0
 
     def push(self, counter: torch.Tensor) -> None:
-        """Copy counter back without blocking (after this call's launches)."""
-        copy = self.spare.pop() if self.spare else torch.zeros(1, dtype=torch.int32,
-                                                                pin_memory=True)
+        """After a call's launches: every `every`-th call, copy counter back."""
+        self.calls += 1
+        if self.calls % self.every:
+            return
+        if self.spare:
+            event, copy = self.spare.pop()
+        else:
+            event, copy = torch.cuda.Event(), torch.zeros(1, dtype=torch.int32, pin_memory=True)
         copy.copy_(counter, non_blocking=True)
-        event = torch.cuda.Event()
         event.record()
         self.pending.append((event, copy))
 
@@ -423,11 +433,11 @@ class DeterministicReads:
             value = int(copy.item())
             grew |= value > self.last
             self.last = value
-            self.spare.append(copy)
+            self.spare.append((event, copy))
         return grew
 
     def grew(self) -> bool:
-        """Whether the counter grew in the copies that are now `lag` calls old."""
+        """Whether the counter grew in the copies that are now `lag` copies old."""
         return self._read(self.lag)
 
     def drain(self) -> None:

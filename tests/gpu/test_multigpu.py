@@ -129,7 +129,8 @@ def fallback_rank(rank, world, B):
               top_k=torch.arange(B, device=dev) % 3 * 4000, top_logprobs=4,
               return_logprobs=True)
     pipe = sampler.pipeline
-    first = sampler(h, offset=offset, **kw)
+    pipe._fallback_reads.every = 1  # a copy of the count per call (8 by default): the switch
+    first = sampler(h, offset=offset, **kw)  # within the calls below
     res = dict(first=(first.tokens.cpu(), first.top_tokens.cpu(), first.logz.cpu()))
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
