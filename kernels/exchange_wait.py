@@ -30,6 +30,12 @@ Passing call k's exchange implies every peer finished its stage 2 of call k - 1 
 signal k is issued after it on its stream), which is what lets the records alternate
 between two buffers (tpsample/transport.py). Under TRITON_INTERPRET=1 the global timer is
 unavailable and the bound counts polls as 1 µs each.
+
+A conditional exchange (COND: the filtered-sampling fallback's gather, after the rows kernel
+stored its shard into every rank) runs the same protocol only when some cond[i] != 0; cond is
+equal on every rank, so either every rank takes that epoch or none does, and the records
+exchanges stay in step. It passes slot_numel 0: nothing to poison, the rows' reader checks
+calls[0] < 0 instead.
 """
 import triton
 import triton.language as tl

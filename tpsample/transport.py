@@ -18,6 +18,11 @@ on every rank. Only records travel, never logits.
   nccl      CUDA: the records are all-gathered with NCCL.
   gloo      CPU tensors: all-gather with gloo (what CI runs).
 
+The filtered-sampling fallback needs a few rows' whole logits, spread over the ranks: over
+symm_mem kernels store each rank's shard into every rank's `rows_gather` buffer and
+`gather_exchange` (the same signal and bounded wait, only when some row is flagged) makes
+them visible; the others all-gather them from the host (`all_gather`).
+
 Failures. An exchange a peer does not join within timeout_s raises ExchangeTimeout, naming
 the peers that did not arrive:
   gloo      at once (the host waits for the all-gather; the abandoned all-gather stays in
@@ -76,6 +81,7 @@ class ExchangeTimeout(TimeoutError):
 
 class Transport:
     name = "base"
+    device_gather = False  # rows_gather / gather_exchange (symm_mem): kernels gather rows
 
     def key(self) -> tuple:
         """What a recorded call's launches depend on besides its tensors (the fan-out
