@@ -31,7 +31,7 @@ signal k is issued after it on its stream), which is what lets the records alter
 between two buffers (tpsample/transport.py). Under TRITON_INTERPRET=1 the global timer is
 unavailable and the bound counts polls as 1 µs each.
 
-A conditional exchange (COND: the filtered-sampling fallback's gather, after the rows kernel
+A conditional exchange (COND: the filtered-sampling fallback's gather, after its logits kernel
 stored its shard into every rank) runs the same protocol only when some cond[i] != 0; cond is
 equal on every rank, so either every rank takes that epoch or none does, and the records
 exchanges stay in step. It passes slot_numel 0: nothing to poison, the rows' reader checks
