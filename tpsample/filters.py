@@ -42,9 +42,12 @@ ignore the filters.
    for the cuts), with no host synchronisation, so such calls can be captured in a CUDA
    graph; one program per flagged row is slow, so while rows keep falling back (top-p
    alone on heavy tails) the pipeline takes the host path below instead
-   (pipeline._device_fallback_now). Under TP (the rows' logits are split over the ranks)
-   and on the torch path: the pipeline reads the flags back (one host synchronisation),
-   gathers the flagged rows' logit shards and runs reference.filtered_rows on them.
+   (pipeline._device_fallback_now). Under TP over symmetric memory the same, with the
+   flagged rows' logit shards gathered into every rank on the device (the flags agree on
+   every rank; transport.SymmMemTransport.rows_gather). Under TP over NCCL or gloo (the
+   rows' logits are split over the ranks) and on the torch path: the pipeline reads the
+   flags back (one host synchronisation), gathers the flagged rows' logit shards and runs
+   reference.filtered_rows on them.
 
 Log-probs (SampleOutput): "processed" = x - log Z_kept for filtered rows (log Z over the kept
 set; -inf outside it), x - log Z otherwise; "raw" = x_raw - log Z_raw at T = 1 (x_raw = x * T,

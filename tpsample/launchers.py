@@ -340,16 +340,27 @@ def filter_warps(B: int) -> int:
     return 8 if B <= 132 else 4
 
 
+_NO_TOP: dict = {}  # (B, device) -> the empty top planes of calls without top log-probs
+
+
 def filtered_outputs(B: int, S: int, n: int, device) -> F.FilteredOutput:
     """Fresh outputs of stage2_filtered: tokens int64 [B, S], logprobs fp32 [B, S], logz fp32
     [B], top tokens int64 [B, n], top log-probs fp32 [B, n], fallback flags int32 [B]
-    (`fallback`), and the filter kernel's scratch int64 [B, KNOWN_CAP]."""
+    (`fallback`), and the filter kernel's scratch int64 [B, KNOWN_CAP]. With n = 0 the top
+    planes hold nothing and are shared between calls (each allocation costs host time)."""
+    if n:
+        top = (torch.empty(B, n, dtype=torch.int64, device=device),
+               torch.empty(B, n, dtype=torch.float32, device=device))
+    else:
+        top = _NO_TOP.get((B, device))
+        if top is None:
+            top = _NO_TOP[(B, device)] = (torch.empty(B, 0, dtype=torch.int64, device=device),
+                                          torch.empty(B, 0, dtype=torch.float32, device=device))
     return F.FilteredOutput(
         torch.empty(B, S, dtype=torch.int64, device=device),
         torch.empty(B, S, dtype=torch.float32, device=device),
         torch.empty(B, dtype=torch.float32, device=device),
-        torch.empty(B, n, dtype=torch.int64, device=device),
-        torch.empty(B, n, dtype=torch.float32, device=device),
+        *top,
         torch.empty(B, dtype=torch.int32, device=device),
         torch.empty(B, F.KNOWN_CAP, dtype=torch.int64, device=device))
 

@@ -214,21 +214,23 @@ class Pipeline:
             base = merge_records(recs[:, :S], params, merge if filters.replacement else "max")
             out = F.reduce_candidates(recs, params, filters, S, base)
         else:
+            in_capture = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
             on_device = ((self.transport.world == 1 or self.gather_fallback)
                          and not (self.gather_fallback and constraints.listed)
-                         and self._device_fallback_now(hidden))
+                         and self._device_fallback_now(hidden, in_capture))
             out = self._filtered_launches(hidden, weight, bias, params, merge, S, n_real,
                                           vocab_start, T, filters, mine, full, on_device,
                                           constraints)
             if on_device:
                 self.candidate_rows += B
-                self._watch_device_fallbacks(hidden)
+                if hidden.is_cuda and not in_capture:
+                    self._watch_device_fallbacks(hidden)
                 top = (out.top_tokens, out.top_logprobs) if filters.top_n else None
                 return out.tokens, out.logprobs, out.logz, top
         return self._fallback(out, hidden, weight, bias, params, filters, n_real, vocab_start,
                               T, S, constraints)
 
-    def _device_fallback_now(self, hidden) -> bool:
+    def _device_fallback_now(self, hidden, in_capture: bool) -> bool:
         """Whether this one-device call takes the device fallback (else the host's).
 
         The device fallback (kernels/filter_fallback.py) costs two near-empty launches when no
@@ -242,7 +244,7 @@ class Pipeline:
         gathers rows on the device) every rank must take the same path, so the count is read
         at the same calls on every rank (DeterministicReads: a copy every 8th call, read two
         copies later), and the switch comes up to ~24 calls after rows start falling back."""
-        if not hidden.is_cuda or torch.cuda.is_current_stream_capturing():
+        if not hidden.is_cuda or in_capture:
             return True
         if self.gather_fallback:  # every rank must decide alike
             if self.host_fallback_mode:
@@ -259,9 +261,8 @@ class Pipeline:
         return not self.host_fallback_mode
 
     def _watch_device_fallbacks(self, hidden) -> None:
-        """Copy the device fallback count back without blocking (read by the next calls)."""
-        if not hidden.is_cuda or torch.cuda.is_current_stream_capturing():
-            return
+        """Copy the device fallback count back without blocking (read by the next calls;
+        eager CUDA calls only)."""
         if self.gather_fallback:
             self._fallback_reads.push(self.device_fallback_rows)
             return
@@ -288,8 +289,10 @@ class Pipeline:
         fixed = weight is self.fixed_weight
         per_call = dict(hidden=hidden, inv_temp=params.inv_temp, seed=params.seed,
                         offset=params.offset, bias=bias, top_k=filters.top_k,
-                        top_p=filters.top_p, min_p=filters.min_p,
-                        **constraint_tensors(constraints, hidden, self._mask_words(weight, vocab_start)))
+                        top_p=filters.top_p, min_p=filters.min_p)
+        if constraints.any:
+            per_call.update(constraint_tensors(constraints, hidden,
+                                               self._mask_words(weight, vocab_start)))
         if not fixed:
             per_call["weight"] = weight
         gather = None
@@ -303,21 +306,18 @@ class Pipeline:
         key = None
         if hidden.is_cuda and replay.Replay.usable():
             key = ("filtered", on_device, merge, S, hidden.device, hidden.shape, hidden.stride(),
-                   n_real, vocab_start, T, filters._replace(top_k=None, top_p=None, min_p=None),
+                   n_real, vocab_start, T, filters.top_n, filters.replacement, filters.raw,
                    constraint_key(constraints),
                    self.transport.key(), replay.tensor_key(tuple(per_call.values())),
                    None if fixed else (weight.shape, weight.stride()))
             hit = self.replays.get(key)
-            if hit is not None:
-                stage1, stage2 = hit
+            if hit is not None:  # (a launch takes only a tensor's address, which a records
+                stage1, stage2 = hit  # view shares with its flat buffer: the key has the layout)
                 stream = replay.current_stream(hidden.device.index)
-                recs = records.records_view(mine, planes, B, Tx, tile_major)
-                stage1(stream, records=recs, **per_call)
+                stage1(stream, records=mine, **per_call)
                 self.transport.exchange(mine, full)
-                recs = records.records_view(full, planes, B, Tx, tile_major)
                 out = launchers.filtered_outputs(B, S, filters.top_n, hidden.device)
-                stage2(stream, records=recs, sample_records=recs[:, :S], **out._asdict(),
-                       **per_call)
+                stage2(stream, records=full, sample_records=full, **out._asdict(), **per_call)
                 return out
         plan = self.plan(hidden, weight, merge=merge, num_samples=S, need_mass=True,
                          vocab_start=vocab_start, tiles=T, filters=filters,
