@@ -20,13 +20,17 @@ def inputs(B):
     return h, w, temp, torch.arange(B, dtype=torch.int64) * 5 + 1
 
 
+def shard(w, rank, world, dev):
+    """Rank's rows of w on dev (the first V % world ranks one row more)."""
+    base, extra = divmod(V, world)
+    lo = rank * base + min(rank, extra)
+    return w[lo:lo + base + (rank < extra)].contiguous().to(dev)
+
+
 def gpu_rank(rank, world, transport, merge, B):
     h, w, temp, seeds = inputs(B)
     dev = torch.device("cuda", rank)
-    base, extra = divmod(V, world)
-    lo = rank * base + min(rank, extra)
-    hi = lo + base + (rank < extra)
-    sampler = tpsample.VocabParallelSampler(w[lo:hi].contiguous().to(dev), vocab_size=VOCAB,
+    sampler = tpsample.VocabParallelSampler(shard(w, rank, world, dev), vocab_size=VOCAB,
                                             transport=transport, merge=merge, check_inputs=False)
     h, temp, seeds = h.to(dev), temp.to(dev), seeds.to(dev)
     offset = torch.zeros(B, dtype=torch.int64, device=dev)
@@ -79,10 +83,7 @@ def test_tp_gpu_transports(transport, merge, B):
 def filtered_rank(rank, world, transport, B):
     h, w, temp, seeds = inputs(B)
     dev = torch.device("cuda", rank)
-    base, extra = divmod(V, world)
-    lo = rank * base + min(rank, extra)
-    hi = lo + base + (rank < extra)
-    sampler = tpsample.VocabParallelSampler(w[lo:hi].contiguous().to(dev), vocab_size=VOCAB,
+    sampler = tpsample.VocabParallelSampler(shard(w, rank, world, dev), vocab_size=VOCAB,
                                             transport=transport, check_inputs=False)
     k = torch.arange(B, device=dev) % 7 * 10
     return sampler(h.to(dev), temperature=temp.to(dev), seed=seeds.to(dev), top_k=k, top_p=0.9,
@@ -118,10 +119,7 @@ def fallback_rank(rank, world, B):
     from tpsample import api
     h, w, temp, seeds = inputs(B)
     dev = torch.device("cuda", rank)
-    base, extra = divmod(V, world)
-    lo = rank * base + min(rank, extra)
-    hi = lo + base + (rank < extra)
-    sampler = tpsample.VocabParallelSampler(w[lo:hi].contiguous().to(dev), vocab_size=VOCAB,
+    sampler = tpsample.VocabParallelSampler(shard(w, rank, world, dev), vocab_size=VOCAB,
                                             transport="symm_mem", check_inputs=False)
     h = (h * 0.02).to(dev)
     offset = torch.zeros(B, dtype=torch.int64, device=dev)
