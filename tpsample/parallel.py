@@ -59,10 +59,15 @@ class VocabParallelSampler:
     tpsample.sample on the full weight, whatever the merge). hidden, temperature, seed,
     offset, the filters and the constraints must be equal on all ranks (allowed_mask the
     full [B, ceil(vocab / 32)] mask, logit_adjust's ids global ids: each rank uses the bits
-    and ids of its own range); bias is this rank's slice [V_r]. With world > 1, calls with filters, top_logprobs, replacement=False
-    or logprobs_mode="raw" read the fallback flags back to the host (one synchronisation per
-    call; such calls cannot be captured in a CUDA graph): a row without a certificate needs
-    its logit shards from every rank (tpsample/filters.py, 5.).
+    and ids of its own range); bias is this rank's slice [V_r]. Calls with filters,
+    top_logprobs, replacement=False or logprobs_mode="raw" redo a row without a certificate
+    from its logit shards on every rank (tpsample/filters.py, 5.). Over symmetric memory the
+    shards are gathered on the device (no host synchronisation; such calls can be captured
+    in a CUDA graph), into a persistent fp32 [world, B, tiles * 128] symmetric buffer per
+    sampler, the size of the batch's logits (156 MB per rank at B = 256, V = 151936), made
+    at the first such call of a larger B; unless the call has logit_adjust, which, like NCCL
+    and gloo, reads the rows' flags back to the host (one synchronisation per call, not
+    capturable).
 
     seed=None: a generator seeded identically on every rank at construction (rank 0 draws
     the base seed from torch's default generator and broadcasts it once) draws the row
