@@ -216,21 +216,33 @@ def listed_records_kernel(
 def listed_fallback_kernel(
     dots_ptr, bias_ptr, ids_ptr, values_ptr, penalty_ptr, mask_ptr, inv_temp_ptr, flag_ptr,
     out_ptr, K, SPLITS, n_real, vocab_start, stride_ids, stride_mask, stride_ob,
+    peer_ptrs_ptr, world, calls_ptr,
     HAS_BIAS: tl.constexpr, HAS_PENALTY: tl.constexpr, HAS_MASK: tl.constexpr,
-    BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_K: tl.constexpr, PDL: tl.constexpr = False, FANOUT: tl.constexpr = False,
 ):
     """The device fallback's full rows (kernels/filter_fallback.py): for the rows with
     flag[b] != 0, the listed tokens' transformed logits into out [B, >= V_rows] fp32 at their
     rows, after fallback_logits_kernel wrote -inf there (their bits are cleared in its mask).
-    PDL: a programmatic dependent of fallback_logits_kernel."""
+    PDL: a programmatic dependent of fallback_logits_kernel. FANOUT (tensor parallel): as
+    fallback_logits_kernel's, into this rank's slot of every rank's buffer (after its stores,
+    in stream order), nothing once the exchange has failed (calls[0] < 0)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
-    if tl.load(flag_ptr + b) != 0:
+    go = tl.load(flag_ptr + b) != 0
+    if FANOUT:
+        go = go & (tl.load(calls_ptr) >= 0)
+    if go:
         ids, ok, keep, locc, x = listed_logits(
             dots_ptr, bias_ptr, ids_ptr, values_ptr, penalty_ptr, mask_ptr, b, K, SPLITS, n_real,
             vocab_start, stride_ids, stride_mask, HAS_BIAS, HAS_PENALTY, HAS_MASK, BLOCK_K)
         inv = tl.load(inv_temp_ptr + b)
         l = x * tl.where(inv == 0.0, 1.0, inv)
-        tl.store(out_ptr + b.to(tl.int64) * stride_ob + locc, l, mask=keep)
+        at = b.to(tl.int64) * stride_ob + locc
+        if FANOUT:
+            for q in range(world):  # the peer's slot as an offset from out_ptr
+                delta = (tl.load(peer_ptrs_ptr + q) - out_ptr.to(tl.int64, bitcast=True)) >> 2
+                tl.store(out_ptr + delta + at, l, mask=keep)
+        else:
+            tl.store(out_ptr + at, l, mask=keep)

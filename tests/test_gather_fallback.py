@@ -135,11 +135,11 @@ class CpuSymmTransport(SymmMemTransport):
         return t, _Handle(), [t.data_ptr()]
 
 
-def one_rank_call(rank, world, h, w, kws):
+def one_rank_call(rank, world, h, w, kws, vocab=V):
     import tpsample.parallel as par
     par.make_transport = lambda name, group, device, timeout_s: CpuSymmTransport(
         group, device, timeout_s)
-    sampler = tpsample.VocabParallelSampler(w, vocab_size=V, backend="triton")
+    sampler = tpsample.VocabParallelSampler(w, vocab_size=vocab, backend="triton")
     outs, exchanges, device_rows = [], [], []
     pipe = sampler.pipeline
     for hh, kw in zip(h, kws):
@@ -169,3 +169,19 @@ def test_one_rank_symm_mem_call_gathers_on_the_device_and_matches_the_reference(
     local = tpsample.sample(h, w, backend="triton", return_logprobs=True, **kw)
     assert torch.equal(res["outs"][0].tokens, local.tokens)
     assert torch.equal(res["outs"][0].top_tokens, local.top_tokens)
+
+
+def test_one_rank_symm_mem_call_with_constraints_gathers_the_listed_tokens_too():
+    """The mask, listed tokens (repeated, padded, banned) and penalties with near-flat rows:
+    the gathered fallback stores the listed tokens' logits after the rest (in stream order)
+    and the call equals the float64 reference and tpsample.sample's device fallback."""
+    from test_constraints import assert_same, mixed
+    h, w, kw = mixed()
+    h = h * 0.05
+    kw = dict(kw, top_p=0.7, top_logprobs=2)
+    (res,) = run_world(1, one_rank_call, [h], w, [kw], w.shape[0])
+    assert "error" not in res, res
+    assert res["host_rows"] == 0 and res["device_rows"][0] >= 3 and res["exchanges"] == [2]
+    assert_same(res["outs"][0], reference_sample(h, w, **kw), True)
+    local = tpsample.sample(h, w, backend="triton", return_logprobs=True, **kw)
+    assert torch.equal(res["outs"][0].tokens, local.tokens)

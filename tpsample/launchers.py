@@ -429,13 +429,12 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
     programmatic dependents (plan.pdl: stage2_filtered's are too). constraints
     (tpsample/constraints.py): the rows' logits take the mask (eff_mask: the tile pass's,
     when the call lists tokens) and then the listed tokens' adjusted logits (from `dots`,
-    what listed_records computed in this call's stage 1). gather (tensor parallel, no
-    listed tokens): the rows' logit shards go to every rank (gather.own in each rank's
-    buffer) and, after gather.exchange, every rank redoes the rows from all shards."""
+    what listed_records computed in this call's stage 1). gather (tensor parallel): the
+    rows' logit shards go to every rank (gather.own in each rank's buffer; the listed
+    tokens' after the rest, in stream order) and, after gather.exchange, every rank redoes
+    the rows from all shards."""
     B, D = hidden.shape
     if gather is not None:
-        if constraints is not None and constraints.listed:
-            raise ValueError("the gathered device fallback does not take listed tokens")
         logits = gather.own
     N = logits.shape[1]
     S = out.tokens.shape[1]
@@ -472,10 +471,14 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
             dots, bias if bias is not None else dummy, c.ids, c.values,
             c.penalty if c.penalty is not None else dummy, allowed, params.inv_temp,
             out.fallback, logits, K, dots.shape[1], n_real, vocab_start, c.ids.stride(0),
-            allowed.stride(0), logits.stride(0)),
+            allowed.stride(0), logits.stride(0),
+            gather.peers if gather is not None else count,
+            1 if gather is None else gather.peers.numel(),
+            gather.calls if gather is not None else count),
             dict(HAS_BIAS=bias is not None, HAS_PENALTY=c.penalty is not None,
-                 HAS_MASK=c.mask is not None, BLOCK_K=_listed_block(K), PDL=pdl),
-            launch)
+                 HAS_MASK=c.mask is not None, BLOCK_K=_listed_block(K),
+                 PDL=pdl and gather is None, FANOUT=gather is not None),
+            launch if gather is None else dict(num_warps=4))
     run_kernel(filter_fallback.fallback_rows_kernel, (B,), (
         rows["l"], rows["stride"], rows["N"], vocab_start, params.inv_temp, params.seed,
         params.offset,

@@ -65,9 +65,8 @@ class VocabParallelSampler:
     shards are gathered on the device (no host synchronisation; such calls can be captured
     in a CUDA graph), into a persistent fp32 [world, B, tiles * 128] symmetric buffer per
     sampler, the size of the batch's logits (156 MB per rank at B = 256, V = 151936), made
-    at the first such call of a larger B; unless the call has logit_adjust, which, like NCCL
-    and gloo, reads the rows' flags back to the host (one synchronisation per call, not
-    capturable).
+    at the first such call of a larger B. Over NCCL and gloo they read the rows' flags back
+    to the host (one synchronisation per call, not capturable).
 
     seed=None: a generator seeded identically on every rank at construction (rank 0 draws
     the base seed from torch's default generator and broadcasts it once) draws the row

@@ -216,7 +216,6 @@ class Pipeline:
         else:
             in_capture = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
             on_device = ((self.transport.world == 1 or self.gather_fallback)
-                         and not (self.gather_fallback and constraints.listed)
                          and self._device_fallback_now(hidden, in_capture))
             out = self._filtered_launches(hidden, weight, bias, params, merge, S, n_real,
                                           vocab_start, T, filters, mine, full, on_device,

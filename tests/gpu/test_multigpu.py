@@ -185,3 +185,55 @@ def test_tp_device_fallback_over_symm_mem(B):
     assert torch.equal(r0["first"][1], single.top_tokens.cpu())
     assert (r0["first"][0] == single.tokens.cpu()).float().mean() > 0.95
     assert torch.allclose(r0["first"][2], single.logz.cpu(), atol=1e-4)
+
+
+def constrained_fallback_rank(rank, world, B):
+    """Near-flat rows with top-p, listed tokens (penalties) and a mask over symmetric memory."""
+    h, w, temp, seeds = inputs(B)
+    dev = torch.device("cuda", rank)
+    sampler = tpsample.VocabParallelSampler(shard(w, rank, world, dev), vocab_size=VOCAB,
+                                            transport="symm_mem", check_inputs=False)
+    out = sampler((h * 0.02).to(dev), **{k: v.to(dev) if torch.is_tensor(v) else
+                                         (tuple(x.to(dev) for x in v) if isinstance(v, tuple) else v)
+                                         for k, v in constrained_kwargs(B, temp, seeds).items()})
+    pipe = sampler.pipeline
+    torch.cuda.synchronize()
+    return dict(tokens=out.tokens.cpu(), top=out.top_tokens.cpu(),
+                device_rows=int(pipe.device_fallback_rows.item()), host_rows=pipe.host_fallback_rows)
+
+
+def constrained_kwargs(B, temp, seeds):
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB, (B, 16), generator=g)
+    ids[:, 12:] = -1
+    allowed = torch.rand(B, VOCAB, generator=g) < 0.7
+    words = torch.zeros(B, (VOCAB + 31) // 32, dtype=torch.int64)
+    for j in range(32):  # bit j of word i allows token 32 i + j
+        col = allowed[:, j::32].long()
+        words[:, :col.shape[1]] |= col << j
+    return dict(temperature=temp, seed=seeds, top_p=0.8, top_logprobs=3, return_logprobs=True,
+                allowed_mask=words.to(torch.int32), logit_adjust=(ids, torch.randn(B, 16, generator=g)),
+                repetition_penalty=1.3)
+
+
+def test_tp_device_fallback_with_constraints_over_symm_mem():
+    """The gathered fallback with listed tokens (their logits stored after the rest): ranks
+    agree, no row takes the host path, and the top tokens equal one GPU's."""
+    world = min(torch.cuda.device_count(), 4)
+    if world < 2:
+        pytest.skip("needs 2 GPUs")
+    B = 16
+    outs = run_world(world, constrained_fallback_rank, B, backend="nccl")
+    for o in outs:
+        assert "error" not in o, o
+        assert torch.equal(o["tokens"], outs[0]["tokens"]) and torch.equal(o["top"], outs[0]["top"])
+    assert outs[0]["device_rows"] > 0 and outs[0]["host_rows"] == 0
+    from tpsample import api
+    api._PIPELINES.clear()
+    h, w, temp, seeds = inputs(B)
+    kw = constrained_kwargs(B, temp, seeds)
+    kw["logit_adjust"] = tuple(x.cuda() for x in kw["logit_adjust"])
+    single = tpsample.sample((h * 0.02).cuda(), w.cuda(), vocab_size=VOCAB,
+                             **{k: v.cuda() if torch.is_tensor(v) else v for k, v in kw.items()})
+    assert torch.equal(outs[0]["top"], single.top_tokens.cpu())
+    assert (outs[0]["tokens"] == single.tokens.cpu()).float().mean() > 0.95
