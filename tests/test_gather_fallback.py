@@ -134,20 +134,26 @@ class CpuSymmTransport(SymmMemTransport):
         t = torch.zeros(numel, dtype=dtype, device=self.device)
         return t, _Handle(), [t.data_ptr()]
 
+    def gather_exchange(self, cond):
+        self.at_exchange = self.gather_buf.clone()  # what peers could read once it signals
+        super().gather_exchange(cond)
+
 
 def one_rank_call(rank, world, h, w, kws, vocab=V):
     import tpsample.parallel as par
     par.make_transport = lambda name, group, device, timeout_s: CpuSymmTransport(
         group, device, timeout_s)
     sampler = tpsample.VocabParallelSampler(w, vocab_size=vocab, backend="triton")
-    outs, exchanges, device_rows = [], [], []
+    outs, exchanges, device_rows, stored_before_signal = [], [], [], []
     pipe = sampler.pipeline
     for hh, kw in zip(h, kws):
         outs.append(sampler(hh, return_logprobs=True, **kw))
         exchanges.append(int(sampler.transport.calls.item()))
         device_rows.append(int(pipe.device_fallback_rows.item()))
+        t = sampler.transport
+        stored_before_signal.append(torch.equal(t.at_exchange, t.gather_buf))
     return dict(outs=outs, exchanges=exchanges, device_rows=device_rows,
-                host_rows=pipe.host_fallback_rows)
+                host_rows=pipe.host_fallback_rows, stored_before_signal=stored_before_signal)
 
 
 def test_one_rank_symm_mem_call_gathers_on_the_device_and_matches_the_reference():
@@ -164,6 +170,7 @@ def test_one_rank_symm_mem_call_gathers_on_the_device_and_matches_the_reference(
     assert res["host_rows"] == 0 and res["device_rows"][0] >= 3
     assert res["device_rows"][1] == res["device_rows"][0]
     assert res["exchanges"] == [2, 3]  # records + gather, then records alone
+    assert res["stored_before_signal"] == [True, True]
     assert_matches_reference(res["outs"][0], reference_sample(h, w, **kw))
     assert_matches_reference(res["outs"][1], reference_sample(sharp, w, **kw_sharp))
     local = tpsample.sample(h, w, backend="triton", return_logprobs=True, **kw)
@@ -182,6 +189,7 @@ def test_one_rank_symm_mem_call_with_constraints_gathers_the_listed_tokens_too()
     (res,) = run_world(1, one_rank_call, [h], w, [kw], w.shape[0])
     assert "error" not in res, res
     assert res["host_rows"] == 0 and res["device_rows"][0] >= 3 and res["exchanges"] == [2]
+    assert res["stored_before_signal"] == [True]  # the listed tokens' stores precede the signal
     assert_same(res["outs"][0], reference_sample(h, w, **kw), True)
     local = tpsample.sample(h, w, backend="triton", return_logprobs=True, **kw)
     assert torch.equal(res["outs"][0].tokens, local.tokens)

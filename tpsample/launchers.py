@@ -456,14 +456,6 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
              BLOCK_F=min(1024, max(16, 1 << (B - 1).bit_length())), HAS_MASK=mask is not None,
              PDL=pdl, FANOUT=gather is not None),
         launch)
-    rows = dict(l=logits, stride=logits.stride(0), N=N, starts=count, slot_n=N, slot_stride=0,
-                calls=count)
-    if gather is not None:
-        gather.exchange(out.fallback)
-        world = gather.full.shape[0]
-        rows = dict(l=gather.full, stride=N, N=world * N, starts=gather.starts, slot_n=N,
-                    slot_stride=B * N, calls=gather.calls)
-        launch = dict(num_warps=4)  # after the exchange in stream order
     if c is not None and c.listed:
         K = c.ids.shape[1]
         allowed = allowed_or_eff
@@ -478,7 +470,15 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
             dict(HAS_BIAS=bias is not None, HAS_PENALTY=c.penalty is not None,
                  HAS_MASK=c.mask is not None, BLOCK_K=_listed_block(K),
                  PDL=pdl and gather is None, FANOUT=gather is not None),
-            launch if gather is None else dict(num_warps=4))
+            launch if gather is None else dict(num_warps=4))  # (after the logits kernel)
+    rows = dict(l=logits, stride=logits.stride(0), N=N, starts=count, slot_n=N, slot_stride=0,
+                calls=count)
+    if gather is not None:  # every store of this rank is done: signal, wait for the peers'
+        gather.exchange(out.fallback)
+        world = gather.full.shape[0]
+        rows = dict(l=gather.full, stride=N, N=world * N, starts=gather.starts, slot_n=N,
+                    slot_stride=B * N, calls=gather.calls)
+        launch = dict(num_warps=4)  # after the exchange in stream order
     run_kernel(filter_fallback.fallback_rows_kernel, (B,), (
         rows["l"], rows["stride"], rows["N"], vocab_start, params.inv_temp, params.seed,
         params.offset,
