@@ -22,6 +22,16 @@ from .fused_sample import NOISE_COEF, gumbel_log, philox_word
 
 
 @triton.jit
+def store_to_every_rank(out_ptr, at, value, peer_ptrs_ptr, world, mask=None):
+    """value at out_ptr + at in every rank's buffer (FANOUT): peer_ptrs int64 [world] holds
+    the address of out_ptr's slot in each rank's buffer (symmetric memory), each one used as
+    an element offset from out_ptr."""
+    for q in range(world):
+        delta = (tl.load(peer_ptrs_ptr + q) - out_ptr.to(tl.int64, bitcast=True)) >> 2
+        tl.store(out_ptr + delta + at, value, mask=mask)
+
+
+@triton.jit
 def fallback_logits_kernel(h_ptr, w_ptr, bias_ptr, inv_temp_ptr, flag_ptr, out_ptr, B, V_rows,
                            n_real, D, stride_hb, stride_wv, stride_ob, mask_ptr, stride_mask,
                            vocab_start, peer_ptrs_ptr, world, calls_ptr,
@@ -76,10 +86,7 @@ def fallback_logits_kernel(h_ptr, w_ptr, bias_ptr, inv_temp_ptr, flag_ptr, out_p
                 l = tl.where(offs_v < n_real, l, NEG_INF)
                 at = tl.cast(b, tl.int64) * stride_ob + offs_v
                 if FANOUT:
-                    for q in range(world):  # the peer's slot as an offset from out_ptr
-                        delta = (tl.load(peer_ptrs_ptr + q)
-                                 - out_ptr.to(tl.int64, bitcast=True)) >> 2
-                        tl.store(out_ptr + delta + at, l)
+                    store_to_every_rank(out_ptr, at, l, peer_ptrs_ptr, world)
                 else:
                     tl.store(out_ptr + at, l)
 

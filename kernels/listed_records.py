@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .. import records
+from .filter_fallback import store_to_every_rank
 from .fused_sample import NOISE_COEF, _max_propagating_nan, gumbel_log, philox_word, put_record
 
 NO_TOKEN = tl.constexpr(records.MAX_VOCAB)
@@ -241,8 +242,6 @@ def listed_fallback_kernel(
         l = x * tl.where(inv == 0.0, 1.0, inv)
         at = b.to(tl.int64) * stride_ob + locc
         if FANOUT:
-            for q in range(world):  # the peer's slot as an offset from out_ptr
-                delta = (tl.load(peer_ptrs_ptr + q) - out_ptr.to(tl.int64, bitcast=True)) >> 2
-                tl.store(out_ptr + delta + at, l, mask=keep)
+            store_to_every_rank(out_ptr, at, l, peer_ptrs_ptr, world, keep)
         else:
             tl.store(out_ptr + at, l, mask=keep)

@@ -445,13 +445,14 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
     mask = None if c is None else (eff_mask if c.listed else c.mask)
     if c is not None and c.listed:
         allowed_or_eff = c.mask if c.mask is not None else eff_mask
+    # the fan-out arguments (peer addresses, world, the exchange count); unused without gather
+    fan = (count, 1, count) if gather is None else (gather.peers, gather.peers.numel(),
+                                                    gather.calls)
     run_kernel(filter_fallback.fallback_logits_kernel, (N // records.TILE,), (
         hidden, weight, bias if bias is not None else dummy, params.inv_temp, out.fallback,
         logits, B, weight.shape[0], n_real, D, hidden.stride(0), weight.stride(0),
         logits.stride(0), mask if mask is not None else out.fallback,
-        mask.stride(0) if mask is not None else 0, vocab_start,
-        gather.peers if gather is not None else count, 1 if gather is None else gather.peers.numel(),
-        gather.calls if gather is not None else count),
+        mask.stride(0) if mask is not None else 0, vocab_start, *fan),
         dict(HAS_BIAS=bias is not None, BLOCK_V=records.TILE, BLOCK_D=64,
              BLOCK_F=min(1024, max(16, 1 << (B - 1).bit_length())), HAS_MASK=mask is not None,
              PDL=pdl, FANOUT=gather is not None),
@@ -463,10 +464,7 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
             dots, bias if bias is not None else dummy, c.ids, c.values,
             c.penalty if c.penalty is not None else dummy, allowed, params.inv_temp,
             out.fallback, logits, K, dots.shape[1], n_real, vocab_start, c.ids.stride(0),
-            allowed.stride(0), logits.stride(0),
-            gather.peers if gather is not None else count,
-            1 if gather is None else gather.peers.numel(),
-            gather.calls if gather is not None else count),
+            allowed.stride(0), logits.stride(0), *fan),
             dict(HAS_BIAS=bias is not None, HAS_PENALTY=c.penalty is not None,
                  HAS_MASK=c.mask is not None, BLOCK_K=_listed_block(K),
                  PDL=pdl and gather is None, FANOUT=gather is not None),
