@@ -217,11 +217,15 @@ def tile_records_epilogue(
     g_pre=None, PRE_NOISE: tl.constexpr = False, CDF: tl.constexpr = False,
     CANDIDATES: tl.constexpr = 0, NO_REPLACE: tl.constexpr = False, RAW_MASS: tl.constexpr = False,
     mask_ptr=None, stride_mask=0, HAS_MASK: tl.constexpr = False,
+    first_ptr=None, held_ptr=None, HELD: tl.constexpr = False,
 ):
     """acc [BLOCK_V, BLOCK_B] raw fp32 logits of tile pid_v → one record per (sample, row).
     HAS_MASK: mask_ptr int32 [B, W] (row stride stride_mask) allows global id i of row b by
     bit i % 32 of word i // 32; a token it does not allow is -inf from the start
-    (tpsample/constraints.py).
+    (tpsample/constraints.py). HELD (a call with listed tokens, whose bits the mask has
+    cleared): where bit i % 32 of first_ptr's word i // 32 is set (int32 [B, W], same row
+    stride), the raw logit h.w_i goes to held_ptr's word i // 32 (fp32 [B, W]) for the extra
+    tile (kernels/listed_records.py).
     CANDIDATES > 0: also the candidate planes and the raw plane after the sample planes
     (tpsample/records.py; RAW_MASS: the raw plane holds the tile's log-mass at T = 1, else a
     copy of the log-mass); NO_REPLACE: sample plane s holds the tile's (s+1)-th best score
@@ -239,13 +243,18 @@ def tile_records_epilogue(
         acc = leading_columns(acc, BLOCK_V, BLOCK_B, HALVINGS)
         offs_b = tl.arange(0, BLOCK_B >> HALVINGS)
         mask_b = offs_b < B
+    if HAS_MASK:  # one bit per token; 32 neighbours share a word (one cache line)
+        gid = vocab_start + offs_v
+        at_m = offs_b[None, :].to(tl.int64) * stride_mask + (gid >> 5)[:, None]
+        live = mask_b[None, :] & (offs_v < n_real)[:, None]
+        word = tl.load(mask_ptr + at_m, mask=live, other=0)
+        if HELD:  # at most one listed token per word keeps its raw logit (the word's first)
+            first = tl.load(first_ptr + at_m, mask=live, other=0)
+            tl.store(held_ptr + at_m, acc, mask=((first >> (gid & 31)[:, None]) & 1) != 0)
     # Transforms: l = (h.w + bias) * (1 / T); rows beyond the real vocabulary are -inf.
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_v, mask=offs_v < V_rows, other=0.0)[:, None]
-    if HAS_MASK:  # one bit per token; 32 neighbours share a word (one cache line)
-        gid = vocab_start + offs_v
-        word = tl.load(mask_ptr + offs_b[None, :].to(tl.int64) * stride_mask + (gid >> 5)[:, None],
-                       mask=mask_b[None, :] & (offs_v < n_real)[:, None], other=0)
+    if HAS_MASK:
         acc = tl.where(((word >> (gid & 31)[:, None]) & 1) != 0, acc, float("-inf"))
     if RAW_MASS:  # the log-mass at T = 1
         raw = tl.where((offs_v < n_real)[:, None], acc, float("-inf"))
@@ -567,16 +576,18 @@ def fused_sample_records_kernel(
     h_ptr, w_ptr, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr,
     B, D, V_rows, n_real, vocab_start, num_samples,
     stride_hb, stride_wv, rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr,
-    mask_ptr, stride_mask, HAS_BIAS: tl.constexpr, EVEN_D: tl.constexpr, FP32_DOT: tl.constexpr, ALIGNED4: tl.constexpr,
+    mask_ptr, stride_mask, first_ptr, held_ptr,
+    HAS_BIAS: tl.constexpr, EVEN_D: tl.constexpr, FP32_DOT: tl.constexpr, ALIGNED4: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_STAGES: tl.constexpr, NUM_PEERS: tl.constexpr, HALVINGS: tl.constexpr,
     TILE_MASS: tl.constexpr, PDL: tl.constexpr, W_DESC: tl.constexpr = False,
     NOISE_AT: tl.constexpr = -1, NOISE_CHUNKS: tl.constexpr = 1, NOISE_EVERY: tl.constexpr = 0,
     CDF: tl.constexpr = False, CANDIDATES: tl.constexpr = 0, NO_REPLACE: tl.constexpr = False,
-    RAW_MASS: tl.constexpr = False, HAS_MASK: tl.constexpr = False,
+    RAW_MASS: tl.constexpr = False, HAS_MASK: tl.constexpr = False, HELD: tl.constexpr = False,
 ):
     """NOISE_AT >= 0 requires num_samples == 1 and ALIGNED4 (the launcher checks).
-    CANDIDATES, NO_REPLACE, RAW_MASS, mask_ptr (read when HAS_MASK): see tile_records_epilogue."""
+    CANDIDATES, NO_REPLACE, RAW_MASS, mask_ptr (read when HAS_MASK), first_ptr / held_ptr
+    (HELD): see tile_records_epilogue."""
     pid_b = tl.program_id(0)  # batch tiles vary fastest: neighbours share the W tile in L2
     pid_v = tl.program_id(1)
     if PDL:  # stage 2 may be scheduled now; its gdc_wait holds it until this grid is done
@@ -590,18 +601,18 @@ def fused_sample_records_kernel(
                           rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr, HAS_BIAS,
                           ALIGNED4, BLOCK_V, BLOCK_B, NUM_PEERS, HALVINGS, TILE_MASS, g,
                           NOISE_AT >= 0, CDF, CANDIDATES, NO_REPLACE, RAW_MASS, mask_ptr,
-                          stride_mask, HAS_MASK)
+                          stride_mask, HAS_MASK, first_ptr, held_ptr, HELD)
 
 
 @triton.jit
 def logits_records_kernel(
     logits_ptr, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr,
     B, V_rows, n_real, vocab_start, num_samples, stride_lb, rec_stride_s, rec_stride_b, rec_stride_t,
-    peer_ptrs, parity_ptr, mask_ptr, stride_mask,
+    peer_ptrs, parity_ptr, mask_ptr, stride_mask, first_ptr, held_ptr,
     HAS_BIAS: tl.constexpr, ALIGNED4: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr,
     NUM_PEERS: tl.constexpr, HALVINGS: tl.constexpr, TILE_MASS: tl.constexpr, PDL: tl.constexpr,
     CDF: tl.constexpr = False, CANDIDATES: tl.constexpr = 0, NO_REPLACE: tl.constexpr = False,
-    RAW_MASS: tl.constexpr = False, HAS_MASK: tl.constexpr = False,
+    RAW_MASS: tl.constexpr = False, HAS_MASK: tl.constexpr = False, HELD: tl.constexpr = False,
 ):
     """The same records from fp32 logits [B, V_rows] computed elsewhere (cuBLAS, large B)."""
     pid_b = tl.program_id(0)
@@ -618,4 +629,5 @@ def logits_records_kernel(
                           rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr, HAS_BIAS,
                           ALIGNED4, BLOCK_V, BLOCK_B, NUM_PEERS, HALVINGS, TILE_MASS, CDF=CDF,
                           CANDIDATES=CANDIDATES, NO_REPLACE=NO_REPLACE, RAW_MASS=RAW_MASS,
-                          mask_ptr=mask_ptr, stride_mask=stride_mask, HAS_MASK=HAS_MASK)
+                          mask_ptr=mask_ptr, stride_mask=stride_mask, HAS_MASK=HAS_MASK,
+                          first_ptr=first_ptr, held_ptr=held_ptr, HELD=HELD)

@@ -82,10 +82,11 @@ if AVAILABLE:
     def _epilogue(acc_buf, acc_ready, acc_empty, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr,
                   rec_ptr, B, n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b,
                   rec_stride_t, peer_ptrs, parity_ptr, num_tiles, num_b_tiles, mask_ptr,
-                  stride_mask, HAS_BIAS: gl.constexpr, TILE_MASS: gl.constexpr,
-                  NUM_PEERS: gl.constexpr, BLOCK_V: gl.constexpr, BLOCK_B: gl.constexpr,
-                  EPI_B: gl.constexpr, EPI_WARPS: gl.constexpr, HAS_MASK: gl.constexpr,
-                  CANDIDATES: gl.constexpr, RAW_MASS: gl.constexpr):
+                  stride_mask, first_ptr, held_ptr, HAS_BIAS: gl.constexpr,
+                  TILE_MASS: gl.constexpr, NUM_PEERS: gl.constexpr, BLOCK_V: gl.constexpr,
+                  BLOCK_B: gl.constexpr, EPI_B: gl.constexpr, EPI_WARPS: gl.constexpr,
+                  HAS_MASK: gl.constexpr, CANDIDATES: gl.constexpr, RAW_MASS: gl.constexpr,
+                  HELD: gl.constexpr):
         n = 0
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             pid_v = tile // num_b_tiles
@@ -98,23 +99,25 @@ if AVAILABLE:
                                    bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr, B,
                                    n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b,
                                    rec_stride_t, peer_ptrs, parity_ptr, mask_ptr, stride_mask,
-                                   HAS_BIAS, TILE_MASS, NUM_PEERS, BLOCK_V, EPI_B, EPI_WARPS,
-                                   HAS_MASK, CANDIDATES, RAW_MASS)
+                                   first_ptr, held_ptr, HAS_BIAS, TILE_MASS, NUM_PEERS, BLOCK_V,
+                                   EPI_B, EPI_WARPS, HAS_MASK, CANDIDATES, RAW_MASS, HELD)
             mbarrier.arrive(acc_empty)  # the mma warps may overwrite the buffer now
             n += 1
 
     @gluon.jit
     def _chunk_records(view, pid_v, b0, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr, B,
                        n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b, rec_stride_t,
-                       peer_ptrs, parity_ptr, mask_ptr, stride_mask, HAS_BIAS: gl.constexpr,
-                       TILE_MASS: gl.constexpr, NUM_PEERS: gl.constexpr, BLOCK_V: gl.constexpr,
-                       EPI_B: gl.constexpr, EPI_WARPS: gl.constexpr, HAS_MASK: gl.constexpr,
-                       CANDIDATES: gl.constexpr, RAW_MASS: gl.constexpr):
+                       peer_ptrs, parity_ptr, mask_ptr, stride_mask, first_ptr, held_ptr,
+                       HAS_BIAS: gl.constexpr, TILE_MASS: gl.constexpr, NUM_PEERS: gl.constexpr,
+                       BLOCK_V: gl.constexpr, EPI_B: gl.constexpr, EPI_WARPS: gl.constexpr,
+                       HAS_MASK: gl.constexpr, CANDIDATES: gl.constexpr, RAW_MASS: gl.constexpr,
+                       HELD: gl.constexpr):
         """Records of columns [b0, b0 + EPI_B) of the tile in `view` [BLOCK_V, EPI_B] (rows in
         lane order: row a·Q + q holds token 4q + a, see the loader), stored at rec_ptr or, with
         NUM_PEERS > 0, into every peer's slot (see fused_sample.sample_and_store). CANDIDATES > 0:
         also the candidate planes and the raw plane after the sample planes, as
-        fused_sample.tile_records_epilogue writes them (tpsample/records.py)."""
+        fused_sample.tile_records_epilogue writes them (tpsample/records.py). HELD: the raw
+        logits of the listed tokens flagged in first_ptr go to held_ptr (as there)."""
         Q: gl.constexpr = BLOCK_V // 4
         # lanes [Q, EPI_B]: a warp spans the columns (conflict-free shared reads), the rows
         # of a column spread over the warps (the argmax reduces over axis 0)
@@ -136,6 +139,9 @@ if AVAILABLE:
                            + (g0 >> 5), mask=gl.expand_dims(mask_b, 0) & (row0 < n_real),
                            other=0)
             bits = word >> (g0 & 31)
+        if HELD:  # (listed calls always carry a mask)
+            _hold(view, lane_l, first_ptr, held_ptr, offs_b, mask_b, stride_mask, g0, row0,
+                  n_real)
 
         # the four lanes' transformed logits, read from shared memory once and kept in
         # registers for the max, the log-mass, the noise and the winner's logit
@@ -276,6 +282,21 @@ if AVAILABLE:
             gl.store(rec_ptr + gl.multiple_of(delta, 4) + at, val, mask=mask)
 
     @gluon.jit
+    def _hold(view, layout: gl.constexpr, first_ptr, held_ptr, offs_b, mask_b, stride_mask, g0,
+              row0, n_real):
+        """The raw logit of the listed token flagged in first_ptr's word (at most one per
+        word, so at most one of the four lanes at position q) to held_ptr's word."""
+        Q: gl.constexpr = view.shape[0] // 4
+        at = gl.expand_dims(offs_b, 0).to(gl.int64) * stride_mask + (g0 >> 5)
+        bits = gl.load(first_ptr + at, mask=gl.expand_dims(mask_b, 0) & (row0 < n_real),
+                       other=0) >> (g0 & 31)
+        x = view.slice(0, Q, dim=0).load(layout)
+        x = gl.where((bits & 2) != 0, view.slice(Q, Q, dim=0).load(layout), x)
+        x = gl.where((bits & 4) != 0, view.slice(2 * Q, Q, dim=0).load(layout), x)
+        x = gl.where((bits & 8) != 0, view.slice(3 * Q, Q, dim=0).load(layout), x)
+        gl.store(held_ptr + at, x, mask=(bits & 15) != 0)
+
+    @gluon.jit
     def _lane(view, a: gl.constexpr, layout: gl.constexpr, row0, scale, bias_ptr, n_real,
               HAS_BIAS: gl.constexpr, bits, HAS_MASK: gl.constexpr):
         """Transformed logits of lane a (tokens 4q + a), read from the tile in shared memory;
@@ -349,10 +370,10 @@ if AVAILABLE:
         w_desc, h_desc, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr,
         B, n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b, rec_stride_t,
         peer_ptrs, parity_ptr, num_tiles, num_b_tiles, k_steps, mask_ptr, stride_mask,
-        HAS_BIAS: gl.constexpr, TILE_MASS: gl.constexpr, STAGES: gl.constexpr, EPI_B: gl.constexpr,
+        first_ptr, held_ptr, HAS_BIAS: gl.constexpr, TILE_MASS: gl.constexpr, STAGES: gl.constexpr, EPI_B: gl.constexpr,
         LOADER_REGS: gl.constexpr, MMA_REGS: gl.constexpr, MMA_WARPS: gl.constexpr = 4,
         NUM_PEERS: gl.constexpr = 0, HAS_MASK: gl.constexpr = False,
-        CANDIDATES: gl.constexpr = 0, RAW_MASS: gl.constexpr = False,
+        CANDIDATES: gl.constexpr = 0, RAW_MASS: gl.constexpr = False, HELD: gl.constexpr = False,
     ):
         """Records [S, B, T, 4] of the tiles (vocabulary × batch) of this program; see the
         module docstring. num_warps (the epilogue's warps) must be 4 or 8. NUM_PEERS > 0: the
@@ -360,7 +381,8 @@ if AVAILABLE:
         parity_ptr), not to rec_ptr. HAS_MASK: mask_ptr int32 [B, W] allows global id i of row
         b by bit i % 32 of word i // 32 (as fused_sample.tile_records_epilogue). CANDIDATES,
         RAW_MASS: the candidate and raw planes after the S sample planes (tpsample/records.py;
-        sampling with replacement only)."""
+        sampling with replacement only). HELD: the listed tokens' raw logits to held_ptr
+        (as fused_sample.tile_records_epilogue)."""
         BLOCK_V: gl.constexpr = 4 * w_desc.block_type.shape[1]
         BLOCK_K: gl.constexpr = w_desc.block_type.shape[2]
         BLOCK_B: gl.constexpr = h_desc.block_type.shape[0]
@@ -382,8 +404,9 @@ if AVAILABLE:
             (_epilogue, (acc_buf, acc_ready, acc_empty, bias_ptr, inv_temp_ptr, seed_ptr,
                          offset_ptr, rec_ptr, B, n_real, vocab_start, num_samples, rec_stride_s,
                          rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr, num_tiles, num_b_tiles,
-                         mask_ptr, stride_mask, HAS_BIAS, TILE_MASS, NUM_PEERS, BLOCK_V, BLOCK_B,
-                         EPI_B, gl.num_warps(), HAS_MASK, CANDIDATES, RAW_MASS)),
+                         mask_ptr, stride_mask, first_ptr, held_ptr, HAS_BIAS, TILE_MASS,
+                         NUM_PEERS, BLOCK_V, BLOCK_B, EPI_B, gl.num_warps(), HAS_MASK,
+                         CANDIDATES, RAW_MASS, HELD)),
             (_mma, (w_desc, h_desc, w_bufs, h_bufs, ready, empty, acc_buf, acc_ready, acc_empty,
                     num_tiles, num_b_tiles, k_steps, BLOCK_V, BLOCK_B, BLOCK_K, STAGES,
                     MMA_WARPS)),

@@ -1,15 +1,24 @@
 """The extra tile of constrained decoding (tpsample/constraints.py, 2.): per row, the tokens
-listed in logit_adjust that fall in this slot's range, scored from their own dot products,
-adjusted, and written as one more tile's records; and their bits cleared in the call's copy
-of the mask, so the tile pass leaves them out.
+listed in logit_adjust that fall in this slot's range, adjusted and written as one more
+tile's records; and their bits cleared in the call's copy of the mask, so the tile pass
+leaves them out.
 
-listed_mask_kernel (before stage 1): the mask the tile pass reads. After stage 1 (as
-programmatic dependent launches on Hopper, so they run beside it): listed_dots_kernel, the
-dot products split over ids and D into many programs (partials summed in a fixed order after,
-so the logits do not depend on scheduling); listed_records_kernel, one program per row. The records are those of tile_records_epilogue for a tile whose tokens
-are the row's distinct listed ids (Gumbel-max with the same Philox words, ties to the smaller
-id), so stage 2, the candidate reduce and the fallback read it like any other tile;
-constraints.listed_records is the same in torch.
+Their logits h . w_i: the tile pass computes them anyway, so it keeps them. Per row and
+32-token word of the mask, the word's first listed token (the smallest listed id in it, over
+all ranks' ranges, so the choice does not depend on the partition) has its bit set in a
+`first` plane [B, W]; the tile pass stores that token's raw logit in word i // 32 of a
+`held` plane [B, W] fp32 (one slot per word: no ordering, no collisions). A listed token that
+shares its word with a smaller listed id (rare: two of 64 random ids share a word with
+probability ~0.4 at V = 151936) takes its own dot product from W instead.
+
+listed_mask_kernel (before stage 1): the mask the tile pass reads and the first plane. After
+stage 1 (as programmatic dependent launches on Hopper): listed_dots_kernel, the dot products
+of the other listed tokens split over ids and D into many programs (partials summed in a
+fixed order after, so the logits do not depend on scheduling; programs without such a token
+read nothing); listed_records_kernel, one program per row. The records are those of
+tile_records_epilogue for a tile whose tokens are the row's distinct listed ids (Gumbel-max
+with the same Philox words, ties to the smaller id), so stage 2, the candidate reduce and
+the fallback read it like any other tile; constraints.listed_records is the same in torch.
 """
 import triton
 import triton.language as tl
@@ -38,11 +47,25 @@ def _best(z, l, idkey):
 
 
 @triton.jit
-def listed_mask_kernel(mask_ptr, eff_ptr, ids_ptr, K, W, n_real, vocab_start, stride_mask,
-                       stride_eff, stride_ids, HAS_MASK: tl.constexpr, BLOCK_W: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
+def first_in_word(ids_ptr, b, offs, K, stride_ids, BLOCK_K: tl.constexpr):
+    """Whether each id of row b at positions offs (-1 padded) is its word's first listed
+    token: no listed id of the row (any range) shares its word with a smaller value."""
+    row = ids_ptr + b.to(tl.int64) * stride_ids
+    ids = tl.load(row + offs, mask=offs < K, other=-1)
+    offs_k = tl.arange(0, BLOCK_K)
+    all_ids = tl.load(row + offs_k, mask=offs_k < K, other=-1)
+    beaten = (((all_ids[None, :] >> 5) == (ids[:, None] >> 5)) & (all_ids[None, :] >= 0)
+              & (all_ids[None, :] < ids[:, None]))
+    return tl.max(beaten.to(tl.int32), axis=1) == 0
+
+
+@triton.jit
+def listed_mask_kernel(mask_ptr, eff_ptr, first_ptr, ids_ptr, K, W, n_real, vocab_start,
+                       stride_mask, stride_eff, stride_ids, HAS_MASK: tl.constexpr,
+                       BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr):
     """Row b of eff [B, W], the mask the tile pass reads: the allowed mask's words (all ones
-    without HAS_MASK) with this slot's listed ids' bits cleared."""
+    without HAS_MASK) with this slot's listed ids' bits cleared; and of first [B, W] (same
+    row stride): the bits of this slot's listed ids that are their word's first."""
     b = tl.program_id(0)
     for w0 in range(0, W, BLOCK_W):
         offs = w0 + tl.arange(0, BLOCK_W)
@@ -51,13 +74,18 @@ def listed_mask_kernel(mask_ptr, eff_ptr, ids_ptr, K, W, n_real, vocab_start, st
         else:
             words = tl.full([BLOCK_W], -1, dtype=tl.int32)
         tl.store(eff_ptr + b.to(tl.int64) * stride_eff + offs, words, mask=offs < W)
-    tl.debug_barrier()  # the row's words are in place before any thread clears a bit
+        tl.store(first_ptr + b.to(tl.int64) * stride_eff + offs, tl.zeros_like(words),
+                 mask=offs < W)
+    tl.debug_barrier()  # the row's words are in place before any thread changes a bit
     offs_k = tl.arange(0, BLOCK_K)
     ids = tl.load(ids_ptr + b.to(tl.int64) * stride_ids + offs_k, mask=offs_k < K, other=-1)
     loc = ids - vocab_start
     ok = (ids >= 0) & (loc >= 0) & (loc < n_real)
-    tl.atomic_and(eff_ptr + b.to(tl.int64) * stride_eff + (ids >> 5),
-                  ~(1 << (ids & 31).to(tl.int32)), mask=ok)
+    bit = 1 << (ids & 31).to(tl.int32)
+    at = b.to(tl.int64) * stride_eff + (ids >> 5)
+    tl.atomic_and(eff_ptr + at, ~bit, mask=ok)
+    first = first_in_word(ids_ptr, b, offs_k, K, stride_ids, BLOCK_K)
+    tl.atomic_or(first_ptr + at, bit, mask=ok & first)
 
 
 @triton.jit
@@ -66,10 +94,11 @@ def listed_dots_kernel(h_ptr, w_ptr, ids_ptr, dots_ptr, K, D, n_real, vocab_star
                        BLOCK_D: tl.constexpr, CHUNK_K: tl.constexpr, PDL: tl.constexpr = False):
     """Program (b, j, s): the partial dot products h[b] . w[id] over dims [s·SPLIT_D,
     (s + 1)·SPLIT_D) of the listed ids [j·CHUNK_K, (j + 1)·CHUNK_K) of row b in this slot's
-    range, into dots [B, splits, BLOCK_K] (0 for the others). Many small programs: one
-    program per row would walk D serially (~100 µs at D = 4096). PDL: launched as a
-    dependent of stage 1, it runs beside it (it reads only hidden and weight) and waits for
-    it before it ends, so the kernels after it still see stage 1 done."""
+    range that are not their word's first (the tile pass holds those), into dots
+    [B, splits, BLOCK_K] (0 for the others). Many small programs: one program per row would
+    walk D serially (~100 µs at D = 4096). PDL: launched as a dependent of stage 1, it runs
+    beside it (it reads only hidden and weight) and waits for it before it ends, so the
+    kernels after it still see stage 1 done."""
     b = tl.program_id(0)
     j = tl.program_id(1)
     sp = tl.program_id(2)
@@ -77,15 +106,17 @@ def listed_dots_kernel(h_ptr, w_ptr, ids_ptr, dots_ptr, K, D, n_real, vocab_star
     ids = tl.load(ids_ptr + b.to(tl.int64) * stride_ids + offs_k, mask=offs_k < K, other=-1)
     loc = ids - vocab_start
     ok = (ids >= 0) & (loc >= 0) & (loc < n_real)
+    ok = ok & ~first_in_word(ids_ptr, b, offs_k, K, stride_ids, BLOCK_K)
     locc = tl.where(ok, loc, 0)
     acc = tl.zeros([CHUNK_K], dtype=tl.float32)
-    for d0 in range(sp * SPLIT_D, tl.minimum(D, (sp + 1) * SPLIT_D), BLOCK_D):
-        offs_d = d0 + tl.arange(0, BLOCK_D)
-        md = offs_d < D
-        hv = tl.load(h_ptr + b.to(tl.int64) * stride_hb + offs_d, mask=md, other=0.0)
-        wv = tl.load(w_ptr + locc[:, None] * stride_wv + offs_d[None, :],
-                     mask=ok[:, None] & md[None, :], other=0.0)
-        acc += tl.sum(wv.to(tl.float32) * hv.to(tl.float32)[None, :], axis=1)
+    if tl.max(ok.to(tl.int32), axis=0) > 0:
+        for d0 in range(sp * SPLIT_D, tl.minimum(D, (sp + 1) * SPLIT_D), BLOCK_D):
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            md = offs_d < D
+            hv = tl.load(h_ptr + b.to(tl.int64) * stride_hb + offs_d, mask=md, other=0.0)
+            wv = tl.load(w_ptr + locc[:, None] * stride_wv + offs_d[None, :],
+                         mask=ok[:, None] & md[None, :], other=0.0)
+            acc += tl.sum(wv.to(tl.float32) * hv.to(tl.float32)[None, :], axis=1)
     splits = tl.num_programs(2)
     tl.store(dots_ptr + (b.to(tl.int64) * splits + sp) * BLOCK_K + offs_k, acc)
     if PDL:
@@ -94,12 +125,14 @@ def listed_dots_kernel(h_ptr, w_ptr, ids_ptr, dots_ptr, K, D, n_real, vocab_star
 
 
 @triton.jit
-def listed_logits(dots_ptr, bias_ptr, ids_ptr, values_ptr, penalty_ptr, mask_ptr, b, K, SPLITS,
-                  n_real, vocab_start, stride_ids, stride_mask, HAS_BIAS: tl.constexpr,
-                  HAS_PENALTY: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_K: tl.constexpr):
+def listed_logits(dots_ptr, held_ptr, bias_ptr, ids_ptr, values_ptr, penalty_ptr, mask_ptr, b,
+                  K, SPLITS, n_real, vocab_start, stride_ids, stride_mask, stride_held,
+                  HAS_BIAS: tl.constexpr, HAS_PENALTY: tl.constexpr, HAS_MASK: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
     """Row b's listed tokens [BLOCK_K]: ids (int64), ok (in this slot's range), keep (ok, the
     first entry of its id, allowed), locc (the weight row; 0 where not ok) and x, the
-    adjusted logit before the temperature (-inf where not keep); the dot products from
+    adjusted logit before the temperature (-inf where not keep); the dot products from the
+    held plane (row stride stride_held) for its words' first tokens, else from
     listed_dots_kernel's partials, summed in a fixed order."""
     offs_k = tl.arange(0, BLOCK_K)
     row_ids = ids_ptr + b.to(tl.int64) * stride_ids
@@ -126,6 +159,9 @@ def listed_logits(dots_ptr, bias_ptr, ids_ptr, values_ptr, penalty_ptr, mask_ptr
     x = tl.zeros([BLOCK_K], dtype=tl.float32)
     for sp in range(SPLITS):
         x += tl.load(dots_ptr + (b.to(tl.int64) * SPLITS + sp) * BLOCK_K + offs_k)
+    held = ok & first_in_word(ids_ptr, b, offs_k, K, stride_ids, BLOCK_K)
+    x = tl.where(held, tl.load(held_ptr + b.to(tl.int64) * stride_held + (ids >> 5), mask=held,
+                               other=0.0), x)
     if HAS_BIAS:
         x += tl.load(bias_ptr + locc, mask=keep, other=0.0)
     if HAS_PENALTY:
@@ -137,9 +173,9 @@ def listed_logits(dots_ptr, bias_ptr, ids_ptr, values_ptr, penalty_ptr, mask_ptr
 
 @triton.jit
 def listed_records_kernel(
-    dots_ptr, bias_ptr, ids_ptr, values_ptr, penalty_ptr, mask_ptr,
+    dots_ptr, held_ptr, bias_ptr, ids_ptr, values_ptr, penalty_ptr, mask_ptr,
     inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr, peer_ptrs, parity_ptr,
-    K, SPLITS, n_real, vocab_start, num_samples, stride_ids, stride_mask,
+    K, SPLITS, n_real, vocab_start, num_samples, stride_ids, stride_mask, stride_held,
     rec_stride_s, rec_stride_b, rec_stride_t, tile,
     HAS_BIAS: tl.constexpr, HAS_PENALTY: tl.constexpr, HAS_MASK: tl.constexpr,
     BLOCK_K: tl.constexpr, NUM_PEERS: tl.constexpr,
@@ -147,16 +183,17 @@ def listed_records_kernel(
     PDL: tl.constexpr = False,
 ):
     """Row b: ids/values [B, K] (int64 -1 padded / fp32), penalty [B], mask int32 [B, W] (the
-    allowed mask, HAS_MASK), dots (listed_dots_kernel) → the records of tile `tile` (every
-    plane). Rows [0, n_real) of this slot are its real tokens, global ids vocab_start + row.
+    allowed mask, HAS_MASK), held (the tile pass's) and dots (listed_dots_kernel) → the
+    records of tile `tile` (every plane). Rows [0, n_real) of this slot are its real tokens, global ids vocab_start + row.
     PDL: a dependent launch that waits for listed_dots_kernel first."""
     b = tl.program_id(0)
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     ids, ok, keep, locc, x = listed_logits(
-        dots_ptr, bias_ptr, ids_ptr, values_ptr, penalty_ptr, mask_ptr, b, K, SPLITS, n_real,
-        vocab_start, stride_ids, stride_mask, HAS_BIAS, HAS_PENALTY, HAS_MASK, BLOCK_K)
+        dots_ptr, held_ptr, bias_ptr, ids_ptr, values_ptr, penalty_ptr, mask_ptr, b, K, SPLITS,
+        n_real, vocab_start, stride_ids, stride_mask, stride_held, HAS_BIAS, HAS_PENALTY,
+        HAS_MASK, BLOCK_K)
     inv = tl.load(inv_temp_ptr + b)
     greedy = inv == 0.0
     l = x * tl.where(greedy, 1.0, inv)
@@ -215,8 +252,9 @@ def listed_records_kernel(
 
 @triton.jit
 def listed_fallback_kernel(
-    dots_ptr, bias_ptr, ids_ptr, values_ptr, penalty_ptr, mask_ptr, inv_temp_ptr, flag_ptr,
-    out_ptr, K, SPLITS, n_real, vocab_start, stride_ids, stride_mask, stride_ob,
+    dots_ptr, held_ptr, bias_ptr, ids_ptr, values_ptr, penalty_ptr, mask_ptr, inv_temp_ptr,
+    flag_ptr, out_ptr, K, SPLITS, n_real, vocab_start, stride_ids, stride_mask, stride_held,
+    stride_ob,
     peer_ptrs_ptr, world, calls_ptr,
     HAS_BIAS: tl.constexpr, HAS_PENALTY: tl.constexpr, HAS_MASK: tl.constexpr,
     BLOCK_K: tl.constexpr, PDL: tl.constexpr = False, FANOUT: tl.constexpr = False,
@@ -236,8 +274,9 @@ def listed_fallback_kernel(
         go = go & (tl.load(calls_ptr) >= 0)
     if go:
         ids, ok, keep, locc, x = listed_logits(
-            dots_ptr, bias_ptr, ids_ptr, values_ptr, penalty_ptr, mask_ptr, b, K, SPLITS, n_real,
-            vocab_start, stride_ids, stride_mask, HAS_BIAS, HAS_PENALTY, HAS_MASK, BLOCK_K)
+            dots_ptr, held_ptr, bias_ptr, ids_ptr, values_ptr, penalty_ptr, mask_ptr, b, K,
+            SPLITS, n_real, vocab_start, stride_ids, stride_mask, stride_held, HAS_BIAS,
+            HAS_PENALTY, HAS_MASK, BLOCK_K)
         inv = tl.load(inv_temp_ptr + b)
         l = x * tl.where(inv == 0.0, 1.0, inv)
         at = b.to(tl.int64) * stride_ob + locc

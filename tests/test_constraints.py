@@ -381,3 +381,41 @@ def test_plan_routes_masked_calls_to_a_mask_epilogue():
     assert masked.strategy == "ws" and "mask" in str(masked)
     cdf = tpsample.explain(256, 4096, 151936, device="h100", constrained=True, merge="cdf")
     assert cdf.strategy == "logits"
+
+
+def test_tile_pass_keeps_the_first_listed_token_of_each_word():
+    """The listed tokens' logits: a word's first listed token (the smallest listed id in its
+    32-token word over every rank's range) is kept by the tile pass (its bit in `first`);
+    the others get their own dot products (listed_dots_kernel), the first ones none. Checked
+    on the slot [70, 170) of a 200-token head (it starts inside word 2) against the
+    definition, interpreted."""
+    from tpsample import launchers
+    g = torch.Generator().manual_seed(3)
+    h, w = torch.randn(3, 16, generator=g), torch.randn(100, 16, generator=g)
+    ids = torch.tensor([[75, 80, 80, 130, -1, -1],     # 75 first of word 2; 80 twice, after it
+                        [66, 72, 96, 100, 101, 20],    # 66 (another slot) is first of word 2
+                        [95, 96, 169, 170, 160, -1]])  # 170: beyond the slot; 160 first of 5
+    c = C.Constraints(None, ids, torch.zeros(3, 6), None)
+    start, n_real, words = 70, 100, 7
+    scratch = launchers.listed_scratch(h, c, words)
+    launchers.listed_mask(h, c, scratch, n_real=n_real, vocab_start=start)
+    launchers.run_kernel(
+        launchers.listed_records_kernel.listed_dots_kernel, (3, 1, 1),
+        (h, w, ids, scratch.dots, 6, 16, n_real, start, h.stride(0), w.stride(0),
+         ids.stride(0), 16), dict(BLOCK_K=16, BLOCK_D=16, CHUNK_K=16), dict(num_warps=4))
+    for b in range(3):
+        listed = [int(i) for i in ids[b] if i >= 0]
+        mine = [i for i in listed if start <= i < start + n_real]
+        firsts = {i for i in mine if not any(j >> 5 == i >> 5 and j < i for j in listed)}
+        eff = np.full(words * 32, True)
+        eff[mine] = False
+        first = np.zeros(words * 32, bool)
+        first[list(firsts)] = True
+        bits = lambda t: ((t[b].numpy()[:, None] >> np.arange(32)) & 1).astype(bool).reshape(-1)
+        assert (bits(scratch.eff) == eff).all() and (bits(scratch.first) == first).all(), b
+        dots = scratch.dots[b].sum(0)[:6]
+        for k, i in enumerate(ids[b].tolist()):
+            want = float(h[b] @ w[i - start]) if i in mine and i not in firsts else 0.0
+            assert abs(float(dots[k]) - want) < 1e-4, (b, k, i)
+    assert scratch.first[0, 2] == 1 << (75 - 64) and scratch.first[1, 2] == 0
+    assert scratch.first[2, 5] == 1 << (160 - 160)

@@ -33,7 +33,7 @@ from tpsample.params import RowParams
 from tpsample.plan import DeviceKind, make_plan, with_options
 
 POINTER_TYPES = {"seed_ptr": "*i64", "offset_ptr": "*i64", "peer_ptrs": "*i64", "parity_ptr": "*i32",
-                 "mask_ptr": "*i32",
+                 "mask_ptr": "*i32", "first_ptr": "*i32",
                  "h_ptr": "*bf16", "w_ptr": "*bf16"}
 ALIGNED_INTS = {"stride_lb", "stride_hb", "stride_wv", "rec_stride_s", "rec_stride_b", "rec_stride_t", "D"}
 
@@ -58,24 +58,25 @@ def sass_ops(kernel, constexprs: dict, num_warps: int, arch: int = 90) -> Counte
 def gluon_ops(strategy: str, num_samples: int = 1, need_mass: bool = False, num_peers: int = 0,
               B: int = 256, D: int = 4096, arch: int = 90, cdf: bool = False,
               trace_rows: int | None = None, masked: bool = False, candidates: bool = False,
-              raw_mass: bool = False, **cfg) -> Counter:
+              raw_mass: bool = False, listed: bool = False, **cfg) -> Counter:
     """Opcode counts of the Hopper stage-1 kernel `strategy` ("ws" or "pp") as
     tpsample.launchers would launch it with this config (their defaults for the
     keys not given): the launcher runs on CPU tensors and hands its kernel, arguments,
     constexprs and options to a compile for sm_<arch> instead of a launch."""
     return cubin_ops(gluon_compile(strategy, num_samples, need_mass, num_peers, B, D, arch, cdf,
-                                   trace_rows, masked, candidates, raw_mass, **cfg))
+                                   trace_rows, masked, candidates, raw_mass, listed, **cfg))
 
 
 def gluon_compile(strategy: str, num_samples: int = 1, need_mass: bool = False, num_peers: int = 0,
                   B: int = 256, D: int = 4096, arch: int = 90, cdf: bool = False,
                   trace_rows: int | None = None, masked: bool = False, candidates: bool = False,
-                  raw_mass: bool = False, **cfg):
+                  raw_mass: bool = False, listed: bool = False, **cfg):
     """The compiled kernel behind gluon_ops: the plan for a Hopper GPU with this config,
     launched by tpsample.launchers on CPU tensors, with the launch intercepted. trace_rows:
     pp with its per-tile clock trace (a plan with trace=True) into a [trace_rows, 4] buffer;
     masked: with an allowed-token mask (ws only); candidates, raw_mass: with the candidate
-    planes (ws only; raw_mass: the raw plane at T = 1)."""
+    planes (ws only; raw_mass: the raw plane at T = 1); listed: masked, keeping the listed
+    tokens' logits (a call with logit_adjust)."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
     V = 4096
@@ -106,7 +107,10 @@ def gluon_compile(strategy: str, num_samples: int = 1, need_mass: bool = False, 
     try:
         launchers.stage1(plan, hidden, weight, None, RowParams(row, seed, seed), out, n_real=V,
                          fanout=fanout, trace=trace,
-                         mask=torch.empty(B, V // 32, dtype=torch.int32) if masked else None)
+                         mask=torch.empty(B, V // 32, dtype=torch.int32) if masked or listed
+                         else None,
+                         held=(torch.empty(B, V // 32, dtype=torch.int32),
+                               torch.empty(B, V // 32)) if listed else None)
     finally:
         launchers.run_kernel, launchers._num_sms = saved
     kernel = launch["fn"]

@@ -128,16 +128,16 @@ def check_constraints(hidden: torch.Tensor, allowed_mask, logit_adjust, repetiti
                 raise ValueError(f"logit_adjust {name} is on {t.device} but hidden is on {dev}")
         ids, values = ids.contiguous(), values.float().contiguous()
         checks.append(("logit_adjust ids", f"in [-1, {vocab_size}) (-1 = padding)", ids,
-                       (ids < -1) | (ids >= vocab_size)))
+                       lambda t: (t < -1) | (t >= vocab_size)))
         checks.append(("logit_adjust values", "finite or -inf", values,
-                       torch.isnan(values) | (values == math.inf)))
+                       lambda t: torch.isnan(t) | (t == math.inf)))
     if repetition_penalty is not None:
         if isinstance(repetition_penalty, torch.Tensor):
             t = _per_row_tensor("repetition_penalty", repetition_penalty, B, dev,
                                 (torch.float32, torch.float64, torch.float16, torch.bfloat16))
             penalty = t.float().contiguous()
             checks.append(("repetition_penalty", "finite and >= 1", penalty,
-                           ~torch.isfinite(penalty) | (penalty < 1)))
+                           lambda t: ~torch.isfinite(t) | (t < 1)))
         elif isinstance(repetition_penalty, (int, float)) and \
                 not isinstance(repetition_penalty, bool):
             if not (math.isfinite(repetition_penalty) and repetition_penalty >= 1):
@@ -151,9 +151,10 @@ def check_constraints(hidden: torch.Tensor, allowed_mask, logit_adjust, repetiti
         if ids is None:
             raise ValueError("repetition_penalty applies to the tokens listed in logit_adjust's "
                              "ids: pass logit_adjust (values may be 0)")
-    if checks and not skip_tensor_checks(dev):
-        flags = torch.stack([bad.any() for *_, bad in checks]).cpu()  # one synchronisation
-        for (name, rule, t, bad), hit in zip(checks, flags.tolist()):
+    if checks and not skip_tensor_checks(dev):  # (the rules run only here: no launches else)
+        bads = [test(t) for _, _, t, test in checks]
+        flags = torch.stack([bad.any() for bad in bads]).cpu()  # one synchronisation
+        for (name, rule, t, _), bad, hit in zip(checks, bads, flags.tolist()):
             if hit:
                 where = bad.nonzero()[:4].tolist()
                 raise ValueError(f"{name} must be {rule}; got {t[bad][:4].tolist()} at "

@@ -60,7 +60,7 @@ def logits_fp32(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def stage1(plan: Plan, hidden: torch.Tensor, weight: torch.Tensor, bias, params: RowParams,
            out: torch.Tensor, *, n_real: int, vocab_start: int = 0, fanout=None, trace=None,
-           mask: torch.Tensor | None = None, tiles: int | None = None):
+           mask: torch.Tensor | None = None, tiles: int | None = None, held=None):
     """Records [S, B, T, 4] of (a shard of) the LM head into `out` (any strides that
     records.check_layout accepts), by the plan's strategy.
 
@@ -70,27 +70,37 @@ def stage1(plan: Plan, hidden: torch.Tensor, weight: torch.Tensor, bias, params:
     clock buffer when plan.trace (tools/probe.py); mask: int32 [B, W], bit i of a row allows
     global id i (tpsample/constraints.py; every strategy but pp); tiles:
     write only the first `tiles` tiles of `out` (its last one is then the extra tile of
-    constrained decoding: `out` stays the tensor a replay substitutes)."""
+    constrained decoding: `out` stays the tensor a replay substitutes); held: (first, held)
+    of a ListedScratch, with its eff as the mask: the listed tokens' logits are kept there."""
     S, B, T = plan.num_samples, hidden.shape[0], out.shape[2]
     records.check_layout(out, (records.planes(S, plan.candidates), B, T, records.WIDTH))
     cfg = plan.cfg
     peers, parity = fanout if fanout is not None else (None, None)
     common = dict(bias=bias, params=params, out=out, n_real=n_real, vocab_start=vocab_start,
                   peers=peers, parity=parity)
+    if held is not None and mask is None:
+        raise ValueError("held needs the mask (the listed tokens' bits cleared)")
     if plan.strategy == "pp" and mask is not None:
         raise ValueError("the pp kernel has no mask epilogue (the plan avoids it for "
                          "constrained calls)")
     if plan.strategy == "pp":
         return _pp(plan, cfg, hidden, weight, trace=trace, **common)
     if plan.strategy == "ws":
-        return _ws(plan, cfg, hidden, weight, mask=mask, tiles=tiles, **common)
+        return _ws(plan, cfg, hidden, weight, mask=mask, tiles=tiles, held=held, **common)
     if tiles is not None and plan.strategy == "pp":
         raise ValueError("tiles: not the pp kernel")
-    return _triton(plan, cfg, hidden, weight, mask=mask, tiles=tiles, **common)
+    return _triton(plan, cfg, hidden, weight, mask=mask, tiles=tiles, held=held, **common)
+
+
+def _mask_args(mask, held, dummy) -> tuple:
+    """The kernels' (mask_ptr, stride_mask, first_ptr, held_ptr) (dummies where unused)."""
+    if mask is None:
+        return (dummy, 0, dummy, dummy)
+    return (mask, mask.stride(0)) + (held if held is not None else (dummy, dummy))
 
 
 def _triton(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start, peers, parity,
-            mask=None, tiles=None):
+            mask=None, tiles=None, held=None):
     """The fused kernel or the records pass over cuBLAS logits ("logits")."""
     B, D = hidden.shape
     V_rows, T = weight.shape[0], out.shape[2] if tiles is None else tiles
@@ -102,11 +112,11 @@ def _triton(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start
     if plan.candidates or not plan.replacement:
         consts.update(CANDIDATES=records.CANDIDATES if plan.candidates else 0,
                       NO_REPLACE=not plan.replacement, RAW_MASS=plan.raw_mass)
-    tail = (seed, 0)  # (never read without HAS_MASK)
+    tail = _mask_args(mask, held, seed)  # (never read without HAS_MASK / HELD)
     if mask is not None:
         consts.update(CANDIDATES=records.CANDIDATES if plan.candidates else 0,
-                      NO_REPLACE=not plan.replacement, RAW_MASS=plan.raw_mass, HAS_MASK=True)
-        tail = (mask, mask.stride(0))
+                      NO_REPLACE=not plan.replacement, RAW_MASS=plan.raw_mass, HAS_MASK=True,
+                      HELD=held is not None)
     options = dict(num_warps=cfg["num_warps"])
     grid = (cdiv(B, cfg["BLOCK_B"]), T)
     peers = peers if peers is not None else seed  # never read when NUM_PEERS == 0
@@ -139,41 +149,60 @@ LISTED_CHUNK_K = 16  # listed ids per program of listed_dots_kernel
 LISTED_SPLIT_D = 512  # hidden dims per program
 
 
-def listed_dots(hidden: torch.Tensor, c) -> torch.Tensor:
-    """A fresh scratch for listed_dots_kernel: fp32 [B, splits, BLOCK_K]."""
+class ListedScratch(NamedTuple):
+    """The per-call tensors of a call with listed tokens (kernels/listed_records.py): eff and
+    first int32 [B, W] (the mask the tile pass reads; the bits of the words' first listed
+    tokens), held fp32 [B, W] (those tokens' logits, kept by the tile pass), all three with
+    one row stride, and dots fp32 [B, splits, BLOCK_K] (the other listed tokens')."""
+    eff: torch.Tensor
+    first: torch.Tensor
+    held: torch.Tensor
+    dots: torch.Tensor
+
+
+def listed_scratch(hidden: torch.Tensor, c, words: int) -> ListedScratch:
+    """Fresh ListedScratch for a call with B = hidden.shape[0] rows and W = words (rows
+    padded to 16 bytes, so each plane is aligned as Triton specialises pointers)."""
     B, D = hidden.shape
-    return torch.empty(B, cdiv(D, LISTED_SPLIT_D), _listed_block(c.ids.shape[1]),
+    planes = torch.empty(3, B, -(-words // 4) * 4, dtype=torch.int32,
+                         device=hidden.device)[:, :, :words]
+    dots = torch.empty(B, cdiv(D, LISTED_SPLIT_D), _listed_block(c.ids.shape[1]),
                        dtype=torch.float32, device=hidden.device)
+    return ListedScratch(planes[0], planes[1], planes[2].view(torch.float32), dots)
 
 
 def _listed_block(K: int) -> int:
     return max(16, 1 << (K - 1).bit_length())
 
 
-def listed_mask(hidden: torch.Tensor, c, eff_mask: torch.Tensor, *, n_real: int,
+def listed_mask(hidden: torch.Tensor, c, scratch: ListedScratch, *, n_real: int,
                 vocab_start: int = 0) -> None:
-    """eff_mask (int32 [B, W], written here): the allowed mask (all ones without one) with
-    this slot's listed ids' bits cleared: what stage 1 reads in a call with listed tokens."""
+    """scratch.eff (written here): the allowed mask (all ones without one) with this slot's
+    listed ids' bits cleared: what stage 1 reads in a call with listed tokens; scratch.first
+    (written here): the bits of those that are their word's first listed token."""
     B = hidden.shape[0]
     K = c.ids.shape[1]
-    allowed = c.mask if c.mask is not None else eff_mask
+    eff = scratch.eff
+    allowed = c.mask if c.mask is not None else eff
     run_kernel(listed_records_kernel.listed_mask_kernel, (B,), (
-        allowed, eff_mask, c.ids, K, eff_mask.shape[1], n_real, vocab_start, allowed.stride(0),
-        eff_mask.stride(0), c.ids.stride(0)),
+        allowed, eff, scratch.first, c.ids, K, eff.shape[1], n_real, vocab_start,
+        allowed.stride(0), eff.stride(0), c.ids.stride(0)),
         dict(HAS_MASK=c.mask is not None, BLOCK_W=1024, BLOCK_K=_listed_block(K)),
         dict(num_warps=4))
 
 
 def listed_records(plan: Plan, hidden: torch.Tensor, weight: torch.Tensor, bias,
-                   params: RowParams, c, dots: torch.Tensor, out: torch.Tensor, tile: int, *,
+                   params: RowParams, c, scratch: ListedScratch, out: torch.Tensor, tile: int, *,
                    n_real: int, vocab_start: int = 0, fanout=None):
-    """The extra tile of a call with listed tokens (kernels/listed_records.py), after stage 1:
-    the listed ids' dot products into `dots` (listed_dots), then the extra tile's records
-    into tile `tile` of `out` [planes, B, T + 1, 4] (every plane, or every peer's with
-    fanout). With plan.pdl both are programmatic dependent launches that overlap stage 1."""
+    """The extra tile of a call with listed tokens (kernels/listed_records.py), after stage 1
+    (which kept the words' first listed tokens' logits in scratch.held): the other listed
+    ids' dot products into scratch.dots, then the extra tile's records into tile `tile` of
+    `out` [planes, B, T + 1, 4] (every plane, or every peer's with fanout). With plan.pdl
+    both are programmatic dependent launches."""
     B, D = hidden.shape
     K = c.ids.shape[1]
     block_k = _listed_block(K)
+    dots = scratch.dots
     splits = dots.shape[1]
     pdl = dict(launch_pdl=True) if plan.pdl else {}
     run_kernel(listed_records_kernel.listed_dots_kernel, (B, cdiv(K, LISTED_CHUNK_K), splits), (
@@ -185,12 +214,12 @@ def listed_records(plan: Plan, hidden: torch.Tensor, weight: torch.Tensor, bias,
     dummy = params.inv_temp
     allowed = c.mask if c.mask is not None else dummy
     run_kernel(listed_records_kernel.listed_records_kernel, (B,), (
-        dots, bias if bias is not None else dummy, c.ids, c.values,
+        dots, scratch.held, bias if bias is not None else dummy, c.ids, c.values,
         c.penalty if c.penalty is not None else dummy, allowed, params.inv_temp, params.seed,
         params.offset, out, peers if peers is not None else params.seed,
         parity if parity is not None else params.seed, K, splits, n_real, vocab_start,
         plan.num_samples, c.ids.stride(0), c.mask.stride(0) if c.mask is not None else 0,
-        *out.stride()[:3], tile),
+        scratch.held.stride(0), *out.stride()[:3], tile),
         dict(HAS_BIAS=bias is not None, HAS_PENALTY=c.penalty is not None,
              HAS_MASK=c.mask is not None, BLOCK_K=block_k,
              NUM_PEERS=0 if peers is None else peers.shape[-1],
@@ -208,7 +237,7 @@ def _ws_layouts(dtype: torch.dtype, block_b: int, block_k: int):
 
 
 def _ws(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start, peers, parity,
-        mask=None, tiles=None):
+        mask=None, tiles=None, held=None):
     """The warp-specialized Hopper kernel (kernels/gluon_sample.py): a persistent grid of one
     program per SM over [BLOCK_V, BLOCK_B] tiles. W [V_rows, D] is handed to TMA as the view
     [4, V_rows / 4, D] (row 4q + a at [a, q]), so each tile lands in shared memory in lane
@@ -233,7 +262,7 @@ def _ws(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start, pe
         EPI_B=cfg["EPI_B"], LOADER_REGS=WS_LOADER_REGS, MMA_REGS=168 if mma_warps == 4 else 160,
         MMA_WARPS=mma_warps, NUM_PEERS=0 if peers is None else peers.shape[-1],
         HAS_MASK=mask is not None, CANDIDATES=records.CANDIDATES if plan.candidates else 0,
-        RAW_MASS=plan.candidates and plan.raw_mass)
+        RAW_MASS=plan.candidates and plan.raw_mass, HELD=held is not None)
     if not plan.replacement:
         raise ValueError("the ws kernel has no without-replacement epilogue (the plan takes the "
                          "records pass)")
@@ -246,8 +275,7 @@ def _ws(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start, pe
         w_desc, h_desc, bias if bias is not None else params.inv_temp, params.inv_temp, seed,
         params.offset, out, B, n_real, vocab_start, plan.num_samples, *out.stride()[:3],
         peers if peers is not None else seed, parity if parity is not None else seed, tiles, nb,
-        cdiv(D, block_k), mask if mask is not None else seed,
-        mask.stride(0) if mask is not None else 0), constexprs, options)
+        cdiv(D, block_k), *_mask_args(mask, held, seed)), constexprs, options)
     return out
 
 
@@ -419,17 +447,16 @@ class FallbackGather(NamedTuple):
 def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params: RowParams,
                        filters: Filters, out: F.FilteredOutput, logits: torch.Tensor | None,
                        count: torch.Tensor, *, n_real: int, vocab_start: int = 0,
-                       constraints=None, eff_mask: torch.Tensor | None = None,
-                       dots: torch.Tensor | None = None, pdl: bool = False,
-                       gather: FallbackGather | None = None) -> None:
+                       constraints=None, listed: ListedScratch | None = None,
+                       pdl: bool = False, gather: FallbackGather | None = None) -> None:
     """The exact fallback of one device's call, after stage2_filtered and with no host
     synchronisation (kernels/filter_fallback.py): the rows flagged in out.fallback get their
     logits recomputed into `logits` (fp32 [B, tiles * TILE], scratch) and their outputs
     redone in `out`; count (int32 [1]) gains the number of such rows. pdl: its launches are
     programmatic dependents (plan.pdl: stage2_filtered's are too). constraints
-    (tpsample/constraints.py): the rows' logits take the mask (eff_mask: the tile pass's,
-    when the call lists tokens) and then the listed tokens' adjusted logits (from `dots`,
-    what listed_records computed in this call's stage 1). gather (tensor parallel): the
+    (tpsample/constraints.py): the rows' logits take the mask (listed.eff: the tile pass's,
+    when the call lists tokens) and then the listed tokens' adjusted logits (from
+    listed.held and listed.dots, what this call's stage 1 and listed_records kept). gather (tensor parallel): the
     rows' logit shards go to every rank (gather.own in each rank's buffer; the listed
     tokens' after the rest, in stream order) and, after gather.exchange, every rank redoes
     the rows from all shards."""
@@ -442,9 +469,9 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
     dummy = params.inv_temp
     c = constraints
     launch = dict(num_warps=4, **({"launch_pdl": True} if pdl else {}))
-    mask = None if c is None else (eff_mask if c.listed else c.mask)
+    mask = None if c is None else (listed.eff if c.listed else c.mask)
     if c is not None and c.listed:
-        allowed_or_eff = c.mask if c.mask is not None else eff_mask
+        allowed_or_eff = c.mask if c.mask is not None else listed.eff
     # the fan-out arguments (peer addresses, world, the exchange count); unused without gather
     fan = (count, 1, count) if gather is None else (gather.peers, gather.peers.numel(),
                                                     gather.calls)
@@ -461,10 +488,10 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
         K = c.ids.shape[1]
         allowed = allowed_or_eff
         run_kernel(listed_records_kernel.listed_fallback_kernel, (B,), (
-            dots, bias if bias is not None else dummy, c.ids, c.values,
+            listed.dots, listed.held, bias if bias is not None else dummy, c.ids, c.values,
             c.penalty if c.penalty is not None else dummy, allowed, params.inv_temp,
-            out.fallback, logits, K, dots.shape[1], n_real, vocab_start, c.ids.stride(0),
-            allowed.stride(0), logits.stride(0), *fan),
+            out.fallback, logits, K, listed.dots.shape[1], n_real, vocab_start, c.ids.stride(0),
+            allowed.stride(0), listed.held.stride(0), logits.stride(0), *fan),
             dict(HAS_BIAS=bias is not None, HAS_PENALTY=c.penalty is not None,
                  HAS_MASK=c.mask is not None, BLOCK_K=_listed_block(K),
                  PDL=pdl and gather is None, FANOUT=gather is not None),

@@ -338,8 +338,7 @@ class Pipeline:
                                              per_call.get("fallback_logits"),
                                              self._device_fallbacks(), n_real=n_real,
                                              vocab_start=vocab_start, constraints=constraints,
-                                             eff_mask=per_call.get("eff_mask"),
-                                             dots=per_call.get("listed_dots"), pdl=plan.pdl,
+                                             listed=listed_scratch(per_call), pdl=plan.pdl,
                                              gather=gather)
         self.replays.add(key, log1, dict(per_call, records=out_view), log2,
                          dict(per_call, records=recs, sample_records=head, **out._asdict()))
@@ -446,21 +445,29 @@ class DeterministicReads:
 
 def constraint_tensors(c: C.Constraints, hidden: torch.Tensor, words: int) -> dict:
     """The per-call tensors of a call's constraints (replay substitutes them): the allowed
-    mask, the listed ids / values / penalties, and `eff`, the mask the tile pass reads with
-    the listed tokens' bits cleared (per call; launchers.listed_mask writes it), and the
-    listed ids' dot products (a per-call scratch)."""
-    B, device = hidden.shape[0], hidden.device
+    mask, the listed ids / values / penalties, and a launchers.ListedScratch (the mask the
+    tile pass reads with the listed tokens' bits cleared, the words' first listed tokens,
+    their logits kept by the tile pass, the others' dot products)."""
     out = {}
     if c.mask is not None:
         out["allowed_mask"] = c.mask
     if c.listed:
+        scratch = launchers.listed_scratch(hidden, c, words if c.mask is None else c.mask.shape[1])
         out.update(adjust_ids=c.ids, adjust_values=c.values,
-                   eff_mask=torch.empty(B, words if c.mask is None else c.mask.shape[1],
-                                        dtype=torch.int32, device=device),
-                   listed_dots=launchers.listed_dots(hidden, c))
+                   **{_LISTED_NAMES[i]: t for i, t in enumerate(scratch)})
         if c.penalty is not None:
             out["penalty"] = c.penalty
     return out
+
+
+_LISTED_NAMES = tuple(f"listed_{f}" for f in launchers.ListedScratch._fields)
+
+
+def listed_scratch(per_call: dict):
+    """The call's launchers.ListedScratch (the same tensors as in per_call), or None."""
+    if _LISTED_NAMES[0] not in per_call:
+        return None
+    return launchers.ListedScratch(*(per_call[n] for n in _LISTED_NAMES))
 
 
 def constraint_key(c: C.Constraints) -> tuple:
@@ -481,14 +488,13 @@ def stage1_constrained(plan: Plan, hidden, weight, bias, params: RowParams, out_
     tpsample/constraints.py."""
     if c.listed:
         T = out_view.shape[2] - 1
-        launchers.listed_mask(hidden, c, per_call["eff_mask"], n_real=n_real,
-                              vocab_start=vocab_start)
+        scratch = listed_scratch(per_call)
+        launchers.listed_mask(hidden, c, scratch, n_real=n_real, vocab_start=vocab_start)
         launchers.stage1(plan, hidden, weight, bias, params, out_view, n_real=n_real,
                          vocab_start=vocab_start, fanout=fanout, trace=trace,
-                         mask=per_call["eff_mask"], tiles=T)
-        launchers.listed_records(plan, hidden, weight, bias, params, c, per_call["listed_dots"],
-                                 out_view, T, n_real=n_real, vocab_start=vocab_start,
-                                 fanout=fanout)
+                         mask=scratch.eff, tiles=T, held=(scratch.first, scratch.held))
+        launchers.listed_records(plan, hidden, weight, bias, params, c, scratch, out_view, T,
+                                 n_real=n_real, vocab_start=vocab_start, fanout=fanout)
     else:
         launchers.stage1(plan, hidden, weight, bias, params, out_view, n_real=n_real,
                          vocab_start=vocab_start, fanout=fanout, trace=trace, mask=c.mask)

@@ -54,6 +54,7 @@ GLUON_VARIANTS = {
     "pp_two_samples": ("dict(strategy='pp', num_samples=2)", 13768),
     "pp_cdf": ("dict(strategy='pp', need_mass=True, cdf=True)", 2832),
     "ws_masked": ("dict(strategy='ws', masked=True)", 3800),
+    "ws_listed": ("dict(strategy='ws', listed=True)", 4112),
     "ws_candidates": ("dict(strategy='ws', candidates=True, need_mass=True)", 6472),
     "ws_candidates_raw_masked": ("dict(strategy='ws', candidates=True, need_mass=True, "
                                  "raw_mass=True, masked=True)", 8256),
