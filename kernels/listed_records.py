@@ -106,10 +106,13 @@ def listed_dots_kernel(h_ptr, w_ptr, ids_ptr, dots_ptr, K, D, n_real, vocab_star
     ids = tl.load(ids_ptr + b.to(tl.int64) * stride_ids + offs_k, mask=offs_k < K, other=-1)
     loc = ids - vocab_start
     ok = (ids >= 0) & (loc >= 0) & (loc < n_real)
-    ok = ok & ~first_in_word(ids_ptr, b, offs_k, K, stride_ids, BLOCK_K)
-    locc = tl.where(ok, loc, 0)
+    # (as 0/1 integers: a select here trips a layout bug of Triton 3.6 at CHUNK_K = 64)
+    need = ok.to(tl.int64) * (1 - first_in_word(ids_ptr, b, offs_k, K, stride_ids,
+                                                 BLOCK_K).to(tl.int64))
+    locc = loc * need
+    ok = need != 0
     acc = tl.zeros([CHUNK_K], dtype=tl.float32)
-    if tl.max(ok.to(tl.int32), axis=0) > 0:
+    if tl.max(need, axis=0) > 0:
         for d0 in range(sp * SPLIT_D, tl.minimum(D, (sp + 1) * SPLIT_D), BLOCK_D):
             offs_d = d0 + tl.arange(0, BLOCK_D)
             md = offs_d < D

@@ -33,13 +33,15 @@ from tpsample.params import RowParams
 from tpsample.plan import DeviceKind, make_plan, with_options
 
 POINTER_TYPES = {"seed_ptr": "*i64", "offset_ptr": "*i64", "peer_ptrs": "*i64", "parity_ptr": "*i32",
-                 "mask_ptr": "*i32", "first_ptr": "*i32",
+                 "mask_ptr": "*i32", "first_ptr": "*i32", "ids_ptr": "*i64",
                  "h_ptr": "*bf16", "w_ptr": "*bf16"}
 ALIGNED_INTS = {"stride_lb", "stride_hb", "stride_wv", "rec_stride_s", "rec_stride_b", "rec_stride_t", "D"}
 
 
-def sass_ops(kernel, constexprs: dict, num_warps: int, arch: int = 90) -> Counter:
-    """Opcode counts of `kernel` compiled with these constexprs (pointers 16-byte aligned)."""
+def sass_ops(kernel, constexprs: dict, num_warps: int, arch: int = 90,
+             aligned: tuple = ()) -> Counter:
+    """Opcode counts of `kernel` compiled with these constexprs (pointers 16-byte aligned, and
+    the int arguments named in ALIGNED_INTS or `aligned` multiples of 16)."""
     params = inspect.signature(kernel.fn).parameters
     names = list(params)
     # constexprs left out take their defaults (else they would be typed as runtime ints)
@@ -49,7 +51,7 @@ def sass_ops(kernel, constexprs: dict, num_warps: int, arch: int = 90) -> Counte
     sig = {n: "constexpr" if n in constexprs else
            POINTER_TYPES.get(n, "*fp32" if n.endswith("_ptr") else "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if sig[n].startswith("*") or n in ALIGNED_INTS}
+             if sig[n].startswith("*") or n in ALIGNED_INTS or n in aligned}
     compiled = triton.compile(ASTSource(kernel, sig, constexprs, attrs),
                               target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps))
     return cubin_ops(compiled)
