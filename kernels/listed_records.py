@@ -11,11 +11,11 @@ all ranks' ranges, so the choice does not depend on the partition) has its bit s
 shares its word with a smaller listed id (rare: two of 64 random ids share a word with
 probability ~0.4 at V = 151936) takes its own dot product from W instead.
 
-listed_mask_kernel (before stage 1): the mask the tile pass reads and the first plane. After
-stage 1 (as programmatic dependent launches on Hopper): listed_dots_kernel, the dot products
-of the other listed tokens split over ids and D into many programs (partials summed in a
-fixed order after, so the logits do not depend on scheduling; programs without such a token
-read nothing); listed_records_kernel, one program per row. The records are those of
+listed_prep_kernel, one launch before stage 1: the mask the tile pass reads, the first plane,
+and the dot products of the other listed tokens split over ids and D into many programs
+(partials summed in a fixed order after, so the logits do not depend on scheduling;
+programs without such a token read nothing). After stage 1 (a programmatic dependent launch
+on Hopper): listed_records_kernel, one program per row. The records are those of
 tile_records_epilogue for a tile whose tokens are the row's distinct listed ids (Gumbel-max
 with the same Philox words, ties to the smaller id), so stage 2, the candidate reduce and
 the fallback read it like any other tile; constraints.listed_records is the same in torch.
@@ -60,13 +60,12 @@ def first_in_word(ids_ptr, b, offs, K, stride_ids, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def listed_mask_kernel(mask_ptr, eff_ptr, first_ptr, ids_ptr, K, W, n_real, vocab_start,
-                       stride_mask, stride_eff, stride_ids, HAS_MASK: tl.constexpr,
-                       BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr):
+def _mask_row(mask_ptr, eff_ptr, first_ptr, ids_ptr, b, K, W, n_real, vocab_start, stride_mask,
+              stride_eff, stride_ids, HAS_MASK: tl.constexpr, BLOCK_W: tl.constexpr,
+              BLOCK_K: tl.constexpr):
     """Row b of eff [B, W], the mask the tile pass reads: the allowed mask's words (all ones
     without HAS_MASK) with this slot's listed ids' bits cleared; and of first [B, W] (same
     row stride): the bits of this slot's listed ids that are their word's first."""
-    b = tl.program_id(0)
     for w0 in range(0, W, BLOCK_W):
         offs = w0 + tl.arange(0, BLOCK_W)
         if HAS_MASK:
@@ -89,19 +88,13 @@ def listed_mask_kernel(mask_ptr, eff_ptr, first_ptr, ids_ptr, K, W, n_real, voca
 
 
 @triton.jit
-def listed_dots_kernel(h_ptr, w_ptr, ids_ptr, dots_ptr, K, D, n_real, vocab_start, stride_hb,
-                       stride_wv, stride_ids, SPLIT_D, BLOCK_K: tl.constexpr,
-                       BLOCK_D: tl.constexpr, CHUNK_K: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (b, j, s): the partial dot products h[b] . w[id] over dims [s·SPLIT_D,
-    (s + 1)·SPLIT_D) of the listed ids [j·CHUNK_K, (j + 1)·CHUNK_K) of row b in this slot's
-    range that are not their word's first (the tile pass holds those), into dots
-    [B, splits, BLOCK_K] (0 for the others). Many small programs: one program per row would
-    walk D serially (~100 µs at D = 4096). PDL: launched as a dependent of stage 1, it runs
-    beside it (it reads only hidden and weight) and waits for it before it ends, so the
-    kernels after it still see stage 1 done."""
-    b = tl.program_id(0)
-    j = tl.program_id(1)
-    sp = tl.program_id(2)
+def _dots_part(h_ptr, w_ptr, ids_ptr, dots_ptr, b, j, sp, splits, K, D, n_real, vocab_start,
+               stride_hb, stride_wv, stride_ids, SPLIT_D, BLOCK_K: tl.constexpr,
+               BLOCK_D: tl.constexpr, CHUNK_K: tl.constexpr):
+    """The partial dot products h[b] . w[id] over dims [sp·SPLIT_D, (sp + 1)·SPLIT_D) of the
+    listed ids [j·CHUNK_K, (j + 1)·CHUNK_K) of row b in this slot's range that are not their
+    word's first (the tile pass keeps those), into dots [B, splits, BLOCK_K] (0 for the
+    others; nothing is read from W when the chunk has none)."""
     offs_k = j * CHUNK_K + tl.arange(0, CHUNK_K)
     ids = tl.load(ids_ptr + b.to(tl.int64) * stride_ids + offs_k, mask=offs_k < K, other=-1)
     loc = ids - vocab_start
@@ -120,11 +113,29 @@ def listed_dots_kernel(h_ptr, w_ptr, ids_ptr, dots_ptr, K, D, n_real, vocab_star
             wv = tl.load(w_ptr + locc[:, None] * stride_wv + offs_d[None, :],
                          mask=ok[:, None] & md[None, :], other=0.0)
             acc += tl.sum(wv.to(tl.float32) * hv.to(tl.float32)[None, :], axis=1)
-    splits = tl.num_programs(2)
     tl.store(dots_ptr + (b.to(tl.int64) * splits + sp) * BLOCK_K + offs_k, acc)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def listed_prep_kernel(mask_ptr, eff_ptr, first_ptr, ids_ptr, h_ptr, w_ptr, dots_ptr, K, W, D,
+                       n_real, vocab_start, stride_mask, stride_eff, stride_ids, stride_hb,
+                       stride_wv, SPLIT_D, splits, HAS_MASK: tl.constexpr,
+                       BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+                       CHUNK_K: tl.constexpr):
+    """Before stage 1, one launch: program (b, 0) writes row b of the eff and first planes
+    (_mask_row); program (b, 1 + j·splits + s) part (j, s) of row b's dot products of the
+    listed tokens the tile pass does not keep (_dots_part; they read only hidden and W).
+    Many small dot-product programs: one program per row would walk D serially (~100 µs at
+    D = 4096 when every id needs one)."""
+    b = tl.program_id(0)
+    p = tl.program_id(1)
+    if p == 0:
+        _mask_row(mask_ptr, eff_ptr, first_ptr, ids_ptr, b, K, W, n_real, vocab_start,
+                  stride_mask, stride_eff, stride_ids, HAS_MASK, BLOCK_W, BLOCK_K)
+    else:
+        _dots_part(h_ptr, w_ptr, ids_ptr, dots_ptr, b, (p - 1) // splits, (p - 1) % splits,
+                   splits, K, D, n_real, vocab_start, stride_hb, stride_wv, stride_ids, SPLIT_D,
+                   BLOCK_K, BLOCK_D, CHUNK_K)
 
 
 @triton.jit
@@ -136,7 +147,7 @@ def listed_logits(dots_ptr, held_ptr, bias_ptr, ids_ptr, values_ptr, penalty_ptr
     first entry of its id, allowed), locc (the weight row; 0 where not ok) and x, the
     adjusted logit before the temperature (-inf where not keep); the dot products from the
     held plane (row stride stride_held) for its words' first tokens, else from
-    listed_dots_kernel's partials, summed in a fixed order."""
+    listed_prep_kernel's partials, summed in a fixed order."""
     offs_k = tl.arange(0, BLOCK_K)
     row_ids = ids_ptr + b.to(tl.int64) * stride_ids
     row_vals = values_ptr + b.to(tl.int64) * stride_ids
@@ -186,9 +197,9 @@ def listed_records_kernel(
     PDL: tl.constexpr = False,
 ):
     """Row b: ids/values [B, K] (int64 -1 padded / fp32), penalty [B], mask int32 [B, W] (the
-    allowed mask, HAS_MASK), held (the tile pass's) and dots (listed_dots_kernel) → the
+    allowed mask, HAS_MASK), held (the tile pass's) and dots (listed_prep_kernel's) → the
     records of tile `tile` (every plane). Rows [0, n_real) of this slot are its real tokens, global ids vocab_start + row.
-    PDL: a dependent launch that waits for listed_dots_kernel first."""
+    PDL: a dependent launch of stage 1 that waits for it first."""
     b = tl.program_id(0)
     if PDL:
         tl.extra.cuda.gdc_wait()

@@ -386,7 +386,7 @@ def test_plan_routes_masked_calls_to_a_mask_epilogue():
 def test_tile_pass_keeps_the_first_listed_token_of_each_word():
     """The listed tokens' logits: a word's first listed token (the smallest listed id in its
     32-token word over every rank's range) is kept by the tile pass (its bit in `first`);
-    the others get their own dot products (listed_dots_kernel), the first ones none. Checked
+    the others get their own dot products (listed_prep_kernel), the first ones none. Checked
     on the slot [70, 170) of a 200-token head (it starts inside word 2) against the
     definition, interpreted."""
     from tpsample import launchers
@@ -398,11 +398,7 @@ def test_tile_pass_keeps_the_first_listed_token_of_each_word():
     c = C.Constraints(None, ids, torch.zeros(3, 6), None)
     start, n_real, words = 70, 100, 7
     scratch = launchers.listed_scratch(h, c, words)
-    launchers.listed_mask(h, c, scratch, n_real=n_real, vocab_start=start)
-    launchers.run_kernel(
-        launchers.listed_records_kernel.listed_dots_kernel, (3, 1, 1),
-        (h, w, ids, scratch.dots, 6, 16, n_real, start, h.stride(0), w.stride(0),
-         ids.stride(0), 16), dict(BLOCK_K=16, BLOCK_D=16, CHUNK_K=16), dict(num_warps=4))
+    launchers.listed_prep(h, w, c, scratch, n_real=n_real, vocab_start=start)
     for b in range(3):
         listed = [int(i) for i in ids[b] if i >= 0]
         mine = [i for i in listed if start <= i < start + n_real]

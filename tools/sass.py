@@ -33,7 +33,7 @@ from tpsample.params import RowParams
 from tpsample.plan import DeviceKind, make_plan, with_options
 
 POINTER_TYPES = {"seed_ptr": "*i64", "offset_ptr": "*i64", "peer_ptrs": "*i64", "parity_ptr": "*i32",
-                 "mask_ptr": "*i32", "first_ptr": "*i32", "ids_ptr": "*i64",
+                 "mask_ptr": "*i32", "first_ptr": "*i32", "eff_ptr": "*i32", "ids_ptr": "*i64",
                  "h_ptr": "*bf16", "w_ptr": "*bf16"}
 ALIGNED_INTS = {"stride_lb", "stride_hb", "stride_wv", "rec_stride_s", "rec_stride_b", "rec_stride_t", "D"}
 

@@ -145,9 +145,10 @@ def _triton(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start
     return out
 
 
-# listed_dots_kernel: ids and hidden dims per program. Most programs find no id to compute
-# (the tile pass keeps the words' first listed tokens), so fewer, larger programs: 16 ids ×
-# 512 dims took 7.3 / 18.3 µs at B = 64 / 256 (D = 4096, H100), nearly all of it scheduling
+# listed_prep_kernel's dot products: ids and hidden dims per program. Most programs find no id
+# to compute (the tile pass keeps the words' first listed tokens), so fewer, larger programs:
+# 16 ids × 512 dims took 7.3 / 18.3 µs at B = 64 / 256 (D = 4096, H100), nearly all of it
+# scheduling
 LISTED_CHUNK_K = 64
 LISTED_SPLIT_D = 1024
 
@@ -178,19 +179,26 @@ def _listed_block(K: int) -> int:
     return max(16, 1 << (K - 1).bit_length())
 
 
-def listed_mask(hidden: torch.Tensor, c, scratch: ListedScratch, *, n_real: int,
-                vocab_start: int = 0) -> None:
-    """scratch.eff (written here): the allowed mask (all ones without one) with this slot's
-    listed ids' bits cleared: what stage 1 reads in a call with listed tokens; scratch.first
-    (written here): the bits of those that are their word's first listed token."""
-    B = hidden.shape[0]
+def listed_prep(hidden: torch.Tensor, weight: torch.Tensor, c, scratch: ListedScratch, *,
+                n_real: int, vocab_start: int = 0) -> None:
+    """Before stage 1 of a call with listed tokens, one launch (listed_prep_kernel):
+    scratch.eff, the allowed mask (all ones without one) with this slot's listed ids' bits
+    cleared, which stage 1 reads; scratch.first, the bits of those that are their word's
+    first listed token (stage 1 keeps their logits in scratch.held); scratch.dots, the
+    others' dot products."""
+    B, D = hidden.shape
     K = c.ids.shape[1]
+    block_k = _listed_block(K)
+    chunk = min(LISTED_CHUNK_K, block_k)
+    splits = scratch.dots.shape[1]
     eff = scratch.eff
     allowed = c.mask if c.mask is not None else eff
-    run_kernel(listed_records_kernel.listed_mask_kernel, (B,), (
-        allowed, eff, scratch.first, c.ids, K, eff.shape[1], n_real, vocab_start,
-        allowed.stride(0), eff.stride(0), c.ids.stride(0)),
-        dict(HAS_MASK=c.mask is not None, BLOCK_W=1024, BLOCK_K=_listed_block(K)),
+    run_kernel(listed_records_kernel.listed_prep_kernel, (B, 1 + cdiv(K, chunk) * splits), (
+        allowed, eff, scratch.first, c.ids, hidden, weight, scratch.dots, K, eff.shape[1], D,
+        n_real, vocab_start, allowed.stride(0), eff.stride(0), c.ids.stride(0),
+        hidden.stride(0), weight.stride(0), LISTED_SPLIT_D, splits),
+        dict(HAS_MASK=c.mask is not None, BLOCK_W=1024, BLOCK_K=block_k, BLOCK_D=128,
+             CHUNK_K=chunk),
         dict(num_warps=4))
 
 
@@ -198,22 +206,15 @@ def listed_records(plan: Plan, hidden: torch.Tensor, weight: torch.Tensor, bias,
                    params: RowParams, c, scratch: ListedScratch, out: torch.Tensor, tile: int, *,
                    n_real: int, vocab_start: int = 0, fanout=None):
     """The extra tile of a call with listed tokens (kernels/listed_records.py), after stage 1
-    (which kept the words' first listed tokens' logits in scratch.held): the other listed
-    ids' dot products into scratch.dots, then the extra tile's records into tile `tile` of
-    `out` [planes, B, T + 1, 4] (every plane, or every peer's with fanout). With plan.pdl
-    both are programmatic dependent launches."""
-    B, D = hidden.shape
+    (which kept the words' first listed tokens' logits in scratch.held; listed_prep computed
+    the others'): its records into tile `tile` of `out` [planes, B, T + 1, 4] (every plane,
+    or every peer's with fanout). With plan.pdl a programmatic dependent launch."""
+    B = hidden.shape[0]
     K = c.ids.shape[1]
     block_k = _listed_block(K)
     dots = scratch.dots
     splits = dots.shape[1]
     pdl = dict(launch_pdl=True) if plan.pdl else {}
-    chunk = min(LISTED_CHUNK_K, block_k)
-    run_kernel(listed_records_kernel.listed_dots_kernel, (B, cdiv(K, chunk), splits), (
-        hidden, weight, c.ids, dots, K, D, n_real, vocab_start, hidden.stride(0),
-        weight.stride(0), c.ids.stride(0), LISTED_SPLIT_D),
-        dict(BLOCK_K=block_k, BLOCK_D=128, CHUNK_K=chunk, PDL=plan.pdl),
-        dict(num_warps=4, **pdl))
     peers, parity = fanout if fanout is not None else (None, None)
     dummy = params.inv_temp
     allowed = c.mask if c.mask is not None else dummy

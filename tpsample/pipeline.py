@@ -489,7 +489,8 @@ def stage1_constrained(plan: Plan, hidden, weight, bias, params: RowParams, out_
     if c.listed:
         T = out_view.shape[2] - 1
         scratch = listed_scratch(per_call)
-        launchers.listed_mask(hidden, c, scratch, n_real=n_real, vocab_start=vocab_start)
+        launchers.listed_prep(hidden, weight, c, scratch, n_real=n_real,
+                              vocab_start=vocab_start)
         launchers.stage1(plan, hidden, weight, bias, params, out_view, n_real=n_real,
                          vocab_start=vocab_start, fanout=fanout, trace=trace,
                          mask=scratch.eff, tiles=T, held=(scratch.first, scratch.held))

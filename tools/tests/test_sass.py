@@ -185,17 +185,19 @@ def test_exchange_wait_compiles_without_a_trap(tmp_path):
 LISTED = (
     "from tools import sass\n"
     "from tpsample.kernels import listed_records as lr\n"
-    "aligned = ('K', 'D', 'stride_ids', 'stride_hb', 'stride_wv', 'SPLIT_D', 'n_real')\n"
+    "aligned = ('K', 'D', 'W', 'stride_ids', 'stride_hb', 'stride_wv', 'stride_mask',\n"
+    "           'stride_eff', 'SPLIT_D', 'n_real')\n"
     "for chunk, block in ((16, 16), (64, 64), (64, 256)):\n"
-    "    ops = sass.sass_ops(lr.listed_dots_kernel, dict(BLOCK_K=block, BLOCK_D=128,\n"
-    "                        CHUNK_K=chunk, PDL=True), 4, aligned=aligned)\n"
+    "    ops = sass.sass_ops(lr.listed_prep_kernel, dict(HAS_MASK=True, BLOCK_W=1024,\n"
+    "                        BLOCK_K=block, BLOCK_D=128, CHUNK_K=chunk), 4, aligned=aligned)\n"
     "    print(chunk, block, ops['LDL'] + ops['STL'], ops['LDG'])\n")
 
 
-def test_listed_dots_compile_at_the_launched_shapes(tmp_path):
-    """listed_dots_kernel compiles for sm_90 at the chunk sizes tpsample.launchers uses, with
+def test_listed_prep_compiles_at_the_launched_shapes(tmp_path):
+    """listed_prep_kernel compiles for sm_90 at the chunk sizes tpsample.launchers uses, with
     the integer arguments specialised as a launch does (multiples of 16): Triton 3.6 once
-    failed there on a select between 1D tensors of different parents (CHUNK_K = 64)."""
+    failed on its dot products' select between 1D tensors of different parents (CHUNK_K =
+    64)."""
     out = subprocess.run([sys.executable, "-c", LISTED], env=subprocess_env(tmp_path),
                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
