@@ -483,9 +483,9 @@ _NO_CONSTRAINT_KEY = (None,) * len(C.NO_CONSTRAINTS)
 def stage1_constrained(plan: Plan, hidden, weight, bias, params: RowParams, out_view,
                        per_call: dict, c: C.Constraints, *, n_real: int, vocab_start: int,
                        fanout, trace=None) -> None:
-    """launchers.stage1; with listed tokens first the mask it reads (the allowed mask
-    without them) and after it the extra tile (the last tile of out_view), see
-    tpsample/constraints.py."""
+    """launchers.stage1; with listed tokens first launchers.listed_prep (the mask it reads:
+    the allowed mask without them; which of them it keeps; the others' dot products) and
+    after it the extra tile (the last tile of out_view), see tpsample/constraints.py."""
     if c.listed:
         T = out_view.shape[2] - 1
         scratch = listed_scratch(per_call)
