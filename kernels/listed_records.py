@@ -198,7 +198,8 @@ def listed_records_kernel(
 ):
     """Row b: ids/values [B, K] (int64 -1 padded / fp32), penalty [B], mask int32 [B, W] (the
     allowed mask, HAS_MASK), held (the tile pass's) and dots (listed_prep_kernel's) → the
-    records of tile `tile` (every plane). Rows [0, n_real) of this slot are its real tokens, global ids vocab_start + row.
+    records of tile `tile` (every plane). Rows [0, n_real) of this slot are its real tokens,
+    global ids vocab_start + row.
     PDL: a dependent launch of stage 1 that waits for it first."""
     b = tl.program_id(0)
     if PDL:

@@ -202,15 +202,14 @@ def listed_prep(hidden: torch.Tensor, weight: torch.Tensor, c, scratch: ListedSc
         dict(num_warps=4))
 
 
-def listed_records(plan: Plan, hidden: torch.Tensor, weight: torch.Tensor, bias,
-                   params: RowParams, c, scratch: ListedScratch, out: torch.Tensor, tile: int, *,
-                   n_real: int, vocab_start: int = 0, fanout=None):
+def listed_records(plan: Plan, bias, params: RowParams, c, scratch: ListedScratch,
+                   out: torch.Tensor, tile: int, *, n_real: int, vocab_start: int = 0,
+                   fanout=None):
     """The extra tile of a call with listed tokens (kernels/listed_records.py), after stage 1
     (which kept the words' first listed tokens' logits in scratch.held; listed_prep computed
     the others'): its records into tile `tile` of `out` [planes, B, T + 1, 4] (every plane,
     or every peer's with fanout). With plan.pdl a programmatic dependent launch."""
-    B = hidden.shape[0]
-    K = c.ids.shape[1]
+    B, K = c.ids.shape
     block_k = _listed_block(K)
     dots = scratch.dots
     splits = dots.shape[1]
@@ -461,10 +460,10 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
     programmatic dependents (plan.pdl: stage2_filtered's are too). constraints
     (tpsample/constraints.py): the rows' logits take the mask (listed.eff: the tile pass's,
     when the call lists tokens) and then the listed tokens' adjusted logits (from
-    listed.held and listed.dots, what this call's stage 1 and listed_records kept). gather (tensor parallel): the
-    rows' logit shards go to every rank (gather.own in each rank's buffer; the listed
-    tokens' after the rest, in stream order) and, after gather.exchange, every rank redoes
-    the rows from all shards."""
+    listed.held and listed.dots, what this call's stage 1 and listed_prep kept). gather
+    (tensor parallel): the rows' logit shards go to every rank (gather.own in each rank's
+    buffer; the listed tokens' after the rest, in stream order) and, after gather.exchange,
+    every rank redoes the rows from all shards."""
     B, D = hidden.shape
     if gather is not None:
         logits = gather.own

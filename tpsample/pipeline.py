@@ -494,8 +494,8 @@ def stage1_constrained(plan: Plan, hidden, weight, bias, params: RowParams, out_
         launchers.stage1(plan, hidden, weight, bias, params, out_view, n_real=n_real,
                          vocab_start=vocab_start, fanout=fanout, trace=trace,
                          mask=scratch.eff, tiles=T, held=(scratch.first, scratch.held))
-        launchers.listed_records(plan, hidden, weight, bias, params, c, scratch, out_view, T,
-                                 n_real=n_real, vocab_start=vocab_start, fanout=fanout)
+        launchers.listed_records(plan, bias, params, c, scratch, out_view, T, n_real=n_real,
+                                 vocab_start=vocab_start, fanout=fanout)
     else:
         launchers.stage1(plan, hidden, weight, bias, params, out_view, n_real=n_real,
                          vocab_start=vocab_start, fanout=fanout, trace=trace, mask=c.mask)
