@@ -584,10 +584,13 @@ def fused_sample_records_kernel(
     NOISE_AT: tl.constexpr = -1, NOISE_CHUNKS: tl.constexpr = 1, NOISE_EVERY: tl.constexpr = 0,
     CDF: tl.constexpr = False, CANDIDATES: tl.constexpr = 0, NO_REPLACE: tl.constexpr = False,
     RAW_MASS: tl.constexpr = False, HAS_MASK: tl.constexpr = False, HELD: tl.constexpr = False,
+    AFTER_PREP: tl.constexpr = False,
 ):
     """NOISE_AT >= 0 requires num_samples == 1 and ALIGNED4 (the launcher checks).
     CANDIDATES, NO_REPLACE, RAW_MASS, mask_ptr (read when HAS_MASK), first_ptr / held_ptr
-    (HELD): see tile_records_epilogue."""
+    (HELD): see tile_records_epilogue. AFTER_PREP: launched as a programmatic dependent of
+    listed_records.listed_prep_kernel, which writes the mask and first planes: the matmul
+    runs meanwhile, the epilogue waits for that grid first."""
     pid_b = tl.program_id(0)  # batch tiles vary fastest: neighbours share the W tile in L2
     pid_v = tl.program_id(1)
     if PDL:  # stage 2 may be scheduled now; its gdc_wait holds it until this grid is done
@@ -596,6 +599,8 @@ def fused_sample_records_kernel(
         h_ptr, w_ptr, pid_v, pid_b, B, D, V_rows, stride_hb, stride_wv, EVEN_D, FP32_DOT,
         BLOCK_V, BLOCK_B, BLOCK_D, NUM_STAGES, W_DESC, seed_ptr, offset_ptr,
         vocab_start + pid_v * BLOCK_V, NOISE_AT, HALVINGS, NOISE_CHUNKS, NOISE_EVERY)
+    if AFTER_PREP:
+        tl.extra.cuda.gdc_wait()
     tile_records_epilogue(acc, pid_v, offs_b, mask_b, B, bias_ptr, inv_temp_ptr, seed_ptr,
                           offset_ptr, rec_ptr, V_rows, n_real, vocab_start, num_samples,
                           rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr, HAS_BIAS,

@@ -14,7 +14,9 @@ probability ~0.4 at V = 151936) takes its own dot product from W instead.
 listed_prep_kernel, one launch before stage 1: the mask the tile pass reads, the first plane,
 and the dot products of the other listed tokens split over ids and D into many programs
 (partials summed in a fixed order after, so the logits do not depend on scheduling;
-programs without such a token read nothing). After stage 1 (a programmatic dependent launch
+programs without such a token read nothing). On Hopper the fused stage-1 kernel is its
+programmatic dependent: its matmul runs meanwhile and it waits for the prep grid only before
+its epilogue reads the planes. After stage 1 (a programmatic dependent launch
 on Hopper): listed_records_kernel, one program per row. The records are those of
 tile_records_epilogue for a tile whose tokens are the row's distinct listed ids (Gumbel-max
 with the same Philox words, ties to the smaller id), so stage 2, the candidate reduce and
@@ -121,14 +123,17 @@ def listed_prep_kernel(mask_ptr, eff_ptr, first_ptr, ids_ptr, h_ptr, w_ptr, dots
                        n_real, vocab_start, stride_mask, stride_eff, stride_ids, stride_hb,
                        stride_wv, SPLIT_D, splits, HAS_MASK: tl.constexpr,
                        BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-                       CHUNK_K: tl.constexpr):
+                       CHUNK_K: tl.constexpr, PDL: tl.constexpr = False):
     """Before stage 1, one launch: program (b, 0) writes row b of the eff and first planes
     (_mask_row); program (b, 1 + j·splits + s) part (j, s) of row b's dot products of the
     listed tokens the tile pass does not keep (_dots_part; they read only hidden and W).
     Many small dot-product programs: one program per row would walk D serially (~100 µs at
-    D = 4096 when every id needs one)."""
+    D = 4096 when every id needs one). PDL: the next launch may start at once (the fused
+    stage-1 kernel, a programmatic dependent that waits for this grid before its epilogue)."""
     b = tl.program_id(0)
     p = tl.program_id(1)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     if p == 0:
         _mask_row(mask_ptr, eff_ptr, first_ptr, ids_ptr, b, K, W, n_real, vocab_start,
                   stride_mask, stride_eff, stride_ids, HAS_MASK, BLOCK_W, BLOCK_K)

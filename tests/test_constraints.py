@@ -415,3 +415,41 @@ def test_tile_pass_keeps_the_first_listed_token_of_each_word():
             assert abs(float(dots[k]) - want) < 1e-4, (b, k, i)
     assert scratch.first[0, 2] == 1 << (75 - 64) and scratch.first[1, 2] == 0
     assert scratch.first[2, 5] == 1 << (160 - 160)
+
+
+@pytest.mark.parametrize("B,strategy", [(1, "fused"), (64, "ws"), (256, "logits")])
+def test_only_a_stage1_that_waits_for_prep_is_its_dependent_launch(B, strategy, monkeypatch):
+    """On Hopper a call with listed tokens launches listed_prep_kernel (stream-ordered, so after
+    everything before it) and then stage 1. Stage 1 may be a programmatic dependent launch
+    (running before prep's planes are written) only if it waits for them before its epilogue
+    (AFTER_PREP): the fused kernel does; ws (docs/design.md) and the records pass (cuBLAS is
+    between) are stream-ordered. The launches of tpsample.launchers, intercepted on CPU
+    tensors with the H100 table's plans."""
+    from tpsample import launchers, pipeline
+    from tpsample.params import RowParams
+    from tpsample.plan import DeviceKind, make_plan
+    D, V = 4096, 151936
+    plan = make_plan(DeviceKind.named("h100"), B=B, D=D, V=V, dtype=torch.bfloat16,
+                     masked=True, merge="cdf" if strategy == "logits" else "max")
+    assert plan.strategy == strategy and plan.pdl
+    launched = []
+    monkeypatch.setattr(launchers, "run_kernel", lambda fn, grid, args, constexprs, options:
+                        launched.append((getattr(fn, "fn", fn).__name__, constexprs, options)))
+    monkeypatch.setattr(launchers, "run_step", lambda fn, args: torch.empty(B, V))
+    monkeypatch.setattr(launchers, "_num_sms", lambda device: 132)
+    h, w = torch.empty(B, D, dtype=torch.bfloat16), torch.empty(V, D, dtype=torch.bfloat16)
+    c = C.Constraints(None, torch.zeros(B, 8, dtype=torch.int64), torch.zeros(B, 8), None)
+    per_call = pipeline.constraint_tensors(c, h, -(-V // 32))
+    T = -(-V // 128)
+    out = torch.empty(1, B, T + 1, 4)
+    seed = torch.zeros(B, dtype=torch.int64)
+    pipeline.stage1_constrained(plan, h, w, None, RowParams(torch.ones(B), seed, seed), out,
+                                per_call, c, n_real=V, vocab_start=0, fanout=None)
+    names = [n for n, _, _ in launched]
+    assert names[0] == "listed_prep_kernel" and names[-1] == "listed_records_kernel", names
+    assert not launched[0][2].get("launch_pdl"), "prep must wait for the work before it"
+    assert launched[0][1]["PDL"]  # it lets a dependent start early
+    _, consts, options = launched[1]
+    assert bool(options.get("launch_pdl")) == bool(consts.get("AFTER_PREP")), names[1]
+    assert bool(consts.get("AFTER_PREP")) == (strategy == "fused"), names[1]
+    assert launched[-1][2].get("launch_pdl") and launched[-1][1]["PDL"]

@@ -71,7 +71,9 @@ def stage1(plan: Plan, hidden: torch.Tensor, weight: torch.Tensor, bias, params:
     global id i (tpsample/constraints.py; every strategy but pp); tiles:
     write only the first `tiles` tiles of `out` (its last one is then the extra tile of
     constrained decoding: `out` stays the tensor a replay substitutes); held: (first, held)
-    of a ListedScratch, with its eff as the mask: the listed tokens' logits are kept there."""
+    of a ListedScratch, with its eff as the mask: the listed tokens' logits are kept there;
+    with plan.pdl the fused kernel is then a programmatic dependent of listed_prep, the
+    launch just before (it waits for it before its epilogue; ws is not: docs/design.md)."""
     S, B, T = plan.num_samples, hidden.shape[0], out.shape[2]
     records.check_layout(out, (records.planes(S, plan.candidates), B, T, records.WIDTH))
     cfg = plan.cfg
@@ -134,6 +136,9 @@ def _triton(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start
         w_arg = TensorDescriptor.from_tensor(weight, block_shape=[BLOCK_V, cfg["BLOCK_D"]])
     consts.update(EVEN_D=cfg["EVEN_D"], BLOCK_D=cfg["BLOCK_D"], FP32_DOT=cfg["FP32_DOT"],
                   NUM_STAGES=cfg["NUM_STAGES"], W_DESC=cfg["W_DESC"])
+    if held is not None and plan.pdl:  # (the records pass has cuBLAS between it and prep)
+        consts.update(AFTER_PREP=True)
+        options.update(launch_pdl=True)
     if "NOISE_AT" in cfg:
         consts.update(NOISE_AT=cfg["NOISE_AT"], NOISE_CHUNKS=cfg["NOISE_CHUNKS"],
                       NOISE_EVERY=cfg["NOISE_EVERY"])
@@ -180,12 +185,12 @@ def _listed_block(K: int) -> int:
 
 
 def listed_prep(hidden: torch.Tensor, weight: torch.Tensor, c, scratch: ListedScratch, *,
-                n_real: int, vocab_start: int = 0) -> None:
+                n_real: int, vocab_start: int = 0, pdl: bool = False) -> None:
     """Before stage 1 of a call with listed tokens, one launch (listed_prep_kernel):
     scratch.eff, the allowed mask (all ones without one) with this slot's listed ids' bits
     cleared, which stage 1 reads; scratch.first, the bits of those that are their word's
     first listed token (stage 1 keeps their logits in scratch.held); scratch.dots, the
-    others' dot products."""
+    others' dot products. pdl (plan.pdl): stage 1 may launch at once (stage1 with held)."""
     B, D = hidden.shape
     K = c.ids.shape[1]
     block_k = _listed_block(K)
@@ -198,7 +203,7 @@ def listed_prep(hidden: torch.Tensor, weight: torch.Tensor, c, scratch: ListedSc
         n_real, vocab_start, allowed.stride(0), eff.stride(0), c.ids.stride(0),
         hidden.stride(0), weight.stride(0), LISTED_SPLIT_D, splits),
         dict(HAS_MASK=c.mask is not None, BLOCK_W=1024, BLOCK_K=block_k, BLOCK_D=128,
-             CHUNK_K=chunk),
+             CHUNK_K=chunk, PDL=pdl),
         dict(num_warps=4))
 
 

@@ -490,7 +490,7 @@ def stage1_constrained(plan: Plan, hidden, weight, bias, params: RowParams, out_
         T = out_view.shape[2] - 1
         scratch = listed_scratch(per_call)
         launchers.listed_prep(hidden, weight, c, scratch, n_real=n_real,
-                              vocab_start=vocab_start)
+                              vocab_start=vocab_start, pdl=plan.pdl)
         launchers.stage1(plan, hidden, weight, bias, params, out_view, n_real=n_real,
                          vocab_start=vocab_start, fanout=fanout, trace=trace,
                          mask=scratch.eff, tiles=T, held=(scratch.first, scratch.held))

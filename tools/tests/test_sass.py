@@ -189,7 +189,8 @@ LISTED = (
     "           'stride_eff', 'SPLIT_D', 'n_real')\n"
     "for chunk, block in ((16, 16), (64, 64), (64, 256)):\n"
     "    ops = sass.sass_ops(lr.listed_prep_kernel, dict(HAS_MASK=True, BLOCK_W=1024,\n"
-    "                        BLOCK_K=block, BLOCK_D=128, CHUNK_K=chunk), 4, aligned=aligned)\n"
+    "                        BLOCK_K=block, BLOCK_D=128, CHUNK_K=chunk, PDL=True), 4,\n"
+    "                        aligned=aligned)\n"
     "    print(chunk, block, ops['LDL'] + ops['STL'], ops['LDG'])\n")
 
 
