@@ -68,6 +68,13 @@ def _mask_row(mask_ptr, eff_ptr, first_ptr, ids_ptr, b, K, W, n_real, vocab_star
     """Row b of eff [B, W], the mask the tile pass reads: the allowed mask's words (all ones
     without HAS_MASK) with this slot's listed ids' bits cleared; and of first [B, W] (same
     row stride): the bits of this slot's listed ids that are their word's first."""
+    offs_k = tl.arange(0, BLOCK_K)  # (the ids first: their loads overlap the words')
+    ids = tl.load(ids_ptr + b.to(tl.int64) * stride_ids + offs_k, mask=offs_k < K, other=-1)
+    loc = ids - vocab_start
+    ok = (ids >= 0) & (loc >= 0) & (loc < n_real)
+    bit = 1 << (ids & 31).to(tl.int32)
+    at = b.to(tl.int64) * stride_eff + (ids >> 5)
+    first = first_in_word(ids_ptr, b, offs_k, K, stride_ids, BLOCK_K)
     for w0 in range(0, W, BLOCK_W):
         offs = w0 + tl.arange(0, BLOCK_W)
         if HAS_MASK:
@@ -78,52 +85,50 @@ def _mask_row(mask_ptr, eff_ptr, first_ptr, ids_ptr, b, K, W, n_real, vocab_star
         tl.store(first_ptr + b.to(tl.int64) * stride_eff + offs, tl.zeros_like(words),
                  mask=offs < W)
     tl.debug_barrier()  # the row's words are in place before any thread changes a bit
-    offs_k = tl.arange(0, BLOCK_K)
-    ids = tl.load(ids_ptr + b.to(tl.int64) * stride_ids + offs_k, mask=offs_k < K, other=-1)
-    loc = ids - vocab_start
-    ok = (ids >= 0) & (loc >= 0) & (loc < n_real)
-    bit = 1 << (ids & 31).to(tl.int32)
-    at = b.to(tl.int64) * stride_eff + (ids >> 5)
     tl.atomic_and(eff_ptr + at, ~bit, mask=ok)
-    first = first_in_word(ids_ptr, b, offs_k, K, stride_ids, BLOCK_K)
     tl.atomic_or(first_ptr + at, bit, mask=ok & first)
 
 
 @triton.jit
 def _dots_part(h_ptr, w_ptr, ids_ptr, dots_ptr, b, j, sp, splits, K, D, n_real, vocab_start,
-               stride_hb, stride_wv, stride_ids, SPLIT_D, BLOCK_K: tl.constexpr,
-               BLOCK_D: tl.constexpr, CHUNK_K: tl.constexpr):
+               stride_hb, stride_wv, stride_ids, SPLIT_D: tl.constexpr, BLOCK_K: tl.constexpr,
+               CHUNK_K: tl.constexpr):
     """The partial dot products h[b] . w[id] over dims [sp·SPLIT_D, (sp + 1)·SPLIT_D) of the
     listed ids [j·CHUNK_K, (j + 1)·CHUNK_K) of row b in this slot's range that are not their
     word's first (the tile pass keeps those), into dots [B, splits, BLOCK_K] (0 for the
-    others; nothing is read from W when the chunk has none)."""
-    offs_k = j * CHUNK_K + tl.arange(0, CHUNK_K)
+    others). One id at a time, each a single [SPLIT_D] load of its weight row: a chunk
+    rarely has more than one such id, so the program's critical path is one load, where
+    walking [CHUNK_K, BLOCK_D] blocks over D was SPLIT_D / BLOCK_D dependent loads."""
+    k_idx = tl.arange(0, CHUNK_K)
+    offs_k = j * CHUNK_K + k_idx
     ids = tl.load(ids_ptr + b.to(tl.int64) * stride_ids + offs_k, mask=offs_k < K, other=-1)
     loc = ids - vocab_start
     ok = (ids >= 0) & (loc >= 0) & (loc < n_real)
     # (as 0/1 integers: a select here trips a layout bug of Triton 3.6 at CHUNK_K = 64)
-    need = ok.to(tl.int64) * (1 - first_in_word(ids_ptr, b, offs_k, K, stride_ids,
-                                                 BLOCK_K).to(tl.int64))
-    locc = loc * need
-    ok = need != 0
+    pending = ok.to(tl.int64) * (1 - first_in_word(ids_ptr, b, offs_k, K, stride_ids,
+                                                    BLOCK_K).to(tl.int64))
     acc = tl.zeros([CHUNK_K], dtype=tl.float32)
-    if tl.max(need, axis=0) > 0:
-        for d0 in range(sp * SPLIT_D, tl.minimum(D, (sp + 1) * SPLIT_D), BLOCK_D):
-            offs_d = d0 + tl.arange(0, BLOCK_D)
-            md = offs_d < D
-            hv = tl.load(h_ptr + b.to(tl.int64) * stride_hb + offs_d, mask=md, other=0.0)
-            wv = tl.load(w_ptr + locc[:, None] * stride_wv + offs_d[None, :],
-                         mask=ok[:, None] & md[None, :], other=0.0)
-            acc += tl.sum(wv.to(tl.float32) * hv.to(tl.float32)[None, :], axis=1)
+    if tl.max(pending, axis=0) > 0:
+        offs_d = sp * SPLIT_D + tl.arange(0, SPLIT_D)
+        md = offs_d < D
+        hv = tl.load(h_ptr + b.to(tl.int64) * stride_hb + offs_d, mask=md, other=0.0)
+        hv = hv.to(tl.float32)
+        while tl.max(pending, axis=0) > 0:
+            k = tl.min(tl.where(pending != 0, k_idx, CHUNK_K), axis=0)
+            row = tl.sum(loc * (k_idx == k).to(tl.int64), axis=0)
+            wv = tl.load(w_ptr + row * stride_wv + offs_d, mask=md, other=0.0)
+            dot = tl.sum(wv.to(tl.float32) * hv, axis=0)
+            acc += (k_idx == k).to(tl.float32) * dot
+            pending = pending * (k_idx != k).to(tl.int64)
     tl.store(dots_ptr + (b.to(tl.int64) * splits + sp) * BLOCK_K + offs_k, acc)
 
 
 @triton.jit
 def listed_prep_kernel(mask_ptr, eff_ptr, first_ptr, ids_ptr, h_ptr, w_ptr, dots_ptr, K, W, D,
                        n_real, vocab_start, stride_mask, stride_eff, stride_ids, stride_hb,
-                       stride_wv, SPLIT_D, splits, HAS_MASK: tl.constexpr,
-                       BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-                       CHUNK_K: tl.constexpr, PDL: tl.constexpr = False):
+                       stride_wv, splits, HAS_MASK: tl.constexpr, BLOCK_W: tl.constexpr,
+                       BLOCK_K: tl.constexpr, SPLIT_D: tl.constexpr, CHUNK_K: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """Before stage 1, one launch: program (b, 0) writes row b of the eff and first planes
     (_mask_row); program (b, 1 + j·splits + s) part (j, s) of row b's dot products of the
     listed tokens the tile pass does not keep (_dots_part; they read only hidden and W).
@@ -140,7 +145,7 @@ def listed_prep_kernel(mask_ptr, eff_ptr, first_ptr, ids_ptr, h_ptr, w_ptr, dots
     else:
         _dots_part(h_ptr, w_ptr, ids_ptr, dots_ptr, b, (p - 1) // splits, (p - 1) % splits,
                    splits, K, D, n_real, vocab_start, stride_hb, stride_wv, stride_ids, SPLIT_D,
-                   BLOCK_K, BLOCK_D, CHUNK_K)
+                   BLOCK_K, CHUNK_K)
 
 
 @triton.jit

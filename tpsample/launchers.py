@@ -151,11 +151,18 @@ def _triton(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start
 
 
 # listed_prep_kernel's dot products: ids and hidden dims per program. Most programs find no id
-# to compute (the tile pass keeps the words' first listed tokens), so fewer, larger programs:
-# 16 ids × 512 dims took 7.3 / 18.3 µs at B = 64 / 256 (D = 4096, H100), nearly all of it
-# scheduling
+# to compute (the tile pass keeps the words' first listed tokens), so few, large programs, in
+# one wave at B = 256: 16 ids × 512 dims took 7.3 / 18.3 µs at B = 64 / 256 (D = 4096,
+# H100), nearly all of it scheduling; 64 × 1024 10.3 / 21.1 (whole kernel). Its mask rows:
+# words per step (two steps at V = 151936, one at 128256)
 LISTED_CHUNK_K = 64
-LISTED_SPLIT_D = 1024
+LISTED_MAX_SPLIT_D = 4096
+LISTED_BLOCK_W = 4096
+
+
+def listed_split_d(D: int) -> int:
+    """Hidden dims per dot-product program of listed_prep_kernel (a power of 2)."""
+    return min(LISTED_MAX_SPLIT_D, 1 << (D - 1).bit_length())
 
 
 class ListedScratch(NamedTuple):
@@ -175,7 +182,7 @@ def listed_scratch(hidden: torch.Tensor, c, words: int) -> ListedScratch:
     B, D = hidden.shape
     planes = torch.empty(3, B, -(-words // 4) * 4, dtype=torch.int32,
                          device=hidden.device)[:, :, :words]
-    dots = torch.empty(B, cdiv(D, LISTED_SPLIT_D), _listed_block(c.ids.shape[1]),
+    dots = torch.empty(B, cdiv(D, listed_split_d(D)), _listed_block(c.ids.shape[1]),
                        dtype=torch.float32, device=hidden.device)
     return ListedScratch(planes[0], planes[1], planes[2].view(torch.float32), dots)
 
@@ -201,9 +208,9 @@ def listed_prep(hidden: torch.Tensor, weight: torch.Tensor, c, scratch: ListedSc
     run_kernel(listed_records_kernel.listed_prep_kernel, (B, 1 + cdiv(K, chunk) * splits), (
         allowed, eff, scratch.first, c.ids, hidden, weight, scratch.dots, K, eff.shape[1], D,
         n_real, vocab_start, allowed.stride(0), eff.stride(0), c.ids.stride(0),
-        hidden.stride(0), weight.stride(0), LISTED_SPLIT_D, splits),
-        dict(HAS_MASK=c.mask is not None, BLOCK_W=1024, BLOCK_K=block_k, BLOCK_D=128,
-             CHUNK_K=chunk, PDL=pdl),
+        hidden.stride(0), weight.stride(0), splits),
+        dict(HAS_MASK=c.mask is not None, BLOCK_W=LISTED_BLOCK_W, BLOCK_K=block_k,
+             SPLIT_D=listed_split_d(D), CHUNK_K=chunk, PDL=pdl),
         dict(num_warps=4))
 
 

@@ -185,12 +185,13 @@ def test_exchange_wait_compiles_without_a_trap(tmp_path):
 LISTED = (
     "from tools import sass\n"
     "from tpsample.kernels import listed_records as lr\n"
+    "from tpsample import launchers as L\n"
     "aligned = ('K', 'D', 'W', 'stride_ids', 'stride_hb', 'stride_wv', 'stride_mask',\n"
-    "           'stride_eff', 'SPLIT_D', 'n_real')\n"
+    "           'stride_eff', 'n_real')\n"
     "for chunk, block in ((16, 16), (64, 64), (64, 256)):\n"
-    "    ops = sass.sass_ops(lr.listed_prep_kernel, dict(HAS_MASK=True, BLOCK_W=1024,\n"
-    "                        BLOCK_K=block, BLOCK_D=128, CHUNK_K=chunk, PDL=True), 4,\n"
-    "                        aligned=aligned)\n"
+    "    ops = sass.sass_ops(lr.listed_prep_kernel, dict(\n"
+    "        HAS_MASK=True, BLOCK_W=L.LISTED_BLOCK_W, BLOCK_K=block,\n"
+    "        SPLIT_D=L.listed_split_d(4096), CHUNK_K=chunk, PDL=True), 4, aligned=aligned)\n"
     "    print(chunk, block, ops['LDL'] + ops['STL'], ops['LDG'])\n")
 
 
