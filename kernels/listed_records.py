@@ -12,9 +12,9 @@ shares its word with a smaller listed id (rare: two of 64 random ids share a wor
 probability ~0.4 at V = 151936) takes its own dot product from W instead.
 
 listed_prep_kernel, one launch before stage 1: the mask the tile pass reads, the first plane,
-and the dot products of the other listed tokens split over ids and D into many programs
-(partials summed in a fixed order after, so the logits do not depend on scheduling;
-programs without such a token read nothing). On Hopper the fused stage-1 kernel is its
+and the dot products of the other listed tokens, split over ids (64 per program) and D (up
+to 4096 dims per program; partials summed in a fixed order after, so the logits do not
+depend on scheduling; programs without such a token read nothing). On Hopper the fused stage-1 kernel is its
 programmatic dependent: its matmul runs meanwhile and it waits for the prep grid only before
 its epilogue reads the planes. After stage 1 (a programmatic dependent launch
 on Hopper): listed_records_kernel, one program per row. The records are those of
@@ -132,8 +132,7 @@ def listed_prep_kernel(mask_ptr, eff_ptr, first_ptr, ids_ptr, h_ptr, w_ptr, dots
     """Before stage 1, one launch: program (b, 0) writes row b of the eff and first planes
     (_mask_row); program (b, 1 + j·splits + s) part (j, s) of row b's dot products of the
     listed tokens the tile pass does not keep (_dots_part; they read only hidden and W).
-    Many small dot-product programs: one program per row would walk D serially (~100 µs at
-    D = 4096 when every id needs one). PDL: the next launch may start at once (the fused
+    PDL: the next launch may start at once (the fused
     stage-1 kernel, a programmatic dependent that waits for this grid before its epilogue)."""
     b = tl.program_id(0)
     p = tl.program_id(1)
