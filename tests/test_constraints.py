@@ -429,7 +429,10 @@ def test_only_a_stage1_that_waits_for_prep_is_its_dependent_launch(B, strategy, 
     from tpsample.params import RowParams
     from tpsample.plan import DeviceKind, make_plan
     D, V = 4096, 151936
-    plan = make_plan(DeviceKind.named("h100"), B=B, D=D, V=V, dtype=torch.bfloat16,
+    h100 = DeviceKind.named("h100")
+    if h100.gluon_missing and strategy == "ws":
+        pytest.skip(f"no ws kernel with this Triton: {h100.gluon_missing}")
+    plan = make_plan(h100, B=B, D=D, V=V, dtype=torch.bfloat16,
                      masked=True, merge="cdf" if strategy == "logits" else "max")
     assert plan.strategy == strategy and plan.pdl
     launched = []
