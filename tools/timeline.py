@@ -4,7 +4,9 @@
     python -m tools.timeline --report DIR/timeline_tp2.json
 
 Per (D, B) and variant (the local matmul h @ W_r.T; the sampler over symmetric memory, and
-over NCCL with --nccl, without and with the stamp of TORCH_NCCL_ASYNC_ERROR_HANDLING=2),
+over NCCL with --nccl, without and with the stamp of TORCH_NCCL_ASYNC_ERROR_HANDLING=2;
+with --constrained also its calls with a random-half allowed mask and with 64 listed
+tokens per row, whose contents are checked on the host unless TPSAMPLE_CHECK_TENSORS=0),
 `--calls` eager calls are profiled the way tools.exchange_cost times them (the device drained
 before each call, one call at a time). For each call, in the profiler's clock, relative to
 the call's host entry: when the call returned on the host, when it entered each CUDA API
@@ -103,6 +105,9 @@ def main(argv=None):
     p.add_argument("--calls", type=int, default=30)
     p.add_argument("--nccl", action="store_true",
                    help="also the sampler over NCCL, without and with its per-call stamp")
+    p.add_argument("--constrained", action="store_true",
+                   help="also each sampler's calls with an allowed mask (a random half) and with "
+                        "logit_adjust (64 random ids per row)")
     p.add_argument("--out", default=None)
     p.add_argument("--report", metavar="JSON", help="print a timeline_tp<N>.json, no run")
     args = p.parse_args(argv)
@@ -131,6 +136,17 @@ def main(argv=None):
             variants = {"mm": lambda: h @ w.T}
             for t, s in samplers.items():
                 variants[f"tp_{t}"] = (lambda s=s: s(h, seed=seeds))
+            if args.constrained:  # the same on every rank: a generator seeded by B
+                cg = torch.Generator(device="cuda").manual_seed(B)
+                words = -(-w.shape[0] * world // 32)
+                mask = torch.randint(-2 ** 31, 2 ** 31, (B, words), dtype=torch.int64,
+                                     device="cuda", generator=cg).to(torch.int32)
+                adjust = (torch.randint(0, V, (B, 64), device="cuda", generator=cg),
+                          torch.randn(B, 64, device="cuda", generator=cg))
+                for t, s in samplers.items():
+                    variants[f"tp_{t}_mask"] = (lambda s=s: s(h, seed=seeds, allowed_mask=mask))
+                    variants[f"tp_{t}_adj64"] = (lambda s=s: s(h, seed=seeds,
+                                                               logit_adjust=adjust))
             mine = {name: summarise(profile_calls(fn, args.calls)) for name, fn in variants.items()}
             for s in samplers.values():
                 s.check_exchange()
