@@ -34,13 +34,15 @@ def store_to_every_rank(out_ptr, at, value, peer_ptrs_ptr, world, mask=None):
 @triton.jit
 def fallback_logits_kernel(h_ptr, w_ptr, bias_ptr, inv_temp_ptr, flag_ptr, out_ptr, B, V_rows,
                            n_real, D, stride_hb, stride_wv, stride_ob, mask_ptr, stride_mask,
-                           vocab_start, peer_ptrs_ptr, world, calls_ptr,
+                           vocab_start, peer_ptrs_ptr, world, calls_ptr, n_tiles,
                            HAS_BIAS: tl.constexpr, BLOCK_V: tl.constexpr,
                            BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
                            HAS_MASK: tl.constexpr = False, PDL: tl.constexpr = False,
                            FANOUT: tl.constexpr = False):
     """out[b, tile] = (h[b] . W[tile] + bias) * (1/T_b), -inf from n_real on, for the rows
-    b with flag[b] != 0 (out: fp32 [B, tiles * BLOCK_V]; other rows are not written).
+    b with flag[b] != 0 (out: fp32 [B, n_tiles * BLOCK_V]; other rows are not written); the
+    programs take the tiles in turn (a grid of about two per SM: a call without a flagged row
+    then costs few programs, one scan of the flags each).
     HAS_MASK: also -inf where the row's mask (int32 [B, W], global ids) has a 0 bit; listed
     tokens of constrained decoding come after (listed_records_kernel, FALLBACK). PDL: a
     programmatic dependent of the filter kernel (it waits for the flags, then lets its own
@@ -52,15 +54,14 @@ def fallback_logits_kernel(h_ptr, w_ptr, bias_ptr, inv_temp_ptr, flag_ptr, out_p
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    pid = tl.program_id(0)
-    offs_v = pid * BLOCK_V + tl.arange(0, BLOCK_V)
     flagged = tl.cast(0, tl.int32)
     for b0 in range(0, B, BLOCK_F):
         fb = b0 + tl.arange(0, BLOCK_F)
         flagged += tl.sum(tl.load(flag_ptr + fb, mask=fb < B, other=0))
     if FANOUT:
         flagged = tl.where(tl.load(calls_ptr) < 0, 0, flagged)
-    if flagged > 0:
+    for tile in range(tl.program_id(0), tl.where(flagged > 0, n_tiles, 0), tl.num_programs(0)):
+        offs_v = tile * BLOCK_V + tl.arange(0, BLOCK_V)
         mask_v = offs_v < V_rows
         for b in range(B):
             if tl.load(flag_ptr + b) != 0:

@@ -16,6 +16,7 @@ import triton.language as tl
 from triton import knobs
 
 from .. import records
+from .tile_candidates import NONE, candidate_key, key_local_id, key_logit, top4_merge
 
 TWO_POW_M23 = tl.constexpr(1.0 / 8388608.0)
 # The outer log of the noise on the MUFU (lg2.approx) instead of libdevice's logf (~30
@@ -290,19 +291,19 @@ def tile_records_epilogue(
     local = tl.arange(0, BLOCK_V)[:, None]
 
     rec = offs_b.to(tl.int64) * rec_stride_b + pid_v.to(tl.int64) * rec_stride_t
-    if CANDIDATES > 0:
-        c = l
+    if CANDIDATES > 0:  # the tile's best four, one reduction (kernels/tile_candidates.py)
+        tl.static_assert(CANDIDATES == 4)
+        keys = candidate_key(l, local)
+        none = tl.full(keys.shape, NONE, tl.int64)
+        k0, k1, k2, k3 = tl.reduce((keys, none, none, none), 0, top4_merge)
         cand = rec + num_samples * rec_stride_s
-        for j in tl.static_range(CANDIDATES // 2):
-            x_a = tl.max(c, axis=0)
-            i_a = tl.min(tl.where(c == x_a[None, :], local, BLOCK_V), axis=0)
-            c = tl.where(local == i_a[None, :], float("-inf"), c)
-            x_b = tl.max(c, axis=0)
-            i_b = tl.min(tl.where(c == x_b[None, :], local, BLOCK_V), axis=0)
-            c = tl.where(local == i_b[None, :], float("-inf"), c)
-            put_record(rec_ptr, cand + j * rec_stride_s, x_a, (tile_start + i_a).to(tl.float32),
-                       x_b, (tile_start + i_b).to(tl.float32), mask_b, peer_ptrs, parity_ptr,
-                       NUM_PEERS)
+        put_record(rec_ptr, cand, key_logit(k0), (tile_start + key_local_id(k0)).to(tl.float32),
+                   key_logit(k1), (tile_start + key_local_id(k1)).to(tl.float32), mask_b,
+                   peer_ptrs, parity_ptr, NUM_PEERS)
+        put_record(rec_ptr, cand + rec_stride_s, key_logit(k2),
+                   (tile_start + key_local_id(k2)).to(tl.float32), key_logit(k3),
+                   (tile_start + key_local_id(k3)).to(tl.float32), mask_b, peer_ptrs,
+                   parity_ptr, NUM_PEERS)
         if RAW_MASS:
             raw_field = raw_lse
         else:

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import tpsample
-from tpsample import merge, noise, records
+from tpsample import launchers, merge, noise, records
 from tpsample.params import row_params
 from tpsample.reference import reference_sample
 
@@ -324,3 +324,41 @@ def test_kernel_noise_matches_reference_noise(device):
     ref = noise.gumbel(seeds[:, None], torch.full((B, 1), 3), 0, chosen[None, :])
     assert torch.equal(rec[0, :, :, 1], chosen[None, :].float().expand(B, -1))
     torch.testing.assert_close(rec[0, :, :, 0], ref, rtol=2.4e-7, atol=6e-7)
+
+
+@pytest.mark.parametrize("strategy", ["fused", "logits"])
+def test_candidate_planes_equal_torch_with_ties(strategy, device):
+    """The candidate planes (the tiles' best four in (logit desc, id asc) order, one reduction
+    over kernels/tile_candidates.py's keys) equal the torch path's stable sort bit for bit,
+    on logits that are small integers (exact in any summation order) and so tie often: ties
+    broken by the smaller id, a greedy row, a tile with fewer than four allowed tokens (its
+    -inf candidates name its smallest disallowed ids), padding past n_real, negative and
+    zero logits."""
+    from tpsample import constraints as C
+    from tpsample.plan import DeviceKind, Layout, make_plan
+    from tpsample.torch_records import records_torch
+    B, D, V, n_real = 6, 16, 300, 290
+    g = torch.Generator().manual_seed(7)
+    h = torch.randint(-1, 2, (B, D), generator=g).float()
+    w = torch.randint(-1, 2, (V, D), generator=g).float()
+    w[:40] = 0.0  # a run of zero logits in the first tile
+    mask = torch.randint(-2**31, 2**31 - 1, (B, (V + 31) // 32), generator=g, dtype=torch.int32)
+    mask[1, 4:8] = 0  # row 1, tile 1 (ids 128-255): three allowed tokens
+    mask[1, 4] = 0b1011  # ids 128, 129 and 131
+    temp = torch.tensor([1.0, 0.5, 0.0, 2.0, 1.0, 0.25])
+    p = row_params(h, temp, torch.arange(B) * 5, 0)
+    T = records.num_tiles(V)
+    want = records_torch(h, w, bias=None, inv_temp=p.inv_temp, seed=p.seed, offset=p.offset,
+                         num_samples=1, n_real=n_real, candidates=True,
+                         constraints=C.Constraints(mask, None, None, None))
+    x = want[1:3, ..., 0::2]
+    assert (x[..., 1:] == x[..., :-1]).any() and (x == 0).any() and (x < 0).any()
+    assert torch.isinf(want[1:3, 1, 1]).any()
+    plan = make_plan(DeviceKind.of(h.device), B=B, D=D, V=V, dtype=h.dtype,
+                     layout=Layout.of(h, w), candidates=True, masked=True,
+                     config=dict(strategy=strategy, BLOCK_B=16, BLOCK_D=16, NUM_STAGES=1,
+                                 num_warps=4))
+    got = torch.empty(records.planes(1, True), B, T, 4, device=device)
+    launchers.stage1(plan, h.to(device), w.to(device), None, p, got, n_real=n_real,
+                     mask=mask.to(device))
+    assert torch.equal(got[1:3].cpu(), want[1:3])

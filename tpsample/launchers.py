@@ -460,6 +460,22 @@ class FallbackGather(NamedTuple):
     exchange: Callable[[torch.Tensor], None]
 
 
+_SM_COUNT: dict = {}
+
+
+def fallback_programs(t: torch.Tensor) -> int:
+    """Programs of the fallback's logits kernel: two per SM on a GPU (the interpreter: no
+    bound). A call without a flagged row costs each of them one scan of the flags; the
+    grid of one program per tile took 0.9-1.1 us longer after the filter kernel (H100,
+    V = 151936: 1187 tiles, B = 1-256)."""
+    if not t.is_cuda:
+        return 1 << 30
+    n = _SM_COUNT.get(t.device.index)
+    if n is None:
+        n = _SM_COUNT[t.device.index] = torch.cuda.get_device_properties(t.device).multi_processor_count
+    return 2 * n
+
+
 def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params: RowParams,
                        filters: Filters, out: F.FilteredOutput, logits: torch.Tensor | None,
                        count: torch.Tensor, *, n_real: int, vocab_start: int = 0,
@@ -491,11 +507,12 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
     # the fan-out arguments (peer addresses, world, the exchange count); unused without gather
     fan = (count, 1, count) if gather is None else (gather.peers, gather.peers.numel(),
                                                     gather.calls)
-    run_kernel(filter_fallback.fallback_logits_kernel, (N // records.TILE,), (
+    tiles = N // records.TILE
+    run_kernel(filter_fallback.fallback_logits_kernel, (min(tiles, fallback_programs(hidden)),), (
         hidden, weight, bias if bias is not None else dummy, params.inv_temp, out.fallback,
         logits, B, weight.shape[0], n_real, D, hidden.stride(0), weight.stride(0),
         logits.stride(0), mask if mask is not None else out.fallback,
-        mask.stride(0) if mask is not None else 0, vocab_start, *fan),
+        mask.stride(0) if mask is not None else 0, vocab_start, *fan, tiles),
         dict(HAS_BIAS=bias is not None, BLOCK_V=records.TILE, BLOCK_D=64,
              BLOCK_F=min(1024, max(16, 1 << (B - 1).bit_length())), HAS_MASK=mask is not None,
              PDL=pdl, FANOUT=gather is not None),
