@@ -198,7 +198,8 @@ if AVAILABLE:
                 x_b, i_b, c0, c1, c2, c3 = _take_best(c0, c1, c2, c3, q, BLOCK_V)
                 store_records(rec_ptr, peer_ptrs, parity_ptr, cand + j * rec_stride_s, x_a,
                               (tile_start + i_a).to(gl.float32), x_b,
-                              (tile_start + i_b).to(gl.float32), mask_b, NUM_PEERS, EPI_WARPS)
+                              (tile_start + i_b).to(gl.float32), mask_b, NUM_PEERS, EPI_WARPS,
+                              True)
             if RAW_MASS:  # the log-mass at T = 1
                 raw = _raw_log_mass(view, lane_l, row0, gl.full_like(scale, 1.0), bias_ptr,
                                     n_real, HAS_BIAS, bits, HAS_MASK)
@@ -206,7 +207,7 @@ if AVAILABLE:
                 raw = lse
             zero = gl.zeros_like(lse)
             store_records(rec_ptr, peer_ptrs, parity_ptr, cand + (CANDIDATES // 2) * rec_stride_s,
-                          raw, zero, zero, zero, mask_b, NUM_PEERS, EPI_WARPS)
+                          raw, zero, zero, zero, mask_b, NUM_PEERS, EPI_WARPS, True)
 
     @gluon.jit
     def _take_best(c0, c1, c2, c3, q, BLOCK_V: gl.constexpr):
@@ -245,26 +246,27 @@ if AVAILABLE:
 
     @gluon.jit
     def store_records(rec_ptr, peer_ptrs, parity_ptr, rec, best, token, logit, lse, mask_b,
-                      NUM_PEERS: gl.constexpr, EPI_WARPS: gl.constexpr):
-        """The records at rec_ptr + rec (element offsets) as four 4-byte stores, or with
-        NUM_PEERS > 0 into every peer's slot (_store_peers)."""
-        if NUM_PEERS == 0:
+                      NUM_PEERS: gl.constexpr, EPI_WARPS: gl.constexpr, WIDE: gl.constexpr = False):
+        """The records at rec_ptr + rec (element offsets, multiples of 4) as four 4-byte
+        stores, or with WIDE as one 16-byte store each, or with NUM_PEERS > 0 into every
+        peer's slot (16-byte stores, _store_peers)."""
+        if NUM_PEERS > 0:
+            _store_peers(rec_ptr, peer_ptrs, parity_ptr, rec, best, token, logit, lse, mask_b,
+                         NUM_PEERS, EPI_WARPS)
+        elif WIDE:
+            at, val, mask = _whole_records(rec, best, token, logit, lse, mask_b, EPI_WARPS)
+            gl.store(rec_ptr + at, val, mask=mask)
+        else:
             at = rec_ptr + rec
             gl.store(at + 0, best, mask=mask_b)
             gl.store(at + 1, token, mask=mask_b)
             gl.store(at + 2, logit, mask=mask_b)
             gl.store(at + 3, lse, mask=mask_b)
-        else:
-            _store_peers(rec_ptr, peer_ptrs, parity_ptr, rec, best, token, logit, lse, mask_b,
-                         NUM_PEERS, EPI_WARPS)
 
     @gluon.jit
-    def _store_peers(rec_ptr, peer_ptrs, parity_ptr, rec, best, token, logit, lse, mask_b,
-                     NUM_PEERS: gl.constexpr, EPI_WARPS: gl.constexpr):
-        """One 16-byte store per record into this rank's slot of every peer's buffer
-        parity_ptr[0] (peer_ptrs [2, NUM_PEERS] int64 addresses; rec: element offsets, multiples
-        of 4): over NVLink each partial-sector write would be its own transaction."""
-        # [EPI_B, 4]: a thread holds one whole record (4 contiguous fields)
+    def _whole_records(rec, best, token, logit, lse, mask_b, EPI_WARPS: gl.constexpr):
+        """The records as [EPI_B, 4] with a thread holding one whole record (4 contiguous
+        fields): their element offsets (rec, multiples of 4, plus the field), fields and mask."""
         rec_l: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [EPI_WARPS, 1], [1, 0])
         row_l: gl.constexpr = gl.SliceLayout(1, rec_l)
         f = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, rec_l)), 0)
@@ -274,6 +276,15 @@ if AVAILABLE:
                                          gl.expand_dims(gl.convert_layout(lse, row_l), 1))))
         at = gl.expand_dims(gl.multiple_of(gl.convert_layout(rec, row_l), 4), 1) + f
         mask = gl.expand_dims(gl.convert_layout(mask_b, row_l), 1) & (f < 4)  # to [EPI_B, 4]
+        return at, val, mask
+
+    @gluon.jit
+    def _store_peers(rec_ptr, peer_ptrs, parity_ptr, rec, best, token, logit, lse, mask_b,
+                     NUM_PEERS: gl.constexpr, EPI_WARPS: gl.constexpr):
+        """One 16-byte store per record into this rank's slot of every peer's buffer
+        parity_ptr[0] (peer_ptrs [2, NUM_PEERS] int64 addresses; rec: element offsets, multiples
+        of 4): over NVLink each partial-sector write would be its own transaction."""
+        at, val, mask = _whole_records(rec, best, token, logit, lse, mask_b, EPI_WARPS)
         row = gl.load(parity_ptr) * NUM_PEERS
         for p in gl.static_range(NUM_PEERS):
             # the peer slot as an element offset from rec_ptr: a pointer made from an integer
