@@ -16,7 +16,7 @@ import triton.language as tl
 from triton import knobs
 
 from .. import records
-from .tile_candidates import NONE, candidate_key, key_local_id, key_logit, top4_merge
+from .tile_candidates import NONE, candidate_key, key_local_id, key_logit
 
 TWO_POW_M23 = tl.constexpr(1.0 / 8388608.0)
 # The outer log of the noise on the MUFU (lg2.approx) instead of libdevice's logf (~30
@@ -291,11 +291,16 @@ def tile_records_epilogue(
     local = tl.arange(0, BLOCK_V)[:, None]
 
     rec = offs_b.to(tl.int64) * rec_stride_b + pid_v.to(tl.int64) * rec_stride_t
-    if CANDIDATES > 0:  # the tile's best four, one reduction (kernels/tile_candidates.py)
+    if CANDIDATES > 0:  # the tile's best four by their keys (kernels/tile_candidates.py)
         tl.static_assert(CANDIDATES == 4)
         keys = candidate_key(l, local)
-        none = tl.full(keys.shape, NONE, tl.int64)
-        k0, k1, k2, k3 = tl.reduce((keys, none, none, none), 0, top4_merge)
+        k0 = tl.max(keys, axis=0)
+        keys = tl.where(keys == k0[None, :], NONE, keys)
+        k1 = tl.max(keys, axis=0)
+        keys = tl.where(keys == k1[None, :], NONE, keys)
+        k2 = tl.max(keys, axis=0)
+        keys = tl.where(keys == k2[None, :], NONE, keys)
+        k3 = tl.max(keys, axis=0)
         cand = rec + num_samples * rec_stride_s
         put_record(rec_ptr, cand, key_logit(k0), (tile_start + key_local_id(k0)).to(tl.float32),
                    key_logit(k1), (tile_start + key_local_id(k1)).to(tl.float32), mask_b,
