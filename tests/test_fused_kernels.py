@@ -328,8 +328,8 @@ def test_kernel_noise_matches_reference_noise(device):
 
 @pytest.mark.parametrize("strategy", ["fused", "logits"])
 def test_candidate_planes_equal_torch_with_ties(strategy, device):
-    """The candidate planes (the tiles' best four in (logit desc, id asc) order, one reduction
-    over kernels/tile_candidates.py's keys) equal the torch path's stable sort bit for bit,
+    """The candidate planes (the tiles' best four in (logit desc, id asc) order, taken by
+    kernels/tile_candidates.py's keys) equal the torch path's stable sort bit for bit,
     on logits that are small integers (exact in any summation order) and so tie often: ties
     broken by the smaller id, a greedy row, a tile with fewer than four allowed tokens (its
     -inf candidates name its smallest disallowed ids), padding past n_real, negative and

@@ -460,20 +460,12 @@ class FallbackGather(NamedTuple):
     exchange: Callable[[torch.Tensor], None]
 
 
-_SM_COUNT: dict = {}
-
-
 def fallback_programs(t: torch.Tensor) -> int:
     """Programs of the fallback's logits kernel: two per SM on a GPU (the interpreter: no
     bound). A call without a flagged row costs each of them one scan of the flags; the
     grid of one program per tile took 0.9-1.1 us longer after the filter kernel (H100,
     V = 151936: 1187 tiles, B = 1-256)."""
-    if not t.is_cuda:
-        return 1 << 30
-    n = _SM_COUNT.get(t.device.index)
-    if n is None:
-        n = _SM_COUNT[t.device.index] = torch.cuda.get_device_properties(t.device).multi_processor_count
-    return 2 * n
+    return 2 * _num_sms(t.device) if t.is_cuda else 1 << 30
 
 
 def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params: RowParams,
