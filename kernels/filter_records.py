@@ -55,6 +55,22 @@ def decode_key(key):
 
 
 @triton.jit
+def pathwise_winner(plane_ptr, at_n, n_ok):
+    """The winner of one sample plane's records (reduce_records' pathwise max: the largest
+    score, ties to the smaller id) as (token int64, its logit), by two max reductions of
+    order keys. -0.0 is +0.0 first (equal scores tie on ids); a -inf or NaN score never wins
+    (a row where all are has no finite log Z: its token becomes 0 anyway)."""
+    sc = tl.load(plane_ptr + at_n, mask=n_ok, other=NEG_INF)
+    sc = tl.where(sc == 0.0, 0.0, sc)
+    tok = tl.load(plane_ptr + at_n + 1, mask=n_ok, other=NO_TOKEN)
+    key = tl.where(sc > NEG_INF, order_key(sc, tok), -1)
+    best = tl.max(key)
+    x = tl.max(tl.where(key == best, tl.load(plane_ptr + at_n + 2, mask=n_ok, other=NEG_INF),
+                        NEG_INF))
+    return tl.where(best >= 0, ID_MASK - (best & ID_MASK), 0), x
+
+
+@triton.jit
 def next_below(key, prev):
     """The largest key below prev (-1 when none)."""
     return tl.max(tl.where(key < prev, key, -1))
@@ -95,22 +111,35 @@ def filter_records_kernel(
     HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_M: tl.constexpr, RAW: tl.constexpr,
     REPLACE: tl.constexpr, USE_PARITY: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_U: tl.constexpr, CAP: tl.constexpr, SORT_A: tl.constexpr, SORT_B: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, PATHWISE: tl.constexpr = False,
 ):
     """records [slots, planes, B, T, 4] by strides (st_*: elements); outputs [B, S], [B],
     [B, n_top], flag int32 [B] (1: the row needs the exact fallback). USE_PARITY: the
-    fan-out's two buffers; reduce_records, launched before, has already flipped the parity.
-    The known prefix is sorted in SORT_A, SORT_B or CAP slots, the fewest that hold it
-    (SORT_A <= SORT_B <= CAP, powers of 2). PDL: a programmatic dependent of reduce_records,
-    which lets it start once stage 1's records are complete; it reads the records at once and
-    waits for reduce_records to end before it touches the outputs."""
+    fan-out's two buffers. The known prefix is sorted in SORT_A, SORT_B or CAP slots, the
+    fewest that hold it (SORT_A <= SORT_B <= CAP, powers of 2).
+
+    PATHWISE (merge "max"): this kernel is the call's whole stage 2. Rows without filters
+    take sample s's pathwise winner over sample plane s (pathwise_winner: reduce_records'
+    token), its logit over this kernel's log Z; with USE_PARITY its last program flips the
+    parity. PDL: a programmatic dependent of the launch before (stage 1 or the exchange),
+    whose records it waits for.
+    Otherwise reduce_records runs before it (and flips the parity) and writes the unfiltered
+    rows' tokens and log-probs; PDL: a programmatic dependent of reduce_records, which lets
+    it start once stage 1's records are complete; it reads the records at once and waits
+    for reduce_records to end before it touches the outputs."""
     if PDL:
+        if PATHWISE:
+            tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-        if USE_PARITY:  # reduce_records flips the parity at its end
+        if USE_PARITY and not PATHWISE:  # reduce_records flips the parity at its end
             tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
     if USE_PARITY:
-        rec_ptr += (1 - tl.load(parity_ptr)).to(tl.int64) * parity_stride
+        parity = tl.load(parity_ptr)
+        if PATHWISE:
+            rec_ptr += parity.to(tl.int64) * parity_stride
+        else:
+            rec_ptr += (1 - parity).to(tl.int64) * parity_stride
     row_ptr = rec_ptr + b.to(tl.int64) * st_b
 
     # record n (slot n // T, tile n % T): its log-mass, and its K candidates in their order
@@ -128,6 +157,10 @@ def filter_records_kernel(
     else:
         logz_raw = logz
     finite_row = (logz == logz) & (tl.abs(logz) != float("inf"))
+    u_tok0 = tl.cast(0, tl.int64)
+    u_x0 = tl.cast(0.0, tl.float32)
+    if PATHWISE and REPLACE:  # sample 0's winner: its loads share the log-masses' sectors
+        u_tok0, u_x0 = pathwise_winner(row_ptr, at_n, n_ok)
     tau = tl.max(tl.where(c == K - 1, x, NEG_INF))
     finite = x > NEG_INF
     key = tl.where(finite, order_key(x, tok), -1)
@@ -156,17 +189,24 @@ def filter_records_kernel(
         known_prefix(b, row_ptr, scratch, M, bound, xm, logz, logz_raw, finite_row, inv, k, p, m,
                      seed_ptr, offset_ptr, tokens_ptr, logprobs_ptr, logz_ptr, top_tok_ptr,
                      top_lp_ptr, flag_ptr, S, T, N, n_top, st_slot, st_plane, st_t, RAW,
-                     REPLACE, PDL, BLOCK_U, SORT_A)
+                     REPLACE, PDL, BLOCK_U, SORT_A, PATHWISE, at_n, n_ok, u_tok0, u_x0)
     elif M <= SORT_B:
         known_prefix(b, row_ptr, scratch, M, bound, xm, logz, logz_raw, finite_row, inv, k, p, m,
                      seed_ptr, offset_ptr, tokens_ptr, logprobs_ptr, logz_ptr, top_tok_ptr,
                      top_lp_ptr, flag_ptr, S, T, N, n_top, st_slot, st_plane, st_t, RAW,
-                     REPLACE, PDL, BLOCK_U, SORT_B)
+                     REPLACE, PDL, BLOCK_U, SORT_B, PATHWISE, at_n, n_ok, u_tok0, u_x0)
     else:
         known_prefix(b, row_ptr, scratch, M, bound, xm, logz, logz_raw, finite_row, inv, k, p, m,
                      seed_ptr, offset_ptr, tokens_ptr, logprobs_ptr, logz_ptr, top_tok_ptr,
                      top_lp_ptr, flag_ptr, S, T, N, n_top, st_slot, st_plane, st_t, RAW,
-                     REPLACE, PDL, BLOCK_U, CAP)
+                     REPLACE, PDL, BLOCK_U, CAP, PATHWISE, at_n, n_ok, u_tok0, u_x0)
+    if PATHWISE and USE_PARITY:
+        # every program read the parity before its increment (acq_rel orders them), so the
+        # program that sees all others done may flip it (as reduce_records does)
+        done = tl.atomic_add(parity_ptr + 1, 1, sem="acq_rel")
+        if done == tl.num_programs(0) - 1:
+            tl.store(parity_ptr, 1 - parity)
+            tl.store(parity_ptr + 1, 0)
 
 
 @triton.jit
@@ -174,9 +214,11 @@ def known_prefix(b, row_ptr, scratch, M, bound, xm, logz, logz_raw, finite_row, 
                  seed_ptr, offset_ptr, tokens_ptr, logprobs_ptr, logz_ptr, top_tok_ptr,
                  top_lp_ptr, flag_ptr, S, T, N, n_top, st_slot, st_plane, st_t,
                  RAW: tl.constexpr, REPLACE: tl.constexpr, PDL: tl.constexpr,
-                 BLOCK_U: tl.constexpr, SORT: tl.constexpr):
+                 BLOCK_U: tl.constexpr, SORT: tl.constexpr, PATHWISE: tl.constexpr, at_n,
+                 n_ok, u_tok0, u_x0):
     """The row's known prefix (M keys in scratch, M <= SORT) sorted, the filters and
-    certificates over it, the samples and the top-n; writes the row's outputs."""
+    certificates over it, the samples and the top-n; writes the row's outputs. PATHWISE:
+    (u_tok0, u_x0) is sample 0's pathwise winner."""
     q = tl.arange(0, SORT)
     ks = tl.sort(tl.load(scratch + q, mask=q < M, other=-1), descending=True)
     valid = ks >= 0
@@ -209,7 +251,7 @@ def known_prefix(b, row_ptr, scratch, M, bound, xm, logz, logz_raw, finite_row, 
     off = tl.load(offset_ptr + b)
     off_lo = (off & 0xFFFFFFFF).to(tl.uint32)
     off_hi = ((off >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    if PDL:  # reduce_records writes the outputs that this kernel reads and overwrites
+    if PDL and not PATHWISE:  # reduce_records writes the outputs this kernel reads
         tl.extra.cuda.gdc_wait()
     # the samples
     z0 = tl.fma(gumbel_log(philox_word(seed, off_lo, off_hi, tl.cast(0, tl.uint32), gid)),
@@ -255,7 +297,14 @@ def known_prefix(b, row_ptr, scratch, M, bound, xm, logz, logz_raw, finite_row, 
                                tl.where(u_best >= 0, ID_MASK - (u_best & ID_MASK), -1).to(tl.int64))
             x_tok = tl.where(filtered, x_tok, u_x)
         at_out = b.to(tl.int64) * S + s
-        if REPLACE:  # unfiltered rows keep reduce_records' token; its logit for the log-prob
+        if REPLACE and PATHWISE:  # unfiltered rows: sample s's pathwise winner
+            if s == 0:
+                u_tok, u_x = u_tok0, u_x0
+            else:
+                u_tok, u_x = pathwise_winner(row_ptr + s * st_plane, at_n, n_ok)
+            tok_out = tl.where(filtered, tok_out, u_tok)
+            x_tok = tl.where(filtered, x_tok, u_x)
+        elif REPLACE:  # unfiltered rows keep reduce_records' token; its logit for the log-prob
             tok_out = tl.where(filtered, tok_out, tl.load(tokens_ptr + at_out))
             x_tok = tl.where(filtered, x_tok,
                              tl.load(logprobs_ptr + at_out) + tl.load(logz_ptr + b))

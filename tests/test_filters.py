@@ -277,6 +277,36 @@ def test_filtered_kernel_equals_torch_on_the_same_records(monkeypatch, sorts, ca
         assert torch.allclose(tk.top_logprobs[ok], tt.top_logprobs[ok], atol=1e-5, equal_nan=True)
 
 
+def test_filter_kernel_takes_the_pathwise_winner_with_ties():
+    """With merge "max" the filter kernel is the whole stage 2: rows without filters take the
+    sample planes' pathwise winner (reduce_records' rule: the largest score, ties to the
+    smaller id). Sample planes with a tie across tiles, a tie of -0.0 and +0.0, -inf
+    scores and two samples: the same tokens as the torch merge, and
+    log-probs = the winner's logit - log Z. (Negative control: a larger-id tie-break fails.)"""
+    h, w = mixed_inputs()
+    B, S = 4, 2
+    h = h[:B]
+    row = P.row_params(h, 1.0, torch.arange(B) * 3, 0)
+    rec = records_torch(h, w, bias=None, inv_temp=row.inv_temp, seed=row.seed,
+                        offset=row.offset, num_samples=S, n_real=4096, candidates=True)[None]
+    sc = rec[0, :S, :, :, 0]  # [S, B, T] scores of the sample planes
+    top = sc.amax(-1, keepdim=True)
+    sc[:, 0, 3] = sc[:, 0, 9] = top[:, 0, 0] + 1.0  # tile 3 holds the smaller ids
+    sc[:, 1] = -1.0
+    sc[:, 1, 5], sc[:, 1, 2] = 0.0, -0.0  # equal scores: tile 2's token
+    sc[:, 2, ::2] = float("-inf")
+    filt = P.filter_params(h, None, None, None, 2, S, True, "processed", 4096)
+    plan = make_plan(DeviceKind.of(h.device), B=B, D=16, V=4096, dtype=torch.float32,
+                     num_samples=S, candidates=True)
+    out = launchers.stage2_filtered(plan, rec.clone(), row, filt)
+    tokens, _, _ = tpsample.pipeline.merge_records(rec[:, :S], row, "max")
+    assert torch.equal(out.tokens, tokens)
+    assert out.tokens[0, 0] == rec[0, 0, 0, 3, 1] and out.tokens[1, 1] == rec[0, 1, 1, 2, 1]
+    tile = out.tokens // 128
+    logit = torch.stack([rec[0, s, torch.arange(B), tile[:, s], 2] for s in range(S)], 1)
+    assert torch.equal(out.logprobs, logit - out.logz[:, None])
+
+
 @pytest.mark.parametrize("filt,falls_back", [(dict(min_p=0.05), True), (dict(top_p=0.9), True),
                                              (dict(top_k=5), False), (dict(top_k=40), True),
                                              (dict(top_k=5, top_p=0.9), False)])

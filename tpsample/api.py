@@ -116,5 +116,5 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, *, temperature: float | t
     tokens, logprobs, logz, top = pipe.run(
         hidden.contiguous(), weight, bias, row, n_real=vocab_size, merge=merge,
         num_samples=num_samples, need_mass=return_logprobs or merge != "max", filters=filters,
-        constraints=constraints)
+        constraints=constraints, in_capture=in_capture)
     return P.package(tokens, logprobs, logz, num_samples, return_logprobs, top)

@@ -68,8 +68,8 @@ KNOWN_CAP = 1024  # the known prefix holds at most this many tokens (the kernel 
 
 
 class FilteredOutput(NamedTuple):
-    tokens: torch.Tensor        # int64 [B, S]
-    logprobs: torch.Tensor      # fp32 [B, S]
+    tokens: torch.Tensor        # int64 [B, S] ([B] from a replayed call with S = 1)
+    logprobs: torch.Tensor      # fp32 [B, S] (the same)
     logz: torch.Tensor          # fp32 [B]
     top_tokens: torch.Tensor    # int64 [B, n]
     top_logprobs: torch.Tensor  # fp32 [B, n]

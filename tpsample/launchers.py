@@ -387,11 +387,19 @@ def filter_warps(B: int) -> int:
 _NO_TOP: dict = {}  # (B, device) -> the empty top planes of calls without top log-probs
 
 
-def filtered_outputs(B: int, S: int, n: int, device) -> F.FilteredOutput:
+def filtered_outputs(B: int, S: int, n: int, device, flat: bool = False) -> F.FilteredOutput:
     """Fresh outputs of stage2_filtered: tokens int64 [B, S], logprobs fp32 [B, S], logz fp32
     [B], top tokens int64 [B, n], top log-probs fp32 [B, n], fallback flags int32 [B]
     (`fallback`), and the filter kernel's scratch int64 [B, KNOWN_CAP]. With n = 0 the top
-    planes hold nothing and are shared between calls (each allocation costs host time)."""
+    planes hold nothing and are shared between calls (each allocation costs host time).
+    flat (a replayed call, whose launches take only the addresses): tokens and logprobs
+    [B] when S == 1, the shape the caller returns (a slice per call costs host time)."""
+    if flat and S == 1:
+        tokens = torch.empty(B, dtype=torch.int64, device=device)
+        logprobs = torch.empty(B, dtype=torch.float32, device=device)
+    else:
+        tokens = torch.empty(B, S, dtype=torch.int64, device=device)
+        logprobs = torch.empty(B, S, dtype=torch.float32, device=device)
     if n:
         top = (torch.empty(B, n, dtype=torch.int64, device=device),
                torch.empty(B, n, dtype=torch.float32, device=device))
@@ -401,9 +409,7 @@ def filtered_outputs(B: int, S: int, n: int, device) -> F.FilteredOutput:
             top = _NO_TOP[(B, device)] = (torch.empty(B, 0, dtype=torch.int64, device=device),
                                           torch.empty(B, 0, dtype=torch.float32, device=device))
     return F.FilteredOutput(
-        torch.empty(B, S, dtype=torch.int64, device=device),
-        torch.empty(B, S, dtype=torch.float32, device=device),
-        torch.empty(B, dtype=torch.float32, device=device),
+        tokens, logprobs, torch.empty(B, dtype=torch.float32, device=device),
         *top,
         torch.empty(B, dtype=torch.int32, device=device),
         torch.empty(B, F.KNOWN_CAP, dtype=torch.int64, device=device))
@@ -415,14 +421,17 @@ def stage2_filtered(plan: Plan, recs: torch.Tensor, params: RowParams, filters: 
     """records [slots, planes, B, T, 4] of a call with candidate planes → stage2 over the
     sample planes (head: recs[:, :S], passed when a replay must know it), then the candidate
     reduce (kernels/filter_records.py) over all planes, into `out` (default: fresh
-    filtered_outputs)."""
+    filtered_outputs). With merge "max" the filter kernel takes the sample planes' pathwise
+    winners itself (one launch: PATHWISE)."""
     slots, _, B, T, _ = recs.shape
     S = plan.num_samples
     head = recs[:, :S] if head is None else head
     out = filtered_outputs(B, S, filters.top_n, recs.device) if out is None else out
     tokens, logprobs, logz, top_tok, top_lp, flag, scratch = out
-    stage2(plan, head, params, parity, parity_stride, out=(tokens, logprobs, logz),
-           dependent=True)
+    pathwise = plan.merge == "max"
+    if not pathwise:
+        stage2(plan, head, params, parity, parity_stride, out=(tokens, logprobs, logz),
+               dependent=True)
     n = filters.top_n
     N = slots * T
     block_n = max(4, 1 << (N - 1).bit_length())
@@ -440,7 +449,7 @@ def stage2_filtered(plan: Plan, recs: torch.Tensor, params: RowParams, filters: 
              HAS_M=filters.min_p is not None, RAW=filters.raw, REPLACE=filters.replacement,
              USE_PARITY=parity is not None, K=records.CANDIDATES, BLOCK_N=block_n,
              BLOCK_U=min(1024, max(16, 1 << (N - 1).bit_length())), CAP=cap, SORT_A=sort_a,
-             SORT_B=sort_b, PDL=plan.pdl),
+             SORT_B=sort_b, PDL=plan.pdl, PATHWISE=pathwise),
         dict(num_warps=filter_warps(B), **({"launch_pdl": True} if plan.pdl else {})))
     return out
 

@@ -240,7 +240,7 @@ class VocabParallelSampler:
         tokens, logprobs, logz, top = self.pipeline.run(
             hidden.contiguous(), self.weight, bias, row, n_real=self.n_real, merge=self.merge,
             num_samples=num_samples, need_mass=self.logprobs, vocab_start=self.vocab_start,
-            tiles=self.tiles, filters=filters, constraints=constraints)
+            tiles=self.tiles, filters=filters, constraints=constraints, in_capture=capturing)
         return P.package(tokens, logprobs, logz, num_samples, return_logprobs, top)
 
 

@@ -246,6 +246,33 @@ def filter_params(hidden: torch.Tensor, top_k, top_p, min_p, top_logprobs, num_s
     B, dev = hidden.shape[0], hidden.device
     if in_capture is None:
         in_capture = capturing(dev)
+    # scalar filters (the usual request) repeat from call to call: checked once per
+    # combination, then one dict lookup (the types are in the key: True is not 1)
+    key = None
+    if not in_capture and not any(isinstance(v, torch.Tensor) for v in (top_k, top_p, min_p)):
+        key = (B, dev, type(top_k), top_k, type(top_p), top_p, type(min_p), min_p,
+               type(top_logprobs), top_logprobs, num_samples, type(replacement), replacement,
+               logprobs_mode, vocab_size)
+        try:
+            hit = _FILTERS.get(key)
+        except TypeError:  # an unhashable argument: the checks below name it
+            key = hit = None
+        if hit is not None:
+            return hit
+    out = _check_filters(B, dev, top_k, top_p, min_p, top_logprobs, num_samples, replacement,
+                         logprobs_mode, vocab_size, in_capture)
+    if key is not None:
+        if len(_FILTERS) >= 256:
+            _FILTERS.clear()
+        _FILTERS[key] = out
+    return out
+
+
+_FILTERS: dict = {}  # filter_params of scalar arguments, by the arguments
+
+
+def _check_filters(B: int, dev, top_k, top_p, min_p, top_logprobs, num_samples: int,
+                   replacement, logprobs_mode, vocab_size: int, in_capture: bool) -> Filters:
     k = _filter_param("top_k", top_k, B, dev, is_int=True, off=0,
                       ok=lambda t: (t >= -1) & (t < 2 ** 31), rule="an int >= -1 (0 or -1 = off)",
                       in_capture=in_capture)

@@ -110,7 +110,7 @@ class Pipeline:
             params: RowParams, *, n_real: int, merge: str, num_samples: int, need_mass: bool,
             vocab_start: int = 0, tiles: int | None = None, plan: Plan | None = None,
             trace: torch.Tensor | None = None, filters: Filters = NO_FILTERS,
-            constraints: C.Constraints = C.NO_CONSTRAINTS):
+            constraints: C.Constraints = C.NO_CONSTRAINTS, in_capture: bool | None = None):
         """tokens int64 [B, S], logprobs fp32 [B, S], logz fp32 [B] and top (None, or
         (top_tokens int64 [B, n], top_logprobs fp32 [B, n])) of one call.
 
@@ -119,11 +119,15 @@ class Pipeline:
         rows [n_real, V_rows) are padding; tiles: tiles per slot (default: this weight's);
         plan: an explicit plan (tools) instead of make_plan's; trace: see launchers.stage1;
         filters: tpsample/filters.py (the plan then emits candidate planes); constraints:
-        tpsample/constraints.py (listed tokens add one tile per slot)."""
+        tpsample/constraints.py (listed tokens add one tile per slot); in_capture: whether
+        the current stream captures a CUDA graph, when the caller knows (params.capturing).
+
+        With S = 1 a filtered call's tokens and logprobs may come back [B] or [B, 1]."""
         if special(filters):
             return self._run_filtered(hidden, weight, bias, params, n_real=n_real, merge=merge,
                                       num_samples=num_samples, vocab_start=vocab_start,
-                                      tiles=tiles, filters=filters, constraints=constraints)
+                                      tiles=tiles, filters=filters, constraints=constraints,
+                                      in_capture=in_capture)
         B = hidden.shape[0]
         T = tiles if tiles is not None else records.num_tiles(weight.shape[0])
         Tx = T + int(constraints.listed)  # tiles per slot in the records
@@ -189,7 +193,8 @@ class Pipeline:
 
     def _run_filtered(self, hidden, weight, bias, params: RowParams, *, n_real: int, merge: str,
                       num_samples: int, vocab_start: int, tiles: int | None, filters: Filters,
-                      constraints: C.Constraints = C.NO_CONSTRAINTS):
+                      constraints: C.Constraints = C.NO_CONSTRAINTS,
+                      in_capture: bool | None = None):
         """A call with candidate planes (tpsample/filters.py): stage 1 with candidates, the
         exchange, the call's merge over the sample planes, the candidate reduce, and the exact
         fallback for rows without a certificate: on the device for a one-device Triton call
@@ -214,7 +219,8 @@ class Pipeline:
             base = merge_records(recs[:, :S], params, merge if filters.replacement else "max")
             out = F.reduce_candidates(recs, params, filters, S, base)
         else:
-            in_capture = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
+            if in_capture is None:
+                in_capture = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
             on_device = ((self.transport.world == 1 or self.gather_fallback)
                          and self._device_fallback_now(hidden, in_capture))
             out = self._filtered_launches(hidden, weight, bias, params, merge, S, n_real,
@@ -294,12 +300,10 @@ class Pipeline:
                                                self._mask_words(weight, vocab_start)))
         if not fixed:
             per_call["weight"] = weight
-        gather = None
+        gathered = None
         if on_device and self.gather_fallback:  # the flagged rows' logit shards, gathered
-            rows, own, peers = self.transport.rows_gather(B, T * records.TILE)
-            gather = launchers.FallbackGather(rows, own, peers, self.transport.calls,
-                                              self.shard_starts, self.transport.gather_exchange)
-        elif on_device:  # the exact fallback on the device
+            gathered = self.transport.rows_gather(B, T * records.TILE)  # (before the key: a
+        elif on_device:  # the exact fallback on the device          # new buffer changes it)
             per_call["fallback_logits"] = torch.empty(B, T * records.TILE, dtype=torch.float32,
                                                       device=hidden.device)
         key = None
@@ -315,12 +319,17 @@ class Pipeline:
                 stream = replay.current_stream(hidden.device.index)
                 stage1(stream, records=mine, **per_call)
                 self.transport.exchange(mine, full)
-                out = launchers.filtered_outputs(B, S, filters.top_n, hidden.device)
-                stage2(stream, records=full, sample_records=full, **out._asdict(), **per_call)
+                out = launchers.filtered_outputs(B, S, filters.top_n, hidden.device, flat=True)
+                stage2(stream, records=full, sample_records=full, **dict(zip(_OUT_NAMES, out)),
+                       **per_call)
                 return out
         plan = self.plan(hidden, weight, merge=merge, num_samples=S, need_mass=True,
                          vocab_start=vocab_start, tiles=T, filters=filters,
                          masked=constraints.any)
+        gather = None
+        if gathered is not None:
+            gather = launchers.FallbackGather(*gathered, self.transport.calls, self.shard_starts,
+                                              self.transport.gather_exchange)
         out_view = records.records_view(mine, planes, B, Tx, tile_major)
         with replay.record() as log1:
             stage1_constrained(plan, hidden, weight, bias, params, out_view, per_call,
@@ -350,6 +359,7 @@ class Pipeline:
         (under TP every rank gathers the rows' logit shards: the flags agree on every rank,
         computed from the same records)."""
         tokens, logprobs, logz, top_tok, top_lp, flag, _ = out
+        tokens, logprobs = tokens.view(-1, S), logprobs.view(-1, S)  # (a replay's are [B])
         rows = flag.cpu().nonzero()[:, 0]  # the host synchronisation: one [B] copy
         self.transport.check()  # synchronised: a failed device-side exchange raises now
         self.candidate_rows += flag.shape[0]
@@ -390,6 +400,8 @@ class Pipeline:
         top = (top_tok, top_lp) if filters.top_n else None
         return tokens, logprobs, logz, top
 
+
+_OUT_NAMES = F.FilteredOutput._fields
 
 FALLBACK_READ_EVERY = 8  # calls between two copies of the device fallback count
 FALLBACK_READ_LAG = 2  # copies between a copy and its (blocking) read

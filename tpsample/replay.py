@@ -83,14 +83,12 @@ def tensor_key(tensors) -> tuple:
     alignment (Triton specializes pointers on it), dtype, and which of them are one object
     (the index of its first occurrence)."""
     key = []
-    for t in tensors:
+    first: dict = {}
+    for i, t in enumerate(tensors):
         if t is None:
             key.append(None)
-            continue
-        first = 0
-        while tensors[first] is not t:
-            first += 1
-        key.append((t.data_ptr() % 16 == 0, t.dtype, first))
+        else:
+            key.append((t.data_ptr() % 16 == 0, t.dtype, first.setdefault(id(t), i)))
     return tuple(key)
 
 
@@ -163,8 +161,10 @@ class _DirectLaunch:
     Python layers (CudaLauncher.__call__, and the wrapper that expands every host TMA
     descriptor argument per launch: ~8 µs of host time for a Gluon stage 1). The arguments
     are expanded once, as that wrapper would (make_tensordesc_arg); per call only the slots
-    are filled: tensors, and each per-call descriptor's CUtensorMap re-encoded for the new
-    base (shape and strides are part of the call key). Only for kernels without scratch
+    are filled: tensors as their addresses (for a tensor the launcher asks the driver what
+    the address is on the device, cuPointerGetAttribute per argument and launch; a call's
+    tensors are CUDA memory, whose address is that), and each per-call descriptor's
+    CUtensorMap re-encoded for the new base (shape and strides are part of the call key). Only for kernels without scratch
     memory, on the launcher layout it was written against; else the launch goes through
     compiled.run (Replay.__call__)."""
     __slots__ = ("raw", "function", "head", "args", "tensor_slots", "desc_slots", "fill_tma")
@@ -229,8 +229,8 @@ class _DirectLaunch:
 
     def __call__(self, grid3, stream: int, tensors: dict) -> None:
         args = list(self.args)
-        for i, name in self.tensor_slots:
-            args[i] = tensors[name]
+        for i, name in self.tensor_slots:  # (the launcher asks the driver about each
+            args[i] = tensors[name].data_ptr()  # tensor's address; a call's are CUDA memory)
         for i, name, (swizzle, size, dtype, block, shape, strides, pad) in self.desc_slots:
             args[i] = self.fill_tma(tensors[name].data_ptr(), swizzle, size, dtype, block,
                                     shape, strides, pad)

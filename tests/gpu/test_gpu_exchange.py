@@ -83,6 +83,66 @@ def test_one_rank_sampler_equals_single_gpu_and_replays_in_graphs(transport):
         assert torch.equal(out["replay"][k], want.cpu())
 
 
+def filtered_one_rank(rank, world, B):
+    """A filtered sampler of world 1 over symmetric memory: mixed rows (filtered, unfiltered
+    and greedy), eager calls (the first dispatched, the rest replayed; the two record buffers
+    alternate) and a captured CUDA graph replayed three times."""
+    h, w, temp, seeds = inputs(B)
+    dev = torch.device("cuda", rank)
+    sampler = tpsample.VocabParallelSampler(w.to(dev), vocab_size=VOCAB, transport="symm_mem",
+                                            check_inputs=False)
+    h = h.to(dev)
+    offset = torch.zeros(B, dtype=torch.int64, device=dev)
+    kw = filtered_kwargs(B, dev)
+    eager = [sampler(h, offset=offset + k, **kw) for k in range(4)]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        sampler(h, offset=offset, **kw)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = sampler(h, offset=offset, **kw)
+    replays = []
+    for k in range(3):
+        offset.fill_(k)
+        graph.replay()
+        replays.append(out.tokens.clone())
+    torch.cuda.synchronize()
+    sampler.check_exchange()
+    return dict(eager=[(e.tokens.cpu(), e.logprobs.cpu(), e.logz.cpu()) for e in eager],
+                replay=[r.cpu() for r in replays], transport=sampler.transport.name)
+
+
+def filtered_kwargs(B, dev):
+    """Rows without filters (top_k 0 and top_p 1), with top-k, with top-p, both; greedy
+    rows (inputs: every third temperature 0)."""
+    r = torch.arange(B, device=dev)
+    return dict(temperature=inputs(B)[2].to(dev), seed=inputs(B)[3].to(dev),
+                top_k=(r % 2) * 30, top_p=torch.where(r % 4 < 2, 1.0, 0.9),
+                return_logprobs=True)
+
+
+@pytest.mark.parametrize("B", [16, 64])
+def test_one_rank_filtered_sampler_equals_single_gpu(B):
+    """The filter kernel as the whole stage 2 of merge "max" (its last program flips the
+    symmetric-memory buffers' parity): a world-1 sampler's filtered calls, eager and from a
+    CUDA graph, give tpsample.sample's tokens and log-probs, call after call."""
+    (out,) = run_world(1, filtered_one_rank, B, backend="nccl")
+    assert out.get("transport") == "symm_mem", out
+    h, w, _, _ = inputs(B)
+    dev = torch.device("cuda")
+    kw = filtered_kwargs(B, dev)
+    for k in range(4):
+        want = tpsample.sample(h.to(dev), w.to(dev), offset=k, vocab_size=VOCAB, **kw)
+        tokens, logprobs, logz = out["eager"][k]
+        assert torch.equal(tokens, want.tokens.cpu())
+        assert torch.allclose(logprobs, want.logprobs.cpu(), atol=1e-5, equal_nan=True)
+        assert torch.allclose(logz, want.logz.cpu(), atol=1e-5, equal_nan=True)
+        if k < 3:
+            assert torch.equal(out["replay"][k], want.tokens.cpu())
+
+
 def drill(rank, world, timeout_s, transport):
     """Rank 1 skips a call; rank 0's check_exchange raises within timeout_s + 1 s; its
     context still works; the sampler refuses further calls; rank 1's late call gives the
