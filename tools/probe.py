@@ -413,9 +413,11 @@ def _typical_head(D, V, rows=256):
 
 def filter_stage(D, V, B) -> dict:
     """What a filtered call (top_k 50 + top_p 0.9 + min_p 0.05) costs after stage 1, µs
-    (CUDA-graph replays): the merge alone, the merge + filter kernel per num_warps, the device
-    fallback's launches (no row flagged), and the whole chain with and without programmatic
-    dependent launches; the rows' known-prefix sizes; the whole calls (ms, eager)."""
+    (CUDA-graph replays): reduce_records alone (what merges other than "max" run before the
+    filter kernel), the filtered stage 2 per num_warps (with merge "max" the filter kernel
+    alone), the device fallback's launches (no row flagged), and the whole chain with and
+    without programmatic dependent launches; the rows' known-prefix sizes; the whole calls
+    (ms, eager)."""
     from tpsample.plan import DeviceKind, Layout, make_plan, with_options
     from tpsample import filters as F
     from tpsample.params import Filters
@@ -451,7 +453,7 @@ def filter_stage(D, V, B) -> dict:
     shipped = launchers.filter_warps
     for warps in (4, 8, 16):
         launchers.filter_warps = lambda B, warps=warps: warps
-        r[f"merge_filter_w{warps}"] = graph(chain(plan, False))
+        r[f"stage2_w{warps}"] = graph(chain(plan, False))
     launchers.filter_warps = shipped
     chain(plan)()
     r["flagged"] = int(out.fallback.sum())
