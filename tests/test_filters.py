@@ -437,6 +437,31 @@ def test_bad_filter_parameters_name_the_argument(kw, exc, name):
         tpsample.sample(h, w, backend="torch", **kw)
 
 
+def test_scalar_filters_checked_once_still_reject_bad_values():
+    """Scalar filters are normalised once per combination and then looked up: a repeat gives
+    the same normalised tensors, and values equal to a cached one but of another type (True
+    for 1, 50.0 for 50), unhashable or invalid still raise, naming the argument."""
+    h, _ = random_inputs(4, 8, 300)
+    args = (0, 1, True, "processed", 300)
+    first = P.filter_params(h, 50, 0.9, 0.05, *args)
+    again = P.filter_params(h, 50, 0.9, 0.05, *args)
+    assert all(a is b for a, b in zip(first[:3], again[:3]))
+    assert first.top_k.tolist() == [50] * 4 and torch.allclose(first.top_p, torch.full((4,), 0.9))
+    assert P.filter_params(h, 1, None, None, *args).top_k.tolist() == [1] * 4
+    P.filter_params(h, 1, 0.9, 0.05, *args)  # (equal to top_k=True's arguments but for types)
+    assert P.filter_params(h[:2], 50, 0.9, 0.05, *args).top_k.shape == (2,)
+    for kw, exc in ((dict(top_k=True), TypeError), (dict(top_k=50.0), TypeError),
+                    (dict(top_k=[50]), TypeError), (dict(top_p=float("nan")), ValueError),
+                    (dict(min_p=1.0), ValueError)):
+        for _ in range(2):
+            with pytest.raises(exc, match=next(iter(kw))):
+                P.filter_params(h, **{**dict(top_k=50, top_p=0.9, min_p=0.05), **kw}, top_logprobs=0,
+                                num_samples=1, replacement=True, logprobs_mode="processed",
+                                vocab_size=300)
+    with pytest.raises(TypeError, match="replacement"):
+        P.filter_params(h, 50, 0.9, 0.05, 0, 1, 1, "processed", 300)
+
+
 # ----- the interpreted kernels: exactness (long) -------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("filt", [dict(top_k=6, top_p=0.8), dict(min_p=0.2, top_p=0.9)],
