@@ -196,9 +196,11 @@ class Pipeline:
                       constraints: C.Constraints = C.NO_CONSTRAINTS,
                       in_capture: bool | None = None):
         """A call with candidate planes (tpsample/filters.py): stage 1 with candidates, the
-        exchange, the call's merge over the sample planes, the candidate reduce, and the exact
+        exchange, the candidate reduce (which, with merge "max", also takes the unfiltered
+        rows' winners; other merges run over the sample planes first), and the exact
         fallback for rows without a certificate: on the device for a one-device Triton call
-        (no host synchronisation), else from the host (one synchronisation per call)."""
+        or a transport that gathers rows (no host synchronisation), else from the host (one
+        synchronisation per call)."""
         B, S = hidden.shape[0], num_samples
         T = tiles if tiles is not None else records.num_tiles(weight.shape[0])
         Tx = T + int(constraints.listed)
