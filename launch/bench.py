@@ -44,7 +44,7 @@ D=256 V=8192, B=1,4,16, 20 iterations, transport gloo, no graphs.
 (tps_k), top_p=0.9 (tps_p), min_p=0.05 (tps_m) and all three (tps_kpm) against the plain call,
 mm, matmul + a full torch sort then the three filters and multinomial (sort_kpm, as serving
 engines' torch fallbacks do), matmul + torch.topk(50) then top-p / min-p (topk_kpm), and
-FlashInfer's top_k_top_p_sampling_from_logits (fi_k50p09, if importable); plus the rows that took
+FlashInfer's top_k_top_p_sampling_from_logits (fi_k50p09, filter_apply_order="joint", if importable); plus the rows that took
 the exact fallback. Writes OUT/filters.json.
 
 --constraints (one device): constrained decoding on the same head: a random-half allowed mask
@@ -428,7 +428,11 @@ def filter_variants(h, w) -> dict:
     variants["topk_kpm"] = topk_kpm
     try:
         import flashinfer.sampling as fs
-        variants["fi_k50p09"] = lambda: fs.top_k_top_p_sampling_from_logits(h @ w.T, K, TOP_P)
+        # "joint": FlashInfer's sorting-free rejection kernel (its sampling module). The default
+        # "top_k_first" selects the k first with its top-k module, whose JIT build (cub_topk.cu)
+        # did not finish in 15 minutes with nvcc 13.0 on the benchmark machines.
+        variants["fi_k50p09"] = lambda: fs.top_k_top_p_sampling_from_logits(
+            h @ w.T, K, TOP_P, filter_apply_order="joint")
     except Exception as e:  # noqa: BLE001
         log(f"skipping FlashInfer (import failed: {type(e).__name__}: {e})")
     return variants

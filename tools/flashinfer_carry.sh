@@ -3,7 +3,8 @@
 # benchmark's FlashInfer baselines (launch/bench.py runs them whenever `import
 # flashinfer.sampling` works). The flashinfer-python wheel is 62 MB (426 MB unpacked, with
 # CUTLASS and every kernel's sources); its sampling kernels are compiled on first use by
-# the machine's nvcc (JIT), from three sources and the headers they include.
+# the machine's nvcc (JIT), from the sampling and top-k modules' sources and the headers they
+# include.
 #
 #   here:   tools/flashinfer_carry.sh pack DIR          # DIR/flashinfer-<v>.part-aa, ...
 #   there:  tools/flashinfer_carry.sh unpack DIR DEST   # after every part is in DIR
@@ -21,7 +22,11 @@
 set -euo pipefail
 
 VERSION=${FLASHINFER_VERSION:-0.7.2.post1}
-SAMPLING_SOURCES="sampling.cu renorm.cu flashinfer_sampling_binding.cu sampling_utils.h tvm_ffi_utils.h"
+# the sampling module; the top-k module (top_k_top_p_sampling_from_logits selects the top k
+# with it first when top_k is a small int, as in the benchmark)
+SAMPLING_SOURCES="sampling.cu renorm.cu flashinfer_sampling_binding.cu sampling_utils.h tvm_ffi_utils.h
+    topk.cu cub_topk.cu flashinfer_topk_binding.cu flashinfer_fast_topk_clusters_binding.cu
+    topk_transform_checks.h"
 
 cmd=${1:-}
 case "$cmd" in
