@@ -502,6 +502,7 @@ def run_filters(args, make_variants=None, json_name="filters.json", markdown=Non
     for D, V in args.shapes:
         floor_ms = V * D * 2 / bandwidth * 1e3
         rows = []
+        meta["shapes"].append({"D": D, "V": V, "floor_ms": floor_ms, "rows": rows})
         for B in args.batches:
             h, w = typical_head(D, V, B, DTYPES[args.dtype], device)
             runs, fallback = {}, {}
@@ -520,9 +521,8 @@ def run_filters(args, make_variants=None, json_name="filters.json", markdown=Non
             log(f"[D={D} V={V} B={B}] " + " ".join(f"{k}={v:.3f}" for k, v in ms.items())
                 + " fallback " + " ".join(f"{k}={v:.2f}" for k, v in fallback.items()))
             del h, w, variants
-        meta["shapes"].append({"D": D, "V": V, "floor_ms": floor_ms, "rows": rows})
-        with open(os.path.join(args.out, json_name), "w") as f:
-            json.dump(meta, f, indent=1)
+            with open(os.path.join(args.out, json_name), "w") as f:  # a cut-off run keeps its rows
+                json.dump(meta, f, indent=1)
     text = markdown(meta, args.doc or os.devnull, args.label or json_name[:-5])
     print(text)
     if args.doc:

@@ -93,6 +93,26 @@ def test_filters_runs_of_one_device_render_as_one_section():
     assert "**D=64, V=1000**" in text and "**D=128, V=1000**" in text
 
 
+def test_a_cut_off_filters_run_keeps_the_batches_it_finished(tmp_path):
+    """A run stopped by a time limit mid-shape (the GPU machines' calls are capped) leaves
+    the rows it timed in its json, renderable by --report."""
+    args = bench.parse_args(["--filters", "--cpu", "--shapes", "64x1000", "--batches", "1,2",
+                             "--out", str(tmp_path)])
+    seen = []
+
+    def variants(h, w):
+        seen.append(h.shape[0])
+        if len(seen) == 2:
+            raise KeyboardInterrupt  # the run stops during its second batch
+        return {n: (lambda: h @ w.T) for n in ("mm", "tpsample", "tps_kpm", "sort_kpm", "topk_kpm")}
+
+    with pytest.raises(KeyboardInterrupt):
+        bench.run_filters(args, variants)
+    meta = json.loads((tmp_path / "filters.json").read_text())
+    assert [r["B"] for r in meta["shapes"][0]["rows"]] == [1]
+    assert "| 1 |" in bench.filters_markdown(meta, os.devnull, "cut")
+
+
 def test_constraints_mode_writes_json_doc_and_report(tmp_path):
     row, doc, report = run_mode(tmp_path, "--constraints", "CPU c")
     assert row["B"] == 2 and {"tpsample", "tps_mask", "tps_adj64", "tps_adj64_nc",
