@@ -304,8 +304,9 @@ class Pipeline:
             per_call["weight"] = weight
         gathered = None
         if on_device and self.gather_fallback:  # the flagged rows' logit shards, gathered
-            gathered = self.transport.rows_gather(B, T * records.TILE)  # (before the key: a
-        elif on_device:  # the exact fallback on the device          # new buffer changes it)
+            # asked for before the replay key: a new buffer changes the key
+            gathered = self.transport.rows_gather(B, T * records.TILE)
+        elif on_device:  # the exact fallback on the device
             per_call["fallback_logits"] = torch.empty(B, T * records.TILE, dtype=torch.float32,
                                                       device=hidden.device)
         key = None
