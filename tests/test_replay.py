@@ -127,6 +127,24 @@ def test_call_replays_keep_only_complete_calls_up_to_the_limit():
     assert len(calls) == 0
 
 
+def test_split_replays_keep_stage2s_per_stage1():
+    """Filtered calls: add_split keeps stage 1 with a dict of stage 2s by their own key,
+    add_stage2 adds to it (incomplete logs are not kept), and the limits hold for both."""
+    calls = replay.CallReplays(limit=2)
+    step = [(print, None, None, (), None)]
+    launch = [(FakeJit, FakeCompiled(), (1,), (None, None, None, 3), {"BLOCK": 2})]
+    calls.add_split("k", step, {}, "x", launch, {})
+    calls.add_split("n", step, {}, "x", [], {})  # stage 2 not recorded: not kept
+    assert len(calls) == 1 and calls.get("n") is None
+    stage1, stage2s = calls.get("k")
+    assert isinstance(stage1, replay.Replay) and list(stage2s) == ["x"]
+    calls.add_stage2(stage2s, "y", launch, {})
+    calls.add_stage2(stage2s, "z", [(FakeJit, object(), (1,), (), {})], {})  # no launcher API
+    assert list(stage2s) == ["x", "y"]
+    calls.add_stage2(stage2s, "w", launch, {})  # full: the earlier stage 2s are dropped
+    assert list(stage2s) == ["w"] and calls.get("k")[1] is stage2s
+
+
 def test_replay_is_gated_on_the_tested_triton_versions(monkeypatch):
     assert replay.SUPPORTED == (replay.TRITON_VERSION in replay.TESTED_TRITON)
     monkeypatch.setattr(replay, "ENABLED", False)

@@ -223,11 +223,9 @@ class Pipeline:
         else:
             if in_capture is None:
                 in_capture = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
-            on_device = ((self.transport.world == 1 or self.gather_fallback)
-                         and self._device_fallback_now(hidden, in_capture))
-            out = self._filtered_launches(hidden, weight, bias, params, merge, S, n_real,
-                                          vocab_start, T, filters, mine, full, on_device,
-                                          constraints)
+            out, on_device = self._filtered_launches(hidden, weight, bias, params, merge, S,
+                                                     n_real, vocab_start, T, filters, mine, full,
+                                                     constraints, in_capture)
             if on_device:
                 self.candidate_rows += B
                 if hidden.is_cuda and not in_capture:
@@ -284,60 +282,79 @@ class Pipeline:
         self._fallback_seen = (event, self._fallback_copy, before)
 
     def _filtered_launches(self, hidden, weight, bias, params, merge, S, n_real, vocab_start,
-                           T, filters, mine, full, on_device: bool,
-                           constraints: C.Constraints) -> F.FilteredOutput:
-        """Stage 1, exchange and launchers.stage2_filtered, replayed like run()'s launches
-        (the key adds the filters' layout; their per-row tensors are per-call tensors)."""
+                           T, filters, mine, full, constraints: C.Constraints,
+                           in_capture: bool) -> tuple[F.FilteredOutput, bool]:
+        """Stage 1, exchange and launchers.stage2_filtered, replayed like run()'s launches;
+        returns (outputs, whether the exact fallback ran on the device).
+
+        Stage 1 is launched (replayed) before anything only stage 2 needs is prepared: the
+        fallback path's decision, its buffers, the filters' part of the key and the outputs
+        cost host time that an eager call would otherwise spend before the GPU starts. Its
+        replay is keyed by what stage 1 reads; each stage-1 replay keeps the stage-2 replays
+        of the filters' layouts and fallback paths seen with it."""
         B = hidden.shape[0]
         Tx = T + int(constraints.listed)
         planes = records.planes(S, True)
         fanout = self.transport.fanout()
-        tile_major = fanout is not None
+        tile_major = fanout is not None  # (one device: row-major, docs/design.md)
         fixed = weight is self.fixed_weight
         per_call = dict(hidden=hidden, inv_temp=params.inv_temp, seed=params.seed,
-                        offset=params.offset, bias=bias, top_k=filters.top_k,
-                        top_p=filters.top_p, min_p=filters.min_p)
+                        offset=params.offset, bias=bias)
         if constraints.any:
             per_call.update(constraint_tensors(constraints, hidden,
                                                self._mask_words(weight, vocab_start)))
         if not fixed:
             per_call["weight"] = weight
-        gathered = None
-        if on_device and self.gather_fallback:  # the flagged rows' logit shards, gathered
-            # asked for before the replay key: a new buffer changes the key
-            gathered = self.transport.rows_gather(B, T * records.TILE)
-        elif on_device:  # the exact fallback on the device
-            per_call["fallback_logits"] = torch.empty(B, T * records.TILE, dtype=torch.float32,
-                                                      device=hidden.device)
-        key = None
+        key = stage2s = stream = plan = log1 = None
         if hidden.is_cuda and replay.Replay.usable():
-            key = ("filtered", on_device, merge, S, hidden.device, hidden.shape, hidden.stride(),
-                   n_real, vocab_start, T, filters.top_n, filters.replacement, filters.raw,
-                   constraint_key(constraints),
+            key = ("filtered", merge, S, hidden.device, hidden.shape, hidden.stride(), n_real,
+                   vocab_start, T, filters.replacement, filters.raw, constraint_key(constraints),
                    self.transport.key(), replay.tensor_key(tuple(per_call.values())),
                    None if fixed else (weight.shape, weight.stride()))
             hit = self.replays.get(key)
             if hit is not None:  # (a launch takes only a tensor's address, which a records
-                stage1, stage2 = hit  # view shares with its flat buffer: the key has the layout)
+                stage1, stage2s = hit  # view shares with its flat buffer: the key has the layout)
                 stream = replay.current_stream(hidden.device.index)
                 stage1(stream, records=mine, **per_call)
-                self.transport.exchange(mine, full)
-                out = launchers.filtered_outputs(B, S, filters.top_n, hidden.device, flat=True)
-                stage2(stream, records=full, sample_records=full, **dict(zip(_OUT_NAMES, out)),
-                       **per_call)
-                return out
-        plan = self.plan(hidden, weight, merge=merge, num_samples=S, need_mass=True,
-                         vocab_start=vocab_start, tiles=T, filters=filters,
-                         masked=constraints.any)
+        if stage2s is None:
+            plan = self.plan(hidden, weight, merge=merge, num_samples=S, need_mass=True,
+                             vocab_start=vocab_start, tiles=T, filters=filters,
+                             masked=constraints.any)
+            out_view = records.records_view(mine, planes, B, Tx, tile_major)
+            with replay.record() as log1:
+                stage1_constrained(plan, hidden, weight, bias, params, out_view, per_call,
+                                   constraints, n_real=n_real, vocab_start=vocab_start,
+                                   fanout=fanout[:2] if fanout else None)
+
+        on_device = ((self.transport.world == 1 or self.gather_fallback)
+                     and self._device_fallback_now(hidden, in_capture))
+        later = dict(top_k=filters.top_k, top_p=filters.top_p, min_p=filters.min_p)
+        gathered = None
+        if on_device and self.gather_fallback:  # the flagged rows' logit shards, gathered
+            # (before key2: a grown buffer changes the transport's key)
+            gathered = self.transport.rows_gather(B, T * records.TILE)
+        elif on_device:  # the exact fallback on the device
+            later["fallback_logits"] = torch.empty(B, T * records.TILE, dtype=torch.float32,
+                                                   device=hidden.device)
+        key2 = None
+        if key is not None:
+            key2 = (on_device, filters.top_n, self.transport.key(),
+                    replay.tensor_key(tuple(per_call.values()) + tuple(later.values())))
+        stage2 = None if stage2s is None else stage2s.get(key2)
+        if stage2 is not None:
+            self.transport.exchange(mine, full)
+            out = launchers.filtered_outputs(B, S, filters.top_n, hidden.device, flat=True)
+            stage2(stream, records=full, sample_records=full, **dict(zip(_OUT_NAMES, out)),
+                   **per_call, **later)
+            return out, on_device
+        if plan is None:
+            plan = self.plan(hidden, weight, merge=merge, num_samples=S, need_mass=True,
+                             vocab_start=vocab_start, tiles=T, filters=filters,
+                             masked=constraints.any)
         gather = None
         if gathered is not None:
             gather = launchers.FallbackGather(*gathered, self.transport.calls, self.shard_starts,
                                               self.transport.gather_exchange)
-        out_view = records.records_view(mine, planes, B, Tx, tile_major)
-        with replay.record() as log1:
-            stage1_constrained(plan, hidden, weight, bias, params, out_view, per_call,
-                               constraints, n_real=n_real, vocab_start=vocab_start,
-                               fanout=fanout[:2] if fanout else None)
         self.transport.exchange(mine, full)
         recs = records.records_view(full, planes, B, Tx, tile_major)
         out = launchers.filtered_outputs(B, S, filters.top_n, hidden.device)
@@ -347,14 +364,18 @@ class Pipeline:
                                       *(fanout[1:] if fanout else ()), head=head, out=out)
             if on_device:
                 launchers.fallback_on_device(hidden, weight, bias, params, filters, out,
-                                             per_call.get("fallback_logits"),
+                                             later.get("fallback_logits"),
                                              self._device_fallbacks(), n_real=n_real,
                                              vocab_start=vocab_start, constraints=constraints,
                                              listed=listed_scratch(per_call), pdl=plan.pdl,
                                              gather=gather)
-        self.replays.add(key, log1, dict(per_call, records=out_view), log2,
-                         dict(per_call, records=recs, sample_records=head, **out._asdict()))
-        return out
+        named2 = dict(per_call, **later, records=recs, sample_records=head, **out._asdict())
+        if stage2s is not None:
+            self.replays.add_stage2(stage2s, key2, log2, named2)
+        elif key is not None:
+            self.replays.add_split(key, log1, dict(per_call, records=out_view), key2, log2,
+                                   named2)
+        return out, on_device
 
     def _fallback(self, out: F.FilteredOutput, hidden, weight, bias, params, filters, n_real,
                   vocab_start, T, S, constraints: C.Constraints = C.NO_CONSTRAINTS):

@@ -296,12 +296,36 @@ class CallReplays:
     def add(self, key, log1: list, named1: dict, log2: list, named2: dict) -> None:
         """Keep the call if both stages were recorded and every launch has what Replay
         calls (Triton's launcher API: run, function, packed_metadata)."""
-        if key is None or not log1 or not log2:
+        if key is None or not _replayable(log1) or not _replayable(log2):
             return
-        for _, compiled, *_ in log1 + log2:
-            if compiled is not None and not all(hasattr(compiled, a) for a in
-                                                ("run", "function", "packed_metadata")):
-                return
+        self._room()
+        self.calls[key] = (Replay(log1, named1), Replay(log2, named2))
+
+    def add_split(self, key1, log1: list, named1: dict, key2, log2: list,
+                  named2: dict) -> None:
+        """As add, for a call whose stage 2 depends on more than its stage 1 (filtered
+        calls): key1 → (stage 1, {key2: stage 2}); add_stage2 adds stage 2s to it."""
+        if key1 is None or not _replayable(log1) or not _replayable(log2):
+            return
+        self._room()
+        self.calls[key1] = (Replay(log1, named1), {key2: Replay(log2, named2)})
+
+    def add_stage2(self, stage2s: dict, key2, log2: list, named2: dict) -> None:
+        """Another stage 2 for a stage 1 kept by add_split (stage2s: its dict)."""
+        if not _replayable(log2):
+            return
+        if len(stage2s) >= self.limit:
+            stage2s.clear()
+        stage2s[key2] = Replay(log2, named2)
+
+    def _room(self) -> None:
         if len(self.calls) >= self.limit:
             self.calls.clear()
-        self.calls[key] = (Replay(log1, named1), Replay(log2, named2))
+
+
+def _replayable(log: list) -> bool:
+    """Recorded launches, every one with what Replay calls (Triton's launcher API: run,
+    function, packed_metadata)."""
+    return bool(log) and all(compiled is None or all(hasattr(compiled, a) for a in
+                                                     ("run", "function", "packed_metadata"))
+                             for _, compiled, *_ in log)

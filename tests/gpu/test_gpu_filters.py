@@ -173,6 +173,34 @@ def test_filtered_replay_equals_a_dispatched_call(B, S, replacement, monkeypatch
         assert (a is None and b is None) or torch.equal(a, b)
 
 
+def test_filtered_replay_keeps_stage1_when_only_the_filters_change(monkeypatch):
+    """Filtered calls keyed alike in stage 1 but not in stage 2 (other filters, top
+    log-probs): the second re-issues the first's stage 1 and records its own stage 2; both,
+    then replayed, return bit for bit what dispatched calls return."""
+    from tpsample import api, launchers, replay
+    api._PIPELINES.clear()
+    B = 16
+    h, w = typical_head(1024, 20000, B, torch.bfloat16, "cuda")
+    seed = torch.arange(B, device="cuda")
+    calls = [dict(top_k=50), dict(top_p=0.9, top_logprobs=3)]
+    tpsample.sample(h, w, seed=seed, **calls[0])
+    (pipe,) = api._PIPELINES.values()
+    with monkeypatch.context() as m:
+        m.setattr(launchers, "stage1", lambda *a, **k: pytest.fail("stage 1 must be replayed"))
+        tpsample.sample(h, w, seed=seed, return_logprobs=True, **calls[1])
+    (stage1, stage2s), = pipe.replays.calls.values()
+    assert len(stage2s) == 2
+    with monkeypatch.context() as m:
+        m.setattr(launchers, "stage1", lambda *a, **k: pytest.fail("stage 1 must be replayed"))
+        m.setattr(launchers, "stage2_filtered", lambda *a, **k: pytest.fail("stage 2 too"))
+        got = [tpsample.sample(h, w, seed=seed, return_logprobs=True, **kw) for kw in calls]
+    monkeypatch.setattr(replay, "ENABLED", False)
+    want = [tpsample.sample(h, w, seed=seed, return_logprobs=True, **kw) for kw in calls]
+    for g, x in zip(got, want):
+        for a, b in zip(g, x):
+            assert (a is None and b is None) or torch.equal(a, b)
+
+
 def test_chi2_device_fallback_on_gpu():
     """Flat rows (no certificate for top-p): every row through the device fallback, exact
     against float64; the same samples fail against a wrong kept set (negative control)."""
