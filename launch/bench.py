@@ -925,24 +925,32 @@ def run_tp(args):
                 cells = " ".join(f"{short(n)}={fmt(r['eager_ms'])}/{fmt(r.get('graph_ms'))}" for n, r in res.items())
                 log("".join(f"WARNING: {x}\n" for x in w) + f"[tp{world} {D}x{V} B={B}] {cells} ms "
                     f"({time.perf_counter() - t0:.1f} s)")
+                # after every batch: a run cut off by a time limit keeps what it timed
+                write_tp_json(args, cuda, world, shapes, warns)
         del W, W_typ, h_typ, samplers
         gc.collect()
         torch.cuda.empty_cache()  # no-op without CUDA
     if rank == 0:
         for s in shapes:
             print_tp_table(s, world)
-        meta = dict(run_meta(args, cuda), world=world,
-                    nccl=str(torch.cuda.nccl.version()) if cuda else None, shapes=shapes, warnings=warns)
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, f"tp{world}.json")
-        with open(path, "w") as f:
-            json.dump(meta, f, indent=1)
+        meta, path = write_tp_json(args, cuda, world, shapes, warns)
         log(f"wrote {path}")
         print(tp_summary(meta))
         if args.doc:
             write_doc(args.doc, args.label or f"TP{world}", tp_markdown([meta], args.doc, args.label or f"TP{world}"))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def write_tp_json(args, cuda: bool, world: int, shapes: list, warns: list) -> tuple[dict, str]:
+    """The TP run's results so far as OUT/tp{world}.json: (its contents, its path)."""
+    meta = dict(run_meta(args, cuda), world=world,
+                nccl=str(torch.cuda.nccl.version()) if cuda else None, shapes=shapes, warnings=warns)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"tp{world}.json")
+    with open(path, "w") as f:
+        json.dump(meta, f, indent=1)
+    return meta, path
 
 
 def plot_tp_shape(plt, table, tps, D, V, path):

@@ -113,6 +113,38 @@ def test_a_cut_off_filters_run_keeps_the_batches_it_finished(tmp_path):
     assert "| 1 |" in bench.filters_markdown(meta, os.devnull, "cut")
 
 
+def test_a_cut_off_tp_run_keeps_the_batches_it_finished(tmp_path, monkeypatch):
+    """The TP mode too (one gloo rank in this process): stopped during its second batch, its
+    json holds the first, renderable by --report."""
+    import socket
+
+    import torch.distributed as dist
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    for k, v in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0",
+                     WORLD_SIZE="1").items():
+        monkeypatch.setenv(k, v)
+    args = bench.parse_args(["--cpu", "--shapes", "64x1000", "--batches", "1,2", "--iters", "2",
+                             "--out", str(tmp_path)])
+    real = bench.bench_batch
+
+    def bench_batch(D, V, B, *rest, **kw):
+        if B == 2:
+            raise KeyboardInterrupt  # the run stops during its second batch
+        return real(D, V, B, *rest, **kw)
+    monkeypatch.setattr(bench, "bench_batch", bench_batch)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            bench.run_tp(args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    meta = json.loads((tmp_path / "tp1.json").read_text())
+    assert list(meta["shapes"][0]["results"]) == ["1"]
+    assert "| 1 |" in bench.tp_markdown([meta], os.devnull, "cut")
+
+
 def test_constraints_mode_writes_json_doc_and_report(tmp_path):
     row, doc, report = run_mode(tmp_path, "--constraints", "CPU c")
     assert row["B"] == 2 and {"tpsample", "tps_mask", "tps_adj64", "tps_adj64_nc",
