@@ -34,11 +34,11 @@ def store_to_every_rank(out_ptr, at, value, peer_ptrs_ptr, world, mask=None):
 @triton.jit
 def fallback_logits_kernel(h_ptr, w_ptr, bias_ptr, inv_temp_ptr, flag_ptr, out_ptr, B, V_rows,
                            n_real, D, stride_hb, stride_wv, stride_ob, mask_ptr, stride_mask,
-                           vocab_start, peer_ptrs_ptr, world, calls_ptr, n_tiles,
-                           HAS_BIAS: tl.constexpr, BLOCK_V: tl.constexpr,
+                           vocab_start, peer_ptrs_ptr, world, calls_ptr, n_tiles, side_ptr,
+                           stride_side, HAS_BIAS: tl.constexpr, BLOCK_V: tl.constexpr,
                            BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
                            HAS_MASK: tl.constexpr = False, PDL: tl.constexpr = False,
-                           FANOUT: tl.constexpr = False):
+                           FANOUT: tl.constexpr = False, FROM_SIDE: tl.constexpr = False):
     """out[b, tile] = (h[b] . W[tile] + bias) * (1/T_b), -inf from n_real on, for the rows
     b with flag[b] != 0 (out: fp32 [B, n_tiles * BLOCK_V]; other rows are not written); the
     programs take the tiles in turn (a grid of about two per SM: a call without a flagged row
@@ -50,7 +50,9 @@ def fallback_logits_kernel(h_ptr, w_ptr, bias_ptr, inv_temp_ptr, flag_ptr, out_p
     FANOUT (tensor parallel): out is this rank's shard slot of a [world, B, tiles * BLOCK_V]
     buffer and each row is stored into that slot of every rank's buffer (peer_ptrs: int64
     [world], the slot's address in each rank's buffer, symmetric memory); a rank whose
-    exchange has failed (calls[0] < 0) stores nothing."""
+    exchange has failed (calls[0] < 0) stores nothing. FROM_SIDE: the rows are read from
+    side_ptr (fp32 [B, n_tiles * BLOCK_V], row stride stride_side: the transformed logits
+    stage 1 wrote, mask applied) instead of recomputed."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -65,31 +67,57 @@ def fallback_logits_kernel(h_ptr, w_ptr, bias_ptr, inv_temp_ptr, flag_ptr, out_p
         mask_v = offs_v < V_rows
         for b in range(B):
             if tl.load(flag_ptr + b) != 0:
-                acc = tl.zeros((BLOCK_V,), dtype=tl.float32)
-                for d0 in range(0, D, BLOCK_D):
-                    offs_d = d0 + tl.arange(0, BLOCK_D)
-                    mask_d = offs_d < D
-                    hv = tl.load(h_ptr + tl.cast(b, tl.int64) * stride_hb + offs_d, mask=mask_d,
-                                 other=0.0).to(tl.float32)
-                    wv = tl.load(w_ptr + offs_v[:, None].to(tl.int64) * stride_wv
-                                 + offs_d[None, :], mask=mask_v[:, None] & mask_d[None, :],
-                                 other=0.0).to(tl.float32)
-                    acc += tl.sum(wv * hv[None, :], axis=1)
-                if HAS_BIAS:
-                    acc += tl.load(bias_ptr + offs_v, mask=mask_v, other=0.0)
-                if HAS_MASK:
-                    gid = vocab_start + offs_v
-                    word = tl.load(mask_ptr + tl.cast(b, tl.int64) * stride_mask + (gid >> 5),
-                                   mask=offs_v < n_real, other=0)
-                    acc = tl.where(((word >> (gid & 31)) & 1) != 0, acc, NEG_INF)
-                inv = tl.load(inv_temp_ptr + b)
-                l = acc * tl.where(inv == 0.0, 1.0, inv)
-                l = tl.where(offs_v < n_real, l, NEG_INF)
+                if FROM_SIDE:
+                    l = tl.load(side_ptr + tl.cast(b, tl.int64) * stride_side + offs_v)
+                else:
+                    l = _recomputed_logits(h_ptr, w_ptr, bias_ptr, inv_temp_ptr, b, offs_v,
+                                           mask_v, n_real, D, stride_hb, stride_wv, mask_ptr,
+                                           stride_mask, vocab_start, HAS_BIAS, BLOCK_D, HAS_MASK)
                 at = tl.cast(b, tl.int64) * stride_ob + offs_v
                 if FANOUT:
                     store_to_every_rank(out_ptr, at, l, peer_ptrs_ptr, world)
                 else:
                     tl.store(out_ptr + at, l)
+
+
+@triton.jit
+def _recomputed_logits(h_ptr, w_ptr, bias_ptr, inv_temp_ptr, b, offs_v, mask_v, n_real, D,
+                       stride_hb, stride_wv, mask_ptr, stride_mask, vocab_start,
+                       HAS_BIAS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_MASK: tl.constexpr):
+    """Row b's transformed logits of the tile offs_v, recomputed from h and W (fp32 sums)."""
+    acc = tl.zeros(offs_v.shape, dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        hv = tl.load(h_ptr + tl.cast(b, tl.int64) * stride_hb + offs_d, mask=mask_d,
+                     other=0.0).to(tl.float32)
+        wv = tl.load(w_ptr + offs_v[:, None].to(tl.int64) * stride_wv + offs_d[None, :],
+                     mask=mask_v[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(wv * hv[None, :], axis=1)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_v, mask=mask_v, other=0.0)
+    if HAS_MASK:
+        gid = vocab_start + offs_v
+        word = tl.load(mask_ptr + tl.cast(b, tl.int64) * stride_mask + (gid >> 5),
+                       mask=offs_v < n_real, other=0)
+        acc = tl.where(((word >> (gid & 31)) & 1) != 0, acc, NEG_INF)
+    inv = tl.load(inv_temp_ptr + b)
+    l = acc * tl.where(inv == 0.0, 1.0, inv)
+    return tl.where(offs_v < n_real, l, NEG_INF)
+
+
+@triton.jit
+def fast_row(b, flag_ptr, inv_temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, calls_ptr,
+             HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_M: tl.constexpr,
+             SLOTTED: tl.constexpr):
+    """Whether flagged row b takes kernels/filter_cut.py's path: filtered by top-p and/or
+    min-p, no top-k (and, tensor parallel, its gather did not fail). Also returns (p, min_p)."""
+    k, p, m = row_filters(b, top_k_ptr, top_p_ptr, min_p_ptr, HAS_K, HAS_P, HAS_M)
+    inv = tl.load(inv_temp_ptr + b)
+    ok = (tl.load(flag_ptr + b) != 0) & (k <= 0) & ((p < 1.0) | (m > 0.0)) & (inv != 0.0)
+    if SLOTTED:
+        ok = ok & (tl.load(calls_ptr) >= 0)
+    return ok, p, m
 
 
 @triton.jit
@@ -143,7 +171,7 @@ def fallback_rows_kernel(
     scratch_ptr, count_ptr, S, n_top, starts_ptr, slot_n, slot_stride, calls_ptr,
     HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_M: tl.constexpr, RAW: tl.constexpr,
     REPLACE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, CAP: tl.constexpr,
-    PDL: tl.constexpr = False, SLOTTED: tl.constexpr = False,
+    PDL: tl.constexpr = False, SLOTTED: tl.constexpr = False, FAST: tl.constexpr = False,
 ):
     """Rows b with flag[b] != 0: logits l [B, N] (fallback_logits_kernel) → their tokens,
     log-probs and log Z [B, S] / [B] when the row is filtered, and their top-n [B, n_top]
@@ -152,7 +180,8 @@ def fallback_rows_kernel(
     SLOTTED (tensor parallel): l is [world, B, slot_n], every rank's shard of the rows
     (stride_lb = slot_n, slot_stride = B * slot_n; shard r's first global id starts[r]),
     gathered by the exchange of kernels/exchange_wait.py; when that exchange failed
-    (calls[0] < 0) the flagged rows get the degenerate outputs (token 0, NaN log-probs)."""
+    (calls[0] < 0) the flagged rows get the degenerate outputs (token 0, NaN log-probs).
+    FAST: the rows that fast_row takes are left to kernels/filter_cut.py."""
     if PDL:
         tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
@@ -172,6 +201,10 @@ def fallback_rows_kernel(
             tl.store(top_lp_ptr + b.to(tl.int64) * n_top + q, tl.full((BLOCK_N,), nan, tl.float32),
                      mask=q < n_top)
         flagged = flagged & (calls >= 0)
+    if FAST:
+        fast, p_, m_ = fast_row(b, flag_ptr, inv_temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
+                                calls_ptr, HAS_K, HAS_P, HAS_M, SLOTTED)
+        flagged = flagged & ~fast
     if flagged:
         tl.atomic_add(count_ptr, 1)
         row = l_ptr + b.to(tl.int64) * stride_lb

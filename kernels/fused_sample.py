@@ -219,8 +219,12 @@ def tile_records_epilogue(
     CANDIDATES: tl.constexpr = 0, NO_REPLACE: tl.constexpr = False, RAW_MASS: tl.constexpr = False,
     mask_ptr=None, stride_mask=0, HAS_MASK: tl.constexpr = False,
     first_ptr=None, held_ptr=None, HELD: tl.constexpr = False,
+    side_ptr=None, stride_side=0, SIDE: tl.constexpr = False,
 ):
     """acc [BLOCK_V, BLOCK_B] raw fp32 logits of tile pid_v → one record per (sample, row).
+    SIDE: the tile's transformed logits (NaN as -inf, -inf past the vocabulary) also go to
+    side_ptr (fp32 [B, tiles * BLOCK_V], row stride stride_side): the logits a filtered
+    call's exact fallback reads (kernels/filter_cut.py) instead of recomputing them.
     HAS_MASK: mask_ptr int32 [B, W] (row stride stride_mask) allows global id i of row b by
     bit i % 32 of word i // 32; a token it does not allow is -inf from the start
     (tpsample/constraints.py). HELD (a call with listed tokens, whose bits the mask has
@@ -272,6 +276,9 @@ def tile_records_epilogue(
     # one instruction per token, where a separate any-NaN reduction costs two more)
     m = tl.reduce(l, 0, _max_propagating_nan)
     l = tl.where(l != l, float("-inf"), l)
+    if SIDE:
+        tl.store(side_ptr + offs_b[None, :].to(tl.int64) * stride_side + offs_v[:, None], l,
+                 mask=mask_b[None, :])
 
     # The tile's log-mass (NaN with m). Without TILE_MASS (no log-probs, max merge) the tile
     # max stands in: log Z is then wrong but unused, and it is still finite exactly when the
@@ -582,7 +589,7 @@ def fused_sample_records_kernel(
     h_ptr, w_ptr, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr,
     B, D, V_rows, n_real, vocab_start, num_samples,
     stride_hb, stride_wv, rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr,
-    mask_ptr, stride_mask, first_ptr, held_ptr,
+    mask_ptr, stride_mask, first_ptr, held_ptr, side_ptr, stride_side,
     HAS_BIAS: tl.constexpr, EVEN_D: tl.constexpr, FP32_DOT: tl.constexpr, ALIGNED4: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_STAGES: tl.constexpr, NUM_PEERS: tl.constexpr, HALVINGS: tl.constexpr,
@@ -590,7 +597,7 @@ def fused_sample_records_kernel(
     NOISE_AT: tl.constexpr = -1, NOISE_CHUNKS: tl.constexpr = 1, NOISE_EVERY: tl.constexpr = 0,
     CDF: tl.constexpr = False, CANDIDATES: tl.constexpr = 0, NO_REPLACE: tl.constexpr = False,
     RAW_MASS: tl.constexpr = False, HAS_MASK: tl.constexpr = False, HELD: tl.constexpr = False,
-    AFTER_PREP: tl.constexpr = False,
+    AFTER_PREP: tl.constexpr = False, SIDE: tl.constexpr = False,
 ):
     """NOISE_AT >= 0 requires num_samples == 1 and ALIGNED4 (the launcher checks).
     CANDIDATES, NO_REPLACE, RAW_MASS, mask_ptr (read when HAS_MASK), first_ptr / held_ptr
@@ -612,18 +619,20 @@ def fused_sample_records_kernel(
                           rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr, HAS_BIAS,
                           ALIGNED4, BLOCK_V, BLOCK_B, NUM_PEERS, HALVINGS, TILE_MASS, g,
                           NOISE_AT >= 0, CDF, CANDIDATES, NO_REPLACE, RAW_MASS, mask_ptr,
-                          stride_mask, HAS_MASK, first_ptr, held_ptr, HELD)
+                          stride_mask, HAS_MASK, first_ptr, held_ptr, HELD, side_ptr,
+                          stride_side, SIDE)
 
 
 @triton.jit
 def logits_records_kernel(
     logits_ptr, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr,
     B, V_rows, n_real, vocab_start, num_samples, stride_lb, rec_stride_s, rec_stride_b, rec_stride_t,
-    peer_ptrs, parity_ptr, mask_ptr, stride_mask, first_ptr, held_ptr,
+    peer_ptrs, parity_ptr, mask_ptr, stride_mask, first_ptr, held_ptr, side_ptr, stride_side,
     HAS_BIAS: tl.constexpr, ALIGNED4: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr,
     NUM_PEERS: tl.constexpr, HALVINGS: tl.constexpr, TILE_MASS: tl.constexpr, PDL: tl.constexpr,
     CDF: tl.constexpr = False, CANDIDATES: tl.constexpr = 0, NO_REPLACE: tl.constexpr = False,
     RAW_MASS: tl.constexpr = False, HAS_MASK: tl.constexpr = False, HELD: tl.constexpr = False,
+    SIDE: tl.constexpr = False,
 ):
     """The same records from fp32 logits [B, V_rows] computed elsewhere (cuBLAS, large B)."""
     pid_b = tl.program_id(0)
@@ -641,4 +650,5 @@ def logits_records_kernel(
                           ALIGNED4, BLOCK_V, BLOCK_B, NUM_PEERS, HALVINGS, TILE_MASS, CDF=CDF,
                           CANDIDATES=CANDIDATES, NO_REPLACE=NO_REPLACE, RAW_MASS=RAW_MASS,
                           mask_ptr=mask_ptr, stride_mask=stride_mask, HAS_MASK=HAS_MASK,
-                          first_ptr=first_ptr, held_ptr=held_ptr, HELD=HELD)
+                          first_ptr=first_ptr, held_ptr=held_ptr, HELD=HELD, side_ptr=side_ptr,
+                          stride_side=stride_side, SIDE=SIDE)

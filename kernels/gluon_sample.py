@@ -82,11 +82,12 @@ if AVAILABLE:
     def _epilogue(acc_buf, acc_ready, acc_empty, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr,
                   rec_ptr, B, n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b,
                   rec_stride_t, peer_ptrs, parity_ptr, num_tiles, num_b_tiles, mask_ptr,
-                  stride_mask, first_ptr, held_ptr, HAS_BIAS: gl.constexpr,
+                  stride_mask, first_ptr, held_ptr, side_ptr, stride_side,
+                  HAS_BIAS: gl.constexpr,
                   TILE_MASS: gl.constexpr, NUM_PEERS: gl.constexpr, BLOCK_V: gl.constexpr,
                   BLOCK_B: gl.constexpr, EPI_B: gl.constexpr, EPI_WARPS: gl.constexpr,
                   HAS_MASK: gl.constexpr, CANDIDATES: gl.constexpr, RAW_MASS: gl.constexpr,
-                  HELD: gl.constexpr):
+                  HELD: gl.constexpr, SIDE: gl.constexpr):
         n = 0
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             pid_v = tile // num_b_tiles
@@ -99,8 +100,9 @@ if AVAILABLE:
                                    bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr, B,
                                    n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b,
                                    rec_stride_t, peer_ptrs, parity_ptr, mask_ptr, stride_mask,
-                                   first_ptr, held_ptr, HAS_BIAS, TILE_MASS, NUM_PEERS, BLOCK_V,
-                                   EPI_B, EPI_WARPS, HAS_MASK, CANDIDATES, RAW_MASS, HELD)
+                                   first_ptr, held_ptr, side_ptr, stride_side, HAS_BIAS,
+                                   TILE_MASS, NUM_PEERS, BLOCK_V, EPI_B, EPI_WARPS, HAS_MASK,
+                                   CANDIDATES, RAW_MASS, HELD, SIDE)
             mbarrier.arrive(acc_empty)  # the mma warps may overwrite the buffer now
             n += 1
 
@@ -108,16 +110,18 @@ if AVAILABLE:
     def _chunk_records(view, pid_v, b0, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr, B,
                        n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b, rec_stride_t,
                        peer_ptrs, parity_ptr, mask_ptr, stride_mask, first_ptr, held_ptr,
+                       side_ptr, stride_side,
                        HAS_BIAS: gl.constexpr, TILE_MASS: gl.constexpr, NUM_PEERS: gl.constexpr,
                        BLOCK_V: gl.constexpr, EPI_B: gl.constexpr, EPI_WARPS: gl.constexpr,
                        HAS_MASK: gl.constexpr, CANDIDATES: gl.constexpr, RAW_MASS: gl.constexpr,
-                       HELD: gl.constexpr):
+                       HELD: gl.constexpr, SIDE: gl.constexpr):
         """Records of columns [b0, b0 + EPI_B) of the tile in `view` [BLOCK_V, EPI_B] (rows in
         lane order: row a·Q + q holds token 4q + a, see the loader), stored at rec_ptr or, with
         NUM_PEERS > 0, into every peer's slot (see fused_sample.sample_and_store). CANDIDATES > 0:
         also the candidate planes and the raw plane after the sample planes, as
         fused_sample.tile_records_epilogue writes them (tpsample/records.py). HELD: the raw
-        logits of the listed tokens flagged in first_ptr go to held_ptr (as there)."""
+        logits of the listed tokens flagged in first_ptr go to held_ptr (as there). SIDE: the
+        transformed logits to side_ptr [B, tiles * BLOCK_V] (as there)."""
         Q: gl.constexpr = BLOCK_V // 4
         # lanes [Q, EPI_B]: a warp spans the columns (conflict-free shared reads), the rows
         # of a column spread over the warps (the argmax reduces over axis 0)
@@ -149,6 +153,13 @@ if AVAILABLE:
         l1 = _lane(view, 1, lane_l, row0, scale, bias_ptr, n_real, HAS_BIAS, bits, HAS_MASK)
         l2 = _lane(view, 2, lane_l, row0, scale, bias_ptr, n_real, HAS_BIAS, bits, HAS_MASK)
         l3 = _lane(view, 3, lane_l, row0, scale, bias_ptr, n_real, HAS_BIAS, bits, HAS_MASK)
+        if SIDE:  # four strided 4-byte stores per thread; L2 merges them into whole sectors
+            at = side_ptr + gl.expand_dims(offs_b, 0).to(gl.int64) * stride_side + row0
+            live = gl.expand_dims(mask_b, 0) & (row0 >= 0)
+            gl.store(at, gl.where(l0 != l0, float("-inf"), l0), mask=live)
+            gl.store(at + 1, gl.where(l1 != l1, float("-inf"), l1), mask=live)
+            gl.store(at + 2, gl.where(l2 != l2, float("-inf"), l2), mask=live)
+            gl.store(at + 3, gl.where(l3 != l3, float("-inf"), l3), mask=live)
         # the tile max, NaN if any logit of the column is NaN (see fused_sample.py)
         m = gl.reduce(_nan_max(_nan_max(l0, l1), _nan_max(l2, l3)), 0, _nan_max)
         if TILE_MASS:
@@ -381,11 +392,12 @@ if AVAILABLE:
         w_desc, h_desc, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr,
         B, n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b, rec_stride_t,
         peer_ptrs, parity_ptr, num_tiles, num_b_tiles, k_steps, mask_ptr, stride_mask,
-        first_ptr, held_ptr, HAS_BIAS: gl.constexpr, TILE_MASS: gl.constexpr,
+        first_ptr, held_ptr, side_ptr, stride_side, HAS_BIAS: gl.constexpr, TILE_MASS: gl.constexpr,
         STAGES: gl.constexpr, EPI_B: gl.constexpr,
         LOADER_REGS: gl.constexpr, MMA_REGS: gl.constexpr, MMA_WARPS: gl.constexpr = 4,
         NUM_PEERS: gl.constexpr = 0, HAS_MASK: gl.constexpr = False,
         CANDIDATES: gl.constexpr = 0, RAW_MASS: gl.constexpr = False, HELD: gl.constexpr = False,
+        SIDE: gl.constexpr = False,
     ):
         """Records [S, B, T, 4] of the tiles (vocabulary × batch) of this program; see the
         module docstring. num_warps (the epilogue's warps) must be 4 or 8. NUM_PEERS > 0: the
@@ -394,7 +406,8 @@ if AVAILABLE:
         b by bit i % 32 of word i // 32 (as fused_sample.tile_records_epilogue). CANDIDATES,
         RAW_MASS: the candidate and raw planes after the S sample planes (tpsample/records.py;
         sampling with replacement only). HELD: the listed tokens' raw logits to held_ptr
-        (as fused_sample.tile_records_epilogue)."""
+        (as fused_sample.tile_records_epilogue). SIDE: the transformed logits to side_ptr
+        (fp32 [B, tiles * BLOCK_V], row stride stride_side), as there."""
         BLOCK_V: gl.constexpr = 4 * w_desc.block_type.shape[1]
         BLOCK_K: gl.constexpr = w_desc.block_type.shape[2]
         BLOCK_B: gl.constexpr = h_desc.block_type.shape[0]
@@ -416,9 +429,9 @@ if AVAILABLE:
             (_epilogue, (acc_buf, acc_ready, acc_empty, bias_ptr, inv_temp_ptr, seed_ptr,
                          offset_ptr, rec_ptr, B, n_real, vocab_start, num_samples, rec_stride_s,
                          rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr, num_tiles, num_b_tiles,
-                         mask_ptr, stride_mask, first_ptr, held_ptr, HAS_BIAS, TILE_MASS,
-                         NUM_PEERS, BLOCK_V, BLOCK_B, EPI_B, gl.num_warps(), HAS_MASK,
-                         CANDIDATES, RAW_MASS, HELD)),
+                         mask_ptr, stride_mask, first_ptr, held_ptr, side_ptr, stride_side,
+                         HAS_BIAS, TILE_MASS, NUM_PEERS, BLOCK_V, BLOCK_B, EPI_B, gl.num_warps(),
+                         HAS_MASK, CANDIDATES, RAW_MASS, HELD, SIDE)),
             (_mma, (w_desc, h_desc, w_bufs, h_bufs, ready, empty, acc_buf, acc_ready, acc_empty,
                     num_tiles, num_b_tiles, k_steps, BLOCK_V, BLOCK_B, BLOCK_K, STAGES,
                     MMA_WARPS)),

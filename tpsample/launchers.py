@@ -22,7 +22,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import records
 from . import filters as F
-from .kernels import (filter_fallback, filter_records, fused_sample, gluon_pingpong, gluon_sample,
+from .kernels import (filter_cut, filter_fallback, filter_records, fused_sample, gluon_pingpong, gluon_sample,
                       listed_records as listed_records_kernel, reduce_records)
 from .params import Filters, RowParams
 from .plan import Plan, cdiv
@@ -60,7 +60,8 @@ def logits_fp32(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def stage1(plan: Plan, hidden: torch.Tensor, weight: torch.Tensor, bias, params: RowParams,
            out: torch.Tensor, *, n_real: int, vocab_start: int = 0, fanout=None, trace=None,
-           mask: torch.Tensor | None = None, tiles: int | None = None, held=None):
+           mask: torch.Tensor | None = None, tiles: int | None = None, held=None,
+           side: torch.Tensor | None = None):
     """Records [S, B, T, 4] of (a shard of) the LM head into `out` (any strides that
     records.check_layout accepts), by the plan's strategy.
 
@@ -73,19 +74,24 @@ def stage1(plan: Plan, hidden: torch.Tensor, weight: torch.Tensor, bias, params:
     constrained decoding: `out` stays the tensor a replay substitutes); held: (first, held)
     of a ListedScratch, with its eff as the mask: the listed tokens' logits are kept there;
     with plan.pdl the fused kernel is then a programmatic dependent of listed_prep, the
-    launch just before (it waits for it before its epilogue; ws is not: docs/design.md)."""
+    launch just before (it waits for it before its epilogue; ws is not: docs/design.md);
+    side: fp32 [B, T * TILE] (rows contiguous), where the kernel also writes the transformed
+    logits (a filtered call's fallback reads them; not the pp kernel)."""
     S, B, T = plan.num_samples, hidden.shape[0], out.shape[2]
     records.check_layout(out, (records.planes(S, plan.candidates), B, T, records.WIDTH))
     cfg = plan.cfg
     peers, parity = fanout if fanout is not None else (None, None)
     common = dict(bias=bias, params=params, out=out, n_real=n_real, vocab_start=vocab_start,
-                  peers=peers, parity=parity)
+                  peers=peers, parity=parity, side=side)
     if held is not None and mask is None:
         raise ValueError("held needs the mask (the listed tokens' bits cleared)")
     if plan.strategy == "pp" and mask is not None:
         raise ValueError("the pp kernel has no mask epilogue (the plan avoids it for "
                          "constrained calls)")
     if plan.strategy == "pp":
+        if side is not None:
+            raise ValueError("side: the pp kernel does not write the logits")
+        common.pop("side")
         return _pp(plan, cfg, hidden, weight, trace=trace, **common)
     if plan.strategy == "ws":
         return _ws(plan, cfg, hidden, weight, mask=mask, tiles=tiles, held=held, **common)
@@ -101,8 +107,13 @@ def _mask_args(mask, held, dummy) -> tuple:
     return (mask, mask.stride(0)) + (held if held is not None else (dummy, dummy))
 
 
+def _side_args(side, dummy) -> tuple:
+    """The kernels' (side_ptr, stride_side) (a dummy where unused)."""
+    return (dummy, 0) if side is None else (side, side.stride(0))
+
+
 def _triton(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start, peers, parity,
-            mask=None, tiles=None, held=None):
+            mask=None, tiles=None, held=None, side=None):
     """The fused kernel or the records pass over cuBLAS logits ("logits")."""
     B, D = hidden.shape
     V_rows, T = weight.shape[0], out.shape[2] if tiles is None else tiles
@@ -114,7 +125,9 @@ def _triton(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start
     if plan.candidates or not plan.replacement:
         consts.update(CANDIDATES=records.CANDIDATES if plan.candidates else 0,
                       NO_REPLACE=not plan.replacement, RAW_MASS=plan.raw_mass)
-    tail = _mask_args(mask, held, seed)  # (never read without HAS_MASK / HELD)
+    tail = _mask_args(mask, held, seed) + _side_args(side, seed)  # (read only when enabled)
+    if side is not None:
+        consts.update(SIDE=True)
     if mask is not None:
         consts.update(CANDIDATES=records.CANDIDATES if plan.candidates else 0,
                       NO_REPLACE=not plan.replacement, RAW_MASS=plan.raw_mass, HAS_MASK=True,
@@ -253,7 +266,7 @@ def _ws_layouts(dtype: torch.dtype, block_b: int, block_k: int):
 
 
 def _ws(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start, peers, parity,
-        mask=None, tiles=None, held=None):
+        mask=None, tiles=None, held=None, side=None):
     """The warp-specialized Hopper kernel (kernels/gluon_sample.py): a persistent grid of one
     program per SM over [BLOCK_V, BLOCK_B] tiles. W [V_rows, D] is handed to TMA as the view
     [4, V_rows / 4, D] (row 4q + a at [a, q]), so each tile lands in shared memory in lane
@@ -278,7 +291,8 @@ def _ws(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start, pe
         EPI_B=cfg["EPI_B"], LOADER_REGS=WS_LOADER_REGS, MMA_REGS=168 if mma_warps == 4 else 160,
         MMA_WARPS=mma_warps, NUM_PEERS=0 if peers is None else peers.shape[-1],
         HAS_MASK=mask is not None, CANDIDATES=records.CANDIDATES if plan.candidates else 0,
-        RAW_MASS=plan.candidates and plan.raw_mass, HELD=held is not None)
+        RAW_MASS=plan.candidates and plan.raw_mass, HELD=held is not None,
+        SIDE=side is not None)
     if not plan.replacement:
         raise ValueError("the ws kernel has no without-replacement epilogue (the plan takes the "
                          "records pass)")
@@ -291,7 +305,8 @@ def _ws(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start, pe
         w_desc, h_desc, bias if bias is not None else params.inv_temp, params.inv_temp, seed,
         params.offset, out, B, n_real, vocab_start, plan.num_samples, *out.stride()[:3],
         peers if peers is not None else seed, parity if parity is not None else seed, tiles, nb,
-        cdiv(D, block_k), *_mask_args(mask, held, seed)), constexprs, options)
+        cdiv(D, block_k), *_mask_args(mask, held, seed), *_side_args(side, seed)), constexprs,
+        options)
     return out
 
 
@@ -481,11 +496,14 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
                        filters: Filters, out: F.FilteredOutput, logits: torch.Tensor | None,
                        count: torch.Tensor, *, n_real: int, vocab_start: int = 0,
                        constraints=None, listed: ListedScratch | None = None,
-                       pdl: bool = False, gather: FallbackGather | None = None) -> None:
+                       pdl: bool = False, gather: FallbackGather | None = None,
+                       side: torch.Tensor | None = None) -> None:
     """The exact fallback of one device's call, after stage2_filtered and with no host
-    synchronisation (kernels/filter_fallback.py): the rows flagged in out.fallback get their
-    logits recomputed into `logits` (fp32 [B, tiles * TILE], scratch) and their outputs
-    redone in `out`; count (int32 [1]) gains the number of such rows. pdl: its launches are
+    synchronisation (kernels/filter_fallback.py, kernels/filter_cut.py): the rows flagged in
+    out.fallback get their outputs redone in `out` from their logits; count (int32 [1])
+    gains the number of such rows. side: fp32 [B, tiles * TILE], the transformed logits this
+    call's stage 1 wrote (then W is not read again; one device: they are the rows' logits),
+    else they are recomputed into `logits` (fp32 [B, tiles * TILE], scratch). pdl: its launches are
     programmatic dependents (plan.pdl: stage2_filtered's are too). constraints
     (tpsample/constraints.py): the rows' logits take the mask (listed.eff: the tile pass's,
     when the call lists tokens) and then the listed tokens' adjusted logits (from
@@ -496,6 +514,8 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
     B, D = hidden.shape
     if gather is not None:
         logits = gather.own
+    elif side is not None:
+        logits = side
     N = logits.shape[1]
     S = out.tokens.shape[1]
     n = filters.top_n
@@ -509,15 +529,18 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
     fan = (count, 1, count) if gather is None else (gather.peers, gather.peers.numel(),
                                                     gather.calls)
     tiles = N // records.TILE
-    run_kernel(filter_fallback.fallback_logits_kernel, (min(tiles, fallback_programs(hidden)),), (
-        hidden, weight, bias if bias is not None else dummy, params.inv_temp, out.fallback,
-        logits, B, weight.shape[0], n_real, D, hidden.stride(0), weight.stride(0),
-        logits.stride(0), mask if mask is not None else out.fallback,
-        mask.stride(0) if mask is not None else 0, vocab_start, *fan, tiles),
-        dict(HAS_BIAS=bias is not None, BLOCK_V=records.TILE, BLOCK_D=64,
-             BLOCK_F=min(1024, max(16, 1 << (B - 1).bit_length())), HAS_MASK=mask is not None,
-             PDL=pdl, FANOUT=gather is not None),
-        launch)
+    block_f = min(1024, max(16, 1 << (B - 1).bit_length()))
+    if side is None or gather is not None:  # (one device with side: the logits are there)
+        run_kernel(filter_fallback.fallback_logits_kernel, (min(tiles, fallback_programs(hidden)),), (
+            hidden, weight, bias if bias is not None else dummy, params.inv_temp, out.fallback,
+            logits, B, weight.shape[0], n_real, D, hidden.stride(0), weight.stride(0),
+            logits.stride(0), mask if mask is not None else out.fallback,
+            mask.stride(0) if mask is not None else 0, vocab_start, *fan, tiles,
+            *_side_args(side, dummy)),
+            dict(HAS_BIAS=bias is not None, BLOCK_V=records.TILE, BLOCK_D=64, BLOCK_F=block_f,
+                 HAS_MASK=mask is not None, PDL=pdl, FANOUT=gather is not None,
+                 FROM_SIDE=side is not None),
+            launch)
     if c is not None and c.listed:
         K = c.ids.shape[1]
         allowed = allowed_or_eff
@@ -538,6 +561,12 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
         rows = dict(l=gather.full, stride=N, N=world * N, starts=gather.starts, slot_n=N,
                     slot_stride=B * N, calls=gather.calls)
         launch = dict(num_warps=4)  # after the exchange in stream order
+    fast = filters.replacement and n == 0 and (filters.top_p is not None
+                                               or filters.min_p is not None)
+    if fast:
+        _cut_steps(hidden, params, filters, out, count, rows, vocab_start, block_f,
+                   dict(launch, num_warps=4), aligned=gather is None and vocab_start % 4 == 0,
+                   slotted=gather is not None)
     run_kernel(filter_fallback.fallback_rows_kernel, (B,), (
         rows["l"], rows["stride"], rows["N"], vocab_start, params.inv_temp, params.seed,
         params.offset,
@@ -551,5 +580,46 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
              HAS_M=filters.min_p is not None, RAW=filters.raw, REPLACE=filters.replacement,
              BLOCK=min(1024, 1 << (rows["N"] - 1).bit_length()),
              BLOCK_N=max(16, 1 << max(n - 1, 0).bit_length()), CAP=F.KNOWN_CAP,
-             PDL=pdl and gather is None, SLOTTED=gather is not None),
+             PDL=pdl and gather is None, SLOTTED=gather is not None, FAST=fast),
         dict(launch, num_warps=8))
+
+
+def _cut_steps(hidden, params: RowParams, filters: Filters, out: F.FilteredOutput, count,
+               rows: dict, vocab_start: int, block_f: int, launch: dict, *, aligned: bool,
+               slotted: bool) -> None:
+    """kernels/filter_cut.py's steps for the flagged rows with top-p / min-p and no top-k
+    (the cut's steps only when the call has top-p). Workspace, per call: fp32 [SAMPLE + 1, B,
+    G, W] partial sums and int64 [B, CAP + 2 + G·S] keys (G chunks per row: at least 8, and
+    two items per program of a full grid at small B)."""
+    B, S, N = out.fallback.shape[0], out.tokens.shape[1], rows["N"]
+    K = filter_cut
+    block = min(512, 1 << (N - 1).bit_length())
+    programs = fallback_programs(hidden)
+    G = max(8, cdiv(programs, B)) if hidden.is_cuda else 4
+    C = cdiv(cdiv(N, G), block) * block
+    G = cdiv(N, C)
+    W = max(K.NT.value + 2, S + 2)
+    part = torch.empty(K.SAMPLE.value + 1, B, G, W, dtype=torch.float32, device=hidden.device)
+    keys = torch.empty(B, K.CAP.value + 2 + G * S, dtype=torch.int64, device=hidden.device)
+    dummy = params.inv_temp
+    args = (rows["l"], rows["stride"], N, vocab_start, params.inv_temp, params.seed,
+            params.offset,
+            filters.top_k if filters.top_k is not None else dummy,
+            filters.top_p if filters.top_p is not None else dummy,
+            filters.min_p if filters.min_p is not None else dummy,
+            out.tokens, out.logprobs, out.logz, out.fallback, count, part, keys, B, G, C, W, S,
+            rows["starts"], rows["slot_n"], rows["slot_stride"], rows["calls"])
+    steps = [K.STATS.value]
+    if filters.top_p is not None:
+        steps += list(K.CUT_STEPS)
+    steps += [K.SAMPLE.value, K.FINAL.value]
+    for step in steps:
+        per_row = step in (K.FINISH.value, K.FINAL.value)
+        grid = (max(1, min(programs, B if per_row else B * G)),)
+        run_kernel(K.cut_step_kernel, grid, args,
+                   dict(STEP=step, HAS_K=filters.top_k is not None,
+                        HAS_P=filters.top_p is not None, HAS_M=filters.min_p is not None,
+                        RAW=filters.raw, ALIGNED4=aligned, BLOCK=block,
+                        BLOCK_G=max(2, 1 << (G - 1).bit_length()), BLOCK_F=block_f,
+                        PDL="launch_pdl" in launch, SLOTTED=slotted),
+                   launch)

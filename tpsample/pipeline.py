@@ -220,12 +220,13 @@ class Pipeline:
             recs = records.records_view(full, planes, B, Tx)
             base = merge_records(recs[:, :S], params, merge if filters.replacement else "max")
             out = F.reduce_candidates(recs, params, filters, S, base)
+            side = None
         else:
             if in_capture is None:
                 in_capture = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
-            out, on_device = self._filtered_launches(hidden, weight, bias, params, merge, S,
-                                                     n_real, vocab_start, T, filters, mine, full,
-                                                     constraints, in_capture)
+            out, on_device, side = self._filtered_launches(
+                hidden, weight, bias, params, merge, S, n_real, vocab_start, T, filters, mine,
+                full, constraints, in_capture)
             if on_device:
                 self.candidate_rows += B
                 if hidden.is_cuda and not in_capture:
@@ -233,7 +234,7 @@ class Pipeline:
                 top = (out.top_tokens, out.top_logprobs) if filters.top_n else None
                 return out.tokens, out.logprobs, out.logz, top
         return self._fallback(out, hidden, weight, bias, params, filters, n_real, vocab_start,
-                              T, S, constraints)
+                              T, S, constraints, side)
 
     def _device_fallback_now(self, hidden, in_capture: bool) -> bool:
         """Whether this one-device call takes the device fallback (else the host's).
@@ -305,6 +306,9 @@ class Pipeline:
                                                self._mask_words(weight, vocab_start)))
         if not fixed:
             per_call["weight"] = weight
+        # stage 1 also writes the transformed logits: the exact fallback reads them (W once)
+        per_call["side"] = torch.empty(B, T * records.TILE, dtype=torch.float32,
+                                       device=hidden.device)
         key = stage2s = stream = plan = log1 = None
         if hidden.is_cuda and replay.Replay.usable():
             key = ("filtered", merge, S, hidden.device, hidden.shape, hidden.stride(), n_real,
@@ -327,15 +331,12 @@ class Pipeline:
                                    fanout=fanout[:2] if fanout else None)
 
         on_device = ((self.transport.world == 1 or self.gather_fallback)
-                     and self._device_fallback_now(hidden, in_capture))
+                     and (fast_fallback(filters) or self._device_fallback_now(hidden, in_capture)))
         later = dict(top_k=filters.top_k, top_p=filters.top_p, min_p=filters.min_p)
         gathered = None
         if on_device and self.gather_fallback:  # the flagged rows' logit shards, gathered
             # (before key2: a grown buffer changes the transport's key)
             gathered = self.transport.rows_gather(B, T * records.TILE)
-        elif on_device:  # the exact fallback on the device
-            later["fallback_logits"] = torch.empty(B, T * records.TILE, dtype=torch.float32,
-                                                   device=hidden.device)
         key2 = None
         if key is not None:
             key2 = (on_device, filters.top_n, self.transport.key(),
@@ -346,7 +347,7 @@ class Pipeline:
             out = launchers.filtered_outputs(B, S, filters.top_n, hidden.device, flat=True)
             stage2(stream, records=full, sample_records=full, **dict(zip(_OUT_NAMES, out)),
                    **per_call, **later)
-            return out, on_device
+            return out, on_device, per_call["side"]
         if plan is None:
             plan = self.plan(hidden, weight, merge=merge, num_samples=S, need_mass=True,
                              vocab_start=vocab_start, tiles=T, filters=filters,
@@ -364,24 +365,25 @@ class Pipeline:
                                       *(fanout[1:] if fanout else ()), head=head, out=out)
             if on_device:
                 launchers.fallback_on_device(hidden, weight, bias, params, filters, out,
-                                             later.get("fallback_logits"),
-                                             self._device_fallbacks(), n_real=n_real,
+                                             None, self._device_fallbacks(), n_real=n_real,
                                              vocab_start=vocab_start, constraints=constraints,
                                              listed=listed_scratch(per_call), pdl=plan.pdl,
-                                             gather=gather)
+                                             gather=gather, side=per_call["side"])
         named2 = dict(per_call, **later, records=recs, sample_records=head, **out._asdict())
         if stage2s is not None:
             self.replays.add_stage2(stage2s, key2, log2, named2)
         elif key is not None:
             self.replays.add_split(key, log1, dict(per_call, records=out_view), key2, log2,
                                    named2)
-        return out, on_device
+        return out, on_device, per_call["side"]
 
     def _fallback(self, out: F.FilteredOutput, hidden, weight, bias, params, filters, n_real,
-                  vocab_start, T, S, constraints: C.Constraints = C.NO_CONSTRAINTS):
+                  vocab_start, T, S, constraints: C.Constraints = C.NO_CONSTRAINTS,
+                  side: torch.Tensor | None = None):
         """5. of tpsample/filters.py: the rows without a certificate, from their full logits
         (under TP every rank gathers the rows' logit shards: the flags agree on every rank,
-        computed from the same records)."""
+        computed from the same records). side: the transformed logits stage 1 wrote (used
+        unless the call lists tokens, whose adjusted logits are not in them)."""
         tokens, logprobs, logz, top_tok, top_lp, flag, _ = out
         tokens, logprobs = tokens.view(-1, S), logprobs.view(-1, S)  # (a replay's are [B])
         rows = flag.cpu().nonzero()[:, 0]  # the host synchronisation: one [B] copy
@@ -397,14 +399,17 @@ class Pipeline:
             local = torch.full((R + 1, n_pad), float("-inf"), device=hidden.device)
             inv = params.inv_temp[rows]
             V_rows = weight.shape[0]
-            raw = launchers.logits_fp32(hidden[rows], weight)
             valid = (torch.arange(V_rows, device=hidden.device) < n_real)[None, :]
-            if constraints.any:
+            if side is not None and not constraints.listed:
+                local[:R, :V_rows] = side[rows, :V_rows]
+            elif constraints.any:
+                raw = launchers.logits_fp32(hidden[rows], weight)
                 raw = C.apply_dense(raw if bias is None else raw + bias, vocab_start,
                                     constraints, rows, n_real)
                 local[:R, :V_rows] = transform(raw, None, inv, valid)
             else:
-                local[:R, :V_rows] = transform(raw, bias, inv, valid)
+                local[:R, :V_rows] = transform(launchers.logits_fp32(hidden[rows], weight), bias,
+                                               inv, valid)
             local[R] = torch.arange(vocab_start, vocab_start + n_pad, device=hidden.device,
                                     dtype=torch.float32)
             every = self.transport.all_gather(local)  # [world, R + 1, n_pad]
@@ -529,12 +534,22 @@ def stage1_constrained(plan: Plan, hidden, weight, bias, params: RowParams, out_
                               vocab_start=vocab_start, pdl=plan.pdl)
         launchers.stage1(plan, hidden, weight, bias, params, out_view, n_real=n_real,
                          vocab_start=vocab_start, fanout=fanout, trace=trace,
-                         mask=scratch.eff, tiles=T, held=(scratch.first, scratch.held))
+                         mask=scratch.eff, tiles=T, held=(scratch.first, scratch.held),
+                         side=per_call.get("side"))
         launchers.listed_records(plan, bias, params, c, scratch, out_view, T, n_real=n_real,
                                  vocab_start=vocab_start, fanout=fanout)
     else:
         launchers.stage1(plan, hidden, weight, bias, params, out_view, n_real=n_real,
-                         vocab_start=vocab_start, fanout=fanout, trace=trace, mask=c.mask)
+                         vocab_start=vocab_start, fanout=fanout, trace=trace, mask=c.mask,
+                         side=per_call.get("side"))
+
+
+def fast_fallback(filters: Filters) -> bool:
+    """Whether every row such a call flags takes kernels/filter_cut.py's fast path (top-p /
+    min-p without top-k, top log-probs or samples without replacement): such calls always
+    take the device fallback where there is one."""
+    return (filters.replacement and not filters.top_n and filters.top_k is None
+            and (filters.top_p is not None or filters.min_p is not None))
 
 
 def special(filters: Filters) -> bool:

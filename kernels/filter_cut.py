@@ -1,0 +1,296 @@
+"""The exact fallback's fast path: a flagged row's top-p cut and its sample from the row's
+fp32 logits, spread over many programs per row.
+
+A row that the candidate records cannot certify (tpsample/filters.py, 5.) is redone from its
+transformed logits, which stage 1 of a filtered call writes beside its records (the SIDE
+epilogue of kernels/fused_sample.py and kernels/gluon_sample.py), so W is never read again.
+This module takes the rows with top-p and/or min-p and no top-k, sampled with replacement
+(the common heavy-tail case: top_p alone on a flat row); the rest keep the one-program-per-row
+bisection of kernels/filter_fallback.py.
+
+The order sorts a row's tokens by (x desc, id asc); top-p keeps the shortest prefix whose mass
+reaches p·Z, i.e. {key >= cut} for one 56-bit order key (filter_records.order_key), the key of
+the token at which the prefix mass first reaches p·Z. With A(t) = the mass of the tokens with
+x >= t (in units exp(x - x_max)), the cut's logit t* is the largest token logit with
+A(t*) >= p·Z. The row is split into G chunks; one launch per STEP, each program taking
+(row, chunk) items in turn, every partial sum written per chunk and added in a fixed order
+(the tokens do not depend on the grid's timing):
+
+  STATS    per chunk: max, sum of exp(x - chunk max), min finite logit.
+  HIST j   (j = 1..PASSES) the bracket [lo, hi) that holds t*, with A(lo) >= p·Z > A(hi):
+           NT thresholds spread over the logits the bracket can hold; per chunk the mass in
+           [t_i, hi) for each and the smallest and largest logit in the bracket. The next
+           bracket lies between the last threshold with A >= p·Z and the one after it (every
+           program replays these choices from the partial sums). The first bracket is
+           [max(x_min, x_max - RANGE), inf): a top-p cut never lies lower (the tokens below
+           weigh at most V·e^-RANGE < 1e-9 of Z, and p <= 1 - 2^-24).
+  COMPACT  the final bracket's tokens, as keys, into CAP slots per row (an atomic counter
+           claims slots; their order does not matter: the next step sorts them).
+  FINISH   per row: the keys sorted, the prefix mass from A(hi) on, the cut. A row whose
+           bracket holds more than CAP tokens (thousands of exactly tied logits) takes the
+           bisection of filter_fallback.key_cut instead (exact, slower).
+  SAMPLE   per chunk and sample: the Gumbel-max of the kept tokens ({key >= cut}, and
+           exp(x - x_max) >= min_p) with the call's noise (the same Philox words as stage
+           1, so the same token as a full row's argmax over the kept set), the kept mass and,
+           for raw log-probs, the row's mass at T = 1.
+  FINAL    per row: the chunks' winners and masses reduced; tokens, log-probs and log Z as
+           fallback_rows_kernel writes them.
+
+Work per row: four reads of its logits (STATS, three HIST) plus one with noise (SAMPLE), and
+a sort of at most CAP keys; no step needs more than G·(NT + 2) partial sums per row.
+"""
+import triton
+import triton.language as tl
+
+from .filter_fallback import fast_row, key_cut, row_keys
+from .filter_records import ID_MASK, KEY_TOP, NEG_INF, decode_key, order_key
+from .fused_sample import NOISE_COEF, gumbel_log, philox_word, philox_words_tile
+
+NT = tl.constexpr(16)       # thresholds per HIST pass
+PASSES = tl.constexpr(3)    # HIST passes: the bracket narrows NT-fold (or to its range) each
+CAP = tl.constexpr(2048)    # compaction slots per row
+RANGE = tl.constexpr(40.0)  # nats below the row max that can hold a top-p cut
+STATS = tl.constexpr(0)
+COMPACT = tl.constexpr(PASSES.value + 1)
+FINISH = tl.constexpr(PASSES.value + 2)
+SAMPLE = tl.constexpr(PASSES.value + 3)
+FINAL = tl.constexpr(PASSES.value + 4)
+INF = tl.constexpr(float("inf"))
+CUT_STEPS = tuple(range(1, FINISH.value + 1))  # the steps only top-p rows take
+
+
+@triton.jit
+def _row_stats(part_ptr, b, B, G, W, BLOCK_G: tl.constexpr):
+    """x_max, Z (in units exp(x - x_max)) and the smallest finite logit, from STATS."""
+    g = tl.arange(0, BLOCK_G)
+    at = part_ptr + (tl.cast(b, tl.int64) * G + g) * W
+    cmax = tl.load(at, mask=g < G, other=NEG_INF)
+    csum = tl.load(at + 1, mask=g < G, other=0.0)
+    xmax = tl.max(cmax)
+    z = tl.sum(tl.where(cmax > NEG_INF, csum * tl.exp(cmax - xmax), 0.0))
+    return xmax, z, tl.min(tl.load(at + 2, mask=g < G, other=INF))
+
+
+@triton.jit
+def _thresholds(lo, u, NT_: tl.constexpr):
+    """NT_ thresholds over [lo, u]: lo + (u - lo) * i / NT_, i = 1..NT_."""
+    i = (tl.arange(0, NT_) + 1).to(tl.float32)
+    return lo + (u - lo) * (i / NT_)
+
+
+@triton.jit
+def _bracket(part_ptr, b, B, G, W, done, target, xmax, xmin, NT_: tl.constexpr,
+             BLOCK_G: tl.constexpr):
+    """The bracket after `done` HIST passes: (lo, hi, A(hi), and the range [bmin, bmax] the
+    last pass saw inside its bracket, which bounds every logit of this one)."""
+    lo = tl.maximum(xmin, xmax - RANGE)
+    hi = tl.cast(INF, tl.float32)
+    a_hi = tl.cast(0.0, tl.float32)
+    bmin = xmin
+    bmax = xmax
+    g = tl.arange(0, BLOCK_G)
+    i = tl.arange(0, NT_)
+    for j in range(1, done + 1):
+        lo_e = tl.maximum(lo, bmin)
+        u = tl.maximum(tl.minimum(tl.minimum(xmax, bmax), hi), lo_e)
+        t = _thresholds(lo_e, u, NT_)
+        at = part_ptr + ((tl.cast(b, tl.int64) + j * B) * G + g) * W
+        s = tl.load(at[:, None] + i[None, :], mask=(g < G)[:, None], other=0.0)
+        a = a_hi + tl.sum(s, axis=0)
+        bmin = tl.min(tl.load(at + NT_, mask=g < G, other=INF))
+        bmax = tl.max(tl.load(at + NT_ + 1, mask=g < G, other=NEG_INF))
+        js = tl.sum((a >= target).to(tl.int32))  # thresholds at or below the cut's logit
+        lo = tl.where(js == 0, lo_e, tl.max(tl.where(i == js - 1, t, NEG_INF)))
+        a_next = tl.max(tl.where(i == js, a, NEG_INF))
+        hi = tl.where(js == NT_, hi, tl.max(tl.where(i == js, t, NEG_INF)))
+        a_hi = tl.where(js == NT_, a_hi, a_next)
+    return lo, hi, a_hi, bmin, bmax
+
+
+@triton.jit
+def cut_step_kernel(
+    l_ptr, stride_lb, N, vocab_start, inv_temp_ptr, seed_ptr, offset_ptr, top_k_ptr,
+    top_p_ptr, min_p_ptr, tokens_ptr, logprobs_ptr, logz_ptr, flag_ptr, count_ptr, part_ptr,
+    keys_ptr, B, G, C, W, S, starts_ptr, slot_n, slot_stride, calls_ptr,
+    STEP: tl.constexpr, HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_M: tl.constexpr,
+    RAW: tl.constexpr, ALIGNED4: tl.constexpr, BLOCK: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_F: tl.constexpr, PDL: tl.constexpr = False, SLOTTED: tl.constexpr = False,
+):
+    """One STEP (module docstring) for the rows fast_row takes. l [B, N] fp32 logits (row
+    stride stride_lb; SLOTTED: [world, B, slot_n] as filter_fallback.fallback_rows_kernel
+    reads them); part fp32 [SAMPLE + 1, B, G, W] (W >= max(NT + 2, S + 2)) and keys int64
+    [B, CAP + 2 + G * S] (slots, counter, cut, the chunks' winners): this call's workspace;
+    chunk g of a row is columns [g·C, (g+1)·C), C a multiple of BLOCK. Outputs as
+    fallback_rows_kernel's ([B, S], [B]); count[0] += the rows done (FINAL). The programs
+    take the items (rows × chunks, or rows for FINISH / FINAL) in turn; a call without a
+    flagged row costs each program one scan of the flags."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    flagged = tl.cast(0, tl.int32)
+    for b0 in range(0, B, BLOCK_F):
+        fb = b0 + tl.arange(0, BLOCK_F)
+        flagged += tl.sum(tl.load(flag_ptr + fb, mask=fb < B, other=0))
+    PER_ROW: tl.constexpr = (STEP == FINISH) or (STEP == FINAL)
+    if PER_ROW:
+        items = tl.where(flagged > 0, B, 0)
+    else:
+        items = tl.where(flagged > 0, B * G, 0)
+    slots = (slot_n, slot_stride, starts_ptr)
+    RI = CAP + 2 + G * S  # keys row stride
+    for it in range(tl.program_id(0), items, tl.num_programs(0)):
+        if PER_ROW:
+            b = it
+            g = 0
+        else:
+            b = it // G
+            g = it - b * G
+        ok, p, m = fast_row(b, flag_ptr, inv_temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
+                            calls_ptr, HAS_K, HAS_P, HAS_M, SLOTTED)
+        if (STEP != STATS) and (STEP < SAMPLE):
+            ok = ok & (p < 1.0)  # the cut's steps: top-p rows only
+        if ok:
+            b64 = tl.cast(b, tl.int64)
+            row = l_ptr + b64 * stride_lb
+            keys = keys_ptr + b64 * RI
+            c0 = g * C
+            c1 = tl.minimum(c0 + C, N)
+            mine = part_ptr + ((b64 + STEP * B) * G + g) * W
+            if STEP == STATS:
+                cmax = tl.cast(NEG_INF, tl.float32)
+                cmin = tl.cast(INF, tl.float32)
+                for v0 in range(c0, c1, BLOCK):
+                    x, key, gid = row_keys(row, v0, c1, vocab_start, slots, BLOCK, SLOTTED)
+                    cmax = tl.maximum(cmax, tl.max(x))
+                    cmin = tl.minimum(cmin, tl.min(tl.where(x > NEG_INF, x, INF)))
+                safe = tl.where(cmax > NEG_INF, cmax, 0.0)
+                csum = tl.cast(0.0, tl.float32)
+                for v0 in range(c0, c1, BLOCK):
+                    x, key, gid = row_keys(row, v0, c1, vocab_start, slots, BLOCK, SLOTTED)
+                    csum += tl.sum(tl.exp(x - safe))
+                tl.store(mine, cmax)
+                tl.store(mine + 1, csum)
+                tl.store(mine + 2, cmin)
+                if g == 0:
+                    tl.store(keys + CAP, tl.cast(0, tl.int64))  # COMPACT's counter
+            else:
+                xmax, z, xmin = _row_stats(part_ptr, b, B, G, W, BLOCK_G)
+                target = p * z
+                if STEP <= PASSES:  # HIST
+                    lo, hi, a_hi, bmin, bmax = _bracket(part_ptr, b, B, G, W, STEP - 1, target,
+                                                        xmax, xmin, NT, BLOCK_G)
+                    lo_e = tl.maximum(lo, bmin)
+                    t = _thresholds(lo_e, tl.maximum(tl.minimum(tl.minimum(xmax, bmax), hi), lo_e),
+                                   NT)
+                    acc = tl.zeros((NT,), dtype=tl.float32)
+                    nmin = tl.cast(INF, tl.float32)
+                    nmax = tl.cast(NEG_INF, tl.float32)
+                    for v0 in range(c0, c1, BLOCK):
+                        x, key, gid = row_keys(row, v0, c1, vocab_start, slots, BLOCK, SLOTTED)
+                        below = x < hi
+                        e = tl.where(below, tl.exp(x - xmax), 0.0)
+                        acc += tl.sum(tl.where(x[:, None] >= t[None, :], e[:, None], 0.0), axis=0)
+                        inside = below & (x >= lo_e)
+                        nmin = tl.minimum(nmin, tl.min(tl.where(inside, x, INF)))
+                        nmax = tl.maximum(nmax, tl.max(tl.where(inside, x, NEG_INF)))
+                    tl.store(mine + tl.arange(0, NT), acc)
+                    tl.store(mine + NT, nmin)
+                    tl.store(mine + NT + 1, nmax)
+                elif STEP == COMPACT:
+                    lo, hi, a_hi, bmin, bmax = _bracket(part_ptr, b, B, G, W, PASSES, target,
+                                                        xmax, xmin, NT, BLOCK_G)
+                    for v0 in range(c0, c1, BLOCK):
+                        x, key, gid = row_keys(row, v0, c1, vocab_start, slots, BLOCK, SLOTTED)
+                        sel = (x >= lo) & (x < hi)
+                        n = tl.sum(sel.to(tl.int64))
+                        if n > 0:
+                            first = tl.atomic_add(keys + CAP, n)
+                            pos = first + tl.cumsum(sel.to(tl.int64), 0) - 1
+                            tl.store(keys + pos, key, mask=sel & (pos < CAP))
+                elif STEP == FINISH:
+                    lo, hi, a_hi, bmin, bmax = _bracket(part_ptr, b, B, G, W, PASSES, target,
+                                                        xmax, xmin, NT, BLOCK_G)
+                    n = tl.load(keys + CAP)
+                    if n <= CAP:
+                        q = tl.arange(0, CAP)
+                        ks = tl.sort(tl.load(keys + q, mask=q < n, other=-1), descending=True)
+                        valid = ks >= 0
+                        e = tl.where(valid, tl.exp(decode_key(tl.where(valid, ks, 0)) - xmax), 0.0)
+                        before = a_hi + tl.cumsum(e, 0) - e
+                        kept = valid & (before < target)
+                        # the last kept key (none only if rounding put A(hi) at p·Z: the first)
+                        cut = tl.min(tl.where(kept, ks, KEY_TOP + 1))
+                        cut = tl.where(cut > KEY_TOP, tl.max(ks), cut)
+                    else:  # more than CAP tokens in the bracket (ties): the bisection
+                        cut = key_cut(row, N, vocab_start, slots, tl.cast(0, tl.int64), target,
+                                      xmax, True, BLOCK, SLOTTED)
+                    tl.store(keys + CAP + 1, cut)
+                elif STEP == SAMPLE:
+                    cut = tl.cast(0, tl.int64)
+                    if p < 1.0:
+                        cut = tl.load(keys + CAP + 1)
+                    inv = tl.load(inv_temp_ptr + b)
+                    to_raw = 1.0 / inv
+                    seed = tl.load(seed_ptr + b)
+                    off = tl.load(offset_ptr + b)
+                    off_lo = (off & 0xFFFFFFFF).to(tl.uint32)
+                    off_hi = ((off >> 32) & 0xFFFFFFFF).to(tl.uint32)
+                    mass = tl.cast(0.0, tl.float32)
+                    raw = tl.cast(0.0, tl.float32)
+                    for v0 in range(c0, c1, BLOCK):
+                        x, key, gid = row_keys(row, v0, c1, vocab_start, slots, BLOCK, SLOTTED)
+                        e = tl.exp(x - xmax)
+                        mass += tl.sum(tl.where((key >= cut) & (e >= m), e, 0.0))
+                        if RAW:
+                            raw += tl.sum(tl.exp(x * to_raw - xmax * to_raw))
+                    tl.store(mine, mass)
+                    tl.store(mine + 1, raw)
+                    for s in range(S):
+                        best = tl.cast(-1, tl.int64)
+                        best_x = tl.cast(NEG_INF, tl.float32)
+                        for v0 in range(c0, c1, BLOCK):
+                            x, key, gid = row_keys(row, v0, c1, vocab_start, slots, BLOCK,
+                                                   SLOTTED)
+                            keep = (key >= cut) & (tl.exp(x - xmax) >= m)
+                            if ALIGNED4:
+                                words = tl.reshape(philox_words_tile(
+                                    seed, off_lo, off_hi, tl.cast(s, tl.uint32),
+                                    vocab_start + v0, BLOCK, 1), (BLOCK,))
+                            else:
+                                words = philox_word(seed, off_lo, off_hi, tl.cast(s, tl.uint32),
+                                                    gid)
+                            zs = tl.fma(gumbel_log(words), NOISE_COEF, x)
+                            zkey = tl.where(keep, order_key(zs, gid), -1)
+                            top = tl.max(zkey)
+                            top_x = tl.max(tl.where(zkey == top, x, NEG_INF))
+                            best_x = tl.where(top > best, top_x, best_x)
+                            best = tl.maximum(best, top)
+                        tl.store(keys + CAP + 2 + g * S + s, best)
+                        tl.store(mine + 2 + s, best_x)
+                else:  # FINAL
+                    gs = tl.arange(0, BLOCK_G)
+                    parts = part_ptr + ((b64 + SAMPLE * B) * G + gs) * W
+                    kept = tl.sum(tl.load(parts, mask=gs < G, other=0.0))
+                    lz = xmax + tl.log(kept)
+                    inv = tl.load(inv_temp_ptr + b)
+                    to_raw = 1.0 / inv
+                    logz_raw = xmax * to_raw + tl.log(tl.sum(tl.load(parts + 1, mask=gs < G,
+                                                                     other=0.0)))
+                    for s in range(S):
+                        ck = tl.load(keys + CAP + 2 + gs * S + s, mask=gs < G, other=-1)
+                        best = tl.max(ck)
+                        best_x = tl.max(tl.where(ck == best, tl.load(parts + 2 + s, mask=gs < G,
+                                                                     other=NEG_INF), NEG_INF))
+                        tok = tl.where(best >= 0, ID_MASK - (best & ID_MASK), -1)
+                        if RAW:
+                            lp = best_x * to_raw - logz_raw
+                        else:
+                            lp = best_x - lz
+                        at = b64 * S + s
+                        tl.store(tokens_ptr + at, tok)
+                        tl.store(logprobs_ptr + at, tl.where(best >= 0, lp, NEG_INF))
+                    if RAW:
+                        tl.store(logz_ptr + b, logz_raw)
+                    else:
+                        tl.store(logz_ptr + b, lz)
+                    tl.atomic_add(count_ptr, 1)

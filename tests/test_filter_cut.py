@@ -1,0 +1,126 @@
+"""The exact fallback's fast path (kernels/filter_cut.py): flagged rows with top-p and/or
+min-p and no top-k, redone from the logits stage 1 wrote, many programs per row.
+
+Pathwise: tokens equal the float64 reference's on the same noise (log-probs within fp32),
+through the bracket-and-sort cut and through its bisection (a bracket larger than CAP), for
+top-p, min-p, both, raw log-probs and several samples. Statistical: chi-squared on flat rows
+whose nucleus holds hundreds of tokens, top-p alone, min-p alone and both, the torch path and
+the interpreted kernels, with negative controls the same test rejects (top-p against the mass
+before a top-k, min-p against the maximum of one 128-token tile instead of the row's).
+"""
+import numpy as np
+import pytest
+import torch
+
+import tpsample
+from tpsample import launchers
+from tpsample.api import _pipeline
+from tpsample.kernels import filter_cut
+from tpsample.reference import reference_sample
+
+from stats import ALPHA, chi2_pvalue
+from test_filters import assert_matches_reference, counts, filtered_probs, row_logits
+
+FLAT = dict(top_p=torch.tensor([0.9, 0.5, 1.0, 0.99, 0.95, 0.3]),
+            min_p=torch.tensor([0.0, 0.2, 0.3, 0.0, 0.05, 0.0]),
+            temperature=torch.tensor([1.0, 0.8, 1.0, 1.5, 1.2, 1.0]))
+
+
+def flat_rows(V=3000, B=6, seed=2):
+    """Rows whose 0.9-nucleus holds most of V: every one is flagged."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, 16, generator=g) * 0.15, torch.randn(V, 16, generator=g)
+
+
+@pytest.mark.parametrize("extra", [dict(), dict(num_samples=2, logprobs_mode="raw")],
+                         ids=["replacement", "raw-S2"])
+@pytest.mark.parametrize("cap", [None, 4], ids=["sorted-cut", "bisection"])
+def test_fast_path_matches_reference(extra, cap, monkeypatch):
+    """Every row flagged and taken by the fast path (the call has no top-k or top log-probs):
+    tokens equal the reference's, log-probs and log Z within 1e-4; with CAP = 4 no bracket
+    fits, so every top-p row's cut comes from the bisection."""
+    if cap is not None:
+        monkeypatch.setattr(filter_cut, "CAP", filter_cut.tl.constexpr(cap))
+    monkeypatch.setattr(launchers, "fallback_programs", lambda t: 5)
+    h, w = flat_rows()
+    kw = dict(FLAT, seed=torch.arange(6) * 13 + 1, **extra)
+    pipe = _pipeline("triton", h.device)
+    before = counts(pipe)
+    out = tpsample.sample(h, w, backend="triton", return_logprobs=True, **kw)
+    assert counts(pipe)[1] - before[1] == 6
+    assert_matches_reference(out, reference_sample(h, w, **kw))
+
+
+def test_fast_path_leaves_other_rows_to_the_bisection_kernel(monkeypatch):
+    """A call with top-k on some rows: the rows without it take the fast path, the others
+    the one-program kernel; all equal the reference."""
+    monkeypatch.setattr(launchers, "fallback_programs", lambda t: 5)
+    h, w = flat_rows()
+    kw = dict(FLAT, top_k=torch.tensor([0, 0, 400, 0, 2000, -1]), seed=torch.arange(6) + 5)
+    out = tpsample.sample(h, w, backend="triton", return_logprobs=True, **kw)
+    assert_matches_reference(out, reference_sample(h, w, **kw))
+
+
+def test_fast_path_is_deterministic(monkeypatch):
+    """The same call twice, and with another grid: the same tokens and log-probs (every
+    partial sum is added in a fixed order; the grid only changes which program takes an
+    item)."""
+    h, w = flat_rows()
+    kw = dict(FLAT, seed=torch.arange(6) * 3, return_logprobs=True, backend="triton")
+    monkeypatch.setattr(launchers, "fallback_programs", lambda t: 5)
+    a = tpsample.sample(h, w, **kw)
+    b = tpsample.sample(h, w, **kw)
+    monkeypatch.setattr(launchers, "fallback_programs", lambda t: 2)
+    c = tpsample.sample(h, w, **kw)
+    for x in (b, c):
+        assert torch.equal(a.tokens, x.tokens) and torch.equal(a.logprobs, x.logprobs)
+
+
+# ----- chi-squared on flat rows ------------------------------------------------------------
+def tile_max_min_p(logits, min_p):
+    """The negative control for min-p: the threshold against the first 128-token tile's
+    maximum instead of the row's (what a per-tile certificate without the row max gives)."""
+    l = np.asarray(logits, dtype=np.float64)
+    p = np.exp(l - l.max())
+    keep = p >= min_p * p[:128].max()
+    out = np.where(keep, p, 0.0)
+    return torch.from_numpy(out / out.sum())
+
+
+FLAT_CHI2 = [  # (filters, the negative control's probabilities)
+    (dict(top_p=0.9), lambda l: filtered_probs(l, top_k=600, top_p=0.9,
+                                              renormalise_after_k=False)),
+    (dict(min_p=0.4), lambda l: tile_max_min_p(l, 0.4)),
+    (dict(top_p=0.8, min_p=0.3), lambda l: filtered_probs(l, top_p=0.75, min_p=0.3)),
+]
+
+
+def _flat_head(V=1024):
+    g = torch.Generator().manual_seed(21)
+    x = 0.5 * torch.randn(V, generator=g)
+    w = 0.02 * torch.randn(V, 8, generator=g)
+    w[:, 0] += x
+    h = torch.zeros(8)
+    h[0] = 1.0
+    return h, w
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend,rows", [("torch", 20000), ("triton", 3000)])
+@pytest.mark.parametrize("filt,wrong", FLAT_CHI2, ids=["top_p", "min_p", "top_p+min_p"])
+def test_chi2_flat_rows(backend, rows, filt, wrong, monkeypatch):
+    """A flat row (V = 1024, ~6.9 nats; top-p 0.9 keeps ~800 tokens): every row flagged;
+    chi-squared against the float64 filtered distribution at ALPHA, and the same samples
+    rejected against the negative control."""
+    monkeypatch.setattr(launchers, "fallback_programs", lambda t: 64)
+    h, w = _flat_head()
+    pipe = _pipeline(backend, h.device)
+    before = counts(pipe)
+    tok = tpsample.sample(h.expand(rows, -1).contiguous(), w, seed=torch.arange(rows) + 7,
+                          backend=backend, **filt)
+    assert counts(pipe)[1] - before[1] == rows
+    logits = row_logits(h, w)
+    p = filtered_probs(logits, **filt)
+    assert p[tok].min() > 0, "a token outside the kept set"
+    assert chi2_pvalue(tok, p) > ALPHA
+    assert chi2_pvalue(tok, wrong(logits)) < ALPHA
