@@ -244,9 +244,40 @@ def test_device_fallback_at_lm_head_shape_and_in_a_cuda_graph():
     assert torch.equal(captured.top_tokens, eager.top_tokens)
 
 
+def test_top_p_alone_on_heavy_tails_stays_on_the_device_fast_path():
+    """top_p 0.9 alone on a heavy tail falls back on every row, always through the device
+    (kernels/filter_cut.py; never the host path): tokens, log-probs and log Z equal the float64
+    reference's (fp32 near-ties aside), eager and in a captured CUDA graph."""
+    from tpsample import api
+    from tpsample.reference import reference_sample
+    B = 16
+    h, w = typical_head(4096, 151936, B, torch.bfloat16, "cuda", slope=1.1)
+    api._PIPELINES.clear()
+    kw = dict(seed=torch.arange(B, device="cuda") * 5, top_p=torch.full((B,), 0.9, device="cuda"),
+              min_p=torch.tensor([0.0, 0.01] * (B // 2), device="cuda"), return_logprobs=True)
+    for step in range(4):
+        out = tpsample.sample(h, w, **kw)
+        torch.cuda.synchronize()
+    (pipe,) = api._PIPELINES.values()
+    assert not pipe.host_fallback_mode and pipe.host_fallback_rows == 0
+    assert pipe.fallback_rows == 4 * B
+    ref = reference_sample(h, w, **kw)
+    same = out.tokens == ref.tokens[:, 0]
+    assert same.float().mean() >= 0.9
+    assert torch.allclose(out.logz.double(), ref.logz, atol=2e-3)
+    assert torch.allclose(out.logprobs.double()[same], ref.logprobs[:, 0][same], atol=2e-3)
+    static_h = h.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = tpsample.sample(static_h, w, **kw)
+    graph.replay()
+    assert torch.equal(captured.tokens, out.tokens)
+
+
 def test_rows_that_keep_falling_back_move_to_the_host_fallback_and_back():
-    """top_p 0.9 alone on a heavy tail falls back on every row: once the device fallback's
-    count is seen the pipeline takes the host fallback (cuBLAS + sort), and returns to the
+    """top_k 3000 + top_p 0.9 on a heavy tail falls back on every row (k > the known prefix),
+    through the one-program bisection kernel: once the device fallback's count is seen the
+    pipeline takes the host fallback (from stage 1's logits + a sort), and returns to the
     device path after a call where no row fell back; tokens stay exact (reference)."""
     from tpsample import api
     from tpsample.reference import reference_sample
@@ -254,11 +285,11 @@ def test_rows_that_keep_falling_back_move_to_the_host_fallback_and_back():
     h, w = typical_head(4096, 151936, B, torch.bfloat16, "cuda", slope=1.1)
     api._PIPELINES.clear()
     for step in range(6):
-        out = tpsample.sample(h, w, seed=step, top_p=0.9)
+        out = tpsample.sample(h, w, seed=step, top_p=0.9, top_k=3000)
         torch.cuda.synchronize()
     (pipe,) = api._PIPELINES.values()
     assert pipe.host_fallback_mode and pipe.host_fallback_rows > 0
-    ref = reference_sample(h, w, seed=5, top_p=0.9).tokens[:, 0]
+    ref = reference_sample(h, w, seed=5, top_p=0.9, top_k=3000).tokens[:, 0]
     assert (out == ref).float().mean() >= 0.75
     tpsample.sample(h, w, seed=1, top_k=20)  # certified: no fallback row
     assert not pipe.host_fallback_mode

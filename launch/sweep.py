@@ -1,0 +1,243 @@
+"""Filtered sampling across the distributions users send: cost / plain call per filter, head,
+temperature and batch, with the worst cell beside the typical one.
+
+    python -m tpsample.launch.sweep [--shapes 4096x151936,8192x128256] [--batches 1,16,64,256]
+        [--temps 0.7,1.0,1.5] [--out DIR] [--doc docs/performance.md --label NAME]
+
+One W per shape carries every head's logit profile along its own direction of the hidden
+space, so a head is a hidden state: Zipf heads -a·ln(rank) (random placement) for a in
+{2.0, 1.6, 1.3, 1.1, 1.0}, Gaussian logits with std 4, 2, 1, and a batch whose rows alternate
+between the flattest (Gaussian std 1) and the most peaked (a = 2.0) head. Per (head, T, B)
+the same run times the plain call, cuBLAS's matmul alone, matmul + torch sort + top-p 0.9 +
+multinomial, and tpsample with each filter set; it prints each head's entropy and nucleus
+sizes at T. Writes OUT/sweep.json after every cell row (a cut-off run keeps what it timed);
+the summary line gives the worst cell per batch range next to the typical one (a = 1.6,
+T = 1).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import shlex
+import sys
+
+import torch
+
+import tpsample
+
+from .bench import DTYPES, log, measure_bandwidth, run_meta, time_fn, write_doc
+
+HEADS = {"zipf2.0": ("zipf", 2.0), "zipf1.6": ("zipf", 1.6), "zipf1.3": ("zipf", 1.3),
+         "zipf1.1": ("zipf", 1.1), "zipf1.0": ("zipf", 1.0), "gauss4": ("gauss", 4.0),
+         "gauss2": ("gauss", 2.0), "gauss1": ("gauss", 1.0)}
+MIXED = ("gauss1", "zipf2.0")  # the mixed batch's two kinds of rows
+FILTERS = {"k50": dict(top_k=50), "p0.9": dict(top_p=0.9), "p0.95": dict(top_p=0.95),
+           "p0.99": dict(top_p=0.99), "m0.02": dict(min_p=0.02), "m0.1": dict(min_p=0.1),
+           "k50p0.95": dict(top_k=50, top_p=0.95),
+           "k50p0.95m0.05": dict(top_k=50, top_p=0.95, min_p=0.05)}
+TYPICAL = ("zipf1.6", 1.0)
+
+
+def profiles(V: int) -> torch.Tensor:
+    """[heads, V] logit profiles in HEADS' order (seeded)."""
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for kind, a in HEADS.values():
+        if kind == "zipf":
+            p = -a * torch.log(torch.arange(1, V + 1, dtype=torch.float64))
+            rows.append(p[torch.randperm(V, generator=g)])
+        else:
+            rows.append(a * torch.randn(V, generator=g, dtype=torch.float64))
+    return torch.stack(rows)
+
+
+def sweep_head(D: int, V: int, dtype, device):
+    """W [V, D] with profile i along orthonormal direction u_i, and U [heads, D]."""
+    g = torch.Generator().manual_seed(1)
+    prof = profiles(V)
+    U = torch.linalg.qr(torch.randn(D, prof.shape[0], generator=g, dtype=torch.float64))[0].T
+    w = torch.randn(V, D, generator=g) * (0.05 / D ** 0.5)
+    w += (prof.T @ U).float()
+    return w.to(device, dtype), U.float().to(device)
+
+
+def hidden(U: torch.Tensor, head: str, B: int, dtype) -> torch.Tensor:
+    names = list(HEADS)
+    if head == "mixed":
+        idx = [names.index(MIXED[b % 2]) for b in range(B)]
+    else:
+        idx = [names.index(head)] * B
+    return U[idx].to(dtype).contiguous()
+
+
+def row_stats(l: torch.Tensor) -> dict:
+    """Entropy (nats) and the 0.9 / 0.99 nucleus sizes of one row of logits (float64)."""
+    p = torch.softmax(l.double(), -1)
+    ent = float(-(p * torch.log(p.clamp_min(1e-300))).sum())
+    s = p.sort(descending=True).values.cumsum(-1)
+    return {"entropy": ent, "n90": int((s < 0.9).sum()) + 1, "n99": int((s < 0.99).sum()) + 1}
+
+
+def sort_top_p(h, w, T: float, p: float = 0.9):
+    """The unfused baseline: matmul, full sort, top-p, multinomial."""
+    s, idx = ((h @ w.T).float() / T).sort(dim=-1, descending=True)
+    probs = s.softmax(-1)
+    s = s.masked_fill(probs.cumsum(-1) - probs >= p, float("-inf"))
+    return idx.gather(1, torch.multinomial(s.softmax(-1), 1))
+
+
+def run(args) -> dict:
+    device = torch.device("cuda" if args.cuda else "cpu")
+    dtype = DTYPES[args.dtype]
+    meta = dict(run_meta(args, args.cuda), bandwidth_bytes_per_s=measure_bandwidth(device),
+                filters=FILTERS, shapes=[])
+    meta["command"] = "python -m tpsample.launch.sweep " + " ".join(map(shlex.quote, args.argv))
+    os.makedirs(args.out, exist_ok=True)
+    step = itertools.count()
+    for D, V in args.shapes:
+        w, U = sweep_head(D, V, dtype, device)
+        rows: list = []
+        meta["shapes"].append({"D": D, "V": V, "rows": rows})
+        for head, T, B in itertools.product(list(HEADS) + ["mixed"], args.temps, args.batches):
+            h = hidden(U, head, B, dtype)
+            stats_ = row_stats((h[:1].float() @ w.float().T)[0] / T) if head != "mixed" else {}
+            ms = {"plain": time_fn(lambda: tpsample.sample(h, w, temperature=T, seed=1,
+                                                           offset=next(step)), args.cuda),
+                  "mm": time_fn(lambda: h @ w.T, args.cuda),
+                  "sort_p0.9": time_fn(lambda: sort_top_p(h, w, T), args.cuda)}
+            for name, kw in FILTERS.items():
+                ms[name] = time_fn(lambda kw=kw: tpsample.sample(
+                    h, w, temperature=T, seed=1, offset=next(step), **kw), args.cuda)
+            rows.append(dict(head=head, T=T, B=B, ms=ms, **stats_))
+            log(f"[D={D} {head} T={T} B={B}] " + " ".join(f"{k}={v:.3f}" for k, v in ms.items())
+                + (f" | H={stats_['entropy']:.2f} n90={stats_['n90']}" if stats_ else ""))
+            with open(os.path.join(args.out, "sweep.json"), "w") as f:
+                json.dump(meta, f, indent=1)
+        del w, U
+    return meta
+
+
+def worst(rows: list, pick) -> tuple[float, dict, str] | None:
+    cells = [(r["ms"][f] / r["ms"]["plain"], r, f) for r in rows if pick(r) for f in FILTERS]
+    return max(cells, key=lambda c: c[0]) if cells else None
+
+
+def summary(meta: dict) -> list[str]:
+    """The worst cell per batch range beside the typical head's, per shape."""
+    out = []
+    for res in meta["shapes"]:
+        rows = res["rows"]
+        parts = []
+        for name, pick in (("B<=64", lambda r: r["B"] <= 64), ("B=256", lambda r: r["B"] == 256),
+                           ("nucleus<=256", lambda r: r.get("n90", 1 << 30) <= 256)):
+            w_ = worst(rows, pick)
+            if w_:
+                ratio, r, f = w_
+                parts.append(f"worst {name}: {ratio:.3f} x plain ({f}, {r['head']}, T={r['T']}, "
+                             f"B={r['B']})")
+        typ = worst(rows, lambda r: (r["head"], r["T"]) == TYPICAL)
+        if typ:
+            parts.append(f"typical ({TYPICAL[0]}, T=1) worst {typ[0]:.3f} x plain")
+        beat = [r["ms"]["sort_p0.9"] / r["ms"]["p0.9"] for r in rows if r["B"] >= 16]
+        if beat:
+            parts.append(f"sort_p0.9 / p0.9 at B>=16: min {min(beat):.2f}")
+        out.append(f"D={res['D']} V={res['V']}: " + "; ".join(parts))
+    return out
+
+
+def markdown(meta: dict, doc: str, label: str) -> str:
+    lines = [f"`{meta['command']}` — {meta['device']}, torch {meta['torch']}, Triton "
+             f"{meta['triton']}, {meta['date']}; median ms of the plain call, cost of each "
+             "filter set as a ratio to it (same run); H = entropy (nats) of a row at T, n90 = "
+             "tokens in its 0.9 nucleus; sort = matmul + torch sort + top-p 0.9 + multinomial.",
+             ""] + [f"- {s}" for s in summary(meta)] + [""]
+    names = list(FILTERS)
+    for res in meta["shapes"]:
+        lines += [f"**D={res['D']}, V={res['V']}**", "",
+                  "| head | T | B | H | n90 | plain | mm / plain | sort / plain | "
+                  + " | ".join(names) + " |", "|---" * (8 + len(names)) + "|"]
+        for r in res["rows"]:
+            ms = r["ms"]
+            lines.append(f"| {r['head']} | {r['T']} | {r['B']} | "
+                         f"{r['entropy']:.2f} | {r['n90']} | " if "entropy" in r else
+                         f"| {r['head']} | {r['T']} | {r['B']} | – | – | ")
+            lines[-1] += (f"{ms['plain']:.3f} | {ms['mm'] / ms['plain']:.2f} | "
+                          f"{ms['sort_p0.9'] / ms['plain']:.2f} | "
+                          + " | ".join(f"{ms[n] / ms['plain']:.2f}" for n in names) + " |")
+        img = plot(res, doc, label)
+        if img:
+            lines += ["", f"![{label} D={res['D']} V={res['V']}]({img})"]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(res: dict, doc: str, label: str) -> str | None:
+    """cost / plain against entropy, one line per filter set (T = 1, the largest B <= 64)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = [r for r in res["rows"] if "entropy" in r and r["T"] == 1.0 and r["B"] <= 64]
+    if not rows:
+        return None
+    B = max(r["B"] for r in rows)
+    rows = sorted((r for r in rows if r["B"] == B), key=lambda r: r["entropy"])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for f in FILTERS:
+        ax.plot([r["entropy"] for r in rows], [r["ms"][f] / r["ms"]["plain"] for r in rows],
+                marker="o", label=f)
+    ax.axhline(1.3, color="grey", ls="--", lw=0.8)
+    ax.set_xlabel("entropy of a row (nats)")
+    ax.set_ylabel("filtered call / plain call")
+    ax.set_title(f"{label}: D={res['D']} V={res['V']} B={B} T=1")
+    ax.legend(fontsize=7, ncol=2)
+    name = f"{label.lower().replace(' ', '_')}_{res['D']}x{res['V']}.png"
+    folder = os.path.join(os.path.dirname(os.path.abspath(doc)), "img")
+    os.makedirs(folder, exist_ok=True)
+    fig.savefig(os.path.join(folder, name), dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return f"img/{name}"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m tpsample.launch.sweep",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", help="DxV,... (default 4096x151936,8192x128256; CPU 64x4096)")
+    p.add_argument("--batches", help="B,... (default 1,16,64,256; CPU 1,4)")
+    p.add_argument("--temps", default="0.7,1.0,1.5")
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--out", default="bench_out")
+    p.add_argument("--doc", help="markdown file whose section --label this run rewrites")
+    p.add_argument("--label", default="sweep")
+    p.add_argument("--report", metavar="JSON", help="render a sweep.json, no run")
+    p.add_argument("--cpu", action="store_true", help="CPU tensors even where CUDA exists")
+    a = p.parse_args(argv)
+    a.argv = list(sys.argv[1:] if argv is None else argv)
+    a.cuda = torch.cuda.is_available() and not a.cpu
+    shapes = a.shapes or ("4096x151936,8192x128256" if a.cuda else "64x4096")
+    a.shapes = [tuple(int(x) for x in s.lower().split("x")) for s in shapes.split(",")]
+    a.batches = [int(b) for b in (a.batches or ("1,16,64,256" if a.cuda else "1,4")).split(",")]
+    a.temps = [float(t) for t in a.temps.split(",")]
+    if any(t <= 0 or not math.isfinite(t) for t in a.temps):
+        p.error("--temps: positive temperatures")
+    return a
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    meta = json.load(open(args.report)) if args.report else run(args)
+    text = markdown(meta, args.doc or os.devnull, args.label)
+    print(text)
+    for s in summary(meta):
+        print("summary:", s)
+    if args.doc:
+        write_doc(args.doc, args.label, text)
+
+
+if __name__ == "__main__":
+    main()
