@@ -53,9 +53,10 @@ def main():
     for r in range(a.rounds):
         for name, path in (arms if r % 2 == 0 else arms[::-1]):
             env = dict(os.environ, PYTHONPATH=path)
-            o = subprocess.run([sys.executable, "-m", "tools.filtered_ab", "--worker", "--arm",
+            # (run as a file from /: the checkout's own tpsample/ must not shadow the install)
+            o = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", "--arm",
                                 "x:x", "--batches", a.batches], env=env, capture_output=True,
-                               text=True, check=True)
+                               text=True, check=True, cwd="/")
             res[name].append(json.loads(o.stdout.strip().splitlines()[-1]))
     first = arms[0][0]
     mean = {n: {k: sum(d[k] for d in v) / len(v) for k in v[0]} for n, v in res.items()}
