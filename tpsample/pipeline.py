@@ -64,6 +64,7 @@ class Pipeline:
         self.host_fallback_mode = False  # see _device_fallback_now
         self._fallback_seen = None
         self._fallback_copy = None
+        self._side_plans: dict = {}  # whether a filtered call's stage 1 writes its logits
         # transports that gather rows on the device (symm_mem): the exact fallback of
         # filtered calls stays on the device under TP too, with the flagged rows' logit
         # shards gathered through the transport; shard_starts: each rank's first global id
@@ -306,9 +307,19 @@ class Pipeline:
                                                self._mask_words(weight, vocab_start)))
         if not fixed:
             per_call["weight"] = weight
-        # stage 1 also writes the transformed logits: the exact fallback reads them (W once)
-        per_call["side"] = torch.empty(B, T * records.TILE, dtype=torch.float32,
-                                       device=hidden.device)
+        # stage 1 also writes the transformed logits where its kernel stores them fast (not
+        # ws, whose lane layout makes them partial-sector stores: docs/design.md); the exact
+        # fallback then reads them instead of W
+        side_key = (B, hidden.shape[1], weight.shape[0], hidden.dtype, hidden.device, merge, S,
+                    filters.replacement, filters.raw, constraints.any, vocab_start, T)
+        if side_key not in self._side_plans:
+            self._side_plans[side_key] = self.plan(
+                hidden, weight, merge=merge, num_samples=S, need_mass=True,
+                vocab_start=vocab_start, tiles=T, filters=filters,
+                masked=constraints.any).strategy != "ws"
+        per_call["side"] = (torch.empty(B, T * records.TILE, dtype=torch.float32,
+                                        device=hidden.device)
+                            if self._side_plans[side_key] else None)
         key = stage2s = stream = plan = log1 = None
         if hidden.is_cuda and replay.Replay.usable():
             key = ("filtered", merge, S, hidden.device, hidden.shape, hidden.stride(), n_real,
@@ -330,13 +341,17 @@ class Pipeline:
                                    constraints, n_real=n_real, vocab_start=vocab_start,
                                    fanout=fanout[:2] if fanout else None)
 
+        fast = fast_fallback(filters) and per_call["side"] is not None
         on_device = ((self.transport.world == 1 or self.gather_fallback)
-                     and (fast_fallback(filters) or self._device_fallback_now(hidden, in_capture)))
+                     and (fast or self._device_fallback_now(hidden, in_capture)))
         later = dict(top_k=filters.top_k, top_p=filters.top_p, min_p=filters.min_p)
         gathered = None
         if on_device and self.gather_fallback:  # the flagged rows' logit shards, gathered
             # (before key2: a grown buffer changes the transport's key)
             gathered = self.transport.rows_gather(B, T * records.TILE)
+        elif on_device and per_call["side"] is None:  # the rows' logits, recomputed there
+            later["fallback_logits"] = torch.empty(B, T * records.TILE, dtype=torch.float32,
+                                                   device=hidden.device)
         key2 = None
         if key is not None:
             key2 = (on_device, filters.top_n, self.transport.key(),
@@ -365,7 +380,8 @@ class Pipeline:
                                       *(fanout[1:] if fanout else ()), head=head, out=out)
             if on_device:
                 launchers.fallback_on_device(hidden, weight, bias, params, filters, out,
-                                             None, self._device_fallbacks(), n_real=n_real,
+                                             later.get("fallback_logits"),
+                                             self._device_fallbacks(), n_real=n_real,
                                              vocab_start=vocab_start, constraints=constraints,
                                              listed=listed_scratch(per_call), pdl=plan.pdl,
                                              gather=gather, side=per_call["side"])
