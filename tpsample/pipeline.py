@@ -307,9 +307,9 @@ class Pipeline:
                                                self._mask_words(weight, vocab_start)))
         if not fixed:
             per_call["weight"] = weight
-        # stage 1 also writes the transformed logits where its kernel stores them fast (not
-        # ws, whose lane layout makes them partial-sector stores: docs/design.md); the exact
-        # fallback then reads them instead of W
+        # stage 1 also writes the transformed logits (the exact fallback then reads them
+        # instead of W) where its kernel stores them cheaply, and in ws (whose lane-order
+        # stores cost 0.1 ms at B = 64) only for calls whose rows fall back on heavy tails
         side_key = (B, hidden.shape[1], weight.shape[0], hidden.dtype, hidden.device, merge, S,
                     filters.replacement, filters.raw, constraints.any, vocab_start, T)
         if side_key not in self._side_plans:
@@ -319,7 +319,7 @@ class Pipeline:
                 masked=constraints.any).strategy != "ws"
         per_call["side"] = (torch.empty(B, T * records.TILE, dtype=torch.float32,
                                         device=hidden.device)
-                            if self._side_plans[side_key] else None)
+                            if self._side_plans[side_key] or fast_fallback(filters) else None)
         key = stage2s = stream = plan = log1 = None
         if hidden.is_cuda and replay.Replay.usable():
             key = ("filtered", merge, S, hidden.device, hidden.shape, hidden.stride(), n_real,
