@@ -4,9 +4,10 @@ min-p and no top-k, redone from the logits stage 1 wrote, many programs per row.
 Pathwise: tokens equal the float64 reference's on the same noise (log-probs within fp32),
 through the bracket-and-sort cut and through its bisection (a bracket larger than CAP), for
 top-p, min-p, both, raw log-probs and several samples. Statistical: chi-squared on flat rows
-whose nucleus holds hundreds of tokens, top-p alone, min-p alone and both, the torch path and
-the interpreted kernels, with negative controls the same test rejects (top-p against the mass
-before a top-k, min-p against the maximum of one 128-token tile instead of the row's).
+whose nucleus holds hundreds of tokens, top-p alone, min-p alone and both (torch path; the
+interpreted kernels' flat-row test is test_filters.test_chi2_device_fallback_interpreted), with
+negative controls the same test rejects (top-p against the mass before a top-k, min-p against
+the maximum of one 128-token tile instead of the row's, min-p dropped).
 """
 import numpy as np
 import pytest
@@ -91,7 +92,7 @@ FLAT_CHI2 = [  # (filters, the negative control's probabilities)
     (dict(top_p=0.9), lambda l: filtered_probs(l, top_k=600, top_p=0.9,
                                               renormalise_after_k=False)),
     (dict(min_p=0.4), lambda l: tile_max_min_p(l, 0.4)),
-    (dict(top_p=0.8, min_p=0.3), lambda l: filtered_probs(l, top_p=0.75, min_p=0.3)),
+    (dict(top_p=0.8, min_p=0.3), lambda l: filtered_probs(l, top_p=0.8)),  # min-p dropped
 ]
 
 
@@ -106,7 +107,8 @@ def _flat_head(V=1024):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend,rows", [("torch", 20000), ("triton", 3000)])
+@pytest.mark.parametrize("backend,rows", [("torch", 20000)])  # (interpreted kernels on flat
+# rows: test_filters.test_chi2_device_fallback_interpreted, which now takes this path)
 @pytest.mark.parametrize("filt,wrong", FLAT_CHI2, ids=["top_p", "min_p", "top_p+min_p"])
 def test_chi2_flat_rows(backend, rows, filt, wrong, monkeypatch):
     """A flat row (V = 1024, ~6.9 nats; top-p 0.9 keeps ~800 tokens): every row flagged;
