@@ -42,7 +42,7 @@ a sort of at most CAP keys; no step needs more than G·(NT + 2) partial sums per
 import triton
 import triton.language as tl
 
-from .filter_fallback import fast_row, key_cut, row_keys
+from .filter_fallback import count_flags, fast_row, key_cut, row_keys
 from .filter_records import ID_MASK, KEY_TOP, NEG_INF, decode_key, order_key
 from .fused_sample import NOISE_COEF, gumbel_log, philox_word, philox_words_tile
 
@@ -127,10 +127,7 @@ def cut_step_kernel(
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    flagged = tl.cast(0, tl.int32)
-    for b0 in range(0, B, BLOCK_F):
-        fb = b0 + tl.arange(0, BLOCK_F)
-        flagged += tl.sum(tl.load(flag_ptr + fb, mask=fb < B, other=0))
+    flagged = count_flags(flag_ptr, B, BLOCK_F)
     PER_ROW: tl.constexpr = (STEP == FINISH) or (STEP == FINAL)
     if PER_ROW:
         items = tl.where(flagged > 0, B, 0)

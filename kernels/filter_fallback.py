@@ -32,6 +32,16 @@ def store_to_every_rank(out_ptr, at, value, peer_ptrs_ptr, world, mask=None):
 
 
 @triton.jit
+def count_flags(flag_ptr, B, BLOCK_F: tl.constexpr):
+    """The number of rows flagged in flag_ptr (int32 [B]), by one scan."""
+    flagged = tl.cast(0, tl.int32)
+    for b0 in range(0, B, BLOCK_F):
+        fb = b0 + tl.arange(0, BLOCK_F)
+        flagged += tl.sum(tl.load(flag_ptr + fb, mask=fb < B, other=0))
+    return flagged
+
+
+@triton.jit
 def fallback_logits_kernel(h_ptr, w_ptr, bias_ptr, inv_temp_ptr, flag_ptr, out_ptr, B, V_rows,
                            n_real, D, stride_hb, stride_wv, stride_ob, mask_ptr, stride_mask,
                            vocab_start, peer_ptrs_ptr, world, calls_ptr, n_tiles, side_ptr,
@@ -56,10 +66,7 @@ def fallback_logits_kernel(h_ptr, w_ptr, bias_ptr, inv_temp_ptr, flag_ptr, out_p
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    flagged = tl.cast(0, tl.int32)
-    for b0 in range(0, B, BLOCK_F):
-        fb = b0 + tl.arange(0, BLOCK_F)
-        flagged += tl.sum(tl.load(flag_ptr + fb, mask=fb < B, other=0))
+    flagged = count_flags(flag_ptr, B, BLOCK_F)
     if FANOUT:
         flagged = tl.where(tl.load(calls_ptr) < 0, 0, flagged)
     for tile in range(tl.program_id(0), tl.where(flagged > 0, n_tiles, 0), tl.num_programs(0)):

@@ -33,7 +33,7 @@ KERNEL_OK = HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def pytest_collection_modifyitems(config, items):
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA device (run on the device machine)")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (pytest -q -m gpu tests on a GPU machine)")
     skip_multi = pytest.mark.skip(reason="needs several CUDA devices")
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:

@@ -22,10 +22,10 @@ against the default path:
 
 AB_CALL=sample times the whole public call instead (tpsample.sample, eager, the median of
 triton.testing.do_bench) next to cuBLAS's matmul alone (column mm), e.g. two Tritons on
-one GPU (tools/triton_carry.sh unpacks the second into /tmp/t39):
+one GPU (tools/triton_carry.sh unpacks the second into t39):
 
     python -m tools.ab --rounds 2 --batches 1,16,64,128,256 --arm 3.6:AB_CALL=sample \
-        --arm "3.9:AB_CALL=sample,$(tools/triton_carry.sh arm /tmp/t39)"
+        --arm "3.9:AB_CALL=sample,$(tools/triton_carry.sh arm t39)"
 """
 import argparse
 import json

@@ -38,11 +38,12 @@ ignore the filters.
    their tiles.
 5. Fallback. The rows without a certificate are recomputed from their full logits, for
    those rows only. One device, Triton: on the GPU after the candidate reduce
-   (kernels/filter_fallback.py: the flagged rows' logits, then bisections on the order key
-   for the cuts), with no host synchronisation, so such calls can be captured in a CUDA
-   graph; one program per flagged row is slow, so while rows keep falling back (top-p
-   alone on heavy tails) the pipeline takes the host path below instead
-   (pipeline._device_fallback_now). Under TP over symmetric memory the same, with the
+   with no host synchronisation, so such calls can be captured in a CUDA graph. The rows'
+   logits are the ones stage 1 wrote beside its records (else recomputed); rows with top-p
+   and/or min-p and no top-k take kernels/filter_cut.py (the cut bracketed over many
+   programs per row), the others kernels/filter_fallback.py (bisections on the order key,
+   one program per row: while such rows keep falling back the pipeline takes the host
+   path below instead, pipeline._device_fallback_now). Under TP over symmetric memory the same, with the
    flagged rows' logit shards gathered into every rank on the device (the flags agree on
    every rank; transport.SymmMemTransport.rows_gather). Under TP over NCCL or gloo (the
    rows' logits are split over the ranks) and on the torch path: the pipeline reads the
