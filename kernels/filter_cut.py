@@ -26,7 +26,8 @@ A(t*) >= p·Z. The row is split into G chunks; one launch per STEP, each program
            weigh at most V·e^-RANGE < 1e-9 of Z, and p <= 1 - 2^-24).
   COMPACT  the final bracket's tokens, as keys, into CAP slots per row (an atomic counter
            claims slots; their order does not matter: the next step sorts them).
-  FINISH   per row: the keys sorted, the prefix mass from A(hi) on, the cut. A row whose
+  FINISH   per row: the keys sorted (SHORT slots when they fit, the usual case after three
+           passes, else CAP), the prefix mass from A(hi) on, the cut. A row whose
            bracket holds more than CAP tokens (thousands of exactly tied logits) takes the
            bisection of filter_fallback.key_cut instead (exact, slower).
   SAMPLE   per chunk and sample: the Gumbel-max of the kept tokens ({key >= cut}, and
@@ -49,6 +50,7 @@ from .fused_sample import NOISE_COEF, gumbel_log, philox_word, philox_words_tile
 NT = tl.constexpr(16)       # thresholds per HIST pass
 PASSES = tl.constexpr(3)    # HIST passes: the bracket narrows NT-fold (or to its range) each
 CAP = tl.constexpr(2048)    # compaction slots per row
+SHORT = tl.constexpr(128)   # a bracket of at most this many keys takes the short sort
 RANGE = tl.constexpr(40.0)  # nats below the row max that can hold a top-p cut
 STATS = tl.constexpr(0)
 COMPACT = tl.constexpr(PASSES.value + 1)
@@ -108,12 +110,28 @@ def _bracket(part_ptr, b, B, G, W, done, target, xmax, xmin, NT_: tl.constexpr,
 
 
 @triton.jit
+def _sorted_cut(keys, n, a_hi, target, xmax, SIZE: tl.constexpr):
+    """The cut from the bracket's n <= SIZE keys: sorted descending, the prefix mass from
+    A(hi) on; the last key whose prefix mass before it is below p·Z."""
+    q = tl.arange(0, SIZE)
+    ks = tl.sort(tl.load(keys + q, mask=q < n, other=-1), descending=True)
+    valid = ks >= 0
+    e = tl.where(valid, tl.exp(decode_key(tl.where(valid, ks, 0)) - xmax), 0.0)
+    before = a_hi + tl.cumsum(e, 0) - e
+    kept = valid & (before < target)
+    # the last kept key (none only if rounding put A(hi) at p·Z: the first)
+    cut = tl.min(tl.where(kept, ks, KEY_TOP + 1))
+    return tl.where(cut > KEY_TOP, tl.max(ks), cut)
+
+
+@triton.jit
 def cut_step_kernel(
     l_ptr, stride_lb, N, vocab_start, inv_temp_ptr, seed_ptr, offset_ptr, top_k_ptr,
     top_p_ptr, min_p_ptr, tokens_ptr, logprobs_ptr, logz_ptr, flag_ptr, count_ptr, part_ptr,
     keys_ptr, B, G, C, W, S, starts_ptr, slot_n, slot_stride, calls_ptr,
     STEP: tl.constexpr, HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_M: tl.constexpr,
-    RAW: tl.constexpr, ALIGNED4: tl.constexpr, BLOCK: tl.constexpr, BLOCK_G: tl.constexpr,
+    RAW: tl.constexpr, ALIGNED4: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
+    BLOCK_G: tl.constexpr,
     BLOCK_F: tl.constexpr, PDL: tl.constexpr = False, SLOTTED: tl.constexpr = False,
 ):
     """One STEP (module docstring) for the rows fast_row takes. l [B, N] fp32 logits (row
@@ -153,21 +171,22 @@ def cut_step_kernel(
             c0 = g * C
             c1 = tl.minimum(c0 + C, N)
             mine = part_ptr + ((b64 + STEP * B) * G + g) * W
-            if STEP == STATS:
-                cmax = tl.cast(NEG_INF, tl.float32)
-                cmin = tl.cast(INF, tl.float32)
+            if STEP == STATS:  # online max and sum per lane, one read
+                lm = tl.full((BLOCK,), NEG_INF, tl.float32)
+                ls = tl.zeros((BLOCK,), tl.float32)
+                lmin = tl.full((BLOCK,), INF, tl.float32)
                 for v0 in range(c0, c1, BLOCK):
                     x, key, gid = row_keys(row, v0, c1, vocab_start, slots, BLOCK, SLOTTED)
-                    cmax = tl.maximum(cmax, tl.max(x))
-                    cmin = tl.minimum(cmin, tl.min(tl.where(x > NEG_INF, x, INF)))
-                safe = tl.where(cmax > NEG_INF, cmax, 0.0)
-                csum = tl.cast(0.0, tl.float32)
-                for v0 in range(c0, c1, BLOCK):
-                    x, key, gid = row_keys(row, v0, c1, vocab_start, slots, BLOCK, SLOTTED)
-                    csum += tl.sum(tl.exp(x - safe))
+                    up = tl.maximum(lm, x)
+                    safe = tl.where(up > NEG_INF, up, 0.0)
+                    ls = ls * tl.exp(lm - safe) + tl.exp(x - safe)
+                    lm = up
+                    lmin = tl.minimum(lmin, tl.where(x > NEG_INF, x, INF))
+                cmax = tl.max(lm)
+                csum = tl.sum(ls * tl.exp(lm - tl.where(cmax > NEG_INF, cmax, 0.0)))
                 tl.store(mine, cmax)
                 tl.store(mine + 1, csum)
-                tl.store(mine + 2, cmin)
+                tl.store(mine + 2, tl.min(lmin))
                 if g == 0:
                     tl.store(keys + CAP, tl.cast(0, tl.int64))  # COMPACT's counter
             else:
@@ -179,20 +198,23 @@ def cut_step_kernel(
                     lo_e = tl.maximum(lo, bmin)
                     t = _thresholds(lo_e, tl.maximum(tl.minimum(tl.minimum(xmax, bmax), hi), lo_e),
                                    NT)
-                    acc = tl.zeros((NT,), dtype=tl.float32)
-                    nmin = tl.cast(INF, tl.float32)
-                    nmax = tl.cast(NEG_INF, tl.float32)
+                    # per-lane sums, reduced once (SUB-row slices keep [SUB, NT] in registers)
+                    acc = tl.zeros((SUB, NT), dtype=tl.float32)
+                    nmin = tl.full((SUB, 1), INF, tl.float32)
+                    nmax = tl.full((SUB, 1), NEG_INF, tl.float32)
                     for v0 in range(c0, c1, BLOCK):
-                        x, key, gid = row_keys(row, v0, c1, vocab_start, slots, BLOCK, SLOTTED)
-                        below = x < hi
-                        e = tl.where(below, tl.exp(x - xmax), 0.0)
-                        acc += tl.sum(tl.where(x[:, None] >= t[None, :], e[:, None], 0.0), axis=0)
-                        inside = below & (x >= lo_e)
-                        nmin = tl.minimum(nmin, tl.min(tl.where(inside, x, INF)))
-                        nmax = tl.maximum(nmax, tl.max(tl.where(inside, x, NEG_INF)))
-                    tl.store(mine + tl.arange(0, NT), acc)
-                    tl.store(mine + NT, nmin)
-                    tl.store(mine + NT + 1, nmax)
+                        for u in tl.static_range(BLOCK // SUB):
+                            x, key, gid = row_keys(row, v0 + u * SUB, c1, vocab_start, slots, SUB,
+                                                   SLOTTED, COLUMN=True)
+                            below = x < hi
+                            e = tl.where(below, tl.exp(x - xmax), 0.0)
+                            acc += tl.where(x >= t[None, :], e, 0.0)
+                            inside = below & (x >= lo_e)
+                            nmin = tl.minimum(nmin, tl.where(inside, x, INF))
+                            nmax = tl.maximum(nmax, tl.where(inside, x, NEG_INF))
+                    tl.store(mine + tl.arange(0, NT), tl.sum(acc, axis=0))
+                    tl.store(mine + NT, tl.min(nmin))
+                    tl.store(mine + NT + 1, tl.max(nmax))
                 elif STEP == COMPACT:
                     lo, hi, a_hi, bmin, bmax = _bracket(part_ptr, b, B, G, W, PASSES, target,
                                                         xmax, xmin, NT, BLOCK_G)
@@ -208,16 +230,10 @@ def cut_step_kernel(
                     lo, hi, a_hi, bmin, bmax = _bracket(part_ptr, b, B, G, W, PASSES, target,
                                                         xmax, xmin, NT, BLOCK_G)
                     n = tl.load(keys + CAP)
-                    if n <= CAP:
-                        q = tl.arange(0, CAP)
-                        ks = tl.sort(tl.load(keys + q, mask=q < n, other=-1), descending=True)
-                        valid = ks >= 0
-                        e = tl.where(valid, tl.exp(decode_key(tl.where(valid, ks, 0)) - xmax), 0.0)
-                        before = a_hi + tl.cumsum(e, 0) - e
-                        kept = valid & (before < target)
-                        # the last kept key (none only if rounding put A(hi) at p·Z: the first)
-                        cut = tl.min(tl.where(kept, ks, KEY_TOP + 1))
-                        cut = tl.where(cut > KEY_TOP, tl.max(ks), cut)
+                    if (n <= SHORT) & (n <= CAP):
+                        cut = _sorted_cut(keys, n, a_hi, target, xmax, SHORT)
+                    elif n <= CAP:
+                        cut = _sorted_cut(keys, n, a_hi, target, xmax, CAP)
                     else:  # more than CAP tokens in the bracket (ties): the bisection
                         cut = key_cut(row, N, vocab_start, slots, tl.cast(0, tl.int64), target,
                                       xmax, True, BLOCK, SLOTTED)
@@ -232,23 +248,20 @@ def cut_step_kernel(
                     off = tl.load(offset_ptr + b)
                     off_lo = (off & 0xFFFFFFFF).to(tl.uint32)
                     off_hi = ((off >> 32) & 0xFFFFFFFF).to(tl.uint32)
-                    mass = tl.cast(0.0, tl.float32)
-                    raw = tl.cast(0.0, tl.float32)
-                    for v0 in range(c0, c1, BLOCK):
-                        x, key, gid = row_keys(row, v0, c1, vocab_start, slots, BLOCK, SLOTTED)
-                        e = tl.exp(x - xmax)
-                        mass += tl.sum(tl.where((key >= cut) & (e >= m), e, 0.0))
-                        if RAW:
-                            raw += tl.sum(tl.exp(x * to_raw - xmax * to_raw))
-                    tl.store(mine, mass)
-                    tl.store(mine + 1, raw)
-                    for s in range(S):
-                        best = tl.cast(-1, tl.int64)
-                        best_x = tl.cast(NEG_INF, tl.float32)
+                    for s in range(S):  # per-lane winners and masses, reduced once
+                        best = tl.full((BLOCK,), -1, tl.int64)
+                        best_x = tl.full((BLOCK,), NEG_INF, tl.float32)
+                        mass = tl.zeros((BLOCK,), tl.float32)
+                        raw = tl.zeros((BLOCK,), tl.float32)
                         for v0 in range(c0, c1, BLOCK):
                             x, key, gid = row_keys(row, v0, c1, vocab_start, slots, BLOCK,
                                                    SLOTTED)
-                            keep = (key >= cut) & (tl.exp(x - xmax) >= m)
+                            e = tl.exp(x - xmax)
+                            keep = (key >= cut) & (e >= m)
+                            if s == 0:
+                                mass += tl.where(keep, e, 0.0)
+                                if RAW:
+                                    raw += tl.exp(x * to_raw - xmax * to_raw)
                             if ALIGNED4:
                                 words = tl.reshape(philox_words_tile(
                                     seed, off_lo, off_hi, tl.cast(s, tl.uint32),
@@ -258,12 +271,15 @@ def cut_step_kernel(
                                                     gid)
                             zs = tl.fma(gumbel_log(words), NOISE_COEF, x)
                             zkey = tl.where(keep, order_key(zs, gid), -1)
-                            top = tl.max(zkey)
-                            top_x = tl.max(tl.where(zkey == top, x, NEG_INF))
-                            best_x = tl.where(top > best, top_x, best_x)
-                            best = tl.maximum(best, top)
-                        tl.store(keys + CAP + 2 + g * S + s, best)
-                        tl.store(mine + 2 + s, best_x)
+                            up = zkey > best
+                            best = tl.where(up, zkey, best)
+                            best_x = tl.where(up, x, best_x)
+                        top = tl.max(best)
+                        if s == 0:
+                            tl.store(mine, tl.sum(mass))
+                            tl.store(mine + 1, tl.sum(raw))
+                        tl.store(keys + CAP + 2 + g * S + s, top)
+                        tl.store(mine + 2 + s, tl.max(tl.where(best == top, best_x, NEG_INF)))
                 else:  # FINAL
                     gs = tl.arange(0, BLOCK_G)
                     parts = part_ptr + ((b64 + SAMPLE * B) * G + gs) * W

@@ -128,12 +128,17 @@ def fast_row(b, flag_ptr, inv_temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, calls_p
 
 
 @triton.jit
-def row_keys(row, v0, N, vocab_start, slots, BLOCK: tl.constexpr, SLOTTED: tl.constexpr):
+def row_keys(row, v0, N, vocab_start, slots, BLOCK: tl.constexpr, SLOTTED: tl.constexpr,
+             COLUMN: tl.constexpr = False):
     """Logits, order keys (-1: not a candidate, x = -inf) and global ids of the row's
     columns [v0, v0 + BLOCK). The row is row[0 : N] (ids from vocab_start) or, SLOTTED, the
     ranks' shards one after the other: slots = (columns per shard n, the shard stride in
-    floats, starts_ptr: int64 [world], each shard's first global id)."""
+    floats, starts_ptr: int64 [world], each shard's first global id). COLUMN: as [BLOCK, 1]
+    tensors, loaded in the layout of a [BLOCK, n] tensor they broadcast into (a [BLOCK]
+    load broadcast later goes through shared memory, with barriers, on every block)."""
     v = v0 + tl.arange(0, BLOCK)
+    if COLUMN:
+        v = v[:, None]
     if SLOTTED:
         n, stride, starts_ptr = slots
         slot = v // n

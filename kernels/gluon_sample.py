@@ -107,6 +107,23 @@ if AVAILABLE:
             n += 1
 
     @gluon.jit
+    def _store_side(side_ptr, stride_side, offs_b, mask_b, row0, l0, l1, l2, l3):
+        """side[b, row0 + a] = l_a (NaN as -inf) for the [Q, EPI_B] lanes, as one vector of
+        four per thread: the joined [Q, EPI_B, 4] keeps a thread's four values in its
+        registers, and the pointers are built in that layout so the store is 16 bytes wide
+        (row0 is a multiple of 4; the side rows are 16-byte aligned)."""
+        v = gl.reshape(gl.join(gl.join(l0, l2), gl.join(l1, l3)), [l0.shape[0], l0.shape[1], 4])
+        v = gl.where(v != v, float("-inf"), v)
+        lay3: gl.constexpr = v.type.layout
+        lay2: gl.constexpr = gl.SliceLayout(2, lay3)
+        at = gl.convert_layout(gl.expand_dims(offs_b, 0).to(gl.int64) * stride_side + row0, lay2)
+        live = gl.convert_layout(gl.expand_dims(mask_b, 0) & (row0 >= 0), lay2)
+        k = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, lay3)))
+        k3 = gl.expand_dims(gl.expand_dims(k, 0), 0)
+        gl.store(side_ptr + (gl.expand_dims(at, 2) + k3), v,
+                 mask=gl.expand_dims(live, 2) & (k3 >= 0))
+
+    @gluon.jit
     def _chunk_records(view, pid_v, b0, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr, B,
                        n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b, rec_stride_t,
                        peer_ptrs, parity_ptr, mask_ptr, stride_mask, first_ptr, held_ptr,
@@ -153,13 +170,8 @@ if AVAILABLE:
         l1 = _lane(view, 1, lane_l, row0, scale, bias_ptr, n_real, HAS_BIAS, bits, HAS_MASK)
         l2 = _lane(view, 2, lane_l, row0, scale, bias_ptr, n_real, HAS_BIAS, bits, HAS_MASK)
         l3 = _lane(view, 3, lane_l, row0, scale, bias_ptr, n_real, HAS_BIAS, bits, HAS_MASK)
-        if SIDE:  # four strided 4-byte stores per thread; L2 merges them into whole sectors
-            at = side_ptr + gl.expand_dims(offs_b, 0).to(gl.int64) * stride_side + row0
-            live = gl.expand_dims(mask_b, 0) & (row0 >= 0)
-            gl.store(at, gl.where(l0 != l0, float("-inf"), l0), mask=live)
-            gl.store(at + 1, gl.where(l1 != l1, float("-inf"), l1), mask=live)
-            gl.store(at + 2, gl.where(l2 != l2, float("-inf"), l2), mask=live)
-            gl.store(at + 3, gl.where(l3 != l3, float("-inf"), l3), mask=live)
+        if SIDE:  # a thread's four lanes are four adjacent tokens: one 16-byte store
+            _store_side(side_ptr, stride_side, offs_b, mask_b, row0, l0, l1, l2, l3)
         # the tile max, NaN if any logit of the column is NaN (see fused_sample.py)
         m = gl.reduce(_nan_max(_nan_max(l0, l1), _nan_max(l2, l3)), 0, _nan_max)
         if TILE_MASS:

@@ -2,7 +2,7 @@
 temperature and batch, with the worst cell beside the typical one.
 
     python -m tpsample.launch.sweep [--shapes 4096x151936,8192x128256] [--batches 1,16,64,256]
-        [--temps 0.7,1.0,1.5] [--out DIR] [--doc docs/performance.md --label NAME]
+        [--temps 0.7,1.0,1.5] [--heads zipf2.0,...,mixed] [--out DIR] [--doc docs/performance.md --label NAME]
 
 One W per shape carries every head's logit profile along its own direction of the hidden
 space, so a head is a hidden state: Zipf heads -a·ln(rank) (random placement) for a in
@@ -101,7 +101,7 @@ def run(args) -> dict:
         w, U = sweep_head(D, V, dtype, device)
         rows: list = []
         meta["shapes"].append({"D": D, "V": V, "rows": rows})
-        for head, T, B in itertools.product(list(HEADS) + ["mixed"], args.temps, args.batches):
+        for head, T, B in itertools.product(args.heads, args.temps, args.batches):
             h = hidden(U, head, B, dtype)
             stats_ = row_stats((h[:1].float() @ w.float().T)[0] / T) if head != "mixed" else {}
             ms = {"plain": time_fn(lambda: tpsample.sample(h, w, temperature=T, seed=1,
@@ -210,6 +210,8 @@ def parse_args(argv=None):
     p.add_argument("--shapes", help="DxV,... (default 4096x151936,8192x128256; CPU 64x4096)")
     p.add_argument("--batches", help="B,... (default 1,16,64,256; CPU 1,4)")
     p.add_argument("--temps", default="0.7,1.0,1.5")
+    p.add_argument("--heads", default=",".join(list(HEADS) + ["mixed"]),
+                   help="a subset of " + ",".join(list(HEADS) + ["mixed"]))
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--out", default="bench_out")
     p.add_argument("--doc", help="markdown file whose section --label this run rewrites")
@@ -223,6 +225,9 @@ def parse_args(argv=None):
     a.shapes = [tuple(int(x) for x in s.lower().split("x")) for s in shapes.split(",")]
     a.batches = [int(b) for b in (a.batches or ("1,16,64,256" if a.cuda else "1,4")).split(",")]
     a.temps = [float(t) for t in a.temps.split(",")]
+    a.heads = a.heads.split(",")
+    if not set(a.heads) <= set(HEADS) | {"mixed"}:
+        p.error(f"--heads: a subset of {','.join(list(HEADS) + ['mixed'])}")
     if any(t <= 0 or not math.isfinite(t) for t in a.temps):
         p.error("--temps: positive temperatures")
     return a

@@ -35,11 +35,15 @@ def flat_rows(V=3000, B=6, seed=2):
 
 @pytest.mark.parametrize("extra", [dict(), dict(num_samples=2, logprobs_mode="raw")],
                          ids=["replacement", "raw-S2"])
-@pytest.mark.parametrize("cap", [None, 4], ids=["sorted-cut", "bisection"])
-def test_fast_path_matches_reference(extra, cap, monkeypatch):
+@pytest.mark.parametrize("short,cap", [(None, None), (2, None), (2, 4)],
+                         ids=["short-sort", "long-sort", "bisection"])
+def test_fast_path_matches_reference(extra, short, cap, monkeypatch):
     """Every row flagged and taken by the fast path (the call has no top-k or top log-probs):
-    tokens equal the reference's, log-probs and log Z within 1e-4; with CAP = 4 no bracket
-    fits, so every top-p row's cut comes from the bisection."""
+    tokens equal the reference's, log-probs and log Z within 1e-4; with SHORT = 2 the
+    brackets take the CAP-slot sort, with CAP = 4 none fits, so every top-p row's cut comes
+    from the bisection."""
+    if short is not None:
+        monkeypatch.setattr(filter_cut, "SHORT", filter_cut.tl.constexpr(short))
     if cap is not None:
         monkeypatch.setattr(filter_cut, "CAP", filter_cut.tl.constexpr(cap))
     monkeypatch.setattr(launchers, "fallback_programs", lambda t: 5)

@@ -60,25 +60,26 @@ def sass_ops(kernel, constexprs: dict, num_warps: int, arch: int = 90,
 def gluon_ops(strategy: str, num_samples: int = 1, need_mass: bool = False, num_peers: int = 0,
               B: int = 256, D: int = 4096, arch: int = 90, cdf: bool = False,
               trace_rows: int | None = None, masked: bool = False, candidates: bool = False,
-              raw_mass: bool = False, listed: bool = False, **cfg) -> Counter:
+              raw_mass: bool = False, listed: bool = False, side: bool = False,
+              **cfg) -> Counter:
     """Opcode counts of the Hopper stage-1 kernel `strategy` ("ws" or "pp") as
     tpsample.launchers would launch it with this config (their defaults for the
     keys not given): the launcher runs on CPU tensors and hands its kernel, arguments,
     constexprs and options to a compile for sm_<arch> instead of a launch."""
     return cubin_ops(gluon_compile(strategy, num_samples, need_mass, num_peers, B, D, arch, cdf,
-                                   trace_rows, masked, candidates, raw_mass, listed, **cfg))
+                                   trace_rows, masked, candidates, raw_mass, listed, side, **cfg))
 
 
 def gluon_compile(strategy: str, num_samples: int = 1, need_mass: bool = False, num_peers: int = 0,
                   B: int = 256, D: int = 4096, arch: int = 90, cdf: bool = False,
                   trace_rows: int | None = None, masked: bool = False, candidates: bool = False,
-                  raw_mass: bool = False, listed: bool = False, **cfg):
+                  raw_mass: bool = False, listed: bool = False, side: bool = False, **cfg):
     """The compiled kernel behind gluon_ops: the plan for a Hopper GPU with this config,
     launched by tpsample.launchers on CPU tensors, with the launch intercepted. trace_rows:
     pp with its per-tile clock trace (a plan with trace=True) into a [trace_rows, 4] buffer;
     masked: with an allowed-token mask (ws only); candidates, raw_mass: with the candidate
     planes (ws only; raw_mass: the raw plane at T = 1); listed: masked, keeping the listed
-    tokens' logits (a call with logit_adjust)."""
+    tokens' logits (a call with logit_adjust); side: with the logits side output (ws)."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
     V = 4096
@@ -112,7 +113,8 @@ def gluon_compile(strategy: str, num_samples: int = 1, need_mass: bool = False, 
                          mask=torch.empty(B, V // 32, dtype=torch.int32) if masked or listed
                          else None,
                          held=(torch.empty(B, V // 32, dtype=torch.int32),
-                               torch.empty(B, V // 32)) if listed else None)
+                               torch.empty(B, V // 32)) if listed else None,
+                         side=torch.empty(B, V) if side else None)
     finally:
         launchers.run_kernel, launchers._num_sms = saved
     kernel = launch["fn"]
@@ -126,7 +128,8 @@ def gluon_compile(strategy: str, num_samples: int = 1, need_mass: bool = False, 
         else:
             sig[name] = "i32"
     order = list(inspect.signature(kernel.fn).parameters)
-    attrs = {(order.index(n),): [["tt.divisibility", 16]] for n in names if sig[n].startswith("*")}
+    attrs = {(order.index(n),): [["tt.divisibility", 16]] for n in names
+             if sig[n].startswith("*") or n == "stride_side"}
     return triton.compile(GluonASTSource(kernel, {n: sig[n] for n in order}, launch["constexprs"],
                                          attrs),
                           target=GPUTarget("cuda", arch, 32), options=launch["options"])

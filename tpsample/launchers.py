@@ -565,7 +565,7 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
                                                or filters.min_p is not None)
     if fast:
         _cut_steps(hidden, params, filters, out, count, rows, vocab_start, block_f,
-                   dict(launch, num_warps=4), aligned=gather is None and vocab_start % 4 == 0,
+                   dict(launch, num_warps=8), aligned=gather is None and vocab_start % 4 == 0,
                    slotted=gather is not None)
     run_kernel(filter_fallback.fallback_rows_kernel, (B,), (
         rows["l"], rows["stride"], rows["N"], vocab_start, params.inv_temp, params.seed,
@@ -593,7 +593,7 @@ def _cut_steps(hidden, params: RowParams, filters: Filters, out: F.FilteredOutpu
     two items per program of a full grid at small B)."""
     B, S, N = out.fallback.shape[0], out.tokens.shape[1], rows["N"]
     K = filter_cut
-    block = min(512, 1 << (N - 1).bit_length())
+    block = min(2048, 1 << (N - 1).bit_length())  # a read per step: 2048 columns a pass
     programs = fallback_programs(hidden)
     G = max(8, cdiv(programs, B)) if hidden.is_cuda else 4
     C = cdiv(cdiv(N, G), block) * block
@@ -619,7 +619,7 @@ def _cut_steps(hidden, params: RowParams, filters: Filters, out: F.FilteredOutpu
         run_kernel(K.cut_step_kernel, grid, args,
                    dict(STEP=step, HAS_K=filters.top_k is not None,
                         HAS_P=filters.top_p is not None, HAS_M=filters.min_p is not None,
-                        RAW=filters.raw, ALIGNED4=aligned, BLOCK=block,
+                        RAW=filters.raw, ALIGNED4=aligned, BLOCK=block, SUB=min(block, 512),
                         BLOCK_G=max(2, 1 << (G - 1).bit_length()), BLOCK_F=block_f,
                         PDL="launch_pdl" in launch, SLOTTED=slotted),
                    launch)
