@@ -64,7 +64,6 @@ class Pipeline:
         self.host_fallback_mode = False  # see _device_fallback_now
         self._fallback_seen = None
         self._fallback_copy = None
-        self._side_plans: dict = {}  # whether a filtered call's stage 1 writes its logits
         # transports that gather rows on the device (symm_mem): the exact fallback of
         # filtered calls stays on the device under TP too, with the flagged rows' logit
         # shards gathered through the transport; shard_starts: each rank's first global id
@@ -307,19 +306,13 @@ class Pipeline:
                                                self._mask_words(weight, vocab_start)))
         if not fixed:
             per_call["weight"] = weight
-        # stage 1 also writes the transformed logits (the exact fallback then reads them
-        # instead of W) where its kernel stores them cheaply, and in ws (whose lane-order
-        # stores cost 0.1 ms at B = 64) only for calls whose rows fall back on heavy tails
-        side_key = (B, hidden.shape[1], weight.shape[0], hidden.dtype, hidden.device, merge, S,
-                    filters.replacement, filters.raw, constraints.any, vocab_start, T)
-        if side_key not in self._side_plans:
-            self._side_plans[side_key] = self.plan(
-                hidden, weight, merge=merge, num_samples=S, need_mass=True,
-                vocab_start=vocab_start, tiles=T, filters=filters,
-                masked=constraints.any).strategy != "ws"
+        # stage 1 also writes the transformed logits (B·V·4 bytes) in calls whose rows fall
+        # back on heavy tails (top-p / min-p without top-k): the exact fallback then reads
+        # them instead of W. Other filtered calls rarely fall back and skip the write (it
+        # cost top_k 50 3-5 % at B <= 64, docs/design.md).
         per_call["side"] = (torch.empty(B, T * records.TILE, dtype=torch.float32,
                                         device=hidden.device)
-                            if self._side_plans[side_key] or fast_fallback(filters) else None)
+                            if fast_fallback(filters) else None)
         key = stage2s = stream = plan = log1 = None
         if hidden.is_cuda and replay.Replay.usable():
             key = ("filtered", merge, S, hidden.device, hidden.shape, hidden.stride(), n_real,
