@@ -254,3 +254,32 @@ def test_nccl_warns_when_the_group_outlives_timeout_s_only_where_the_process_sur
     with caplog.at_level("WARNING", logger="tpsample"):
         _nccl_without_a_group(monkeypatch, [], handling="2")
     assert caplog.messages == []
+
+
+def _after_destroy(rank, world):
+    import torch.distributed as dist
+    import tpsample
+    g = dist.new_group(list(range(world)))
+    V, D = 64, 8
+    w = torch.randn(V, D, generator=torch.Generator().manual_seed(0))
+    lo = V * rank // world
+    s = tpsample.VocabParallelSampler(w[lo:V * (rank + 1) // world].contiguous(), vocab_size=V,
+                                      vocab_start=lo, group=g)
+    h = torch.randn(2, D, generator=torch.Generator().manual_seed(1))
+    before = s(h, seed=1).tolist()
+    dist.destroy_process_group(g)
+    del g
+    try:
+        s(h, seed=1)
+    except RuntimeError as e:
+        return {"before": before, "after": str(e)}
+    return {"before": before, "after": None}
+
+
+def test_a_sampler_holds_no_destroyed_group():
+    """Samplers hold their group by weak reference (a destroyed gloo group kept alive until
+    interpreter exit aborts the process: tests/test_exit.py): after destroy_process_group the
+    sampler raises, naming what happened, instead of keeping the group."""
+    for r in run_world(2, _after_destroy):
+        assert len(r["before"]) == 2
+        assert r["after"] is not None and "process group was destroyed" in r["after"]

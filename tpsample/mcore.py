@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .parallel import VocabParallelSampler
+from .transport import GroupRef
 
 
 def lm_head_shard(model) -> torch.Tensor:
@@ -85,7 +86,7 @@ class MegatronSampler:
 
     def __init__(self, model, *, vocab_size: int | None = None, group=None,
                  sequence_parallel: bool | None = None, **kwargs):
-        self.group = _tp_group(group)
+        self._group = GroupRef(_tp_group(group))
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
         weight = lm_head_shard(model)
@@ -106,6 +107,11 @@ class MegatronSampler:
         self.sampler = VocabParallelSampler(weight, vocab_size=vocab_size,
                                             vocab_start=self.rank * rows, group=self.group,
                                             **kwargs)
+
+    @property
+    def group(self):
+        """The tensor-parallel group (held by weak reference: transport.GroupRef)."""
+        return self._group()
 
     def last_hidden(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[b, h] contiguous: the last position of hidden_states [s_local, b, h] (under

@@ -15,7 +15,7 @@ from . import constraints as C
 from . import params as P
 from .pipeline import Pipeline
 from .records import num_tiles
-from .transport import ExchangeTimeout, all_gather_flat, make_transport
+from .transport import ExchangeTimeout, GroupRef, all_gather_flat, make_transport
 
 MERGE_IDS = {m: i for i, m in enumerate(P.MERGES)}
 
@@ -82,7 +82,7 @@ class VocabParallelSampler:
         if not dist.is_initialized():
             raise RuntimeError("VocabParallelSampler needs torch.distributed to be initialised "
                                "(torchrun + dist.init_process_group)")
-        self.group = group if group is not None else dist.group.WORLD
+        self._group = GroupRef(group if group is not None else dist.group.WORLD)
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
         P.check_matrix("weight_shard", weight_shard)
@@ -135,6 +135,11 @@ class VocabParallelSampler:
                                  shard_starts=starts)
 
     # -- construction helpers ------------------------------------------------------------
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The process group (held by weak reference: transport.GroupRef)."""
+        return self._group()
+
     def _all_gather_object(self, obj):
         out = [None] * self.world
         dist.all_gather_object(out, obj, group=self.group)

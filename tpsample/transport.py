@@ -54,6 +54,7 @@ import datetime
 import logging
 import os
 import socket
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -79,6 +80,26 @@ class ExchangeTimeout(TimeoutError):
         self.call = call
 
 
+class GroupRef:
+    """A process group held by weak reference. torch's registry keeps a group until
+    `destroy_process_group`; a sampler that held it too kept a destroyed gloo group alive
+    until interpreter shutdown, where destroying it aborts the process in about one run in
+    five ("terminate called without an active exception"; docs/design.md). Calling it
+    returns the group, or raises once the group was destroyed."""
+    __slots__ = ("_ref",)
+
+    def __init__(self, group):
+        self._ref = weakref.ref(group)
+
+    def __call__(self):
+        group = self._ref()
+        if group is None:
+            raise RuntimeError("tpsample: this sampler's process group was destroyed "
+                               "(dist.destroy_process_group); build a new sampler on a live "
+                               "group")
+        return group
+
+
 class Transport:
     name = "base"
     device_gather = False  # rows_gather / gather_exchange (symm_mem): kernels gather rows
@@ -89,13 +110,19 @@ class Transport:
         return ()
 
     def __init__(self, group, device: torch.device, timeout_s: float):
-        self.group = group
+        self._group = GroupRef(group) if group is not None else None  # None: the default
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.device = device
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.capacity = 0
         self.failure: ExchangeTimeout | None = None  # set by the first failed exchange
+
+    _group: GroupRef | None = None
+
+    @property
+    def group(self):
+        return self._group() if self._group is not None else None
 
     def check(self, synchronize: bool = False) -> None:
         """Raise ExchangeTimeout if an exchange of this transport has failed (then every
