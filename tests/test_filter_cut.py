@@ -19,6 +19,7 @@ from tpsample.api import _pipeline
 from tpsample.kernels import filter_cut
 from tpsample.reference import reference_sample
 
+from dist_utils import run_world
 from stats import ALPHA, chi2_pvalue
 from test_filters import assert_matches_reference, counts, filtered_probs, row_logits
 
@@ -130,3 +131,33 @@ def test_chi2_flat_rows(backend, rows, filt, wrong, monkeypatch):
     assert p[tok].min() > 0, "a token outside the kept set"
     assert chi2_pvalue(tok, p) > ALPHA
     assert chi2_pvalue(tok, wrong(logits)) < ALPHA
+
+
+# ----- tensor parallel (gloo): the same tokens as one device on flat rows ------------------
+FLAT_TP = dict(top_p=torch.tensor([0.9, 0.5, 0.99, 0.95]),
+               min_p=torch.tensor([0.0, 0.2, 0.0, 0.05]), seed=torch.arange(4) * 7 + 1)
+
+
+def _tp_flat(rank, world, backend):
+    h, w = flat_rows(V=600, B=4)
+    V = w.shape[0]
+    lo, hi = rank * V // world, (rank + 1) * V // world
+    s = tpsample.VocabParallelSampler(w[lo:hi].contiguous(), vocab_size=V, vocab_start=lo,
+                                      backend=backend)
+    return s(h, return_logprobs=True, **FLAT_TP)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_tp_flat_rows_equal_one_device(backend):
+    """Two gloo ranks, top-p / min-p only on flat rows (every row falls back: its logit shards
+    come from the side output stage 1 wrote, gathered on the host): tokens equal the one-device
+    call's in every row, log-probs and log Z within 1e-5."""
+    outs = run_world(2, _tp_flat, backend)
+    for o in outs:
+        assert not isinstance(o, dict), o
+    h, w = flat_rows(V=600, B=4)
+    one = tpsample.sample(h, w, backend=backend, return_logprobs=True, **FLAT_TP)
+    for o in outs:
+        assert torch.equal(o.tokens, one.tokens)
+        assert torch.allclose(o.logprobs, one.logprobs, atol=1e-5)
+        assert torch.allclose(o.logz, one.logz, atol=1e-5)
