@@ -108,6 +108,19 @@ def test_mask_allowing_one_token_and_nothing():
         assert (out.tokens == 0).all() and (out.logz == float("-inf")).all()  # degenerate rows
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fewer_allowed_tokens_than_samples_without_replacement(backend):
+    """Two allowed tokens, four samples without replacement: both allowed ids, then -1 with
+    log-prob -inf (never a forbidden id), on every backend."""
+    h, w = random_inputs(3, 8, 64, seed=0)
+    mask = torch.zeros(3, 2, dtype=torch.int32)
+    mask[:, 1] = (1 << 0) | (1 << 2)  # ids 32 and 34
+    out = tpsample.sample(h, w, seed=1, num_samples=4, replacement=False, allowed_mask=mask,
+                          backend=backend, return_logprobs=True)
+    assert (out.tokens[:, 2:] == -1).all() and torch.isinf(out.logprobs[:, 2:]).all()
+    assert (out.tokens[:, :2].sort(-1).values == torch.tensor([32, 34])).all()
+
+
 def test_chi2_adjustments_promote_and_demote():
     """The top token pushed below the rest, a low one promoted to near the top."""
     h, w, l = case()

@@ -234,11 +234,13 @@ def reduce_candidates(recs: torch.Tensor, params: RowParams, filters: Filters, n
 
 def top_perturbed(samples: torch.Tensor, S: int):
     """4. above: sample planes [slots, S, B, T, 4] of (s+1)-th best perturbed scores → the
-    row's S best (token int64 [B, S], logit [B, S])."""
+    row's S best (token int64 [B, S], -1 where fewer than S are allowed; logit [B, S])."""
     slots, _, B, T, _ = samples.shape
     r = samples.permute(2, 0, 1, 3, 4).reshape(B, slots * S * T, 4)
     score, tok, logit = r[..., 0], r[..., 1], r[..., 2]
     o = torch.argsort(tok, dim=-1, stable=True)
     score, tok, logit = score.gather(-1, o), tok.gather(-1, o), logit.gather(-1, o)
     o = torch.argsort(score, dim=-1, descending=True, stable=True)[:, :S]
-    return tok.gather(-1, o).long(), logit.gather(-1, o)
+    # a slot past the row's allowed tokens (score -inf) has no token: -1, as the kernel gives
+    tok = torch.where(score.gather(-1, o) > NEG_INF, tok.gather(-1, o).long(), -1)
+    return tok, logit.gather(-1, o)
