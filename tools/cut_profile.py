@@ -2,8 +2,11 @@
 fast path's bracket sizes, and do_bench medians of plain / filtered / sort, for the sweep's
 heads at one shape.
 
-    python tools/cut_profile.py [--D 4096 --V 151936] [--heads gauss1,zipf1.0,zipf1.3]
-        [--batches 1,16,64,256] [--out DIR]
+    python -m tools.cut_profile [--D 4096 --V 151936] [--heads gauss1,zipf1.0,zipf1.3]
+        [--batches 1,16,64,256] [--filters p0.9,m0.1] [--out DIR]
+
+The kernels are programmatic dependents of the one before: a kernel's duration includes its
+wait for that one, so the durations overlap and add up to more than the call.
 """
 import argparse
 import json
@@ -21,6 +24,7 @@ from tpsample.launch.sweep import hidden, sort_top_p, sweep_head
 
 
 def kernel_times(fn):
+    """[(position in the call, kernel name, mean µs)] over five calls (profiled)."""
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -29,11 +33,8 @@ def kernel_times(fn):
         torch.cuda.synchronize()
     ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     per = defaultdict(float)
-    seq = []
-    for e in ev:
-        seq.append((e.name[:40], e.device_time_range.elapsed_us() if hasattr(e, "device_time_range") else e.cuda_time))
+    seq = [(e.name[:40], e.device_time) for e in ev]
     n = len(seq) // 5
-    one = seq[:n]
     for i in range(5):
         for j, (name, t) in enumerate(seq[i * n:(i + 1) * n]):
             per[(j, name)] += t / 5
@@ -49,7 +50,8 @@ def main():
     ap.add_argument("--filters", default="p0.9,m0.1")
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
-    F = {"p0.9": dict(top_p=0.9), "m0.1": dict(min_p=0.1), "p0.95m0.05": dict(top_p=0.95, min_p=0.05)}
+    F = {"p0.9": dict(top_p=0.9), "m0.1": dict(min_p=0.1),
+         "p0.95m0.05": dict(top_p=0.95, min_p=0.05)}
     w, U = sweep_head(a.D, a.V, torch.bfloat16, "cuda")
     keys_seen = []
     orig = launchers.run_kernel
