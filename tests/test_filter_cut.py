@@ -161,3 +161,23 @@ def test_tp_flat_rows_equal_one_device(backend):
         assert torch.equal(o.tokens, one.tokens)
         assert torch.allclose(o.logprobs, one.logprobs, atol=1e-5)
         assert torch.allclose(o.logz, one.logz, atol=1e-5)
+
+
+@pytest.mark.parametrize("filters,writes", [(dict(top_p=0.9), True), (dict(min_p=0.1), True),
+                                            (dict(top_k=50), False),
+                                            (dict(top_k=50, top_p=0.9), False),
+                                            (dict(top_p=0.9, top_logprobs=2), False)])
+def test_stage1_writes_the_side_output_only_for_the_fast_path(filters, writes, monkeypatch):
+    """The B·V·4-byte side output costs stage 1 a few percent: only calls whose flagged rows
+    all take the fast path (top-p / min-p, no top-k, top log-probs or distinct samples) ask
+    for it."""
+    seen = []
+    real = launchers.stage1
+
+    def spy(*args, side=None, **kw):
+        seen.append(side is not None)
+        return real(*args, side=side, **kw)
+    monkeypatch.setattr(launchers, "stage1", spy)
+    h, w = flat_rows(V=600, B=2)
+    tpsample.sample(h, w, seed=1, backend="triton", **filters)
+    assert seen == [writes]
