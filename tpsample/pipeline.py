@@ -334,9 +334,10 @@ class Pipeline:
                                    constraints, n_real=n_real, vocab_start=vocab_start,
                                    fanout=fanout[:2] if fanout else None)
 
-        fast = fast_fallback(filters) and per_call["side"] is not None
+        # the side output's calls always take the device path (kernels/filter_cut.py)
         on_device = ((self.transport.world == 1 or self.gather_fallback)
-                     and (fast or self._device_fallback_now(hidden, in_capture)))
+                     and (per_call["side"] is not None
+                          or self._device_fallback_now(hidden, in_capture)))
         later = dict(top_k=filters.top_k, top_p=filters.top_p, min_p=filters.min_p)
         gathered = None
         if on_device and self.gather_fallback:  # the flagged rows' logit shards, gathered
