@@ -22,12 +22,13 @@ A(t*) >= p·Z. The row is split into G chunks; one launch per STEP, each program
            [t_i, hi) for each and the smallest and largest logit in the bracket. The next
            bracket lies between the last threshold with A >= p·Z and the one after it (every
            program replays these choices from the partial sums). The first bracket is
-           [max(x_min, x_max - RANGE), inf): a top-p cut never lies lower (the tokens below
-           weigh at most V·e^-RANGE < 1e-9 of Z, and p <= 1 - 2^-24).
-  COMPACT  the final bracket's tokens, as keys, into CAP slots per row (an atomic counter
-           claims slots; their order does not matter: the next step sorts them).
-  FINISH   per row: the keys sorted (SHORT slots when they fit, the usual case after three
-           passes, else CAP), the prefix mass from A(hi) on, the cut. A row whose
+           [lo, inf) with lo the largest of x_min, x_max - RANGE (the tokens below weigh at
+           most V·e^-RANGE < 1e-9 of Z, and p <= 1 - 2^-24) and x_max + ln((1-p)·Z / N)
+           - 1/2 (_first_lo): a top-p cut never lies lower.
+  COMPACT  the final bracket's columns into CAP slots per row (an atomic counter claims
+           slots; their order does not matter: the next step makes their keys and sorts them).
+  FINISH   per row: the keys sorted (SHORT or MID slots when they fit, the usual case after
+           three passes, else CAP), the prefix mass from A(hi) on, the cut. A row whose
            bracket holds more than CAP tokens (thousands of exactly tied logits) takes the
            bisection of filter_fallback.key_cut instead (exact, slower).
   SAMPLE   per chunk and sample: the Gumbel-max of the kept tokens ({key >= cut}, and
@@ -43,14 +44,15 @@ a sort of at most CAP keys; no step needs more than G·(NT + 2) partial sums per
 import triton
 import triton.language as tl
 
-from .filter_fallback import count_flags, fast_row, key_cut, row_keys
+from .filter_fallback import count_flags, fast_row, key_cut, row_ids, row_x
 from .filter_records import ID_MASK, KEY_TOP, NEG_INF, decode_key, order_key
 from .fused_sample import NOISE_COEF, gumbel_log, philox_word, philox_words_tile
 
 NT = tl.constexpr(16)       # thresholds per HIST pass
 PASSES = tl.constexpr(3)    # HIST passes: the bracket narrows NT-fold (or to its range) each
 CAP = tl.constexpr(2048)    # compaction slots per row
-SHORT = tl.constexpr(128)   # a bracket of at most this many keys takes the short sort
+SHORT = tl.constexpr(128)   # brackets of at most SHORT / MID keys take a shorter sort
+MID = tl.constexpr(512)     # (flat rows: ~100 keys; Zipf tails at T = 1.5: 300-450)
 RANGE = tl.constexpr(40.0)  # nats below the row max that can hold a top-p cut
 STATS = tl.constexpr(0)
 COMPACT = tl.constexpr(PASSES.value + 1)
@@ -74,6 +76,16 @@ def _row_stats(part_ptr, b, B, G, W, BLOCK_G: tl.constexpr):
 
 
 @triton.jit
+def _first_lo(xmax, xmin, target, z, N):
+    """A logit below the cut's: the tokens at or below the cut's logit t* weigh more than
+    Z - p·Z (the tokens above it weigh less than p·Z), and at most N·exp(t* - xmax), so
+    t* > xmax + ln((Z - p·Z) / N); half a nat lower covers the sums' rounding. Never below
+    the smallest logit or RANGE under the max."""
+    bound = xmax + tl.log((z - target) / N) - 0.5
+    return tl.maximum(tl.maximum(xmin, xmax - RANGE), tl.where(z > target, bound, NEG_INF))
+
+
+@triton.jit
 def _thresholds(lo, u, NT_: tl.constexpr):
     """NT_ thresholds over [lo, u]: lo + (u - lo) * i / NT_, i = 1..NT_."""
     i = (tl.arange(0, NT_) + 1).to(tl.float32)
@@ -81,11 +93,11 @@ def _thresholds(lo, u, NT_: tl.constexpr):
 
 
 @triton.jit
-def _bracket(part_ptr, b, B, G, W, done, target, xmax, xmin, NT_: tl.constexpr,
+def _bracket(part_ptr, b, B, G, W, done, target, z, N, xmax, xmin, NT_: tl.constexpr,
              BLOCK_G: tl.constexpr):
     """The bracket after `done` HIST passes: (lo, hi, A(hi), and the range [bmin, bmax] the
     last pass saw inside its bracket, which bounds every logit of this one)."""
-    lo = tl.maximum(xmin, xmax - RANGE)
+    lo = _first_lo(xmax, xmin, target, z, N)
     hi = tl.cast(INF, tl.float32)
     a_hi = tl.cast(0.0, tl.float32)
     bmin = xmin
@@ -110,11 +122,16 @@ def _bracket(part_ptr, b, B, G, W, done, target, xmax, xmin, NT_: tl.constexpr,
 
 
 @triton.jit
-def _sorted_cut(keys, n, a_hi, target, xmax, SIZE: tl.constexpr):
-    """The cut from the bracket's n <= SIZE keys: sorted descending, the prefix mass from
-    A(hi) on; the last key whose prefix mass before it is below p·Z."""
+def _sorted_cut(keys, n, row, N, vocab_start, slots, a_hi, target, xmax, SIZE: tl.constexpr,
+                SLOTTED: tl.constexpr):
+    """The cut from the bracket's n <= SIZE columns (COMPACT's slots): their keys sorted
+    descending, the prefix mass from A(hi) on; the last key whose prefix mass before it is
+    below p·Z."""
     q = tl.arange(0, SIZE)
-    ks = tl.sort(tl.load(keys + q, mask=q < n, other=-1), descending=True)
+    v = tl.load(keys + q, mask=q < n, other=N).to(tl.int32)
+    x = row_x(row, v, N, slots, SLOTTED)
+    k = tl.where(x > NEG_INF, order_key(x, row_ids(v, N, vocab_start, slots, SLOTTED)), -1)
+    ks = tl.sort(k, descending=True)
     valid = ks >= 0
     e = tl.where(valid, tl.exp(decode_key(tl.where(valid, ks, 0)) - xmax), 0.0)
     before = a_hi + tl.cumsum(e, 0) - e
@@ -171,12 +188,15 @@ def cut_step_kernel(
             c0 = g * C
             c1 = tl.minimum(c0 + C, N)
             mine = part_ptr + ((b64 + STEP * B) * G + g) * W
+            cols = tl.arange(0, BLOCK)
             if STEP == STATS:  # online max and sum per lane, one read
                 lm = tl.full((BLOCK,), NEG_INF, tl.float32)
                 ls = tl.zeros((BLOCK,), tl.float32)
                 lmin = tl.full((BLOCK,), INF, tl.float32)
+                xn = row_x(row, c0 + cols, c1, slots, SLOTTED)
                 for v0 in range(c0, c1, BLOCK):
-                    x, key, gid = row_keys(row, v0, c1, vocab_start, slots, BLOCK, SLOTTED)
+                    x = xn  # the next block's load in flight while this one is summed
+                    xn = row_x(row, v0 + BLOCK + cols, c1, slots, SLOTTED)
                     up = tl.maximum(lm, x)
                     safe = tl.where(up > NEG_INF, up, 0.0)
                     ls = ls * tl.exp(lm - safe) + tl.exp(x - safe)
@@ -194,7 +214,7 @@ def cut_step_kernel(
                 target = p * z
                 if STEP <= PASSES:  # HIST
                     lo, hi, a_hi, bmin, bmax = _bracket(part_ptr, b, B, G, W, STEP - 1, target,
-                                                        xmax, xmin, NT, BLOCK_G)
+                                                        z, N, xmax, xmin, NT, BLOCK_G)
                     lo_e = tl.maximum(lo, bmin)
                     t = _thresholds(lo_e, tl.maximum(tl.minimum(tl.minimum(xmax, bmax), hi), lo_e),
                                    NT)
@@ -202,38 +222,54 @@ def cut_step_kernel(
                     acc = tl.zeros((SUB, NT), dtype=tl.float32)
                     nmin = tl.full((SUB, 1), INF, tl.float32)
                     nmax = tl.full((SUB, 1), NEG_INF, tl.float32)
-                    for v0 in range(c0, c1, BLOCK):
-                        for u in tl.static_range(BLOCK // SUB):
-                            x, key, gid = row_keys(row, v0 + u * SUB, c1, vocab_start, slots, SUB,
-                                                   SLOTTED, COLUMN=True)
-                            below = x < hi
-                            e = tl.where(below, tl.exp(x - xmax), 0.0)
-                            acc += tl.where(x >= t[None, :], e, 0.0)
-                            inside = below & (x >= lo_e)
-                            nmin = tl.minimum(nmin, tl.where(inside, x, INF))
-                            nmax = tl.maximum(nmax, tl.where(inside, x, NEG_INF))
+                    # SUB columns at a time, the next three slices' loads in flight
+                    sub = tl.arange(0, SUB)[:, None]
+                    xa = row_x(row, c0 + sub, c1, slots, SLOTTED)
+                    xb = row_x(row, c0 + SUB + sub, c1, slots, SLOTTED)
+                    xc = row_x(row, c0 + 2 * SUB + sub, c1, slots, SLOTTED)
+                    for v0 in range(c0, c1, SUB):
+                        x = xa
+                        xa = xb
+                        xb = xc
+                        xc = row_x(row, v0 + 3 * SUB + sub, c1, slots, SLOTTED)
+                        below = x < hi
+                        e = tl.where(below, tl.exp(x - xmax), 0.0)
+                        acc += tl.where(x >= t[None, :], e, 0.0)
+                        inside = below & (x >= lo_e)
+                        nmin = tl.minimum(nmin, tl.where(inside, x, INF))
+                        nmax = tl.maximum(nmax, tl.where(inside, x, NEG_INF))
                     tl.store(mine + tl.arange(0, NT), tl.sum(acc, axis=0))
                     tl.store(mine + NT, tl.min(nmin))
                     tl.store(mine + NT + 1, tl.max(nmax))
                 elif STEP == COMPACT:
                     lo, hi, a_hi, bmin, bmax = _bracket(part_ptr, b, B, G, W, PASSES, target,
-                                                        xmax, xmin, NT, BLOCK_G)
+                                                        z, N, xmax, xmin, NT, BLOCK_G)
+                    # a slot per selected token from one atomic each: a block holds one or
+                    # two of the bracket's ~100 tokens, so a per-block count and scan (two
+                    # block reductions) would cost more than the few atomics
+                    # claims a slot per selected column (its key is made in FINISH)
+                    counter = keys + CAP + tl.zeros((BLOCK,), tl.int32)
+                    one = tl.full((BLOCK,), 1, tl.int64)
+                    xn = row_x(row, c0 + cols, c1, slots, SLOTTED)
                     for v0 in range(c0, c1, BLOCK):
-                        x, key, gid = row_keys(row, v0, c1, vocab_start, slots, BLOCK, SLOTTED)
+                        x = xn
+                        xn = row_x(row, v0 + BLOCK + cols, c1, slots, SLOTTED)
                         sel = (x >= lo) & (x < hi)
-                        n = tl.sum(sel.to(tl.int64))
-                        if n > 0:
-                            first = tl.atomic_add(keys + CAP, n)
-                            pos = first + tl.cumsum(sel.to(tl.int64), 0) - 1
-                            tl.store(keys + pos, key, mask=sel & (pos < CAP))
+                        pos = tl.atomic_add(counter, one, mask=sel, sem="relaxed")
+                        tl.store(keys + pos, (v0 + cols).to(tl.int64), mask=sel & (pos < CAP))
                 elif STEP == FINISH:
                     lo, hi, a_hi, bmin, bmax = _bracket(part_ptr, b, B, G, W, PASSES, target,
-                                                        xmax, xmin, NT, BLOCK_G)
+                                                        z, N, xmax, xmin, NT, BLOCK_G)
                     n = tl.load(keys + CAP)
-                    if (n <= SHORT) & (n <= CAP):
-                        cut = _sorted_cut(keys, n, a_hi, target, xmax, SHORT)
+                    if n <= SHORT:
+                        cut = _sorted_cut(keys, n, row, N, vocab_start, slots, a_hi, target,
+                                          xmax, SHORT, SLOTTED)
+                    elif n <= MID:
+                        cut = _sorted_cut(keys, n, row, N, vocab_start, slots, a_hi, target,
+                                          xmax, MID, SLOTTED)
                     elif n <= CAP:
-                        cut = _sorted_cut(keys, n, a_hi, target, xmax, CAP)
+                        cut = _sorted_cut(keys, n, row, N, vocab_start, slots, a_hi, target,
+                                          xmax, CAP, SLOTTED)
                     else:  # more than CAP tokens in the bracket (ties): the bisection
                         cut = key_cut(row, N, vocab_start, slots, tl.cast(0, tl.int64), target,
                                       xmax, True, BLOCK, SLOTTED)
@@ -253,9 +289,12 @@ def cut_step_kernel(
                         best_x = tl.full((BLOCK,), NEG_INF, tl.float32)
                         mass = tl.zeros((BLOCK,), tl.float32)
                         raw = tl.zeros((BLOCK,), tl.float32)
+                        xn = row_x(row, c0 + cols, c1, slots, SLOTTED)
                         for v0 in range(c0, c1, BLOCK):
-                            x, key, gid = row_keys(row, v0, c1, vocab_start, slots, BLOCK,
-                                                   SLOTTED)
+                            x = xn
+                            xn = row_x(row, v0 + BLOCK + cols, c1, slots, SLOTTED)
+                            gid = row_ids(v0 + cols, c1, vocab_start, slots, SLOTTED)
+                            key = tl.where(x > NEG_INF, order_key(x, gid), -1)
                             e = tl.exp(x - xmax)
                             keep = (key >= cut) & (e >= m)
                             if s == 0:

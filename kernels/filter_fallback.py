@@ -128,26 +128,42 @@ def fast_row(b, flag_ptr, inv_temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, calls_p
 
 
 @triton.jit
-def row_keys(row, v0, N, vocab_start, slots, BLOCK: tl.constexpr, SLOTTED: tl.constexpr,
-             COLUMN: tl.constexpr = False):
-    """Logits, order keys (-1: not a candidate, x = -inf) and global ids of the row's
-    columns [v0, v0 + BLOCK). The row is row[0 : N] (ids from vocab_start) or, SLOTTED, the
-    ranks' shards one after the other: slots = (columns per shard n, the shard stride in
-    floats, starts_ptr: int64 [world], each shard's first global id). COLUMN: as [BLOCK, 1]
-    tensors, loaded in the layout of a [BLOCK, n] tensor they broadcast into (a [BLOCK]
-    load broadcast later goes through shared memory, with barriers, on every block)."""
-    v = v0 + tl.arange(0, BLOCK)
-    if COLUMN:
-        v = v[:, None]
+def row_x(row, v, N, slots, SLOTTED: tl.constexpr):
+    """The row's logits at columns v (any shape; -inf at v >= N). The row is row[0 : N] or,
+    SLOTTED, the ranks' shards one after the other: slots = (columns per shard n, the shard
+    stride in floats, starts_ptr: int64 [world], each shard's first global id)."""
     if SLOTTED:
         n, stride, starts_ptr = slots
         slot = v // n
-        col = v - slot * n
-        x = tl.load(row + slot.to(tl.int64) * stride + col, mask=v < N, other=NEG_INF)
-        gid = tl.load(starts_ptr + slot, mask=v < N, other=0).to(tl.int32) + col
+        return tl.load(row + slot.to(tl.int64) * stride + (v - slot * n), mask=v < N,
+                       other=NEG_INF)
     else:
-        x = tl.load(row + v, mask=v < N, other=NEG_INF)
-        gid = vocab_start + v
+        return tl.load(row + v, mask=v < N, other=NEG_INF)
+
+
+@triton.jit
+def row_ids(v, N, vocab_start, slots, SLOTTED: tl.constexpr):
+    """The global token ids of columns v (as row_x)."""
+    if SLOTTED:
+        n, stride, starts_ptr = slots
+        slot = v // n
+        return tl.load(starts_ptr + slot, mask=v < N, other=0).to(tl.int32) + (v - slot * n)
+    else:
+        return vocab_start + v
+
+
+@triton.jit
+def row_keys(row, v0, N, vocab_start, slots, BLOCK: tl.constexpr, SLOTTED: tl.constexpr,
+             COLUMN: tl.constexpr = False):
+    """Logits, order keys (-1: not a candidate, x = -inf) and global ids of the row's
+    columns [v0, v0 + BLOCK) (row_x). COLUMN: as [BLOCK, 1] tensors, loaded in the layout
+    of a [BLOCK, n] tensor they broadcast into (a [BLOCK] load broadcast later goes through
+    shared memory, with barriers, on every block)."""
+    v = v0 + tl.arange(0, BLOCK)
+    if COLUMN:
+        v = v[:, None]
+    x = row_x(row, v, N, slots, SLOTTED)
+    gid = row_ids(v, N, vocab_start, slots, SLOTTED)
     key = tl.where(x > NEG_INF, order_key(x, gid), -1)
     return x, key, gid
 

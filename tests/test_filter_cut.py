@@ -36,17 +36,17 @@ def flat_rows(V=3000, B=6, seed=2):
 
 @pytest.mark.parametrize("extra", [dict(), dict(num_samples=2, logprobs_mode="raw")],
                          ids=["replacement", "raw-S2"])
-@pytest.mark.parametrize("short,cap", [(None, None), (2, None), (2, 4)],
-                         ids=["short-sort", "long-sort", "bisection"])
-def test_fast_path_matches_reference(extra, short, cap, monkeypatch):
+@pytest.mark.parametrize("short,mid,cap", [(None, None, None), (2, None, None), (2, 4, None),
+                                           (2, 2, 4)],
+                         ids=["short-sort", "mid-sort", "long-sort", "bisection"])
+def test_fast_path_matches_reference(extra, short, mid, cap, monkeypatch):
     """Every row flagged and taken by the fast path (the call has no top-k or top log-probs):
     tokens equal the reference's, log-probs and log Z within 1e-4; with SHORT = 2 the
-    brackets take the CAP-slot sort, with CAP = 4 none fits, so every top-p row's cut comes
-    from the bisection."""
-    if short is not None:
-        monkeypatch.setattr(filter_cut, "SHORT", filter_cut.tl.constexpr(short))
-    if cap is not None:
-        monkeypatch.setattr(filter_cut, "CAP", filter_cut.tl.constexpr(cap))
+    brackets take the MID-slot sort, with MID = 4 too the CAP-slot sort, with CAP = 4 none
+    fits, so every top-p row's cut comes from the bisection."""
+    for name, value in (("SHORT", short), ("MID", mid), ("CAP", cap)):
+        if value is not None:
+            monkeypatch.setattr(filter_cut, name, filter_cut.tl.constexpr(value))
     monkeypatch.setattr(launchers, "fallback_programs", lambda t: 5)
     h, w = flat_rows()
     kw = dict(FLAT, seed=torch.arange(6) * 13 + 1, **extra)

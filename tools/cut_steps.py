@@ -1,0 +1,125 @@
+"""Each launch of one filtered call timed alone, and the fast path's steps under other
+launch shapes (programs, warps, block): where the exact fallback's time goes.
+
+    python -m tools.cut_steps [--D 4096 --V 151936] [--heads gauss1] [--batches 16,64,256]
+        [--filter p0.9] [--out DIR]
+
+Each launch is replayed alone in a CUDA graph (no host time; its programmatic-dependent wait
+returns at once), so the durations add up to the call's GPU time less the gaps between
+launches. Variants
+are timed on the captured arguments: a step's partial sums are rewritten in place and the
+steps after it read the same values, so the variants must give the same tokens (checked).
+"""
+import argparse
+import json
+import os
+
+import torch
+from triton.testing import do_bench, do_bench_cudagraph
+
+import tpsample
+from tpsample import launchers
+from tpsample import replay as replay_mod
+from tpsample.launch.sweep import hidden, sort_top_p, sweep_head
+
+FILTERS = {"p0.9": dict(top_p=0.9), "m0.1": dict(min_p=0.1), "p0.95": dict(top_p=0.95)}
+
+
+def capture(fn):
+    """fn's result and [(kernel, grid, args, constexprs, options)] of the launches it makes."""
+    log = []
+    orig = launchers.run_kernel
+
+    def spy(k, grid, args, const, opts):
+        log.append((k, grid, args, dict(const), dict(opts)))
+        return orig(k, grid, args, const, opts)
+    launchers.run_kernel = spy
+    enabled, replay_mod.ENABLED = replay_mod.ENABLED, False  # launch, don't replay a list
+    try:
+        out = fn()
+    finally:
+        launchers.run_kernel = orig
+        replay_mod.ENABLED = enabled
+    torch.cuda.synchronize()
+    return out, log
+
+
+def replay(log, upto):
+    """The call's launches before position upto, in order (the state a launch starts from)."""
+    for k, grid, args, const, opts in log[:upto]:
+        k[grid](*args, **const, **opts)
+
+
+def name(k, const):
+    n = getattr(getattr(k, "fn", k), "__name__", str(k))
+    return f"{n}[{const['STEP']}]" if "STEP" in const else n
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--D", type=int, default=4096)
+    ap.add_argument("--V", type=int, default=151936)
+    ap.add_argument("--heads", default="gauss1")
+    ap.add_argument("--batches", default="16,64,256")
+    ap.add_argument("--filter", default="p0.9")
+    ap.add_argument("--variants", default="1,2,4:4,8:1024,2048")
+    ap.add_argument("--out", default=".")
+    a = ap.parse_args()
+    mults, warps, blocks = ([int(x) for x in s.split(",")] for s in a.variants.split(":"))
+    w, U = sweep_head(a.D, a.V, torch.bfloat16, "cuda")
+    kw = FILTERS[a.filter]
+    res = []
+    for head in a.heads.split(","):
+        for B in map(int, a.batches.split(",")):
+            h = hidden(U, head, B, torch.bfloat16)
+            row = {"head": head, "B": B, "filter": a.filter}
+            row["plain"] = do_bench(lambda: tpsample.sample(h, w, seed=1), rep=100)
+            row["call"] = do_bench(lambda: tpsample.sample(h, w, seed=1, **kw), rep=100)
+            row["sort"] = do_bench(lambda: sort_top_p(h, w, 1.0), rep=100)
+            ref = tpsample.sample(h, w, seed=1, **kw).clone()  # tokens [B]
+            out, log = capture(lambda: tpsample.sample(h, w, seed=1, **kw))
+            steps = []
+            for i, (k, grid, args, const, opts) in enumerate(log):
+                replay(log, i)
+                t = do_bench_cudagraph(lambda: k[grid](*args, **const, **opts), rep=20)
+                steps.append({"kernel": name(k, const), "grid": list(grid), "us": t * 1e3})
+            row["launches"] = steps
+            # variants of the fast path's steps (cut_step_kernel)
+            var = {}
+            for i, (k, grid, args, const, opts) in enumerate(log):
+                if "STEP" not in const:
+                    continue
+                replay(log, i)
+                for m in mults:
+                    for nw in warps:
+                        for blk in blocks:
+                            c = dict(const, BLOCK=blk, SUB=min(blk, const["SUB"]))
+                            o = dict(opts, num_warps=nw)
+                            g = (grid[0] * m,)
+                            try:
+                                t = do_bench_cudagraph(lambda: k[g](*args, **c, **o), rep=10)
+                            except Exception as e:  # noqa: BLE001 - report, go on
+                                t = float("nan")
+                                print("variant failed", name(k, const), m, nw, blk, repr(e)[:200])
+                            var.setdefault(f"x{m} w{nw} b{blk}", {})[name(k, const)] = t * 1e3
+            # the last variant ran every step in order: the tokens must be the call's
+            replay(log, len(log))
+            torch.cuda.synchronize()
+            row["same_tokens"] = bool(torch.equal(out, ref))
+            row["variants"] = var
+            res.append(row)
+            tot = sum(s["us"] for s in steps)
+            print(f"{head} B={B}: plain {row['plain']*1e3:.1f} call {row['call']*1e3:.1f} "
+                  f"sort {row['sort']*1e3:.1f} us; launches sum {tot:.1f}; same tokens {row['same_tokens']}", flush=True)
+            for s in steps:
+                print(f"   {s['kernel']:32s} grid {s['grid'][0]:6d} {s['us']:8.1f}", flush=True)
+            for v, d in var.items():
+                print(f"   {v:14s} " + " ".join(f"{n.split('[')[1][:-1]}:{t:6.1f}"
+                                               for n, t in d.items())
+                      + f"  sum {sum(d.values()):7.1f}", flush=True)
+    with open(os.path.join(a.out, "cut_steps.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
