@@ -12,7 +12,11 @@ import argparse
 import time
 
 import torch
-import transformers
+
+try:
+    import transformers
+except ModuleNotFoundError as e:  # the optional extra
+    raise SystemExit("examples/hf_decode.py needs transformers: pip install 'tpsample[hf]'") from e
 
 import tpsample
 from tpsample import hf

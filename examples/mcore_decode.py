@@ -399,6 +399,11 @@ def main(argv=None):
         if name not in CONFIGS:
             p.error(f"--config: unknown config {name!r} (have {', '.join(CONFIGS)})")
     batches = [int(b) for b in args.batch.split(",")]
+    try:
+        import megatron.core  # noqa: F401  (the optional extra)
+    except ModuleNotFoundError as e:
+        raise SystemExit("examples/mcore_decode.py needs megatron-core: "
+                         "pip install 'tpsample[megatron]'") from e
     if not torch.cuda.is_available():
         raise SystemExit("examples/mcore_decode.py needs CUDA (megatron-core's attention forward)")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")

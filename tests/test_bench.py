@@ -36,6 +36,7 @@ def test_single_device_mode_writes_json_doc_and_summary(tmp_path):
 
 
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed next to python")
+@pytest.mark.slow
 def test_tp_mode_under_torchrun_and_report(tmp_path):
     for n in (1, 2):
         run([str(TORCHRUN), "--standalone", f"--nproc-per-node={n}", "-m", "tpsample.launch.bench",
@@ -72,6 +73,7 @@ def run_mode(tmp_path, flag: str, label: str):
     return meta["shapes"][0]["rows"][0], doc.read_text(), report
 
 
+@pytest.mark.slow
 def test_filters_mode_writes_json_doc_and_report(tmp_path):
     row, doc, report = run_mode(tmp_path, "--filters", "CPU filters")
     assert row["B"] == 2 and {"mm", "tpsample", "tps_kpm", "sort_kpm", "topk_kpm"} <= set(row["ms"])
@@ -145,6 +147,7 @@ def test_a_cut_off_tp_run_keeps_the_batches_it_finished(tmp_path, monkeypatch):
     assert "| 1 |" in bench.tp_markdown([meta], os.devnull, "cut")
 
 
+@pytest.mark.slow
 def test_constraints_mode_writes_json_doc_and_report(tmp_path):
     row, doc, report = run_mode(tmp_path, "--constraints", "CPU c")
     assert row["B"] == 2 and {"tpsample", "tps_mask", "tps_adj64", "tps_adj64_nc",

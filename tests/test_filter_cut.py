@@ -36,8 +36,9 @@ def flat_rows(V=3000, B=6, seed=2):
 
 @pytest.mark.parametrize("extra", [dict(), dict(num_samples=2, logprobs_mode="raw")],
                          ids=["replacement", "raw-S2"])
-@pytest.mark.parametrize("short,mid,cap", [(None, None, None), (2, None, None), (2, 4, None),
-                                           (2, 2, 4)],
+@pytest.mark.parametrize("short,mid,cap", [
+    (None, None, None), pytest.param(2, None, None, marks=pytest.mark.slow),
+    pytest.param(2, 4, None, marks=pytest.mark.slow), pytest.param(2, 2, 4, marks=pytest.mark.slow)],
                          ids=["short-sort", "mid-sort", "long-sort", "bisection"])
 def test_fast_path_matches_reference(extra, short, mid, cap, monkeypatch):
     """Every row flagged and taken by the fast path (the call has no top-k or top log-probs):
@@ -67,6 +68,7 @@ def test_fast_path_leaves_other_rows_to_the_bisection_kernel(monkeypatch):
     assert_matches_reference(out, reference_sample(h, w, **kw))
 
 
+@pytest.mark.slow
 def test_fast_path_is_deterministic(monkeypatch):
     """The same call twice, and with another grid: the same tokens and log-probs (every
     partial sum is added in a fixed order; the grid only changes which program takes an

@@ -73,7 +73,7 @@ def counts(pipe):
 
 # ----- exactness: chi-squared, torch path ---------------------------------------------------
 CASES = [  # (kind, V, filters, temperature); the long ones run with -m slow
-    ("zipf", 4096, dict(top_k=20), 1.0),
+    pytest.param("zipf", 4096, dict(top_k=20), 1.0, marks=pytest.mark.slow),
     pytest.param("zipf", 4096, dict(top_p=0.6), 0.8, marks=pytest.mark.slow),
     pytest.param("zipf", 4096, dict(min_p=0.05), 1.0, marks=pytest.mark.slow),
     pytest.param("peaked", 4096, dict(top_k=20, top_p=0.9, min_p=0.05), 1.0,
@@ -109,6 +109,7 @@ NEGATIVE = [  # (kind, V, filters, wrong semantics)
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,V,filt,wrong", NEGATIVE, ids=["no-renormalise", "min-p-first"])
 def test_chi2_rejects_wrong_semantics(kind, V, filt, wrong):
     """Negative controls: the same test rejects the samples against a near miss."""
@@ -185,9 +186,11 @@ def mixed_inputs(device="cpu"):
     return h.to(device), w.to(device)
 
 
-CALL_KINDS = pytest.mark.parametrize("extra", [dict(), dict(num_samples=3, replacement=False),
-                                   dict(num_samples=2, logprobs_mode="raw")],
-                         ids=["replacement", "distinct", "raw"])
+# "distinct" and "raw" run with -m slow (the README command keeps "replacement")
+CALL_KINDS = pytest.mark.parametrize("extra", [
+    dict(), pytest.param(dict(num_samples=3, replacement=False), marks=pytest.mark.slow),
+    pytest.param(dict(num_samples=2, logprobs_mode="raw"), marks=pytest.mark.slow)],
+    ids=["replacement", "distinct", "raw"])
 
 
 def assert_matches_reference(out, ref):
@@ -234,7 +237,9 @@ def test_device_fallback_matches_reference(extra, monkeypatch):
     assert_matches_reference(out, ref)
 
 
-@pytest.mark.parametrize("sorts,cap", [(None, None), ((32, 64), None), ((16, 32), None),
+@pytest.mark.parametrize("sorts,cap", [(None, None),
+                                       pytest.param((32, 64), None, marks=pytest.mark.slow),
+                                       pytest.param((16, 32), None, marks=pytest.mark.slow),
                                        (None, 32)],
                          ids=["default", "sorts-32-64", "sorts-16-32", "capped"])
 def test_filtered_kernel_equals_torch_on_the_same_records(monkeypatch, sorts, cap):

@@ -141,6 +141,7 @@ def test_row_token_invariant_to_batch_layout(backend, device):
     assert torch.equal(padded[:B], base)  # 40 rows: another batch tile size
 
 
+@pytest.mark.slow
 def test_tokens_invariant_to_tile_sizes_and_backend(device):
     B, D, V = 33, 64, 1000
     h, w = random_inputs(B, D, V, torch.float32, device, seed=9)
@@ -284,8 +285,10 @@ def test_records_land_the_same_in_any_layout(strategy, device):
         kc.fused_records(h, w, out=torch.empty(2, B, T, 8, device=device)[..., ::2], **kw)
 
 
-@pytest.mark.parametrize("B,D,noise_step,chunks", [(3, 64, 0.5, 1), (20, 40, 0.0, 1), (20, 40, 1.0, 1),
-                                                    (3, 160, 0.0, 2), (20, 160, 0.5, 4), (20, 40, 0.5, 4)])
+@pytest.mark.parametrize("B,D,noise_step,chunks", [
+    (3, 64, 0.5, 1), pytest.param(20, 40, 0.0, 1, marks=pytest.mark.slow), (20, 40, 1.0, 1),
+    (3, 160, 0.0, 2), pytest.param(20, 160, 0.5, 4, marks=pytest.mark.slow),
+    pytest.param(20, 40, 0.5, 4, marks=pytest.mark.slow)])
 def test_noise_drawn_in_main_loop_is_invisible(B, D, noise_step, chunks, device):
     """NOISE_STEP draws sample 0's noise inside the D loop (overlapped with the loads) instead
     of the epilogue: records bit for bit equal, for trimmed (B = 3) and untrimmed tiles, a

@@ -50,6 +50,7 @@ def stop(_flags):
     raise Stop
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [dict(), dict(num_samples=3, replacement=False),
                                    dict(num_samples=2, logprobs_mode="raw")])
 def test_two_ranks_uneven_shards_in_swapped_order_equal_one_device(extra):
@@ -156,6 +157,7 @@ def one_rank_call(rank, world, h, w, kws, vocab=V):
                 host_rows=pipe.host_fallback_rows, stored_before_signal=stored_before_signal)
 
 
+@pytest.mark.slow
 def test_one_rank_symm_mem_call_gathers_on_the_device_and_matches_the_reference():
     """A whole filtered call through the symmetric-memory transport: the flagged rows take the
     gathered device fallback (no host fallback), with a second exchange only in the call that
@@ -178,6 +180,7 @@ def test_one_rank_symm_mem_call_gathers_on_the_device_and_matches_the_reference(
     assert torch.equal(res["outs"][0].top_tokens, local.top_tokens)
 
 
+@pytest.mark.slow
 def test_one_rank_symm_mem_call_with_constraints_gathers_the_listed_tokens_too():
     """The mask, listed tokens (repeated, padded, banned) and penalties with near-flat rows:
     the gathered fallback stores the listed tokens' logits after the rest (in stream order)

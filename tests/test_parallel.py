@@ -167,6 +167,7 @@ def tp_timeout(rank, world):
     return "no error"
 
 
+@pytest.mark.slow
 def test_tp_missing_rank_times_out_with_clear_message():
     outs = run_world(2, tp_timeout)
     assert outs[0]["error"] == "ExchangeTimeout", outs[0]
@@ -216,6 +217,7 @@ def tp_timeout_recovery(rank, world):
     return result
 
 
+@pytest.mark.slow
 def test_tp_after_a_timeout_the_sampler_refuses_and_a_rebuilt_one_samples():
     outs = run_world(2, tp_timeout_recovery)
     r0 = outs[0]

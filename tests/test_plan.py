@@ -132,6 +132,25 @@ def test_explain_is_public_and_checks_its_device():
         tpsample.explain(4, 64, 1000, device="b200")
 
 
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(merge="foo"), ValueError, "merge must be one of"),
+    (dict(num_samples=0), ValueError, "num_samples"),
+    (dict(dtype=torch.int8), TypeError, "dtype must be bfloat16"),
+    (dict(B=0), ValueError, "B must be an int"),
+    (dict(world=0), ValueError, "world must be an int"),
+])
+def test_explain_rejects_what_sample_rejects(kwargs, error, match):
+    """explain() checks merge, num_samples and dtype as sample() does (sample()'s messages)."""
+    args = dict(B=4, D=64, V=1000, device="cpu")
+    args.update(kwargs)
+    B, D, V = args.pop("B"), args.pop("D"), args.pop("V")
+    with pytest.raises(error, match=match):
+        tpsample.explain(B, D, V, **args)
+    if "merge" in kwargs:  # the same message as sample()'s
+        with pytest.raises(error, match=match):
+            tpsample.sample(torch.zeros(1, 64), torch.zeros(1000, 64), merge=kwargs["merge"])
+
+
 def test_gluon_fallback_warns_once_per_process(monkeypatch):
     from tpsample import pipeline
     monkeypatch.setattr(pipeline, "_WARNED", set())

@@ -389,7 +389,16 @@ def explain(B: int, D: int, V: int, *, dtype: torch.dtype = torch.bfloat16, devi
     are stored into directly (symmetric memory: world; else 0); aligned: whether hidden's
     and weight's rows are 16-byte aligned; filtered: the call sets top_k / top_p / min_p /
     top_logprobs or logprobs_mode="raw"; replacement: as in tpsample.sample; constrained:
-    the call passes allowed_mask or logit_adjust."""
+    the call passes allowed_mask or logit_adjust. Arguments sample() also takes are checked
+    as sample() checks them (the same errors, naming the argument)."""
+    from .params import FLOAT_DTYPES, check_options
+    for name, value, low in (("B", B, 1), ("D", D, 1), ("V", V, 1), ("world", world, 1),
+                             ("vocab_start", vocab_start, 0), ("peers", peers, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    check_options(num_samples, merge)
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"dtype must be bfloat16, float16 or float32, got {dtype}")
     if device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if isinstance(device, str) and device in ("h100", "h200"):

@@ -1,0 +1,79 @@
+"""Filtered calls under tensor parallelism on the sweep's heads: the plain TP call, top_k 50,
+top_p 0.9 and min_p 0.1 (flat rows take the exact fallback's fast path from the side output
+gathered over symmetric memory), median ms per call, max over ranks, with the bytes a rank
+receives per call against an all-gather of the fp32 logits.
+
+    torchrun --nproc-per-node=N -m tools.tp_filtered [--D 4096 --V 151936]
+        [--heads zipf2.0,zipf1.3,gauss1] [--batches 1,16,64,256] [--out DIR]
+
+Timing as the benchmark's TP cells (tpsample.launch.bench.time_calls: CUDA events around an
+eager call with a host sync, the ranks aligned by a one-element all-reduce before each).
+"""
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+import tpsample
+from tpsample import records
+from tpsample.launch.bench import time_calls
+from tpsample.launch.sweep import hidden, sweep_head
+
+FILTERS = {"k50": dict(top_k=50), "p0.9": dict(top_p=0.9), "m0.1": dict(min_p=0.1)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--D", type=int, default=4096)
+    ap.add_argument("--V", type=int, default=151936)
+    ap.add_argument("--heads", default="zipf2.0,zipf1.3,gauss1")
+    ap.add_argument("--batches", default="1,16,64,256")
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--out", default=".")
+    a = ap.parse_args()
+    rank = int(os.environ["RANK"])
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", device_id=dev)
+    world = dist.get_world_size()
+    w, U = sweep_head(a.D, a.V, torch.bfloat16, dev)
+    per = -(-a.V // world)
+    sampler = tpsample.VocabParallelSampler(w[rank * per:(rank + 1) * per].contiguous(),
+                                            vocab_size=a.V, transport="symm_mem",
+                                            check_inputs=False)
+    res = []
+    for head in a.heads.split(","):
+        for B in map(int, a.batches.split(",")):
+            h = hidden(U, head, B, torch.bfloat16)
+            row = {"head": head, "B": B, "world": world}
+            row["plain"] = time_calls(lambda: sampler(h, seed=1), dev, a.iters)
+            for name, kw in FILTERS.items():
+                before = sampler.pipeline.fallback_rows
+                sampler(h, seed=1, **kw)
+                torch.cuda.synchronize()
+                flagged = sampler.pipeline.fallback_rows - before
+                row[name] = time_calls(lambda kw=kw: sampler(h, seed=1, **kw), dev, a.iters)
+                # received per rank: the peers' records (the sample and candidate planes) and
+                # the flagged rows' side-output shards
+                tiles = -(-per // records.TILE)
+                planes = 1 + records.CANDIDATE_PLANES
+                row[name + "_bytes"] = (world - 1) * (planes * B * tiles * 16 + flagged * per * 4)
+                row[name + "_flagged"] = flagged
+            row["allgather_logits_bytes"] = (world - 1) * B * per * 4
+            res.append(row)
+            if rank == 0:
+                print(f"TP{world} {head} B={B}: plain {row['plain']:.3f} ms | " + " | ".join(
+                    f"{n} {row[n] / row['plain']:.2f}x ({row[n + '_flagged']} rows, "
+                    f"{row[n + '_bytes'] / 1e6:.2f} MB)" for n in FILTERS)
+                    + f" | all-gather of logits {row['allgather_logits_bytes'] / 1e6:.1f} MB",
+                    flush=True)
+    if rank == 0:
+        with open(os.path.join(a.out, f"tp_filtered_tp{world}.json"), "w") as f:
+            json.dump(res, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
