@@ -16,7 +16,7 @@ rank is done):
      - status[p] = epoch for each peer p that did not arrive (status: int32 [world], pinned
        host memory the host reads without a synchronisation; kept from the first failure);
      - the peers' records slots of this call's buffer are filled with NaN, so stage 2
-       returns the degenerate row for every row (token 0, log-prob NaN, log Z NaN);
+       returns the degenerate row for every row (token -1, log-prob NaN, log Z NaN);
      - BROKEN goes into flags[rank] of every peer: a peer that arrives late, or is still
        waiting, gives up too instead of pairing its call with records this rank no longer
        keeps in step (without it a late peer would pass, since this rank did signal epoch);

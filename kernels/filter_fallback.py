@@ -208,7 +208,7 @@ def fallback_rows_kernel(
     SLOTTED (tensor parallel): l is [world, B, slot_n], every rank's shard of the rows
     (stride_lb = slot_n, slot_stride = B * slot_n; shard r's first global id starts[r]),
     gathered by the exchange of kernels/exchange_wait.py; when that exchange failed
-    (calls[0] < 0) the flagged rows get the degenerate outputs (token 0, NaN log-probs).
+    (calls[0] < 0) the flagged rows get the degenerate outputs (token -1, NaN log-probs).
     FAST: the rows that fast_row takes are left to kernels/filter_cut.py."""
     if PDL:
         tl.extra.cuda.gdc_wait()
@@ -220,11 +220,11 @@ def fallback_rows_kernel(
         if flagged & (calls < 0):
             nan = float("nan")
             for s in range(S):
-                tl.store(tokens_ptr + b.to(tl.int64) * S + s, tl.cast(0, tl.int64))
+                tl.store(tokens_ptr + b.to(tl.int64) * S + s, tl.cast(-1, tl.int64))
                 tl.store(logprobs_ptr + b.to(tl.int64) * S + s, nan)
             tl.store(logz_ptr + b, nan)
             q = tl.arange(0, BLOCK_N)
-            tl.store(top_tok_ptr + b.to(tl.int64) * n_top + q, tl.zeros_like(q).to(tl.int64),
+            tl.store(top_tok_ptr + b.to(tl.int64) * n_top + q, tl.full((BLOCK_N,), -1, tl.int64),
                      mask=q < n_top)
             tl.store(top_lp_ptr + b.to(tl.int64) * n_top + q, tl.full((BLOCK_N,), nan, tl.float32),
                      mask=q < n_top)

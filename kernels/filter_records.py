@@ -243,7 +243,7 @@ def known_prefix(b, row_ptr, scratch, M, bound, xm, logz, logz_raw, finite_row, 
     cert_m = mon & (tl.exp(bound - xm) < m) & (cert_k | (p >= 1.0))
     cert = ((kon | pon) & cert_k & cert_p) | cert_m
     logz_kept = xm + tl.log(tl.sum(tl.where(keep, e, 0.0)))
-    lz = tl.where(filtered, logz_kept, logz)
+    lz = tl.where(filtered & finite_row, logz_kept, logz)  # degenerate rows keep their log Z
     to_raw = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, inv))
     gid = ids.to(tl.int32)
 
@@ -313,7 +313,7 @@ def known_prefix(b, row_ptr, scratch, M, bound, xm, logz, logz_raw, finite_row, 
         else:
             lp = x_tok - lz
         lp = tl.where(tok_out >= 0, lp, NEG_INF)
-        tl.store(tokens_ptr + at_out, tl.where(finite_row, tok_out, 0))
+        tl.store(tokens_ptr + at_out, tl.where(finite_row, tok_out, -1))
         tl.store(logprobs_ptr + at_out, tl.where(finite_row, lp, float("nan")))
 
     # the top-n log-probs: the first n of the sorted known prefix
@@ -322,7 +322,7 @@ def known_prefix(b, row_ptr, scratch, M, bound, xm, logz, logz_raw, finite_row, 
     else:
         top_lp = tl.where((keep == 0) & filtered, NEG_INF, xs - lz)
     at_top = b.to(tl.int64) * n_top + q
-    tl.store(top_tok_ptr + at_top, tl.where(valid, tl.where(finite_row, ids, 0), 0), mask=q < n_top)
+    tl.store(top_tok_ptr + at_top, tl.where(finite_row, tl.where(valid, ids, 0), -1), mask=q < n_top)
     tl.store(top_lp_ptr + at_top, tl.where(finite_row, top_lp, float("nan")), mask=q < n_top)
     if RAW:
         tl.store(logz_ptr + b, logz_raw)

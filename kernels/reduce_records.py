@@ -32,7 +32,7 @@ def _better(score_a, tok_a, score_b, tok_b):
 @triton.jit
 def _pathwise(s1, t1, l1, s2, t2, l2):
     """Combine for the pathwise winner: _better, and a NaN score loses to any number (as a
-    NaN-ignoring max would; a NaN score only comes with a degenerate row, whose token is 0)."""
+    NaN-ignoring max would; a NaN score only comes with a degenerate row, whose token is -1)."""
     take = _better(s1, t1, s2, t2) | ((s1 != s1) & (s2 == s2))
     return tl.where(take, s2, s1), tl.where(take, t2, t1), tl.where(take, l2, l1)
 
@@ -153,7 +153,7 @@ def reduce_records_kernel(
     logz = tl.where(any_nan > 0, float("nan"), logz)
     finite = (logz == logz) & (tl.abs(logz) != inf)
     out = b.to(tl.int64) * S + s
-    tl.store(tokens_ptr + out, tl.where(finite, best_t, 0.0).to(tl.int64), mask=r_ok)
+    tl.store(tokens_ptr + out, tl.where(finite, best_t, -1.0).to(tl.int64), mask=r_ok)
     tl.store(logprobs_ptr + out, tl.where(finite, best_l - logz, float("nan")), mask=r_ok)
     tl.store(logz_ptr + b, logz, mask=r_ok & (s == 0))
     if USE_PARITY:

@@ -89,18 +89,25 @@ def test_device_mismatch_is_an_error():
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("merge", ["max", "logmass", "cdf"])
 def test_degenerate_rows(backend, merge, device):
-    """All -inf → token 0, logz -inf; any NaN → token 0, logz NaN; normal rows unaffected."""
+    """All -inf → token -1, logz -inf; any NaN → token -1, logz NaN; normal rows unaffected;
+    the same in filtered calls (their top tokens -1 too)."""
     h, w = random_inputs(4, 16, 300, torch.float32, device)
     h = h.clone()
     h[1, 3] = float("nan")
     bias = torch.zeros(300, device=device)
     ok = tpsample.sample(h, w, bias=bias, seed=3, merge=merge, return_logprobs=True, backend=backend)
-    assert torch.isnan(ok.logz[1]) and ok.tokens[1] == 0 and torch.isnan(ok.logprobs[1])
+    assert torch.isnan(ok.logz[1]) and ok.tokens[1] == -1 and torch.isnan(ok.logprobs[1])
+    assert (ok.tokens[[0, 2, 3]] >= 0).all()
     assert torch.isfinite(ok.logz[[0, 2, 3]]).all() and torch.isfinite(ok.logprobs[[0, 2, 3]]).all()
     dead = tpsample.sample(h, w, bias=torch.full((300,), float("-inf"), device=device), seed=3,
                            merge=merge, return_logprobs=True, backend=backend)
-    assert (dead.tokens == 0).all()
+    assert (dead.tokens == -1).all()
     assert dead.logz[0] == float("-inf") and torch.isnan(dead.logprobs).all()
+    if merge == "max":
+        f = tpsample.sample(h, w, bias=bias, seed=3, top_p=0.9, top_logprobs=2,
+                            return_logprobs=True, backend=backend)
+        assert f.tokens[1] == -1 and torch.isnan(f.logz[1]) and (f.top_tokens[1] == -1).all()
+        assert (f.tokens[[0, 2, 3]] >= 0).all() and (f.top_tokens[[0, 2, 3]] >= 0).all()
 
 
 def test_greedy_rows_mixed_with_sampled_rows(device):

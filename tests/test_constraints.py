@@ -105,7 +105,7 @@ def test_mask_allowing_one_token_and_nothing():
     none = torch.zeros(4, -(-V // 32), dtype=torch.int32)
     for backend in ("torch", "triton"):
         out = draw(h, w, 4, backend, allowed_mask=none, return_logprobs=True)
-        assert (out.tokens == 0).all() and (out.logz == float("-inf")).all()  # degenerate rows
+        assert (out.tokens == -1).all() and (out.logz == float("-inf")).all()  # degenerate rows
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

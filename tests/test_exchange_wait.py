@@ -158,7 +158,7 @@ def test_after_giving_up_later_exchanges_end_at_once_with_degenerate_records(dev
 @pytest.mark.parametrize("nan_part", ["slot", "some tiles"])
 def test_a_nan_slot_gives_every_row_the_degenerate_result(merge_mode, nan_part):
     """What stage 2 makes of a timed-out call's records (a whole peer slot NaN, or part of
-    one: an NCCL all-gather aborted midway): token 0, log-prob and log Z NaN."""
+    one: an NCCL all-gather aborted midway): token -1, log-prob and log Z NaN."""
     slots, S, B, T = 3, 1, 4, 3
     rec = torch.randn(slots, S, B, T, records.WIDTH, generator=torch.Generator().manual_seed(0))
     if nan_part == "slot":
@@ -167,7 +167,7 @@ def test_a_nan_slot_gives_every_row_the_degenerate_result(merge_mode, nan_part):
         rec[1, :, :, :2] = float("nan")
     tokens, logprobs, logz = merge.reduce_records(rec, torch.arange(B), torch.zeros(B, dtype=torch.int64),
                                                   torch.zeros(B, dtype=torch.bool), merge_mode)
-    assert (tokens == 0).all() and torch.isnan(logprobs).all() and torch.isnan(logz).all()
+    assert (tokens == -1).all() and torch.isnan(logprobs).all() and torch.isnan(logz).all()
 
 
 def test_wait_is_bounded_by_the_timeout(device):

@@ -116,7 +116,7 @@ def test_a_rank_whose_exchange_failed_stores_nothing_and_gives_degenerate_rows()
                                  gather=gather)
     assert (buf == 7.0).all() and count.item() == 0
     lost = flags == 1
-    assert (out.tokens[lost] == 0).all() and torch.isnan(out.logprobs[lost]).all()
+    assert (out.tokens[lost] == -1).all() and torch.isnan(out.logprobs[lost]).all()
     assert torch.isnan(out.logz[lost]).all() and torch.isnan(out.top_logprobs[lost]).all()
     assert (out.tokens[~lost] == 0).all() and (out.logz[~lost] == 0).all()  # untouched
 

@@ -33,7 +33,7 @@ def test_finish_marks_degenerate_rows():
     logit = torch.tensor([[1.0], [2.0], [3.0]])
     logz = torch.tensor([2.0, float("nan"), float("-inf")])
     tokens, logprobs = merge.finish(token, logit, logz)
-    assert tokens.tolist() == [[3], [0], [0]] and logprobs[0, 0] == -1.0
+    assert tokens.tolist() == [[3], [-1], [-1]] and logprobs[0, 0] == -1.0
     assert torch.isnan(logprobs[1:]).all() and tokens.dtype == torch.int64
 
 

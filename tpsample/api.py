@@ -66,7 +66,7 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, *, temperature: float | t
             SampleOutput.
         allowed_mask: None | Tensor[B, ceil(V / 32)] int32, packed as grammar engines
             produce it: bit j of word i allows token 32 i + j; disallowed tokens are -inf
-            before the noise. A row that allows nothing is degenerate (token 0, log Z -inf).
+            before the noise. A row that allows nothing is degenerate (token -1, log Z -inf).
         logit_adjust: None | (ids Tensor[B, K] int64 padded with -1, values Tensor[B, K]
             float): added to the listed tokens' logits (logit bias, presence / frequency
             penalties: tpsample.penalty_adjustments builds them from a token history); a
@@ -83,7 +83,7 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, *, temperature: float | t
         int64 [B] (num_samples == 1) or [B, num_samples]; with return_logprobs or
         top_logprobs a SampleOutput(tokens, logprobs fp32 same shape, logz fp32 [B],
         top_tokens, top_logprobs). Rows whose log Z is not finite (all logits -inf, any NaN,
-        +inf) return token 0 and logprob NaN: test torch.isfinite(out.logz).
+        +inf) return token -1 and logprob NaN: test tokens < 0 or torch.isfinite(out.logz).
 
     Calls with filters, top_logprobs, replacement=False or logprobs_mode="raw" on the Triton
     backend redo the rows their candidates cannot certify on the device (tpsample/filters.py,

@@ -14,7 +14,7 @@ token i before the temperature, in this order:
 
 then 1/T, the filters (tpsample/filters.py) and the sample. A disallowed token stays -inf
 whatever its adjustment (and a NaN logit there does not make the row degenerate). A row that
-allows nothing is degenerate like a row of -inf logits: token 0, log Z -inf (SampleOutput).
+allows nothing is degenerate like a row of -inf logits: token -1, log Z -inf (SampleOutput).
 logprobs_mode="raw" is T = 1 without filters, mask and adjustments applied (a disallowed token
 cannot be sampled, so it has no log-prob to report).
 

@@ -205,7 +205,7 @@ def reduce_candidates(recs: torch.Tensor, params: RowParams, filters: Filters, n
         use = torch.ones_like(filtered)
     else:
         use = filtered
-    lz = torch.where(filtered, logz_kept, logz)
+    lz = torch.where(filtered & ok, logz_kept, logz)  # degenerate rows keep their log Z
     tokens = torch.where(use[:, None], f_tok, tokens)
     x_tok = torch.where(use[:, None], f_x, logprobs + logz_out[:, None])
     if filters.raw:
@@ -223,10 +223,10 @@ def reduce_candidates(recs: torch.Tensor, params: RowParams, filters: Filters, n
     else:
         top_lp = torch.where(filtered[:, None] & ~kept[:, :n], NEG_INF, xs[:, :n] - lz[:, None])
     fallback = ok & ((filtered & ~cert) | ((n > 0) & (known.sum(-1) < n)))
-    # degenerate rows (log Z not finite): token 0, log-probs NaN (tpsample/merge.py)
-    tokens = torch.where(ok[:, None], tokens, 0)
+    # degenerate rows (log Z not finite): token -1, log-probs NaN (tpsample/merge.py)
+    tokens = torch.where(ok[:, None], tokens, -1)
     logprobs = torch.where(ok[:, None], logprobs, float("nan"))
-    top_tok = torch.where(ok[:, None], top_tok, 0)
+    top_tok = torch.where(ok[:, None], top_tok, -1)
     top_lp = torch.where(ok[:, None], top_lp, float("nan"))
     return FilteredOutput(tokens, logprobs.float(), logz_out.float(), top_tok,
                           top_lp.float(), fallback)

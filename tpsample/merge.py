@@ -37,9 +37,9 @@ logsumexp(l over k)).
    ~19.5 nats below the max unreachable. A token of weight 0 is never chosen; if rounding
    puts u S at or above every running sum, the last token of positive weight is.
 
-Degenerate rows (log Z not finite: every logit -inf, a NaN, or +inf) return token 0,
-logprob NaN and their non-finite log Z, so callers detect them with isfinite(logz)
-without a host sync; an index outside [0, vocab_size) is never returned.
+Degenerate rows (log Z not finite: every logit -inf, a NaN, or +inf) return token -1,
+logprob NaN and their non-finite log Z (tokens < 0, or isfinite(logz), find them without a
+host sync); an index outside [0, vocab_size) other than -1 is never returned.
 """
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ def binary_merge(log_mass_a: torch.Tensor, log_mass_b: torch.Tensor,
 def finish(token: torch.Tensor, logit: torch.Tensor, logz: torch.Tensor):
     """Fact 5 and the degenerate-row rule. token/logit [B, S] float32, logz [B]."""
     ok = torch.isfinite(logz)[:, None]
-    tokens = torch.where(ok, token, torch.zeros_like(token)).to(torch.int64)
+    tokens = torch.where(ok, token, torch.full_like(token, -1)).to(torch.int64)
     logprobs = torch.where(ok, logit - logz[:, None], torch.full_like(logit, float("nan")))
     return tokens, logprobs
 

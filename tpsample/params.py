@@ -155,7 +155,7 @@ def row_params(hidden: torch.Tensor, temperature, seed, offset,
 
     A tensor temperature costs one host sync for its range check, except during CUDA-graph
     capture or with TPSAMPLE_CHECK_TENSORS=0, where an invalid row gets a NaN inverse temperature and comes back as a
-    degenerate row (token 0, logz NaN). in_capture: capturing(hidden.device), if known."""
+    degenerate row (token -1, logz NaN). in_capture: capturing(hidden.device), if known."""
     B, dev = hidden.shape[0], hidden.device
     if in_capture is None:
         in_capture = capturing(dev)

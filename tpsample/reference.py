@@ -58,7 +58,7 @@ def filtered_rows(l: torch.Tensor, inv_temp: torch.Tensor, seed: torch.Tensor,
     pick = torch.where(greedy[:, None], first, pick)
     xmax = x64[:, :1].nan_to_num(neginf=0.0, posinf=0.0)
     logz_kept = xmax[:, 0] + torch.log((torch.exp(x64 - xmax) * kept).sum(-1))
-    lz = torch.where(off, logz, logz_kept)
+    lz = torch.where(off | ~torch.isfinite(logz), logz, logz_kept)
     tokens = torch.where(pick >= 0, ids.gather(-1, pick.clamp(min=0)), -1)
     x_tok = x64.gather(-1, pick.clamp(min=0))
     n = filters.top_n
@@ -213,6 +213,7 @@ def reference_sample(hidden: torch.Tensor, weight: torch.Tensor, *,
     filt = P.filter_params(hidden, top_k, top_p, min_p, top_logprobs, num_samples, replacement,
                            logprobs_mode, vocab_size)
     if not (filt.needs_candidates or not filt.replacement):
+        tokens, logprobs = _degenerate(tokens, logprobs, logz)
         return ReferenceOutput(tokens, logprobs, logz, torch.stack(scores, dim=1), l)
     f_tok, f_lp, f_lz, top_tok, top_lp = filtered_rows(l, row.inv_temp, seed, offset, filt,
                                                        num_samples)
@@ -227,5 +228,15 @@ def reference_sample(hidden: torch.Tensor, weight: torch.Tensor, *,
     else:
         logprobs = torch.where(use, f_lp, x_tok - f_lz[:, None])
     logprobs = torch.where(tokens >= 0, logprobs, float("-inf"))
+    tokens, logprobs = _degenerate(tokens, logprobs, f_lz)
+    top_tok, top_lp = _degenerate(top_tok, top_lp, f_lz)
     return ReferenceOutput(tokens, logprobs, f_lz, torch.stack(scores, dim=1), l, top_tok,
                            top_lp)
+
+
+def _degenerate(tokens, logprobs, logz):
+    """The degenerate-row rule (tpsample/merge.py): rows whose log Z is not finite give
+    token -1 and log-prob NaN in every slot."""
+    ok = torch.isfinite(logz)[:, None]
+    return (torch.where(ok, tokens, -1),
+            torch.where(ok, logprobs, torch.full_like(logprobs, float("nan"))))

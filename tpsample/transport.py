@@ -31,7 +31,7 @@ the peers that did not arrive:
   symm_mem  the device wait gives up after timeout_s without trapping and tells every peer
             (a late peer then gives up too, at once, rather than pair its call with records
             out of step); the outputs of that call and of any later call this rank ran are
-            the degenerate rows (token 0, log-prob NaN, log Z NaN), and the host raises at
+            the degenerate rows (token -1, log-prob NaN, log Z NaN), and the host raises at
             the next call of the sampler, or at once from check() (which synchronises);
   nccl      NCCL has no device-side bound torch exposes: the process group's timeout and
             torch's watchdog decide. With the default TORCH_NCCL_ASYNC_ERROR_HANDLING (3) the
@@ -333,7 +333,7 @@ class NcclTransport(CollectiveTransport):
                 raise self._fail(
                     f"{self._who()}: record all-gather #{call} failed (WorkResult {outcome}: "
                     "torch's NCCL watchdog aborted it after the process group's timeout, or the "
-                    "communicator failed); that call returned degenerate rows (token 0, "
+                    "communicator failed); that call returned degenerate rows (token -1, "
                     "log-prob NaN, log Z NaN)", None, call)
 
 
@@ -458,7 +458,7 @@ class SymmMemTransport(Transport):
             self._fail(f"{self._who()}: peer rank(s) {missing} did not reach exchange #{call} "
                        f"within {self.timeout.total_seconds():g} s, or gave up on it (the device "
                        "wait gave up; that call and any this rank ran after it returned "
-                       "degenerate rows: token 0, log-prob NaN, log Z NaN)", missing, call)
+                       "degenerate rows: token -1, log-prob NaN, log Z NaN)", missing, call)
         super().check()
 
 

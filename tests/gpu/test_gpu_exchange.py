@@ -184,7 +184,7 @@ def drill(rank, world, timeout_s, transport):
             res["late"] = "no error"
         except tpsample.ExchangeTimeout as e:
             res["late"] = dict(message=str(e), missing=e.missing)
-        res["late_degenerate"] = bool((late.tokens == 0).all() and torch.isnan(late.logz).all())
+        res["late_degenerate"] = bool((late.tokens == -1).all() and torch.isnan(late.logz).all())
         res["late_tokens"] = late.tokens.cpu()
         if transport == "nccl" and res["late"] == "no error":
             try:  # its records paired with the peer's given-up call; the next one cannot
@@ -202,7 +202,7 @@ def drill(rank, world, timeout_s, transport):
         except tpsample.ExchangeTimeout as e:
             res["timeout"] = dict(message=str(e), missing=e.missing, call=e.call,
                                   elapsed=time.time() - t0)
-        res["degenerate"] = bool((out.tokens == 0).all() and torch.isnan(out.logz).all())
+        res["degenerate"] = bool((out.tokens == -1).all() and torch.isnan(out.logz).all())
         res["context_ok"] = float(torch.ones(4096, device=dev).sum()) == 4096.0
         try:
             sampler(h, temperature=temp, seed=seeds)
