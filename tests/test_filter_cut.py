@@ -34,21 +34,36 @@ def flat_rows(V=3000, B=6, seed=2):
     return torch.randn(B, 16, generator=g) * 0.15, torch.randn(V, 16, generator=g)
 
 
+SLOW = pytest.mark.slow
+# (NT, SHORT, MID, CAP) and the sort tier every top-p row must reach: with 16 thresholds a
+# pass the flat rows' brackets hold 0-2 keys (the short sort); with 2 they hold 350-680
+TIERS = [pytest.param((None, None, None, None), "short", id="short-sort"),
+         pytest.param((2, 2, 1024, None), "mid", id="mid-sort", marks=SLOW),
+         pytest.param((2, 2, 4, None), "long", id="long-sort", marks=SLOW),
+         pytest.param((2, 2, 2, 4), "bisection", id="bisection", marks=SLOW)]
+
+
 @pytest.mark.parametrize("extra", [dict(), dict(num_samples=2, logprobs_mode="raw")],
                          ids=["replacement", "raw-S2"])
-@pytest.mark.parametrize("short,mid,cap", [
-    (None, None, None), pytest.param(2, None, None, marks=pytest.mark.slow),
-    pytest.param(2, 4, None, marks=pytest.mark.slow), pytest.param(2, 2, 4, marks=pytest.mark.slow)],
-                         ids=["short-sort", "mid-sort", "long-sort", "bisection"])
-def test_fast_path_matches_reference(extra, short, mid, cap, monkeypatch):
+@pytest.mark.parametrize("sizes,tier", TIERS)
+def test_fast_path_matches_reference(extra, sizes, tier, monkeypatch):
     """Every row flagged and taken by the fast path (the call has no top-k or top log-probs):
-    tokens equal the reference's, log-probs and log Z within 1e-4; with SHORT = 2 the
-    brackets take the MID-slot sort, with MID = 4 too the CAP-slot sort, with CAP = 4 none
-    fits, so every top-p row's cut comes from the bisection."""
-    for name, value in (("SHORT", short), ("MID", mid), ("CAP", cap)):
+    tokens equal the reference's, log-probs and log Z within 1e-4, with the cut from each
+    tier of FINISH (the 128-, MID- or CAP-slot sort, or the bisection past CAP), checked
+    from the bracket sizes FINISH saw."""
+    for name, value in zip(("NT", "SHORT", "MID", "CAP"), sizes):
         if value is not None:
             monkeypatch.setattr(filter_cut, name, filter_cut.tl.constexpr(value))
     monkeypatch.setattr(launchers, "fallback_programs", lambda t: 5)
+    seen = []
+    run = launchers.run_kernel
+
+    def spy(k, grid, args, const, opts):
+        out = run(k, grid, args, const, opts)
+        if const.get("STEP") == filter_cut.FINISH.value:
+            seen.append(args[16][:, filter_cut.CAP.value].clone())  # keys: the counter
+        return out
+    monkeypatch.setattr(launchers, "run_kernel", spy)
     h, w = flat_rows()
     kw = dict(FLAT, seed=torch.arange(6) * 13 + 1, **extra)
     pipe = _pipeline("triton", h.device)
@@ -56,6 +71,10 @@ def test_fast_path_matches_reference(extra, short, mid, cap, monkeypatch):
     out = tpsample.sample(h, w, backend="triton", return_logprobs=True, **kw)
     assert counts(pipe)[1] - before[1] == 6
     assert_matches_reference(out, reference_sample(h, w, **kw))
+    n = seen[0][FLAT["top_p"] < 1]  # the top-p rows' bracket sizes
+    short, mid, cap = (filter_cut.SHORT.value, filter_cut.MID.value, filter_cut.CAP.value)
+    assert {"short": (n <= short).all(), "mid": ((n > short) & (n <= mid)).all(),
+            "long": ((n > mid) & (n <= cap)).all(), "bisection": (n > cap).all()}[tier], n
 
 
 def test_fast_path_leaves_other_rows_to_the_bisection_kernel(monkeypatch):
