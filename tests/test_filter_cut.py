@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import tpsample
-from tpsample import launchers
+from tpsample import launchers, replay
 from tpsample.api import _pipeline
 from tpsample.kernels import filter_cut
 from tpsample.reference import reference_sample
@@ -56,14 +56,14 @@ def test_fast_path_matches_reference(extra, sizes, tier, monkeypatch):
             monkeypatch.setattr(filter_cut, name, filter_cut.tl.constexpr(value))
     monkeypatch.setattr(launchers, "fallback_programs", lambda t: 5)
     seen = []
-    run = launchers.run_kernel
+    run = replay.run_kernel
 
     def spy(k, grid, args, const, opts):
         out = run(k, grid, args, const, opts)
         if const.get("STEP") == filter_cut.FINISH.value:
             seen.append(args[16][:, filter_cut.CAP.value].clone())  # keys: the counter
         return out
-    monkeypatch.setattr(launchers, "run_kernel", spy)
+    monkeypatch.setattr(replay, "run_kernel", spy)  # (the steps launch through run_named)
     h, w = flat_rows()
     kw = dict(FLAT, seed=torch.arange(6) * 13 + 1, **extra)
     pipe = _pipeline("triton", h.device)

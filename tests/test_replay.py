@@ -2,6 +2,7 @@
 multi-GPU tests, where every sampler call after the first is a replay)."""
 import inspect
 
+import pytest
 import torch
 
 from tpsample import replay
@@ -216,3 +217,23 @@ def test_direct_launch_passes_what_tritons_launcher_layers_pass(monkeypatch):
     # each 2-D descriptor expands to (CUtensorMap, 2 sizes, 2 strides)
     assert direct_call[13][1] == h2.data_ptr() and direct_call[18][1] == w.data_ptr()
     assert direct_call[24:] == (32, 16)
+
+
+def test_run_named_orders_keywords_by_the_signature_and_names_bad_ones(monkeypatch):
+    """run_named passes every runtime argument in the kernel's order, whatever the keywords'
+    order, and the constexprs by name; a missing or unknown keyword raises naming it."""
+    from tpsample import replay as R
+    from tpsample.kernels import filter_cut
+    calls = []
+    monkeypatch.setattr(R, "run_kernel", lambda fn, grid, args, const, opts:
+                        calls.append((args, const)))
+    names = list(R._signature(filter_cut.cut_step_kernel)[0])
+    named = {n: i for i, n in enumerate(names)}
+    R.run_named(filter_cut.cut_step_kernel, (1,), {}, STEP=3, **dict(reversed(named.items())))
+    assert names[:3] == ["l_ptr", "stride_lb", "N"] and names[-1] == "calls_ptr"
+    assert calls[-1] == (tuple(range(len(names))), {"STEP": 3})
+    with pytest.raises(TypeError, match=r"missing arguments \['keys_ptr'\]"):
+        R.run_named(filter_cut.cut_step_kernel, (1,), {},
+                    **{n: v for n, v in named.items() if n != "keys_ptr"})
+    with pytest.raises(TypeError, match=r"unknown \['key_ptr'\]"):
+        R.run_named(filter_cut.cut_step_kernel, (1,), {}, key_ptr=0, **named)

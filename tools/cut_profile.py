@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
 import tpsample
-from tpsample import launchers
+from tpsample import launchers, replay
 from tpsample.kernels import filter_cut
 from tpsample.launch.sweep import hidden, sort_top_p, sweep_head
 
@@ -62,7 +62,7 @@ def main():
                 and const.get("STEP") == filter_cut.FINISH.value:
             keys_seen.append(args[16][:, filter_cut.CAP.value].clone())
         return r
-    launchers.run_kernel = spy
+    launchers.run_kernel = replay.run_kernel = spy  # (and the launches by keyword)
     res = []
     for head in a.heads.split(","):
         for B in map(int, a.batches.split(",")):

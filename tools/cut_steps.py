@@ -33,12 +33,13 @@ def capture(fn):
     def spy(k, grid, args, const, opts):
         log.append((k, grid, args, dict(const), dict(opts)))
         return orig(k, grid, args, const, opts)
-    launchers.run_kernel = spy
+    # launchers' own launches and those by keyword (replay.run_named)
+    launchers.run_kernel = replay_mod.run_kernel = spy
     enabled, replay_mod.ENABLED = replay_mod.ENABLED, False  # launch, don't replay a list
     try:
         out = fn()
     finally:
-        launchers.run_kernel = orig
+        launchers.run_kernel = replay_mod.run_kernel = orig
         replay_mod.ENABLED = enabled
     torch.cuda.synchronize()
     return out, log

@@ -26,7 +26,7 @@ from .kernels import (filter_cut, filter_fallback, filter_records, fused_sample,
                       listed_records as listed_records_kernel, reduce_records)
 from .params import Filters, RowParams
 from .plan import Plan, cdiv
-from .replay import run_kernel, run_step
+from .replay import run_kernel, run_named, run_step
 
 BLOCK_V = records.TILE
 WS_LOADER_REGS = 24
@@ -452,20 +452,24 @@ def stage2_filtered(plan: Plan, recs: torch.Tensor, params: RowParams, filters: 
     block_n = max(4, 1 << (N - 1).bit_length())
     cap = min(F.KNOWN_CAP, block_n * records.CANDIDATES)  # never binds below KNOWN_CAP candidates
     sort_a, sort_b = (min(size, cap) for size in FILTER_SORTS)
-    dummy = params.inv_temp
-    run_kernel(filter_records.filter_records_kernel, (B,), (
-        recs, *recs.stride()[:4], params.inv_temp, params.seed, params.offset,
-        filters.top_k if filters.top_k is not None else dummy,
-        filters.top_p if filters.top_p is not None else dummy,
-        filters.min_p if filters.min_p is not None else dummy,
-        tokens, logprobs, logz, top_tok, top_lp, flag, scratch, S, T, N, n,
-        parity if parity is not None else params.seed, parity_stride),
-        dict(HAS_K=filters.top_k is not None, HAS_P=filters.top_p is not None,
-             HAS_M=filters.min_p is not None, RAW=filters.raw, REPLACE=filters.replacement,
-             USE_PARITY=parity is not None, K=records.CANDIDATES, BLOCK_N=block_n,
-             BLOCK_U=min(1024, max(16, 1 << (N - 1).bit_length())), CAP=cap, SORT_A=sort_a,
-             SORT_B=sort_b, PDL=plan.pdl, PATHWISE=pathwise),
-        dict(num_warps=filter_warps(B), **({"launch_pdl": True} if plan.pdl else {})))
+    dummy = params.inv_temp  # a filter's tensor when it is off (never read)
+    run_named(filter_records.filter_records_kernel, (B,),
+              dict(num_warps=filter_warps(B), **({"launch_pdl": True} if plan.pdl else {})),
+              rec_ptr=recs, st_slot=recs.stride(0), st_plane=recs.stride(1),
+              st_b=recs.stride(2), st_t=recs.stride(3), inv_temp_ptr=params.inv_temp,
+              seed_ptr=params.seed, offset_ptr=params.offset,
+              top_k_ptr=filters.top_k if filters.top_k is not None else dummy,
+              top_p_ptr=filters.top_p if filters.top_p is not None else dummy,
+              min_p_ptr=filters.min_p if filters.min_p is not None else dummy,
+              tokens_ptr=tokens, logprobs_ptr=logprobs, logz_ptr=logz, top_tok_ptr=top_tok,
+              top_lp_ptr=top_lp, flag_ptr=flag, scratch_ptr=scratch, S=S, T=T, N=N, n_top=n,
+              parity_ptr=parity if parity is not None else params.seed,
+              parity_stride=parity_stride, HAS_K=filters.top_k is not None,
+              HAS_P=filters.top_p is not None, HAS_M=filters.min_p is not None, RAW=filters.raw,
+              REPLACE=filters.replacement, USE_PARITY=parity is not None,
+              K=records.CANDIDATES, BLOCK_N=block_n,
+              BLOCK_U=min(1024, max(16, 1 << (N - 1).bit_length())), CAP=cap, SORT_A=sort_a,
+              SORT_B=sort_b, PDL=plan.pdl, PATHWISE=pathwise)
     return out
 
 
@@ -567,21 +571,28 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
         _cut_steps(hidden, params, filters, out, count, rows, vocab_start, block_f,
                    dict(launch, num_warps=8), aligned=gather is None and vocab_start % 4 == 0,
                    slotted=gather is not None)
-    run_kernel(filter_fallback.fallback_rows_kernel, (B,), (
-        rows["l"], rows["stride"], rows["N"], vocab_start, params.inv_temp, params.seed,
-        params.offset,
-        filters.top_k if filters.top_k is not None else dummy,
-        filters.top_p if filters.top_p is not None else dummy,
-        filters.min_p if filters.min_p is not None else dummy,
-        out.tokens, out.logprobs, out.logz, out.top_tokens, out.top_logprobs, out.fallback,
-        out.scratch, count, S, n, rows["starts"], rows["slot_n"], rows["slot_stride"],
-        rows["calls"]),
-        dict(HAS_K=filters.top_k is not None, HAS_P=filters.top_p is not None,
-             HAS_M=filters.min_p is not None, RAW=filters.raw, REPLACE=filters.replacement,
-             BLOCK=min(1024, 1 << (rows["N"] - 1).bit_length()),
-             BLOCK_N=max(16, 1 << max(n - 1, 0).bit_length()), CAP=F.KNOWN_CAP,
-             PDL=pdl and gather is None, SLOTTED=gather is not None, FAST=fast),
-        dict(launch, num_warps=8))
+    run_named(filter_fallback.fallback_rows_kernel, (B,), dict(launch, num_warps=8),
+              **_row_source(rows, params, filters, vocab_start),
+              tokens_ptr=out.tokens, logprobs_ptr=out.logprobs, logz_ptr=out.logz,
+              top_tok_ptr=out.top_tokens, top_lp_ptr=out.top_logprobs, flag_ptr=out.fallback,
+              scratch_ptr=out.scratch, count_ptr=count, S=S, n_top=n,
+              REPLACE=filters.replacement, BLOCK=min(1024, 1 << (rows["N"] - 1).bit_length()),
+              BLOCK_N=max(16, 1 << max(n - 1, 0).bit_length()), CAP=F.KNOWN_CAP,
+              PDL=pdl and gather is None, SLOTTED=gather is not None, FAST=fast)
+
+
+def _row_source(rows: dict, params: RowParams, filters: Filters, vocab_start: int) -> dict:
+    """The keywords the fallback's row kernels share: the rows' logits (rows: one device's
+    [B, N], or the ranks' gathered shards), the per-row parameters and the filters."""
+    dummy = params.inv_temp  # a filter's tensor when it is off (never read)
+    return dict(l_ptr=rows["l"], stride_lb=rows["stride"], N=rows["N"], vocab_start=vocab_start,
+                inv_temp_ptr=params.inv_temp, seed_ptr=params.seed, offset_ptr=params.offset,
+                top_k_ptr=filters.top_k if filters.top_k is not None else dummy,
+                top_p_ptr=filters.top_p if filters.top_p is not None else dummy,
+                min_p_ptr=filters.min_p if filters.min_p is not None else dummy,
+                starts_ptr=rows["starts"], slot_n=rows["slot_n"], slot_stride=rows["slot_stride"],
+                calls_ptr=rows["calls"], HAS_K=filters.top_k is not None,
+                HAS_P=filters.top_p is not None, HAS_M=filters.min_p is not None, RAW=filters.raw)
 
 
 # programs per step of kernels/filter_cut.py, in multiples of fallback_programs: the steps
@@ -609,14 +620,7 @@ def _cut_steps(hidden, params: RowParams, filters: Filters, out: F.FilteredOutpu
     W = max(K.NT.value + 2, S + 2)
     part = torch.empty(K.SAMPLE.value + 1, B, G, W, dtype=torch.float32, device=hidden.device)
     keys = torch.empty(B, K.CAP.value + 2 + G * S, dtype=torch.int64, device=hidden.device)
-    dummy = params.inv_temp
-    args = (rows["l"], rows["stride"], N, vocab_start, params.inv_temp, params.seed,
-            params.offset,
-            filters.top_k if filters.top_k is not None else dummy,
-            filters.top_p if filters.top_p is not None else dummy,
-            filters.min_p if filters.min_p is not None else dummy,
-            out.tokens, out.logprobs, out.logz, out.fallback, count, part, keys, B, G, C, W, S,
-            rows["starts"], rows["slot_n"], rows["slot_stride"], rows["calls"])
+    source = _row_source(rows, params, filters, vocab_start)
     steps = [K.STATS.value]
     if filters.top_p is not None:
         steps += list(K.CUT_STEPS)
@@ -624,10 +628,9 @@ def _cut_steps(hidden, params: RowParams, filters: Filters, out: F.FilteredOutpu
     for step in steps:
         per_row = step in (K.FINISH.value, K.FINAL.value)
         grid = (max(1, min(programs * _CUT_PROGRAMS.get(step, 1), B if per_row else B * G)),)
-        run_kernel(K.cut_step_kernel, grid, args,
-                   dict(STEP=step, HAS_K=filters.top_k is not None,
-                        HAS_P=filters.top_p is not None, HAS_M=filters.min_p is not None,
-                        RAW=filters.raw, ALIGNED4=aligned, BLOCK=block, SUB=min(block, 512),
-                        BLOCK_G=max(2, 1 << (G - 1).bit_length()), BLOCK_F=block_f,
-                        PDL="launch_pdl" in launch, SLOTTED=slotted),
-                   launch)
+        run_named(K.cut_step_kernel, grid, launch, **source,
+                  tokens_ptr=out.tokens, logprobs_ptr=out.logprobs, logz_ptr=out.logz,
+                  flag_ptr=out.fallback, count_ptr=count, part_ptr=part, keys_ptr=keys, B=B, G=G,
+                  C=C, W=W, S=S, STEP=step, ALIGNED4=aligned, BLOCK=block,
+                  SUB=min(block, 512), BLOCK_G=max(2, 1 << (G - 1).bit_length()),
+                  BLOCK_F=block_f, PDL="launch_pdl" in launch, SLOTTED=slotted)

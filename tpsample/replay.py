@@ -50,6 +50,38 @@ def run_kernel(fn, grid, args: tuple, constexprs: dict, options: dict):
     return compiled
 
 
+_SIGNATURES: dict = {}  # kernel -> (runtime parameter names in order, constexpr names)
+
+
+def run_named(fn, grid, options: dict, **named):
+    """run_kernel by keyword: `named` holds every runtime argument of fn, in any order, and
+    the constexprs to set (the rest keep their defaults), so a parameter added to a kernel
+    cannot shift the others. A missing or unknown name raises TypeError naming it."""
+    sig = _SIGNATURES.get(fn)
+    if sig is None:
+        sig = _SIGNATURES[fn] = _signature(fn)
+    runtime, constexprs = sig
+    if len(named) < len(runtime) or any(n not in named for n in runtime) or \
+            any(n not in constexprs and n not in runtime for n in named):
+        missing = [n for n in runtime if n not in named]
+        unknown = [n for n in named if n not in runtime and n not in constexprs]
+        raise TypeError(f"{fn.__name__}: missing arguments {missing}, unknown {unknown}")
+    return run_kernel(fn, grid, tuple(named[n] for n in runtime),
+                      {n: v for n, v in named.items() if n in constexprs}, options)
+
+
+def _signature(fn) -> tuple[tuple, frozenset]:
+    """(runtime parameter names in order, constexpr names) of a Triton or Gluon kernel (under
+    TRITON_INTERPRET=1 from its Python signature: constexprs are annotated tl.constexpr)."""
+    params = getattr(fn, "params", None)
+    if params is not None:
+        return (tuple(p.name for p in params if not p.is_constexpr),
+                frozenset(p.name for p in params if p.is_constexpr))
+    sig = inspect.signature(fn.fn).parameters.values()
+    const = {p.name for p in sig if "constexpr" in str(p.annotation)}
+    return tuple(p.name for p in sig if p.name not in const), frozenset(const)
+
+
 def run_step(fn, args: tuple):
     """fn(*args) for a torch step between launches (the hybrid's GEMM); logged as
     (fn, None, None, args, result) so a replay re-runs it and feeds its new result on."""
