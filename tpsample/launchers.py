@@ -376,14 +376,17 @@ def stage2(plan: Plan, recs: torch.Tensor, params: RowParams, parity=None,
     block_r, block_n, num_warps = plan.reduce
     if block_n < 4 or block_n & (block_n - 1):
         raise ValueError(f"plan reduce BLOCK_N must be a power of 2 >= 4, got {block_n}")
-    run_kernel(reduce_records.reduce_records_kernel, (cdiv(B * S, block_r),), (
-        recs, params.inv_temp, params.seed, params.offset, tokens, logprobs, logz,
-        B, S, slots * T, T, *recs.stride()[:4],
-        parity if parity is not None else params.seed, parity_stride),
-        dict(LOGMASS=plan.merge in ("logmass", "cdf"), BLOCK_R=block_r, BLOCK_N=block_n,
-             USE_PARITY=parity is not None, ONE_SLOT=slots == 1, PDL=plan.pdl,
-             DEPENDENT=plan.pdl and dependent),
-        dict(num_warps=num_warps, **({"launch_pdl": True} if plan.pdl else {})))
+    run_named(reduce_records.reduce_records_kernel, (cdiv(B * S, block_r),),
+              dict(num_warps=num_warps, **({"launch_pdl": True} if plan.pdl else {})),
+              rec_ptr=recs, inv_temp_ptr=params.inv_temp, seed_ptr=params.seed,
+              offset_ptr=params.offset, tokens_ptr=tokens, logprobs_ptr=logprobs, logz_ptr=logz,
+              B=B, S=S, N=slots * T, tiles_per_slot=T, rec_stride_slot=recs.stride(0),
+              rec_stride_s=recs.stride(1), rec_stride_b=recs.stride(2),
+              rec_stride_t=recs.stride(3),
+              parity_ptr=parity if parity is not None else params.seed,
+              parity_stride=parity_stride, LOGMASS=plan.merge in ("logmass", "cdf"),
+              BLOCK_R=block_r, BLOCK_N=block_n, USE_PARITY=parity is not None,
+              ONE_SLOT=slots == 1, PDL=plan.pdl, DEPENDENT=plan.pdl and dependent)
     return tokens, logprobs, logz
 
 
@@ -532,19 +535,22 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
     # the fan-out arguments (peer addresses, world, the exchange count); unused without gather
     fan = (count, 1, count) if gather is None else (gather.peers, gather.peers.numel(),
                                                     gather.calls)
+    side_ptr, stride_side = _side_args(side, dummy)
     tiles = N // records.TILE
     block_f = min(1024, max(16, 1 << (B - 1).bit_length()))
     if side is None or gather is not None:  # (one device with side: the logits are there)
-        run_kernel(filter_fallback.fallback_logits_kernel, (min(tiles, fallback_programs(hidden)),), (
-            hidden, weight, bias if bias is not None else dummy, params.inv_temp, out.fallback,
-            logits, B, weight.shape[0], n_real, D, hidden.stride(0), weight.stride(0),
-            logits.stride(0), mask if mask is not None else out.fallback,
-            mask.stride(0) if mask is not None else 0, vocab_start, *fan, tiles,
-            *_side_args(side, dummy)),
-            dict(HAS_BIAS=bias is not None, BLOCK_V=records.TILE, BLOCK_D=64, BLOCK_F=block_f,
-                 HAS_MASK=mask is not None, PDL=pdl, FANOUT=gather is not None,
-                 FROM_SIDE=side is not None),
-            launch)
+        run_named(filter_fallback.fallback_logits_kernel,
+                  (min(tiles, fallback_programs(hidden)),), launch,
+                  h_ptr=hidden, w_ptr=weight, bias_ptr=bias if bias is not None else dummy,
+                  inv_temp_ptr=params.inv_temp, flag_ptr=out.fallback, out_ptr=logits, B=B,
+                  V_rows=weight.shape[0], n_real=n_real, D=D, stride_hb=hidden.stride(0),
+                  stride_wv=weight.stride(0), stride_ob=logits.stride(0),
+                  mask_ptr=mask if mask is not None else out.fallback,
+                  stride_mask=mask.stride(0) if mask is not None else 0, vocab_start=vocab_start,
+                  peer_ptrs_ptr=fan[0], world=fan[1], calls_ptr=fan[2], n_tiles=tiles,
+                  side_ptr=side_ptr, stride_side=stride_side, HAS_BIAS=bias is not None,
+                  BLOCK_V=records.TILE, BLOCK_D=64, BLOCK_F=block_f, HAS_MASK=mask is not None,
+                  PDL=pdl, FANOUT=gather is not None, FROM_SIDE=side is not None)
     if c is not None and c.listed:
         K = c.ids.shape[1]
         allowed = allowed_or_eff
