@@ -125,3 +125,21 @@ def test_greedy_rows_mixed_with_sampled_rows(device):
     assert not (out.tokens.cpu()[~greedy] == l[~greedy].argmax(-1, keepdim=True)).all()
 
 
+
+
+def test_sample_and_the_tp_sampler_take_the_same_arguments():
+    """Every argument of sample() but weight is one of VocabParallelSampler's (per call, or
+    per sampler: vocab_size, merge, backend), the per-call ones with the same default; the
+    sampler's call takes nothing sample() does not. (vocab_size is required per sampler: a
+    shard does not tell the vocabulary's size.)"""
+    import inspect
+    sample = inspect.signature(tpsample.sample).parameters
+    call = inspect.signature(tpsample.VocabParallelSampler.__call__).parameters
+    init = inspect.signature(tpsample.VocabParallelSampler.__init__).parameters
+    assert set(call) - {"self"} <= set(sample)
+    for name, p in sample.items():
+        if name == "weight":
+            continue
+        assert name in call or name in init, f"VocabParallelSampler does not take {name}"
+        if name in call:
+            assert call[name].default == p.default, (name, call[name].default, p.default)
