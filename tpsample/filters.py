@@ -1,7 +1,7 @@
 """Filtered sampling from candidate records: top-k, top-p, min-p, top log-probs and samples
 without replacement, exact, without the [B, V] logits.
 
-Semantics (tpsample/reference.py, filtered_rows, implements them on full rows in float64).
+Semantics (filtered_rows, at the end of this module, implements them on full rows in float64).
 Row b has transformed logits x_i (bias, vocabulary mask, 1/T); "the order" sorts its tokens
 by (x desc, id asc). top-k keeps the first k tokens of the order; top-p keeps the shortest
 prefix of what top-k kept whose mass under the renormalised top-k distribution reaches p;
@@ -48,7 +48,7 @@ ignore the filters.
    every rank; transport.SymmMemTransport.rows_gather). Under TP over NCCL or gloo (the
    rows' logits are split over the ranks) and on the torch path: the pipeline reads the
    flags back (one host synchronisation), gathers the flagged rows' logit shards and runs
-   reference.filtered_rows on them.
+   filtered_rows on them.
 
 Log-probs (SampleOutput): "processed" = x - log Z_kept for filtered rows (log Z over the kept
 set; -inf outside it), x - log Z otherwise; "raw" = x_raw - log Z_raw at T = 1 (x_raw = x * T,
@@ -244,3 +244,51 @@ def top_perturbed(samples: torch.Tensor, S: int):
     # a slot past the row's allowed tokens (score -inf) has no token: -1, as the kernel gives
     tok = torch.where(score.gather(-1, o) > NEG_INF, tok.gather(-1, o).long(), -1)
     return tok, logit.gather(-1, o)
+
+
+def filtered_rows(l: torch.Tensor, inv_temp: torch.Tensor, seed: torch.Tensor,
+                  offset: torch.Tensor, filters: Filters, num_samples: int,
+                  ids: torch.Tensor | None = None):
+    """Filtered sampling on full rows (the semantics above, in float64): the host path's
+    exact fallback, and the definition the candidate path is tested against
+    (tpsample/reference.py builds its filtered calls on it).
+
+    l [R, V] float32 transformed logits (-inf past the vocabulary), inv_temp [R] (0 =
+    greedy: no filters, the argmax, or the S largest without replacement), seed/offset [R];
+    ids [V] int64: the global id of each column (default: the column index).
+    Returns (tokens int64 [R, S] (-1: no token left), logprobs float64 [R, S], logz float64
+    [R], top_tokens int64 [R, n], top_logprobs float64 [R, n]) in filters.raw's mode."""
+    R, V = l.shape
+    dev = l.device
+    logz_nan = torch.isnan(l).any(-1)  # rows with a NaN are degenerate (log Z NaN)
+    l = l.masked_fill(torch.isnan(l), float("-inf"))
+    ids = (torch.arange(V, device=dev) if ids is None else ids).expand(R, V).contiguous()
+    xs, ids = sort_order(l, ids)
+    x64 = xs.double()
+    logz = torch.logsumexp(l.double(), dim=-1).masked_fill(logz_nan, float("nan"))
+    greedy = inv_temp == 0
+    k, p, m = row_filters(filters, R, dev)
+    off = greedy | ~((k > 0) | (p < 1) | (m > 0))
+    k, p, m = (torch.where(off, 0, k), torch.where(off, 1.0, p), torch.where(off, 0.0, m))
+    kept, _ = kept_prefix(x64, torch.ones_like(xs, dtype=torch.bool), k, p, m, logz)
+    pick = gumbel_pick(xs, ids, kept, seed, offset, num_samples, filters.replacement)
+    first = torch.zeros_like(pick) if filters.replacement else \
+        torch.arange(num_samples, device=dev).expand(R, num_samples)
+    pick = torch.where(greedy[:, None], first, pick)
+    xmax = x64[:, :1].nan_to_num(neginf=0.0, posinf=0.0)
+    logz_kept = xmax[:, 0] + torch.log((torch.exp(x64 - xmax) * kept).sum(-1))
+    lz = torch.where(off | ~torch.isfinite(logz), logz, logz_kept)
+    tokens = torch.where(pick >= 0, ids.gather(-1, pick.clamp(min=0)), -1)
+    x_tok = x64.gather(-1, pick.clamp(min=0))
+    n = filters.top_n
+    if filters.raw:
+        to_raw = torch.where(greedy, 1.0, 1.0 / torch.where(greedy, 1.0, inv_temp)).double()
+        logz_raw = torch.logsumexp(l.double() * to_raw[:, None], dim=-1)
+        logprobs = x_tok * to_raw[:, None] - logz_raw[:, None]
+        top = x64[:, :n] * to_raw[:, None] - logz_raw[:, None]
+        lz = logz_raw
+    else:
+        logprobs = x_tok - lz[:, None]
+        top = torch.where(kept[:, :n] | off[:, None], x64[:, :n] - lz[:, None], float("-inf"))
+    logprobs = torch.where(pick >= 0, logprobs, float("-inf"))
+    return tokens, logprobs, lz, ids[:, :n], top

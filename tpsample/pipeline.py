@@ -26,7 +26,7 @@ from . import constraints as C
 from . import filters as F
 from . import launchers, merge, records, replay
 from .params import NO_FILTERS, Filters, RowParams
-from .reference import filtered_rows
+from .filters import filtered_rows
 from .plan import DeviceKind, Layout, Plan, make_plan
 from .torch_records import records_torch, transform
 from .transport import LocalTransport, Transport

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 
 from . import filters as F
+from .filters import filtered_rows  # noqa: F401  (the full-row semantics, shared)
 from . import noise
 from . import params as P
 from .records import CDF_SUBGROUPS, TILE
@@ -26,53 +27,6 @@ class ReferenceOutput(NamedTuple):
     logits: torch.Tensor    # float32 [B, V] transformed logits (-inf beyond vocab_size)
     top_tokens: torch.Tensor | None = None    # int64 [B, n] (top_logprobs=n)
     top_logprobs: torch.Tensor | None = None  # float64 [B, n]
-
-
-def filtered_rows(l: torch.Tensor, inv_temp: torch.Tensor, seed: torch.Tensor,
-                  offset: torch.Tensor, filters: P.Filters, num_samples: int,
-                  ids: torch.Tensor | None = None):
-    """Filtered sampling on full rows (the semantics of tpsample/filters.py, in float64):
-    the definition the candidate path is tested against, and its exact fallback.
-
-    l [R, V] float32 transformed logits (-inf past the vocabulary), inv_temp [R] (0 =
-    greedy: no filters, the argmax, or the S largest without replacement), seed/offset [R];
-    ids [V] int64: the global id of each column (default: the column index).
-    Returns (tokens int64 [R, S] (-1: no token left), logprobs float64 [R, S], logz float64
-    [R], top_tokens int64 [R, n], top_logprobs float64 [R, n]) in filters.raw's mode."""
-    R, V = l.shape
-    dev = l.device
-    logz_nan = torch.isnan(l).any(-1)  # rows with a NaN are degenerate (log Z NaN)
-    l = l.masked_fill(torch.isnan(l), float("-inf"))
-    ids = (torch.arange(V, device=dev) if ids is None else ids).expand(R, V).contiguous()
-    xs, ids = F.sort_order(l, ids)
-    x64 = xs.double()
-    logz = torch.logsumexp(l.double(), dim=-1).masked_fill(logz_nan, float("nan"))
-    greedy = inv_temp == 0
-    k, p, m = F.row_filters(filters, R, dev)
-    off = greedy | ~((k > 0) | (p < 1) | (m > 0))
-    k, p, m = (torch.where(off, 0, k), torch.where(off, 1.0, p), torch.where(off, 0.0, m))
-    kept, _ = F.kept_prefix(x64, torch.ones_like(xs, dtype=torch.bool), k, p, m, logz)
-    pick = F.gumbel_pick(xs, ids, kept, seed, offset, num_samples, filters.replacement)
-    first = torch.zeros_like(pick) if filters.replacement else \
-        torch.arange(num_samples, device=dev).expand(R, num_samples)
-    pick = torch.where(greedy[:, None], first, pick)
-    xmax = x64[:, :1].nan_to_num(neginf=0.0, posinf=0.0)
-    logz_kept = xmax[:, 0] + torch.log((torch.exp(x64 - xmax) * kept).sum(-1))
-    lz = torch.where(off | ~torch.isfinite(logz), logz, logz_kept)
-    tokens = torch.where(pick >= 0, ids.gather(-1, pick.clamp(min=0)), -1)
-    x_tok = x64.gather(-1, pick.clamp(min=0))
-    n = filters.top_n
-    if filters.raw:
-        to_raw = torch.where(greedy, 1.0, 1.0 / torch.where(greedy, 1.0, inv_temp)).double()
-        logz_raw = torch.logsumexp(l.double() * to_raw[:, None], dim=-1)
-        logprobs = x_tok * to_raw[:, None] - logz_raw[:, None]
-        top = x64[:, :n] * to_raw[:, None] - logz_raw[:, None]
-        lz = logz_raw
-    else:
-        logprobs = x_tok - lz[:, None]
-        top = torch.where(kept[:, :n] | off[:, None], x64[:, :n] - lz[:, None], float("-inf"))
-    logprobs = torch.where(pick >= 0, logprobs, float("-inf"))
-    return tokens, logprobs, lz, ids[:, :n], top
 
 
 def constrained_logits(logits: torch.Tensor, allowed_mask=None, logit_adjust=None,
