@@ -244,10 +244,9 @@ def cut_step_kernel(
                 elif STEP == COMPACT:
                     lo, hi, a_hi, bmin, bmax = _bracket(part_ptr, b, B, G, W, PASSES, target,
                                                         z, N, xmax, xmin, NT, BLOCK_G)
-                    # a slot per selected token from one atomic each: a block holds one or
-                    # two of the bracket's ~100 tokens, so a per-block count and scan (two
-                    # block reductions) would cost more than the few atomics
-                    # claims a slot per selected column (its key is made in FINISH)
+                    # a slot per selected column from one atomic each (its key is made in
+                    # FINISH): a block holds one or two of the bracket's ~100 tokens, so a
+                    # per-block count and scan (two block reductions) would cost more
                     counter = keys + CAP + tl.zeros((BLOCK,), tl.int32)
                     one = tl.full((BLOCK,), 1, tl.int64)
                     xn = row_x(row, c0 + cols, c1, slots, SLOTTED)

@@ -153,15 +153,10 @@ def row_ids(v, N, vocab_start, slots, SLOTTED: tl.constexpr):
 
 
 @triton.jit
-def row_keys(row, v0, N, vocab_start, slots, BLOCK: tl.constexpr, SLOTTED: tl.constexpr,
-             COLUMN: tl.constexpr = False):
+def row_keys(row, v0, N, vocab_start, slots, BLOCK: tl.constexpr, SLOTTED: tl.constexpr):
     """Logits, order keys (-1: not a candidate, x = -inf) and global ids of the row's
-    columns [v0, v0 + BLOCK) (row_x). COLUMN: as [BLOCK, 1] tensors, loaded in the layout
-    of a [BLOCK, n] tensor they broadcast into (a [BLOCK] load broadcast later goes through
-    shared memory, with barriers, on every block)."""
+    columns [v0, v0 + BLOCK) (row_x)."""
     v = v0 + tl.arange(0, BLOCK)
-    if COLUMN:
-        v = v[:, None]
     x = row_x(row, v, N, slots, SLOTTED)
     gid = row_ids(v, N, vocab_start, slots, SLOTTED)
     key = tl.where(x > NEG_INF, order_key(x, gid), -1)

@@ -455,20 +455,15 @@ def stage2_filtered(plan: Plan, recs: torch.Tensor, params: RowParams, filters: 
     block_n = max(4, 1 << (N - 1).bit_length())
     cap = min(F.KNOWN_CAP, block_n * records.CANDIDATES)  # never binds below KNOWN_CAP candidates
     sort_a, sort_b = (min(size, cap) for size in FILTER_SORTS)
-    dummy = params.inv_temp  # a filter's tensor when it is off (never read)
     run_named(filter_records.filter_records_kernel, (B,),
               dict(num_warps=filter_warps(B), **({"launch_pdl": True} if plan.pdl else {})),
               rec_ptr=recs, st_slot=recs.stride(0), st_plane=recs.stride(1),
               st_b=recs.stride(2), st_t=recs.stride(3), inv_temp_ptr=params.inv_temp,
-              seed_ptr=params.seed, offset_ptr=params.offset,
-              top_k_ptr=filters.top_k if filters.top_k is not None else dummy,
-              top_p_ptr=filters.top_p if filters.top_p is not None else dummy,
-              min_p_ptr=filters.min_p if filters.min_p is not None else dummy,
+              seed_ptr=params.seed, offset_ptr=params.offset, **_filter_ptrs(params, filters),
               tokens_ptr=tokens, logprobs_ptr=logprobs, logz_ptr=logz, top_tok_ptr=top_tok,
               top_lp_ptr=top_lp, flag_ptr=flag, scratch_ptr=scratch, S=S, T=T, N=N, n_top=n,
               parity_ptr=parity if parity is not None else params.seed,
-              parity_stride=parity_stride, HAS_K=filters.top_k is not None,
-              HAS_P=filters.top_p is not None, HAS_M=filters.min_p is not None, RAW=filters.raw,
+              parity_stride=parity_stride, RAW=filters.raw,
               REPLACE=filters.replacement, USE_PARITY=parity is not None,
               K=records.CANDIDATES, BLOCK_N=block_n,
               BLOCK_U=min(1024, max(16, 1 << (N - 1).bit_length())), CAP=cap, SORT_A=sort_a,
@@ -590,15 +585,21 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
 def _row_source(rows: dict, params: RowParams, filters: Filters, vocab_start: int) -> dict:
     """The keywords the fallback's row kernels share: the rows' logits (rows: one device's
     [B, N], or the ranks' gathered shards), the per-row parameters and the filters."""
-    dummy = params.inv_temp  # a filter's tensor when it is off (never read)
     return dict(l_ptr=rows["l"], stride_lb=rows["stride"], N=rows["N"], vocab_start=vocab_start,
                 inv_temp_ptr=params.inv_temp, seed_ptr=params.seed, offset_ptr=params.offset,
-                top_k_ptr=filters.top_k if filters.top_k is not None else dummy,
+                starts_ptr=rows["starts"], slot_n=rows["slot_n"], slot_stride=rows["slot_stride"],
+                calls_ptr=rows["calls"], RAW=filters.raw, **_filter_ptrs(params, filters))
+
+
+def _filter_ptrs(params: RowParams, filters: Filters) -> dict:
+    """The filter kernels' per-row filter tensors and HAS_* flags (a filter that is off gets
+    a dummy tensor, never read)."""
+    dummy = params.inv_temp
+    return dict(top_k_ptr=filters.top_k if filters.top_k is not None else dummy,
                 top_p_ptr=filters.top_p if filters.top_p is not None else dummy,
                 min_p_ptr=filters.min_p if filters.min_p is not None else dummy,
-                starts_ptr=rows["starts"], slot_n=rows["slot_n"], slot_stride=rows["slot_stride"],
-                calls_ptr=rows["calls"], HAS_K=filters.top_k is not None,
-                HAS_P=filters.top_p is not None, HAS_M=filters.min_p is not None, RAW=filters.raw)
+                HAS_K=filters.top_k is not None, HAS_P=filters.top_p is not None,
+                HAS_M=filters.min_p is not None)
 
 
 # programs per step of kernels/filter_cut.py, in multiples of fallback_programs: the steps

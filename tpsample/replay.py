@@ -61,10 +61,9 @@ def run_named(fn, grid, options: dict, **named):
     if sig is None:
         sig = _SIGNATURES[fn] = _signature(fn)
     runtime, constexprs = sig
-    if len(named) < len(runtime) or any(n not in named for n in runtime) or \
-            any(n not in constexprs and n not in runtime for n in named):
-        missing = [n for n in runtime if n not in named]
-        unknown = [n for n in named if n not in runtime and n not in constexprs]
+    missing = [n for n in runtime if n not in named]
+    unknown = [n for n in named if n not in constexprs and n not in runtime]
+    if missing or unknown:
         raise TypeError(f"{fn.__name__}: missing arguments {missing}, unknown {unknown}")
     return run_kernel(fn, grid, tuple(named[n] for n in runtime),
                       {n: v for n, v in named.items() if n in constexprs}, options)
