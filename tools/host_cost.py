@@ -1,0 +1,165 @@
+"""Where an eager call's host time goes: per call kind, the host µs from entry to return
+with the device drained (median), eager and CUDA-graph device-inclusive ms, and cProfile's
+most expensive Python functions (µs per call, self time).
+
+    python -m tools.host_cost [--batches 1,64] [--out DIR]                  # one GPU
+    torchrun --nproc-per-node=N -m tools.host_cost [--batches 1,64]          # + TP N
+
+Under torchrun rank 0 also times the one-GPU calls (the other ranks wait), then every rank
+times the VocabParallelSampler calls over symmetric memory (max over ranks)."""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import tpsample
+
+D, V = 4096, 151936
+
+
+def host_us(fn, iters: int = 200) -> float:
+    us = []
+    for _ in range(iters + 10):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        us.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(us[10:])
+
+
+def device_ms(fn, iters: int = 100) -> float:
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    ms = []
+    for _ in range(iters + 5):
+        torch.cuda.synchronize()
+        ev[0].record()
+        fn()
+        ev[1].record()
+        torch.cuda.synchronize()
+        ms.append(ev[0].elapsed_time(ev[1]))
+    return statistics.median(ms[5:])
+
+
+def graph_of(fn):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    return g
+
+
+def profile(fn, iters: int = 300, top: int = 18) -> list:
+    pr = cProfile.Profile()
+    torch.cuda.synchronize()
+    pr.enable()
+    for _ in range(iters):
+        fn()
+    pr.disable()
+    torch.cuda.synchronize()
+    st = pstats.Stats(pr)
+    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [(f"{os.path.basename(k[0])}:{k[1]}:{k[2]}", round(v[2] / iters * 1e6, 2), v[0] // iters)
+            for k, v in rows]
+
+
+def kinds(call, B: int, dev, world: int) -> dict:
+    g = torch.Generator(device=dev).manual_seed(0)
+    h = torch.randn(B, D, generator=g, device=dev, dtype=torch.bfloat16)
+    seed = torch.full((B,), 1234, dtype=torch.int64, device=dev)
+    step = torch.full((B,), 7, dtype=torch.int64, device=dev)
+    mask = torch.full((B, (V + 31) // 32), -1, dtype=torch.int32, device=dev)
+    return {
+        "plain": lambda: call(h, seed=seed, offset=step),
+        "plain_scalar_seed": lambda: call(h, seed=1234, offset=7),
+        "logprobs": lambda: call(h, seed=seed, offset=step, return_logprobs=True),
+        "top_k50": lambda: call(h, seed=seed, offset=step, top_k=50),
+        "top_p0.9": lambda: call(h, seed=seed, offset=step, top_p=0.9),
+        "kpm": lambda: call(h, seed=seed, offset=step, top_k=50, top_p=0.9, min_p=0.05),
+        "mask": lambda: call(h, seed=seed, offset=step, allowed_mask=mask),
+    }
+
+
+def measure(fns: dict, world: int, rank: int, tag: str, B: int, graphs: bool) -> list:
+    out = []
+    for name, fn in fns.items():
+        for _ in range(5):
+            fn()
+        r = {"call": f"{tag}_{name}", "B": B, "host_us": host_us(fn), "eager_ms": device_ms(fn)}
+        if graphs:
+            try:
+                g = graph_of(fn)
+                r["graph_ms"] = device_ms(g.replay)
+            except Exception as e:  # noqa: BLE001 - reported, not fatal
+                r["graph_error"] = str(e)[:120]
+        r["profile"] = profile(fn)
+        if world > 1:
+            t = torch.tensor([r["host_us"], r["eager_ms"], r.get("graph_ms", 0.0)], device="cuda")
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            r["host_us"], r["eager_ms"], r["graph_ms"] = t.tolist()
+        if rank == 0:
+            print(f"{r['call']:>28} B={B:<4} host {r['host_us']:6.1f} us  eager {r['eager_ms']:.4f} "
+                  f"graph {r.get('graph_ms', float('nan')):.4f} ms", flush=True)
+            for f, us, n in r["profile"][:12]:
+                print(f"      {us:7.2f} us x{n:<3} {f}")
+        out.append(r)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--no-graph", action="store_true")
+    args = ap.parse_args()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dev = torch.device("cuda")
+    if world > 1:
+        dist.init_process_group("nccl", device_id=dev)
+    res = []
+    g = torch.Generator(device=dev).manual_seed(1)
+    W = torch.randn(V, D, generator=g, device=dev, dtype=torch.bfloat16).mul_(D ** -0.5)
+    batches = [int(b) for b in args.batches.split(",")]
+    if rank == 0:
+        for B in batches:
+            res += measure(kinds(lambda h, **kw: tpsample.sample(h, W, **kw), B, dev, 1),
+                           1, 0, "tp1", B, not args.no_graph)
+    if world > 1:
+        dist.barrier()
+        rows = V // world
+        shard = W[rank * rows:(rank + 1) * rows].contiguous()
+        s = tpsample.VocabParallelSampler(shard, vocab_size=V, transport="symm_mem",
+                                          check_inputs=False)
+        for B in batches:
+            res += measure(kinds(s, B, dev, world), world, rank, f"tp{world}", B,
+                           not args.no_graph)
+    if rank == 0 and args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "host_cost.json"), "w") as f:
+            json.dump(res, f, indent=1)
+        print("\nsummary (host us / eager ms / graph ms):")
+        for r in res:
+            print(f"  {r['call']:>28} B={r['B']:<4} {r['host_us']:6.1f}  {r['eager_ms']:.4f}  "
+                  f"{r.get('graph_ms', float('nan')):.4f}")
+    if world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
