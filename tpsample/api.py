@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from . import constraints as C
 from . import params as P
 from .pipeline import Pipeline
+from .spec import sampling_spec
 
 _PIPELINES: dict = {}  # (backend, device) -> the process's local Pipeline
 
@@ -98,23 +98,20 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, *, temperature: float | t
     P.check_hidden_weight(hidden, weight)
     V = weight.shape[0]
     vocab_size = P.check_vocab_size(V if vocab_size is None else vocab_size, V)
-    P.check_options(num_samples, merge, backend)
-    if not isinstance(return_logprobs, bool):
-        raise TypeError(f"return_logprobs must be a bool, got {type(return_logprobs).__name__}")
+    P.check_options(1, merge, backend)
     bias = P.check_bias(bias, V, hidden.device)
     in_capture = P.capturing(hidden.device)
-    row = P.row_params(hidden, temperature, seed, offset, in_capture)
-    filters = P.filter_params(hidden, top_k, top_p, min_p, top_logprobs, num_samples,
-                              replacement, logprobs_mode, vocab_size, in_capture)
-    if not replacement and merge != "max":
-        raise ValueError(f"replacement=False needs merge='max' (Gumbel-top-S), got merge={merge!r}")
-    constraints = C.check_constraints(hidden, allowed_mask, logit_adjust, repetition_penalty,
-                                      vocab_size, V)
+    spec = sampling_spec(hidden, vocab_size=vocab_size, rows=V, merge=merge,
+                         temperature=temperature, seed=seed, offset=offset,
+                         num_samples=num_samples, return_logprobs=return_logprobs, top_k=top_k,
+                         top_p=top_p, min_p=min_p, top_logprobs=top_logprobs,
+                         replacement=replacement, logprobs_mode=logprobs_mode,
+                         allowed_mask=allowed_mask, logit_adjust=logit_adjust,
+                         repetition_penalty=repetition_penalty, in_capture=in_capture)
     if hidden.shape[0] == 0:
-        return P.empty_result(hidden.device, num_samples, return_logprobs, filters.top_n)
+        return P.empty_result(hidden.device, num_samples, return_logprobs, spec.filters.top_n)
     pipe = _pipeline(P.resolve_backend(backend, hidden.device), hidden.device)
     tokens, logprobs, logz, top = pipe.run(
-        hidden.contiguous(), weight, bias, row, n_real=vocab_size, merge=merge,
-        num_samples=num_samples, need_mass=return_logprobs or merge != "max", filters=filters,
-        constraints=constraints, in_capture=in_capture)
+        hidden.contiguous(), weight, bias, spec, n_real=vocab_size,
+        need_mass=return_logprobs or merge != "max", in_capture=in_capture)
     return P.package(tokens, logprobs, logz, num_samples, return_logprobs, top)

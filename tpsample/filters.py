@@ -79,6 +79,19 @@ class FilteredOutput(NamedTuple):
     scratch: torch.Tensor | None = None  # the filter kernel's int64 [B, KNOWN_CAP]
 
 
+def row_is_filtered(filters: Filters, inv_temp: torch.Tensor) -> torch.Tensor:
+    """bool [B]: rows with top_k > 0, top_p < 1 or min_p > 0 that are not greedy (the one
+    definition of a filtered row)."""
+    on = torch.zeros(inv_temp.shape, dtype=torch.bool, device=inv_temp.device)
+    if filters.top_k is not None:
+        on = on | (filters.top_k > 0)
+    if filters.top_p is not None:
+        on = on | (filters.top_p < 1)
+    if filters.min_p is not None:
+        on = on | (filters.min_p > 0)
+    return on & (inv_temp != 0)
+
+
 def row_filters(filters: Filters, B: int, device):
     """(top_k int64, top_p fp32, min_p fp32) [B] with the 'off' values where None."""
     k = filters.top_k.long() if filters.top_k is not None else torch.zeros(B, dtype=torch.int64,
@@ -185,7 +198,7 @@ def reduce_candidates(recs: torch.Tensor, params: RowParams, filters: Filters, n
     known = (xs > tau[:, None]) & (torch.arange(xs.shape[1], device=dev) < KNOWN_CAP)[None, :]
     k, p, m = row_filters(filters, B, dev)
     kept, cert = kept_prefix(xs, known, k, p, m, logz)
-    filtered = ((k > 0) | (p < 1) | (m > 0)) & ~greedy
+    filtered = row_is_filtered(filters, params.inv_temp)
     ok = torch.isfinite(logz)
 
     xmax = torch.where(torch.isfinite(xs[:, 0]), xs[:, 0], torch.zeros_like(xs[:, 0]))
@@ -268,7 +281,7 @@ def filtered_rows(l: torch.Tensor, inv_temp: torch.Tensor, seed: torch.Tensor,
     logz = torch.logsumexp(l.double(), dim=-1).masked_fill(logz_nan, float("nan"))
     greedy = inv_temp == 0
     k, p, m = row_filters(filters, R, dev)
-    off = greedy | ~((k > 0) | (p < 1) | (m > 0))
+    off = ~row_is_filtered(filters, inv_temp)
     k, p, m = (torch.where(off, 0, k), torch.where(off, 1.0, p), torch.where(off, 0.0, m))
     kept, _ = kept_prefix(x64, torch.ones_like(xs, dtype=torch.bool), k, p, m, logz)
     pick = gumbel_pick(xs, ids, kept, seed, offset, num_samples, filters.replacement)

@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import constraints as C
 from . import params as P
 from .pipeline import Pipeline
 from .records import num_tiles
+from .spec import sampling_spec
 from .transport import ExchangeTimeout, GroupRef, all_gather_flat, make_transport
 
 MERGE_IDS = {m: i for i, m in enumerate(P.MERGES)}
@@ -218,34 +218,36 @@ class VocabParallelSampler:
                  logit_adjust=None, repetition_penalty=None) -> torch.Tensor | P.SampleOutput:
         self.transport.check()  # an earlier exchange that failed on the device raises here
         P.check_hidden_weight(hidden, self.weight, "weight_shard")
-        P.check_options(num_samples, self.merge)
-        if return_logprobs and not self.logprobs:
+        if return_logprobs is True and not self.logprobs:
             raise ValueError("return_logprobs=True, but this sampler was built with logprobs=False")
+        if replacement is False and self.merge != "max":
+            raise ValueError(f"replacement=False needs merge='max' (Gumbel-top-S); this sampler "
+                             f"was built with merge={self.merge!r}")
         bias = P.check_bias(bias, self.weight.shape[0], hidden.device)
-        constraints = C.check_constraints(hidden, allowed_mask, logit_adjust, repetition_penalty,
-                                          self.vocab_size, self.rows_total)
-        capturing = P.capturing(hidden.device)
-        if self.check_inputs and not capturing:  # a host sync cannot be captured
-            self._check_call(hidden, num_samples, constraints)
         B = hidden.shape[0]
         if seed is None:
             seed = torch.randint(0, P.SEED_HIGH, (B,), dtype=torch.int64, device=self.device,
                                  generator=self.generator)
-        row = P.row_params(hidden, temperature, seed, offset, capturing)
-        filters = P.filter_params(hidden, top_k, top_p, min_p, top_logprobs, num_samples,
-                                  replacement, logprobs_mode, self.vocab_size, capturing)
-        if not replacement and self.merge != "max":
-            raise ValueError(f"replacement=False needs merge='max' (Gumbel-top-S); this sampler "
-                             f"was built with merge={self.merge!r}")
-        if (filters.needs_candidates or not replacement) and not self.logprobs:
+        capturing = P.capturing(hidden.device)
+        spec = sampling_spec(hidden, vocab_size=self.vocab_size, rows=self.rows_total,
+                             merge=self.merge, temperature=temperature, seed=seed,
+                             offset=offset, num_samples=num_samples,
+                             return_logprobs=return_logprobs, top_k=top_k, top_p=top_p,
+                             min_p=min_p, top_logprobs=top_logprobs, replacement=replacement,
+                             logprobs_mode=logprobs_mode, allowed_mask=allowed_mask,
+                             logit_adjust=logit_adjust, repetition_penalty=repetition_penalty,
+                             in_capture=capturing)
+        if spec.candidates and not self.logprobs:
             raise ValueError("filters, top_logprobs, replacement=False and logprobs_mode='raw' "
                              "need the tile log-masses; this sampler was built with logprobs=False")
+        if self.check_inputs and not capturing:  # a host sync cannot be captured
+            self._check_call(hidden, num_samples, spec.constraints)
         if B == 0:
-            return P.empty_result(hidden.device, num_samples, return_logprobs, filters.top_n)
+            return P.empty_result(hidden.device, num_samples, return_logprobs, spec.filters.top_n)
         tokens, logprobs, logz, top = self.pipeline.run(
-            hidden.contiguous(), self.weight, bias, row, n_real=self.n_real, merge=self.merge,
-            num_samples=num_samples, need_mass=self.logprobs, vocab_start=self.vocab_start,
-            tiles=self.tiles, filters=filters, constraints=constraints, in_capture=capturing)
+            hidden.contiguous(), self.weight, bias, spec, n_real=self.n_real,
+            need_mass=self.logprobs, vocab_start=self.vocab_start, tiles=self.tiles,
+            in_capture=capturing)
         return P.package(tokens, logprobs, logz, num_samples, return_logprobs, top)
 
 

@@ -26,7 +26,8 @@ from . import constraints as C
 from . import filters as F
 from . import launchers, merge, records, replay
 from .params import NO_FILTERS, Filters, RowParams
-from .filters import filtered_rows
+from .filters import filtered_rows, row_is_filtered
+from .spec import SamplingSpec
 from .plan import DeviceKind, Layout, Plan, make_plan
 from .torch_records import records_torch, transform
 from .transport import LocalTransport, Transport
@@ -107,22 +108,26 @@ class Pipeline:
         return plan
 
     def run(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            params: RowParams, *, n_real: int, merge: str, num_samples: int, need_mass: bool,
-            vocab_start: int = 0, tiles: int | None = None, plan: Plan | None = None,
-            trace: torch.Tensor | None = None, filters: Filters = NO_FILTERS,
-            constraints: C.Constraints = C.NO_CONSTRAINTS, in_capture: bool | None = None):
+            spec: SamplingSpec, *, n_real: int, need_mass: bool, vocab_start: int = 0,
+            tiles: int | None = None, plan: Plan | None = None,
+            trace: torch.Tensor | None = None, in_capture: bool | None = None):
         """tokens int64 [B, S], logprobs fp32 [B, S], logz fp32 [B] and top (None, or
         (top_tokens int64 [B, n], top_logprobs fp32 [B, n])) of one call.
 
         hidden [B, D] contiguous, weight [V_rows, D] (this device's rows: global ids
-        [vocab_start, vocab_start + V_rows)), bias fp32 [V_rows] or None, params per row;
-        rows [n_real, V_rows) are padding; tiles: tiles per slot (default: this weight's);
-        plan: an explicit plan (tools) instead of make_plan's; trace: see launchers.stage1;
-        filters: tpsample/filters.py (the plan then emits candidate planes); constraints:
-        tpsample/constraints.py (listed tokens add one tile per slot); in_capture: whether
-        the current stream captures a CUDA graph, when the caller knows (params.capturing).
+        [vocab_start, vocab_start + V_rows)), bias fp32 [V_rows] or None, spec: the call's
+        validated parameters (tpsample/spec.py; with filters, top log-probs or samples
+        without replacement the plan emits candidate planes, listed tokens add one tile per
+        slot); rows [n_real, V_rows) are padding; tiles: tiles per slot (default: this
+        weight's); plan: an explicit plan (tools) instead of make_plan's; trace: see
+        launchers.stage1; in_capture: whether the current stream captures a CUDA graph, when
+        the caller knows (params.capturing).
 
-        With S = 1 a filtered call's tokens and logprobs may come back [B] or [B, 1]."""
+        With S = 1 a filtered call's tokens and logprobs may come back [B] or [B, 1]; a
+        tokens-only call (spec.return_logprobs False, merge "max", no candidates) may return
+        logprobs and logz that a later call overwrites."""
+        params, filters, constraints = spec.row, spec.filters, spec.constraints
+        merge, num_samples = spec.merge, spec.num_samples
         if special(filters):
             return self._run_filtered(hidden, weight, bias, params, n_real=n_real, merge=merge,
                                       num_samples=num_samples, vocab_start=vocab_start,
@@ -428,8 +433,7 @@ class Pipeline:
             f_tok, f_lp, f_lz, f_top, f_top_lp = filtered_rows(
                 l, inv, params.seed[rows], params.offset[rows], F.take_rows(filters, rows), S,
                 ids=ids)
-            k, p, m = F.row_filters(filters, tokens.shape[0], hidden.device)
-            filtered = (((k > 0) | (p < 1) | (m > 0)) & (params.inv_temp != 0))[rows]
+            filtered = row_is_filtered(filters, params.inv_temp)[rows]
             sel = filtered[:, None]
             tokens[rows] = torch.where(sel, f_tok, tokens[rows])
             logprobs[rows] = torch.where(sel, f_lp.float(), logprobs[rows])

@@ -12,11 +12,11 @@ from typing import NamedTuple
 
 import torch
 
-from . import filters as F
 from .filters import filtered_rows  # noqa: F401  (the full-row semantics, shared)
 from . import noise
 from . import params as P
 from .records import CDF_SUBGROUPS, TILE
+from .spec import sampling_spec
 
 
 class ReferenceOutput(NamedTuple):
@@ -125,12 +125,17 @@ def reference_sample(hidden: torch.Tensor, weight: torch.Tensor, *,
     if not isinstance(tile, int) or isinstance(tile, bool) or tile < 4 or tile % 4:
         raise ValueError(f"tile must be a positive multiple of 4, got {tile!r}")
     bias = P.check_bias(bias, V, hidden.device)
-    row = P.row_params(hidden, temperature, seed, offset)
-    dev = hidden.device
     if logit_adjust is not None and merge != "max":
         raise ValueError("reference_sample: logit_adjust with merge='max' only")
-    from .constraints import check_constraints
-    check_constraints(hidden, allowed_mask, logit_adjust, repetition_penalty, vocab_size, V)
+    spec = sampling_spec(hidden, vocab_size=vocab_size, rows=V, merge=merge,
+                         temperature=temperature, seed=seed, offset=offset,
+                         num_samples=num_samples, return_logprobs=True, top_k=top_k,
+                         top_p=top_p, min_p=min_p, top_logprobs=top_logprobs,
+                         replacement=replacement, logprobs_mode=logprobs_mode,
+                         allowed_mask=allowed_mask, logit_adjust=logit_adjust,
+                         repetition_penalty=repetition_penalty)
+    row, filt = spec.row, spec.filters
+    dev = hidden.device
     l = transformed_logits(hidden, weight, temperature=temperature, bias=bias,
                            vocab_size=vocab_size, allowed_mask=allowed_mask,
                            logit_adjust=logit_adjust, repetition_penalty=repetition_penalty)
@@ -164,15 +169,12 @@ def reference_sample(hidden: torch.Tensor, weight: torch.Tensor, *,
         tokens.append(tok)
     tokens = torch.stack(tokens, dim=1)
     logprobs = l64.gather(1, tokens) - logz[:, None]
-    filt = P.filter_params(hidden, top_k, top_p, min_p, top_logprobs, num_samples, replacement,
-                           logprobs_mode, vocab_size)
-    if not (filt.needs_candidates or not filt.replacement):
+    if not spec.candidates:
         tokens, logprobs = _degenerate(tokens, logprobs, logz)
         return ReferenceOutput(tokens, logprobs, logz, torch.stack(scores, dim=1), l)
     f_tok, f_lp, f_lz, top_tok, top_lp = filtered_rows(l, row.inv_temp, seed, offset, filt,
                                                        num_samples)
-    k, p, m = F.row_filters(filt, B, dev)
-    use = (((k > 0) | (p < 1) | (m > 0)) & ~greedy)[:, None] | (not filt.replacement)
+    use = spec.filtered_rows()[:, None] | (not filt.replacement)
     tokens = torch.where(use, f_tok, tokens)
     x_tok = torch.where(tokens >= 0, l64.gather(1, tokens.clamp(min=0)), float("-inf"))
     if filt.raw:
