@@ -94,19 +94,26 @@ def kinds(call, B: int, dev, world: int) -> dict:
     }
 
 
-def measure(fns: dict, world: int, rank: int, tag: str, B: int, graphs: bool) -> list:
+def measure(fns: dict, world: int, rank: int, tag: str, B: int, graphs: bool,
+            profiled: bool = True, only=None) -> list:
     out = []
     for name, fn in fns.items():
+        if only and name not in only:
+            continue
         for _ in range(5):
             fn()
-        r = {"call": f"{tag}_{name}", "B": B, "host_us": host_us(fn), "eager_ms": device_ms(fn)}
+        out0 = fn()
+        tok = out0 if isinstance(out0, torch.Tensor) else out0[0]
+        r = {"call": f"{tag}_{name}", "B": B, "host_us": host_us(fn), "eager_ms": device_ms(fn),
+             "tokens": int((tok.double() * torch.arange(1, tok.numel() + 1, device=tok.device)
+                            .view(tok.shape)).sum())}
         if graphs:
             try:
                 g = graph_of(fn)
                 r["graph_ms"] = device_ms(g.replay)
             except Exception as e:  # noqa: BLE001 - reported, not fatal
                 r["graph_error"] = str(e)[:120]
-        r["profile"] = profile(fn)
+        r["profile"] = profile(fn) if profiled else []
         if world > 1:
             t = torch.tensor([r["host_us"], r["eager_ms"], r.get("graph_ms", 0.0)], device="cuda")
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -125,6 +132,8 @@ def main():
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-graph", action="store_true")
+    ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--kinds", default="", help="comma-separated call kinds (default: all)")
     args = ap.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -136,10 +145,11 @@ def main():
     g = torch.Generator(device=dev).manual_seed(1)
     W = torch.randn(V, D, generator=g, device=dev, dtype=torch.bfloat16).mul_(D ** -0.5)
     batches = [int(b) for b in args.batches.split(",")]
+    only = set(k for k in args.kinds.split(",") if k)
     if rank == 0:
         for B in batches:
             res += measure(kinds(lambda h, **kw: tpsample.sample(h, W, **kw), B, dev, 1),
-                           1, 0, "tp1", B, not args.no_graph)
+                           1, 0, "tp1", B, not args.no_graph, not args.no_profile, only)
     if world > 1:
         dist.barrier()
         rows = V // world
@@ -148,15 +158,15 @@ def main():
                                           check_inputs=False)
         for B in batches:
             res += measure(kinds(s, B, dev, world), world, rank, f"tp{world}", B,
-                           not args.no_graph)
+                           not args.no_graph, not args.no_profile, only)
     if rank == 0 and args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "host_cost.json"), "w") as f:
             json.dump(res, f, indent=1)
-        print("\nsummary (host us / eager ms / graph ms):")
+        print("\nsummary (host us / eager ms / graph ms / token checksum):")
         for r in res:
             print(f"  {r['call']:>28} B={r['B']:<4} {r['host_us']:6.1f}  {r['eager_ms']:.4f}  "
-                  f"{r.get('graph_ms', float('nan')):.4f}")
+                  f"{r.get('graph_ms', float('nan')):.4f}  {r['tokens']}")
     if world > 1:
         dist.destroy_process_group()
 

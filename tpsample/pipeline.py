@@ -59,6 +59,7 @@ class Pipeline:
         self.transport = transport if transport is not None else LocalTransport(device)
         self.fixed_weight = fixed_weight
         self.replays = replay.CallReplays()
+        self._discard: dict = {}  # (B, S, stream) -> outputs of tokens-only calls (see _outputs)
         self.candidate_rows = 0  # rows of candidate-path calls, and how many of them took
         self.host_fallback_rows = 0  # the exact fallback (tpsample/filters.py, 5.) from the
         self.device_fallback_rows = None  # host, or on the device (int32 [1], lazily)
@@ -80,6 +81,40 @@ class Pipeline:
         """Rows that took the exact fallback so far (reading it synchronises with the device)."""
         dev = 0 if self.device_fallback_rows is None else int(self.device_fallback_rows.item())
         return self.host_fallback_rows + dev
+
+    def _outputs(self, B: int, S: int, device, stream: int, logprobs: bool) -> dict:
+        """Fresh stage-2 outputs for a replayed call; logprobs False (a tokens-only eager
+        call): the log-probs and log Z go to a buffer kept per (B, S, stream), never returned
+        (two allocations less per call; one per stream, so that its memory is only reused
+        after that stream's last write)."""
+        if logprobs:
+            return replay.reduce_outputs(B, S, device)
+        shape = (B,) if S == 1 else (B, S)
+        discard = self._discard.get((B, S, stream))
+        if discard is None:
+            if len(self._discard) >= 16:
+                self._discard.clear()
+            discard = self._discard[(B, S, stream)] = (torch.empty(shape, device=device),
+                                               torch.empty(B, device=device))
+        return dict(tokens=torch.empty(shape, dtype=torch.int64, device=device),
+                    logprobs=discard[0], logz=discard[1])
+
+    def _filtered_outputs(self, B: int, S: int, n: int, device, stream: int,
+                          logprobs: bool) -> F.FilteredOutput:
+        """launchers.filtered_outputs for a replayed call; logprobs False (an eager call
+        that returns neither log-probs nor top tokens): tokens fresh, the rest (log-probs,
+        log Z, flags, the filter kernel's scratch) in buffers kept per (B, S, stream), as
+        _outputs does (the host fallback reads the flags before the next call)."""
+        if logprobs:
+            return launchers.filtered_outputs(B, S, n, device, flat=True)
+        key = ("filtered", B, S, stream)
+        kept = self._discard.get(key)
+        if kept is None:
+            if len(self._discard) >= 16:
+                self._discard.clear()
+            kept = self._discard[key] = launchers.filtered_outputs(B, S, 0, device, flat=True)
+        return kept._replace(tokens=torch.empty(kept.tokens.shape, dtype=torch.int64,
+                                                device=device))
 
     @staticmethod
     def _mask_words(weight: torch.Tensor, vocab_start: int) -> int:
@@ -132,7 +167,8 @@ class Pipeline:
             return self._run_filtered(hidden, weight, bias, params, n_real=n_real, merge=merge,
                                       num_samples=num_samples, vocab_start=vocab_start,
                                       tiles=tiles, filters=filters, constraints=constraints,
-                                      in_capture=in_capture)
+                                      in_capture=in_capture,
+                                      logprobs=spec.return_logprobs or bool(filters.top_n))
         B = hidden.shape[0]
         T = tiles if tiles is not None else records.num_tiles(weight.shape[0])
         Tx = T + int(constraints.listed)  # tiles per slot in the records
@@ -173,7 +209,8 @@ class Pipeline:
                 stream = replay.current_stream(hidden.device.index)
                 stage1(stream, records=mine, **per_call)
                 self.transport.exchange(mine, full)
-                out = replay.reduce_outputs(B, num_samples, hidden.device)
+                out = self._outputs(B, num_samples, hidden.device, stream,
+                                    spec.return_logprobs or in_capture is not False)
                 stage2(stream, records=full, **out, **per_call)
                 return out["tokens"], out["logprobs"], out["logz"], None
 
@@ -199,7 +236,7 @@ class Pipeline:
     def _run_filtered(self, hidden, weight, bias, params: RowParams, *, n_real: int, merge: str,
                       num_samples: int, vocab_start: int, tiles: int | None, filters: Filters,
                       constraints: C.Constraints = C.NO_CONSTRAINTS,
-                      in_capture: bool | None = None):
+                      in_capture: bool | None = None, logprobs: bool = True):
         """A call with candidate planes (tpsample/filters.py): stage 1 with candidates, the
         exchange, the candidate reduce (which, with merge "max", also takes the unfiltered
         rows' winners; other merges run over the sample planes first), and the exact
@@ -231,7 +268,7 @@ class Pipeline:
                 in_capture = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
             out, on_device, side = self._filtered_launches(
                 hidden, weight, bias, params, merge, S, n_real, vocab_start, T, filters, mine,
-                full, constraints, in_capture)
+                full, constraints, in_capture, logprobs)
             if on_device:
                 self.candidate_rows += B
                 if hidden.is_cuda and not in_capture:
@@ -289,7 +326,8 @@ class Pipeline:
 
     def _filtered_launches(self, hidden, weight, bias, params, merge, S, n_real, vocab_start,
                            T, filters, mine, full, constraints: C.Constraints,
-                           in_capture: bool) -> tuple[F.FilteredOutput, bool]:
+                           in_capture: bool, logprobs: bool = True
+                           ) -> tuple[F.FilteredOutput, bool]:
         """Stage 1, exchange and launchers.stage2_filtered, replayed like run()'s launches;
         returns (outputs, whether the exact fallback ran on the device).
 
@@ -358,7 +396,8 @@ class Pipeline:
         stage2 = None if stage2s is None else stage2s.get(key2)
         if stage2 is not None:
             self.transport.exchange(mine, full)
-            out = launchers.filtered_outputs(B, S, filters.top_n, hidden.device, flat=True)
+            out = self._filtered_outputs(B, S, filters.top_n, hidden.device, stream,
+                                         logprobs or in_capture)
             stage2(stream, records=full, sample_records=full, **dict(zip(_OUT_NAMES, out)),
                    **per_call, **later)
             return out, on_device, per_call["side"]

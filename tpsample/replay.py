@@ -105,8 +105,9 @@ def record():
 
 
 def current_stream(device_index: int) -> int:
-    """The raw handle of torch's current stream on that device (as Triton launches use)."""
-    return driver.active.get_current_stream(device_index)
+    """The raw handle of torch's current stream on that device (as Triton launches use:
+    its NVIDIA driver's get_current_stream is this function of torch's)."""
+    return torch._C._cuda_getCurrentRawStream(device_index)
 
 
 def tensor_key(tensors) -> tuple:
@@ -169,9 +170,13 @@ class Replay:
 
     def __call__(self, stream: int, **tensors):
         """Launch on `stream` (a raw CUDA stream handle, see current_stream)."""
+        addresses = None  # each named tensor's address, asked once for all direct launches
         for fn, compiled, recorded, slots, extra in self.launches:
             if recorded is None:  # a _DirectLaunch
-                compiled(extra, stream, tensors)
+                if addresses is None:
+                    addresses = {n: t.data_ptr() for n, t in tensors.items()
+                                 if isinstance(t, torch.Tensor)}
+                compiled(extra, stream, addresses)
                 continue
             args = list(recorded)  # per call: concurrent replays (threads) never share it
             for i, name, desc in slots:
@@ -181,6 +186,7 @@ class Replay:
                     args[i] = _Rebased(tensors[name], desc)
             if compiled is None:
                 tensors[extra] = fn(*args)
+                addresses = None  # (a step's result is a new named tensor)
             else:
                 gx, gy, gz = extra
                 compiled.run(gx, gy, gz, stream, compiled.function, compiled.packed_metadata,
@@ -258,12 +264,13 @@ class _DirectLaunch:
         self.fill_tma = driver.active.utils.fill_tma_descriptor if desc_slots else None
         return self
 
-    def __call__(self, grid3, stream: int, tensors: dict) -> None:
+    def __call__(self, grid3, stream: int, addresses: dict) -> None:
+        """Launch with the named tensors' addresses (`addresses`: {name: data_ptr()})."""
         args = list(self.args)
-        for i, name in self.tensor_slots:  # (the launcher asks the driver about each
-            args[i] = tensors[name].data_ptr()  # tensor's address; a call's are CUDA memory)
+        for i, name in self.tensor_slots:  # (the launcher would ask the driver about each
+            args[i] = addresses[name]  # tensor's address; a call's are CUDA memory)
         for i, name, (swizzle, size, dtype, block, shape, strides, pad) in self.desc_slots:
-            args[i] = self.fill_tma(tensors[name].data_ptr(), swizzle, size, dtype, block,
+            args[i] = self.fill_tma(addresses[name], swizzle, size, dtype, block,
                                     shape, strides, pad)
         gx, gy, gz = grid3
         self.raw(gx, gy, gz, stream, self.function, *self.head, *args)
