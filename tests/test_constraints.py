@@ -438,7 +438,7 @@ def test_only_a_stage1_that_waits_for_prep_is_its_dependent_launch(B, strategy, 
     (AFTER_PREP): the fused kernel does; ws (docs/design.md) and the records pass (cuBLAS is
     between) are stream-ordered. The launches of tpsample.launchers, intercepted on CPU
     tensors with the H100 table's plans."""
-    from tpsample import launchers, pipeline
+    from tpsample import constrained_stage1, launchers
     from tpsample.params import RowParams
     from tpsample.plan import DeviceKind, make_plan
     D, V = 4096, 151936
@@ -455,12 +455,12 @@ def test_only_a_stage1_that_waits_for_prep_is_its_dependent_launch(B, strategy, 
     monkeypatch.setattr(launchers, "_num_sms", lambda device: 132)
     h, w = torch.empty(B, D, dtype=torch.bfloat16), torch.empty(V, D, dtype=torch.bfloat16)
     c = C.Constraints(None, torch.zeros(B, 8, dtype=torch.int64), torch.zeros(B, 8), None)
-    per_call = pipeline.constraint_tensors(c, h, -(-V // 32))
+    per_call = constrained_stage1.constraint_tensors(c, h, -(-V // 32))
     T = -(-V // 128)
     out = torch.empty(1, B, T + 1, 4)
     seed = torch.zeros(B, dtype=torch.int64)
-    pipeline.stage1_constrained(plan, h, w, None, RowParams(torch.ones(B), seed, seed), out,
-                                per_call, c, n_real=V, vocab_start=0, fanout=None)
+    constrained_stage1.stage1_constrained(plan, h, w, None, RowParams(torch.ones(B), seed, seed),
+                                          out, per_call, c, n_real=V, vocab_start=0, fanout=None)
     names = [n for n, _, _ in launched]
     assert names[0] == "listed_prep_kernel" and names[-1] == "listed_records_kernel", names
     assert not launched[0][2].get("launch_pdl"), "prep must wait for the work before it"

@@ -150,7 +150,7 @@ def one_rank_call(rank, world, h, w, kws, vocab=V):
     for hh, kw in zip(h, kws):
         outs.append(sampler(hh, return_logprobs=True, **kw))
         exchanges.append(int(sampler.transport.calls.item()))
-        device_rows.append(int(pipe.device_fallback_rows.item()))
+        device_rows.append(int(pipe.fallback.device_rows.item()))
         t = sampler.transport
         stored_before_signal.append(torch.equal(t.at_exchange, t.gather_buf))
     return dict(outs=outs, exchanges=exchanges, device_rows=device_rows,

@@ -17,7 +17,6 @@ launches with the new tensors (tpsample/replay.py): no plan lookup and no Triton
 """
 from __future__ import annotations
 
-import collections
 import warnings
 
 import torch
@@ -26,11 +25,14 @@ from . import constraints as C
 from . import filters as F
 from . import launchers, merge, records, replay
 from .params import NO_FILTERS, Filters, RowParams
-from .filters import filtered_rows, row_is_filtered
 from .spec import SamplingSpec
 from .plan import DeviceKind, Layout, Plan, make_plan
-from .torch_records import records_torch, transform
+from .torch_records import records_torch
 from .transport import LocalTransport, Transport
+from .constrained_stage1 import (constraint_key, constraint_tensors, listed_scratch,
+                                 stage1_constrained)
+from .fallback_choice import FallbackChoice
+from .host_fallback import redo_rows_on_host
 
 _WARNED: set = set()
 
@@ -62,10 +64,7 @@ class Pipeline:
         self._discard: dict = {}  # (B, S, stream) -> outputs of tokens-only calls (see _outputs)
         self.candidate_rows = 0  # rows of candidate-path calls, and how many of them took
         self.host_fallback_rows = 0  # the exact fallback (tpsample/filters.py, 5.) from the
-        self.device_fallback_rows = None  # host, or on the device (int32 [1], lazily)
-        self.host_fallback_mode = False  # see _device_fallback_now
-        self._fallback_seen = None
-        self._fallback_copy = None
+        # host (the device's count: self.fallback.device_rows)
         # transports that gather rows on the device (symm_mem): the exact fallback of
         # filtered calls stays on the device under TP too, with the flagged rows' logit
         # shards gathered through the transport; shard_starts: each rank's first global id
@@ -74,12 +73,13 @@ class Pipeline:
         if self.gather_fallback:
             self.shard_starts = torch.tensor(shard_starts if shard_starts is not None else [0],
                                              dtype=torch.int64, device=device)
-            self._fallback_reads = DeterministicReads(FALLBACK_READ_LAG, FALLBACK_READ_EVERY)
+        self.fallback = FallbackChoice(device, deterministic=self.gather_fallback)
 
     @property
     def fallback_rows(self) -> int:
         """Rows that took the exact fallback so far (reading it synchronises with the device)."""
-        dev = 0 if self.device_fallback_rows is None else int(self.device_fallback_rows.item())
+        rows = self.fallback.device_rows
+        dev = 0 if rows is None else int(rows.item())
         return self.host_fallback_rows + dev
 
     def _outputs(self, B: int, S: int, device, stream: int, logprobs: bool) -> dict:
@@ -120,11 +120,6 @@ class Pipeline:
     def _mask_words(weight: torch.Tensor, vocab_start: int) -> int:
         """Words of a mask covering this slot's global ids."""
         return C.mask_words(vocab_start + weight.shape[0])
-
-    def _device_fallbacks(self) -> torch.Tensor:
-        if self.device_fallback_rows is None:
-            self.device_fallback_rows = torch.zeros(1, dtype=torch.int32, device=self.device)
-        return self.device_fallback_rows
 
     def plan(self, hidden: torch.Tensor, weight: torch.Tensor, *, merge: str, num_samples: int,
              need_mass: bool, vocab_start: int = 0, tiles: int | None = None,
@@ -272,57 +267,17 @@ class Pipeline:
             if on_device:
                 self.candidate_rows += B
                 if hidden.is_cuda and not in_capture:
-                    self._watch_device_fallbacks(hidden)
+                    self.fallback.watch()
                 top = (out.top_tokens, out.top_logprobs) if filters.top_n else None
                 return out.tokens, out.logprobs, out.logz, top
-        return self._fallback(out, hidden, weight, bias, params, filters, n_real, vocab_start,
-                              T, S, constraints, side)
-
-    def _device_fallback_now(self, hidden, in_capture: bool) -> bool:
-        """Whether this one-device call takes the device fallback (else the host's).
-
-        The device fallback (kernels/filter_fallback.py) costs two near-empty launches when no
-        row falls back, but a flagged row takes one program per row (~5 ms at V = 151936):
-        rows that keep falling back (top-p alone on heavy tails) are far faster through the
-        host (cuBLAS and a sort over the whole GPU). So: the device path, until a device
-        fallback is seen (its count is copied back without blocking and read once ready);
-        then the host path, which counts exactly, until a call has no fallback row. During
-        CUDA-graph capture always the device path. Both are exact; their tokens agree up to
-        fp32 near-ties (the logits are computed differently). Under TP (a transport that
-        gathers rows on the device) every rank must take the same path, so the count is read
-        at the same calls on every rank (DeterministicReads: a copy every 8th call, read two
-        copies later), and the switch comes up to ~24 calls after rows start falling back."""
-        if not hidden.is_cuda or in_capture:
-            return True
-        if self.gather_fallback:  # every rank must decide alike
-            if self.host_fallback_mode:
-                return False
-            if self._fallback_reads.grew():
-                self.host_fallback_mode = True
-                self._fallback_reads.drain()
-            return not self.host_fallback_mode
-        if self._fallback_seen is not None and self._fallback_seen[0].query():
-            event, copy, before = self._fallback_seen
-            self._fallback_seen = None
-            if int(copy.item()) > before:
-                self.host_fallback_mode = True
-        return not self.host_fallback_mode
-
-    def _watch_device_fallbacks(self, hidden) -> None:
-        """Copy the device fallback count back without blocking (read by the next calls;
-        eager CUDA calls only)."""
-        if self.gather_fallback:
-            self._fallback_reads.push(self.device_fallback_rows)
-            return
-        if self._fallback_seen is not None:
-            return
-        if self._fallback_copy is None:
-            self._fallback_copy = torch.zeros(1, dtype=torch.int32, pin_memory=True)
-        before = int(self._fallback_copy.item())  # the last value read back (ready)
-        self._fallback_copy.copy_(self.device_fallback_rows, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._fallback_seen = (event, self._fallback_copy, before)
+        tokens, logprobs, logz, top, redone = redo_rows_on_host(
+            out, self.transport, hidden, weight, bias, params, filters, n_real, vocab_start, T,
+            S, constraints, side)
+        self.candidate_rows += B
+        self.host_fallback_rows += redone
+        if redone == 0:
+            self.fallback.host_mode = False
+        return tokens, logprobs, logz, top
 
     def _filtered_launches(self, hidden, weight, bias, params, merge, S, n_real, vocab_start,
                            T, filters, mine, full, constraints: C.Constraints,
@@ -380,7 +335,7 @@ class Pipeline:
         # the side output's calls always take the device path (kernels/filter_cut.py)
         on_device = ((self.transport.world == 1 or self.gather_fallback)
                      and (per_call["side"] is not None
-                          or self._device_fallback_now(hidden, in_capture)))
+                          or self.fallback.device_now(hidden, in_capture)))
         later = dict(top_k=filters.top_k, top_p=filters.top_p, min_p=filters.min_p)
         gathered = None
         if on_device and self.gather_fallback:  # the flagged rows' logit shards, gathered
@@ -419,7 +374,7 @@ class Pipeline:
             if on_device:
                 launchers.fallback_on_device(hidden, weight, bias, params, filters, out,
                                              later.get("fallback_logits"),
-                                             self._device_fallbacks(), n_real=n_real,
+                                             self.fallback.counter(), n_real=n_real,
                                              vocab_start=vocab_start, constraints=constraints,
                                              listed=listed_scratch(per_call), pdl=plan.pdl,
                                              gather=gather, side=per_call["side"])
@@ -431,171 +386,7 @@ class Pipeline:
                                    named2)
         return out, on_device, per_call["side"]
 
-    def _fallback(self, out: F.FilteredOutput, hidden, weight, bias, params, filters, n_real,
-                  vocab_start, T, S, constraints: C.Constraints = C.NO_CONSTRAINTS,
-                  side: torch.Tensor | None = None):
-        """5. of tpsample/filters.py: the rows without a certificate, from their full logits
-        (under TP every rank gathers the rows' logit shards: the flags agree on every rank,
-        computed from the same records). side: the transformed logits stage 1 wrote (used
-        unless the call lists tokens, whose adjusted logits are not in them)."""
-        tokens, logprobs, logz, top_tok, top_lp, flag, _ = out
-        tokens, logprobs = tokens.view(-1, S), logprobs.view(-1, S)  # (a replay's are [B])
-        rows = flag.cpu().nonzero()[:, 0]  # the host synchronisation: one [B] copy
-        self.transport.check()  # synchronised: a failed device-side exchange raises now
-        self.candidate_rows += flag.shape[0]
-        self.host_fallback_rows += rows.numel()
-        if rows.numel() == 0:
-            self.host_fallback_mode = False
-        if rows.numel():
-            R = rows.numel()
-            rows = rows.to(hidden.device)
-            n_pad = T * records.TILE
-            local = torch.full((R + 1, n_pad), float("-inf"), device=hidden.device)
-            inv = params.inv_temp[rows]
-            V_rows = weight.shape[0]
-            valid = (torch.arange(V_rows, device=hidden.device) < n_real)[None, :]
-            if side is not None and not constraints.listed:
-                local[:R, :V_rows] = side[rows, :V_rows]
-            elif constraints.any:
-                raw = launchers.logits_fp32(hidden[rows], weight)
-                raw = C.apply_dense(raw if bias is None else raw + bias, vocab_start,
-                                    constraints, rows, n_real)
-                local[:R, :V_rows] = transform(raw, None, inv, valid)
-            else:
-                local[:R, :V_rows] = transform(launchers.logits_fp32(hidden[rows], weight), bias,
-                                               inv, valid)
-            local[R] = torch.arange(vocab_start, vocab_start + n_pad, device=hidden.device,
-                                    dtype=torch.float32)
-            every = self.transport.all_gather(local)  # [world, R + 1, n_pad]
-            l = every[:, :R].permute(1, 0, 2).reshape(R, -1)
-            ids = every[:, R].reshape(-1).long()
-            f_tok, f_lp, f_lz, f_top, f_top_lp = filtered_rows(
-                l, inv, params.seed[rows], params.offset[rows], F.take_rows(filters, rows), S,
-                ids=ids)
-            filtered = row_is_filtered(filters, params.inv_temp)[rows]
-            sel = filtered[:, None]
-            tokens[rows] = torch.where(sel, f_tok, tokens[rows])
-            logprobs[rows] = torch.where(sel, f_lp.float(), logprobs[rows])
-            logz[rows] = torch.where(filtered, f_lz.float(), logz[rows])
-            top_tok[rows] = f_top
-            top_lp[rows] = f_top_lp.float()
-        top = (top_tok, top_lp) if filters.top_n else None
-        return tokens, logprobs, logz, top
-
-
 _OUT_NAMES = F.FilteredOutput._fields
-
-FALLBACK_READ_EVERY = 8  # calls between two copies of the device fallback count
-FALLBACK_READ_LAG = 2  # copies between a copy and its (blocking) read
-
-
-class DeterministicReads:
-    """A device counter (int32 [1]) read back so that every rank reads the same values at
-    the same calls, whatever its timing: every `every`-th call copies it back without
-    blocking, and a copy is read, waiting for it if need be, `lag` copies later.
-    Tensor-parallel ranks decide alike from it (the filtered calls' fallback path, which
-    every rank must take together). The host waits only when the device is lag * every
-    calls behind; a copy and its event cost ~30 µs of host time, hence not every call."""
-
-    def __init__(self, lag: int, every: int = 1):
-        self.lag, self.every = lag, every
-        self.calls = 0
-        self.pending: collections.deque = collections.deque()  # (event, pinned copy)
-        self.spare: list = []
-        self.last = 0
-
-    def push(self, counter: torch.Tensor) -> None:
-        """After a call's launches: every `every`-th call, copy counter back."""
-        self.calls += 1
-        if self.calls % self.every:
-            return
-        if self.spare:
-            event, copy = self.spare.pop()
-        else:
-            event, copy = torch.cuda.Event(), torch.zeros(1, dtype=torch.int32, pin_memory=True)
-        copy.copy_(counter, non_blocking=True)
-        event.record()
-        self.pending.append((event, copy))
-
-    def _read(self, keep: int) -> bool:
-        grew = False
-        while len(self.pending) > keep:
-            event, copy = self.pending.popleft()
-            event.synchronize()
-            value = int(copy.item())
-            grew |= value > self.last
-            self.last = value
-            self.spare.append((event, copy))
-        return grew
-
-    def grew(self) -> bool:
-        """Whether the counter grew in the copies that are now `lag` copies old."""
-        return self._read(self.lag)
-
-    def drain(self) -> None:
-        """Read every pending copy (waits for the newest)."""
-        self._read(0)
-
-
-def constraint_tensors(c: C.Constraints, hidden: torch.Tensor, words: int) -> dict:
-    """The per-call tensors of a call's constraints (replay substitutes them): the allowed
-    mask, the listed ids / values / penalties, and a launchers.ListedScratch (the mask the
-    tile pass reads with the listed tokens' bits cleared, the words' first listed tokens,
-    their logits kept by the tile pass, the others' dot products)."""
-    out = {}
-    if c.mask is not None:
-        out["allowed_mask"] = c.mask
-    if c.listed:
-        scratch = launchers.listed_scratch(hidden, c, words if c.mask is None else c.mask.shape[1])
-        out.update(adjust_ids=c.ids, adjust_values=c.values,
-                   **{_LISTED_NAMES[i]: t for i, t in enumerate(scratch)})
-        if c.penalty is not None:
-            out["penalty"] = c.penalty
-    return out
-
-
-_LISTED_NAMES = tuple(f"listed_{f}" for f in launchers.ListedScratch._fields)
-
-
-def listed_scratch(per_call: dict):
-    """The call's launchers.ListedScratch (the same tensors as in per_call), or None."""
-    if _LISTED_NAMES[0] not in per_call:
-        return None
-    return launchers.ListedScratch(*(per_call[n] for n in _LISTED_NAMES))
-
-
-def constraint_key(c: C.Constraints) -> tuple:
-    """What a replay depends on in the constraints: which are present and their shapes."""
-    if c is C.NO_CONSTRAINTS:
-        return _NO_CONSTRAINT_KEY
-    return tuple(None if t is None else tuple(t.shape) for t in c)
-
-
-_NO_CONSTRAINT_KEY = (None,) * len(C.NO_CONSTRAINTS)
-
-
-def stage1_constrained(plan: Plan, hidden, weight, bias, params: RowParams, out_view,
-                       per_call: dict, c: C.Constraints, *, n_real: int, vocab_start: int,
-                       fanout, trace=None) -> None:
-    """launchers.stage1; with listed tokens first launchers.listed_prep (the mask it reads:
-    the allowed mask without them; which of them it keeps; the others' dot products) and
-    after it the extra tile (the last tile of out_view), see tpsample/constraints.py."""
-    if c.listed:
-        T = out_view.shape[2] - 1
-        scratch = listed_scratch(per_call)
-        launchers.listed_prep(hidden, weight, c, scratch, n_real=n_real,
-                              vocab_start=vocab_start, pdl=plan.pdl)
-        launchers.stage1(plan, hidden, weight, bias, params, out_view, n_real=n_real,
-                         vocab_start=vocab_start, fanout=fanout, trace=trace,
-                         mask=scratch.eff, tiles=T, held=(scratch.first, scratch.held),
-                         side=per_call.get("side"))
-        launchers.listed_records(plan, bias, params, c, scratch, out_view, T, n_real=n_real,
-                                 vocab_start=vocab_start, fanout=fanout)
-    else:
-        launchers.stage1(plan, hidden, weight, bias, params, out_view, n_real=n_real,
-                         vocab_start=vocab_start, fanout=fanout, trace=trace, mask=c.mask,
-                         side=per_call.get("side"))
-
 
 def fast_fallback(filters: Filters) -> bool:
     """Whether every row such a call flags takes kernels/filter_cut.py's fast path (top-p /

@@ -153,7 +153,7 @@ def test_filtered_replay_equals_a_dispatched_call(B, S, replacement, monkeypatch
                     return_logprobs=True, **kw)
 
     # two calls first, each waited for: a row that falls back on the device moves the next
-    # call to the host fallback (pipeline._device_fallback_now), another replay key
+    # call to the host fallback (FallbackChoice.device_now), another replay key
     for _ in range(2):
         tpsample.sample(**inputs())
         torch.cuda.synchronize()
@@ -259,7 +259,7 @@ def test_top_p_alone_on_heavy_tails_stays_on_the_device_fast_path():
         out = tpsample.sample(h, w, **kw)
         torch.cuda.synchronize()
     (pipe,) = api._PIPELINES.values()
-    assert not pipe.host_fallback_mode and pipe.host_fallback_rows == 0
+    assert not pipe.fallback.host_mode and pipe.host_fallback_rows == 0
     assert pipe.fallback_rows >= 4 * B // 2  # (min-p 0.01 may certify its rows)
     ref = reference_sample(h, w, **{k: v for k, v in kw.items() if k != "return_logprobs"})
     same = out.tokens == ref.tokens[:, 0]
@@ -288,8 +288,8 @@ def test_rows_that_keep_falling_back_move_to_the_host_fallback_and_back():
         out = tpsample.sample(h, w, seed=step, top_p=0.9, top_k=3000)
         torch.cuda.synchronize()
     (pipe,) = api._PIPELINES.values()
-    assert pipe.host_fallback_mode and pipe.host_fallback_rows > 0
+    assert pipe.fallback.host_mode and pipe.host_fallback_rows > 0
     ref = reference_sample(h, w, seed=5, top_p=0.9, top_k=3000).tokens[:, 0]
     assert (out == ref).float().mean() >= 0.75
     tpsample.sample(h, w, seed=1, top_k=20)  # certified: no fallback row
-    assert not pipe.host_fallback_mode
+    assert not pipe.fallback.host_mode

@@ -127,7 +127,7 @@ def fallback_rank(rank, world, B):
               top_k=torch.arange(B, device=dev) % 3 * 4000, top_logprobs=4,
               return_logprobs=True)
     pipe = sampler.pipeline
-    pipe._fallback_reads.every = 1  # a copy of the count per call (8 by default): the switch
+    pipe.fallback.reads.every = 1  # a copy of the count per call (8 by default): the switch
     first = sampler(h, offset=offset, **kw)  # within the calls below
     res = dict(first=(first.tokens.cpu(), first.top_tokens.cpu(), first.logz.cpu()))
     s = torch.cuda.Stream()
@@ -141,15 +141,15 @@ def fallback_rank(rank, world, B):
     graph.replay()
     torch.cuda.synchronize()
     res["replay"] = (captured.tokens.cpu(), captured.top_tokens.cpu())
-    res["device_rows"] = int(pipe.device_fallback_rows.item())
+    res["device_rows"] = int(pipe.fallback.device_rows.item())
     res["host_rows_before"] = pipe.host_fallback_rows
     modes, tokens = [], []
     for k in range(5):
         out = sampler(h, offset=offset + k, **kw)
-        modes.append(pipe.host_fallback_mode)
+        modes.append(pipe.fallback.host_mode)
         tokens.append(out.tokens.cpu())
     sampler(h, offset=offset, seed=kw["seed"], top_k=3)  # certified: back to the device path
-    modes.append(pipe.host_fallback_mode)
+    modes.append(pipe.fallback.host_mode)
     res.update(modes=modes, tokens=tokens, host_rows=pipe.host_fallback_rows)
     sampler.check_exchange()
     api._PIPELINES.clear()
@@ -199,7 +199,7 @@ def constrained_fallback_rank(rank, world, B):
     pipe = sampler.pipeline
     torch.cuda.synchronize()
     return dict(tokens=out.tokens.cpu(), top=out.top_tokens.cpu(),
-                device_rows=int(pipe.device_fallback_rows.item()), host_rows=pipe.host_fallback_rows)
+                device_rows=int(pipe.fallback.device_rows.item()), host_rows=pipe.host_fallback_rows)
 
 
 def constrained_kwargs(B, temp, seeds):
@@ -262,7 +262,7 @@ def fast_path_rank(rank, world, B, transport):
     torch.cuda.synchronize()
     pipe = sampler.pipeline
     res = dict(tokens=out.tokens.cpu(), logz=out.logz.cpu(), replay=captured.tokens.cpu(),
-               device_rows=int(pipe.device_fallback_rows.item()), host_rows=pipe.host_fallback_rows)
+               device_rows=int(pipe.fallback.device_rows.item()), host_rows=pipe.host_fallback_rows)
     sampler.check_exchange()
     return res
 

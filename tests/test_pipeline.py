@@ -1,0 +1,141 @@
+"""The pipeline's parts on the CPU: the spec it takes, the fallback choice, the host
+fallback, and Pipeline.run against the reference (torch backend and interpreted kernels)."""
+import types
+
+import pytest
+import torch
+
+from tpsample import fallback_choice as FC
+from tpsample import filters as F
+from tpsample import params as P
+from tpsample.host_fallback import redo_rows_on_host
+from tpsample.pipeline import Pipeline
+from tpsample.reference import reference_sample
+from tpsample.spec import sampling_spec
+from tpsample.transport import LocalTransport
+
+ARGS = dict(temperature=1.0, seed=3, offset=0, num_samples=1, return_logprobs=False, top_k=None,
+            top_p=None, min_p=None, top_logprobs=0, replacement=True, logprobs_mode="processed",
+            allowed_mask=None, logit_adjust=None, repetition_penalty=None)
+
+
+def spec_of(h, V, merge="max", **kw):
+    return sampling_spec(h, vocab_size=V, rows=V, merge=merge, **dict(ARGS, **kw))
+
+
+def test_spec_normalises_once_and_names_the_rows():
+    """Scalars that switch a filter off become None (no kernel reads them); per-row tensors
+    keep their values; greedy / filtered rows come from one definition."""
+    B, V = 4, 50
+    h = torch.zeros(B, 8)
+    s = spec_of(h, V, top_k=0, top_p=1.0, min_p=0.0)
+    assert s.filters.top_k is None and s.filters.top_p is None and s.filters.min_p is None
+    assert not s.candidates and not s.constrained
+    t = torch.tensor([0.0, 1.0, 0.5, 2.0])
+    s = spec_of(h, V, temperature=t, top_p=torch.tensor([0.9, 0.9, 1.0, 0.5]))
+    assert s.candidates
+    assert s.greedy_rows().tolist() == [True, False, False, False]
+    assert s.filtered_rows().tolist() == [False, True, False, True]
+    s = spec_of(h, V, top_logprobs=3)  # candidates without a filter
+    assert s.candidates and not s.filtered_rows().any()
+    mask = torch.full((B, 2), -1, dtype=torch.int32)
+    assert spec_of(h, V, allowed_mask=mask).constrained
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(num_samples=0), "num_samples"), (dict(return_logprobs=1), "return_logprobs"),
+    (dict(top_p=1.5), "top_p"), (dict(replacement=False, num_samples=2), "merge='max'"),
+    (dict(temperature=-1.0), "temperature"), (dict(repetition_penalty=2.0), "logit_adjust")])
+def test_spec_errors_name_the_argument(bad, match):
+    h = torch.zeros(2, 8)
+    merge = "logmass" if "replacement" in bad else "max"
+    with pytest.raises((TypeError, ValueError), match=match):
+        spec_of(h, 50, merge=merge, **bad)
+
+
+class _Event:  # a CUDA event stand-in: complete once the test says so
+    done = True
+
+    def record(self):
+        pass
+
+    def query(self):
+        return _Event.done
+
+    def synchronize(self):
+        pass
+
+
+def test_deterministic_reads_switch_every_rank_at_the_same_call(monkeypatch):
+    """Under TP the fallback path is decided from copies taken every `every` calls and read
+    `lag` copies later, whatever the device's timing: the switch to the host path comes at
+    a call fixed by when the count grew, and never earlier."""
+    monkeypatch.setattr(FC.torch.cuda, "Event", _Event)
+    choice = FC.FallbackChoice(torch.device("cpu"), deterministic=True)
+    counter = choice.counter()
+    hidden = types.SimpleNamespace(is_cuda=True)
+    every, lag = FC.FALLBACK_READ_EVERY, FC.FALLBACK_READ_LAG
+    paths = []
+    for call in range(6 * every):
+        paths.append(choice.device_now(hidden, in_capture=False))
+        if call == every:  # rows start falling back at this call
+            counter += 1
+        choice.watch()
+    switch = paths.index(False)
+    # the copy taken at call 2*every-1 is the first to hold the growth; it is read
+    # `lag` copies later
+    assert switch == (2 + lag) * every
+    assert all(paths[:switch]) and not any(paths[switch:])
+    assert choice.device_now(hidden, in_capture=True)  # capture: always the device path
+
+
+def test_local_choice_goes_to_the_host_once_the_count_grew(monkeypatch):
+    monkeypatch.setattr(FC.torch.cuda, "Event", _Event)
+    choice = FC.FallbackChoice(torch.device("cpu"), deterministic=False)
+    counter = choice.counter()
+    hidden = types.SimpleNamespace(is_cuda=True)
+    assert choice.device_now(hidden, False)
+    choice.watch()  # copies 0
+    counter += 2
+    assert choice.device_now(hidden, False)  # reads the copy taken before the growth
+    choice.watch()  # copies 2
+    assert not choice.device_now(hidden, False) and choice.host_mode
+
+
+def test_host_fallback_redoes_exactly_the_flagged_rows():
+    """redo_rows_on_host rewrites the flagged rows with the full-row semantics and leaves the
+    others as stage 2 wrote them."""
+    torch.manual_seed(0)
+    B, D, V, S = 6, 16, 300, 1
+    h, w = torch.randn(B, D), torch.randn(V, D)
+    spec = spec_of(h, V, top_p=0.8, seed=torch.arange(B), temperature=1.3)
+    ref = reference_sample(h, w, temperature=1.3, seed=torch.arange(B), top_p=0.8)
+    flags = torch.tensor([1, 0, 1, 0, 0, 1], dtype=torch.int32)
+    out = F.FilteredOutput(torch.full((B, S), -7), torch.zeros(B, S), torch.zeros(B),
+                           torch.empty(B, 0, dtype=torch.int64), torch.empty(B, 0), flags,
+                           torch.empty(B, 1, dtype=torch.int64))
+    T = -(-V // 128)
+    tokens, logprobs, logz, top, redone = redo_rows_on_host(
+        out, LocalTransport(h.device), h, w, None, spec.row, spec.filters, V, 0, T, S)
+    assert redone == 3 and top is None
+    rows = flags.bool()
+    assert torch.equal(tokens[rows], ref.tokens[rows]) and (tokens[~rows] == -7).all()
+    assert torch.allclose(logz[rows].double(), ref.logz[rows], atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("kw", [dict(), dict(top_k=20, top_p=0.9), dict(min_p=0.2, num_samples=2)])
+def test_run_equals_the_reference(backend, kw, monkeypatch):
+    """Pipeline.run on a spec: the reference's tokens (torch path; interpreted kernels)."""
+    if backend == "triton":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.manual_seed(1)
+    B, D, V = 3, 16, 260
+    h, w = torch.randn(B, D), torch.randn(V, D)
+    seed = torch.tensor([5, 6, 7])
+    spec = spec_of(h, V, seed=seed, return_logprobs=True, **kw)
+    tokens, logprobs, logz, _ = Pipeline(backend, h.device).run(h, w, None, spec, n_real=V,
+                                                                need_mass=True)
+    ref = reference_sample(h, w, seed=seed, **kw)
+    assert torch.equal(tokens.view(B, -1), ref.tokens)
+    assert torch.allclose(logz.double(), ref.logz, atol=1e-4)
