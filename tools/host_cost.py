@@ -83,8 +83,15 @@ def kinds(call, B: int, dev, world: int) -> dict:
     seed = torch.full((B,), 1234, dtype=torch.int64, device=dev)
     step = torch.full((B,), 7, dtype=torch.int64, device=dev)
     mask = torch.full((B, (V + 31) // 32), -1, dtype=torch.int32, device=dev)
+    hs = [h, h.clone()]
+    turn = [0]
+
+    def fresh_h():  # a decode loop's hidden states: another tensor than the call before
+        turn[0] ^= 1
+        return hs[turn[0]]
     return {
         "plain": lambda: call(h, seed=seed, offset=step),
+        "plain_fresh_h": lambda: call(fresh_h(), seed=seed, offset=step),
         "plain_scalar_seed": lambda: call(h, seed=1234, offset=7),
         "logprobs": lambda: call(h, seed=seed, offset=step, return_logprobs=True),
         "top_k50": lambda: call(h, seed=seed, offset=step, top_k=50),
@@ -127,6 +134,25 @@ def measure(fns: dict, world: int, rank: int, tag: str, B: int, graphs: bool,
     return out
 
 
+def floor_ops(B: int, dev) -> dict:
+    """Host µs of the operations any call needs at least: an output allocation, a kernel
+    launch through torch, a copy of the hidden states, a CUDA-graph replay."""
+    h = torch.randn(B, D, device=dev, dtype=torch.bfloat16)
+    dst = torch.empty_like(h)
+    x = torch.zeros(B, device=dev)
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        g.capture_begin()
+        x.add_(1)
+        g.capture_end()
+    torch.cuda.current_stream().wait_stream(s)
+    return {"empty": host_us(lambda: torch.empty(B, dtype=torch.int64, device=dev)),
+            "add_": host_us(lambda: x.add_(1)), "copy_h": host_us(lambda: dst.copy_(h)),
+            "graph_replay": host_us(g.replay), "clone": host_us(lambda: x.clone())}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,64")
@@ -147,6 +173,10 @@ def main():
     batches = [int(b) for b in args.batches.split(",")]
     only = set(k for k in args.kinds.split(",") if k)
     if rank == 0:
+        floor = floor_ops(64, dev)
+        print("floor (host us): " + ", ".join(f"{k} {v:.1f}" for k, v in floor.items()))
+        res.append({"call": "floor", "B": 64, "host_us": 0.0, "eager_ms": 0.0, "tokens": 0,
+                    **floor})
         for B in batches:
             res += measure(kinds(lambda h, **kw: tpsample.sample(h, W, **kw), B, dev, 1),
                            1, 0, "tp1", B, not args.no_graph, not args.no_profile, only)

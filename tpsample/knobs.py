@@ -29,6 +29,9 @@ KNOBS = (
          "1: on Triton 3.6 replayed launches call the launcher's C function with their "
          "arguments expanded once (host TMA descriptors re-encoded only where per call); "
          "0: through Triton's launcher (debugging; the same launches)"),
+    Knob("TPSAMPLE_GRAPHS", "1", ("0", "1"),
+         "1: from the third eager call with the same replay key, a call replays its launches "
+         "as one CUDA graph (tpsample/call_graphs.py); 0: the launches one by one"),
     Knob("TPSAMPLE_GLUON", "1", ("0", "1"),
          "0: never the Hopper Gluon kernels (ws, pp); the cuBLAS + records-pass path runs "
          "where the plan would take them"),
@@ -72,6 +75,7 @@ _warn_unknown()
 
 REPLAY = VALUES["TPSAMPLE_REPLAY"] == "1"
 DIRECT_LAUNCH = VALUES["TPSAMPLE_DIRECT_LAUNCH"] == "1"
+GRAPHS = VALUES["TPSAMPLE_GRAPHS"] == "1"
 GLUON = VALUES["TPSAMPLE_GLUON"] == "1"
 CHECK_TENSORS = VALUES["TPSAMPLE_CHECK_TENSORS"] == "1"
 

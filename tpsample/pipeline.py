@@ -31,6 +31,7 @@ from .torch_records import records_torch
 from .transport import LocalTransport, Transport
 from .constrained_stage1 import (constraint_key, constraint_tensors, listed_scratch,
                                  stage1_constrained)
+from .call_graphs import CallGraphs
 from .fallback_choice import FallbackChoice
 from .host_fallback import redo_rows_on_host
 
@@ -62,6 +63,12 @@ class Pipeline:
         self.fixed_weight = fixed_weight
         self.replays = replay.CallReplays()
         self._discard: dict = {}  # (B, S, stream) -> outputs of tokens-only calls (see _outputs)
+        # repeated eager calls as CUDA graphs: one device, or a transport whose exchange is a
+        # device-side kernel (symm_mem); not NCCL / gloo (host-side bookkeeping per call)
+        graphable = device.type == "cuda" and (self.transport.world == 1 or
+                                               getattr(self.transport, "device_gather", False))
+        self.graphs = CallGraphs(device) if graphable else None
+        self._no_graph: set = set()
         self.candidate_rows = 0  # rows of candidate-path calls, and how many of them took
         self.host_fallback_rows = 0  # the exact fallback (tpsample/filters.py, 5.) from the
         # host (the device's count: self.fallback.device_rows)
@@ -81,6 +88,43 @@ class Pipeline:
         rows = self.fallback.device_rows
         dev = 0 if rows is None else int(rows.item())
         return self.host_fallback_rows + dev
+
+    def _graph_call(self, key, per_call: dict, returned: tuple, stage1, stage2, sizes):
+        """The call through its CUDA graph (tpsample/call_graphs.py; key: (replay key, the
+        current stream), so that a graph's inputs are only ever written in its stream's
+        order): {name: output} of the `returned` outputs, or None where the launches are re-issued instead (before the
+        capture, or a bound tensor is another object). Captures at the key's CAPTURE_AT-th
+        call; a capture that fails leaves the key to the re-issued launches."""
+        graph = self.graphs.get(key)
+        if graph is None:
+            if key in self._no_graph:
+                return None
+            bound = self.graphs.due(key, per_call)
+            if bound is None:
+                return None
+            numel, B, S = sizes
+
+            def launch(stream, named):
+                mine, full = self.transport.slots(numel)
+                stage1(stream, records=mine, **named)
+                self.transport.exchange(mine, full)
+                out = replay.reduce_outputs(B, S, self.device)
+                stage2(stream, records=full, **out, **named)
+                return out
+            try:
+                graph = self.graphs.capture(key, per_call, bound, launch)
+            except Exception as e:  # noqa: BLE001 - the launches still work without a graph
+                if len(self._no_graph) >= 256:
+                    self._no_graph.clear()
+                self._no_graph.add(key)
+                warnings.warn(f"tpsample: CUDA-graph capture of a repeated call failed ({e}); "
+                              "its launches are re-issued per call instead", RuntimeWarning,
+                              stacklevel=4)
+                return None
+        out = graph(per_call, returned)
+        if out is None:  # a bound tensor is another object now
+            self.graphs.drop(key)
+        return out
 
     def _outputs(self, B: int, S: int, device, stream: int, logprobs: bool) -> dict:
         """Fresh stage-2 outputs for a replayed call; logprobs False (a tokens-only eager
@@ -167,8 +211,9 @@ class Pipeline:
         B = hidden.shape[0]
         T = tiles if tiles is not None else records.num_tiles(weight.shape[0])
         Tx = T + int(constraints.listed)  # tiles per slot in the records
-        mine, full = self.transport.slots(num_samples * B * Tx * records.WIDTH)
+        numel = num_samples * B * Tx * records.WIDTH
         if self.backend == "torch":
+            mine, full = self.transport.slots(numel)
             plan = plan or self.plan(hidden, weight, merge=merge, num_samples=num_samples,
                                      need_mass=need_mass, vocab_start=vocab_start, tiles=T,
                                      masked=constraints.any)
@@ -202,6 +247,13 @@ class Pipeline:
             if hit is not None:
                 stage1, stage2 = hit
                 stream = replay.current_stream(hidden.device.index)
+                if self.graphs is not None and self.graphs.usable(in_capture):
+                    out = self._graph_call((key, stream), per_call,
+                                           _RETURNED[spec.return_logprobs], stage1, stage2,
+                                           (numel, B, num_samples))
+                    if out is not None:
+                        return out.get("tokens"), out.get("logprobs"), out.get("logz"), None
+                mine, full = self.transport.slots(numel)
                 stage1(stream, records=mine, **per_call)
                 self.transport.exchange(mine, full)
                 out = self._outputs(B, num_samples, hidden.device, stream,
@@ -213,6 +265,7 @@ class Pipeline:
                                  need_mass=need_mass, vocab_start=vocab_start, tiles=T,
                                  masked=constraints.any)
         tile_major = fanout is not None  # P2P stores: one contiguous run per stage-1 program
+        mine, full = self.transport.slots(numel)
         out_view = records.records_view(mine, num_samples, B, Tx, tile_major)
         with replay.record() as log1:
             stage1_constrained(plan, hidden, weight, bias, params, out_view, per_call,
@@ -387,6 +440,7 @@ class Pipeline:
         return out, on_device, per_call["side"]
 
 _OUT_NAMES = F.FilteredOutput._fields
+_RETURNED = {False: ("tokens",), True: ("tokens", "logprobs", "logz")}
 
 def fast_fallback(filters: Filters) -> bool:
     """Whether every row such a call flags takes kernels/filter_cut.py's fast path (top-p /

@@ -1,0 +1,123 @@
+"""A repeated eager call replayed as one CUDA graph.
+
+An eager call whose replay key (tpsample/pipeline.py) comes back re-issues its recorded
+launches one by one (tpsample/replay.py): a few µs of host time per launch and per output
+allocation. From the third call of a key, the pipeline captures those launches once into a
+CUDA graph and replays that instead: one launch for the whole call.
+
+A graph reads fixed addresses, so every per-call tensor is either
+  bound   the very object the graph was captured with (identity, checked per call; the
+          graph holds it, so its memory stays its own): tensors the caller passes again,
+          e.g. a seed / offset tensor updated in place, the cached tensors of scalar
+          parameters, the weight;
+  copied  into a tensor the graph owns, before the replay (one copy launch each): tensors
+          that were new at the call before the capture, e.g. the hidden states.
+A call whose bound tensor is another object re-issues the launches instead, and the graph
+is dropped (captured again once, from what the next calls bind). The graph's outputs are its own; the call returns clones of those it
+returns (a fresh tensor per call, as without the graph). Its intermediates (records) live in
+the graph's memory pool. TPSAMPLE_GRAPHS=0 turns this off.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from . import knobs
+
+CAPTURE_AT = 3  # the call of a key that captures its graph (earlier ones re-issue launches)
+MAX_CAPTURES = 2  # per key: a graph whose bound tensors stop coming is dropped and
+                  # captured again once, then the key keeps re-issuing its launches
+MAX_GRAPHS = 16  # per pipeline; all are dropped when full (keys change only with shapes)
+
+
+class CallGraph:
+    """One captured call. inputs: {name: tensor the graph reads}; bound: names whose
+    tensor must be the same object per call; outputs: {name: tensor the graph writes}."""
+    __slots__ = ("graph", "inputs", "bound", "copied", "outputs", "lock")
+
+    def __call__(self, tensors: dict, returned: tuple[str, ...]) -> dict | None:
+        """Replay with this call's tensors; {name: fresh clone} of the `returned` outputs,
+        or None (some bound tensor is another object: not this graph's call). The lock
+        keeps another thread's copies out from between this call's copies and replay."""
+        inputs = self.inputs
+        for name in self.bound:
+            if tensors[name] is not inputs[name]:
+                return None
+        with self.lock:
+            for name in self.copied:
+                inputs[name].copy_(tensors[name])
+            self.graph.replay()
+            return {name: self.outputs[name].clone() for name in returned}
+
+
+class CallGraphs:
+    """The graphs of one pipeline by replay key, and the calls seen per key until capture."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.graphs: dict = {}
+        self.seen: dict = {}  # key -> (calls so far, the previous call's tensors' ids)
+        self.captures: dict = {}  # key -> graphs captured for it
+
+    def __len__(self) -> int:
+        return len(self.graphs)
+
+    @staticmethod
+    def usable(in_capture) -> bool:
+        """Graphs for eager calls only (a call inside the caller's own capture is part of
+        that graph already)."""
+        return knobs.GRAPHS and in_capture is False
+
+    def get(self, key) -> CallGraph | None:
+        return self.graphs.get(key)
+
+    def due(self, key, tensors: dict) -> frozenset | None:
+        """Count a call of `key` that re-issued its launches; at the CAPTURE_AT-th, the
+        names to bind (the tensors that were the same objects at the call before), else
+        None."""
+        if self.captures.get(key, 0) >= MAX_CAPTURES:
+            return None
+        ids = tuple(id(t) for t in tensors.values())
+        calls, before = self.seen.get(key, (0, None))
+        calls += 1
+        if calls < CAPTURE_AT:
+            if len(self.seen) >= 4 * MAX_GRAPHS:
+                self.seen.clear()
+            self.seen[key] = (calls, ids)
+            return None
+        self.seen.pop(key, None)
+        return frozenset(n for (n, t), old in zip(tensors.items(), before or ())
+                         if t is not None and id(t) == old)
+
+    def capture(self, key, tensors: dict, bound: frozenset, launch) -> CallGraph:
+        """Capture launch(stream, inputs) -> {name: output tensor} with `tensors` (None
+        entries stay None; bound ones as they are, the others copied into tensors the graph
+        owns) on a side stream, and keep it under `key`. The graph has not run yet."""
+        g = CallGraph()
+        g.lock = threading.Lock()
+        g.inputs = {n: (t if t is None or n in bound else torch.empty_like(t))
+                    for n, t in tensors.items()}
+        g.bound = tuple(n for n, t in tensors.items() if t is not None and n in bound)
+        g.copied = tuple(n for n, t in tensors.items() if t is not None and n not in bound)
+        g.graph = torch.cuda.CUDAGraph()
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)  # (the owned inputs' allocations are ordered on current)
+        with torch.cuda.stream(side):
+            g.graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                g.outputs = launch(side.cuda_stream, g.inputs)
+            finally:
+                g.graph.capture_end()
+        current.wait_stream(side)
+        if len(self.graphs) >= MAX_GRAPHS:
+            self.graphs.clear()
+        if len(self.captures) >= 4 * MAX_GRAPHS:
+            self.captures.clear()
+        self.graphs[key] = g
+        self.captures[key] = self.captures.get(key, 0) + 1
+        return g
+
+    def drop(self, key) -> None:
+        self.graphs.pop(key, None)
