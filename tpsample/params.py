@@ -328,6 +328,8 @@ def check_options(num_samples, merge, backend="auto") -> None:
 
 def resolve_backend(backend: str, device: torch.device) -> str:
     """"auto" → "triton" on CUDA or under TRITON_INTERPRET=1, else "torch"."""
+    if backend != "torch" and device.type == "cuda":
+        return "triton"
     interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
     if backend == "auto":
         return "triton" if device.type == "cuda" or interpret else "torch"

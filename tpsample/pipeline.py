@@ -295,8 +295,8 @@ class Pipeline:
         T = tiles if tiles is not None else records.num_tiles(weight.shape[0])
         Tx = T + int(constraints.listed)
         planes = records.planes(S, True)
-        mine, full = self.transport.slots(planes * B * Tx * records.WIDTH)
         if self.backend == "torch":
+            mine, full = self.transport.slots(planes * B * Tx * records.WIDTH)
             plan = self.plan(hidden, weight, merge=merge, num_samples=S, need_mass=True,
                              vocab_start=vocab_start, tiles=T, filters=filters,
                              masked=constraints.any)
@@ -315,8 +315,8 @@ class Pipeline:
             if in_capture is None:
                 in_capture = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
             out, on_device, side = self._filtered_launches(
-                hidden, weight, bias, params, merge, S, n_real, vocab_start, T, filters, mine,
-                full, constraints, in_capture, logprobs)
+                hidden, weight, bias, params, merge, S, n_real, vocab_start, T, filters,
+                constraints, in_capture, logprobs)
             if on_device:
                 self.candidate_rows += B
                 if hidden.is_cuda and not in_capture:
@@ -333,7 +333,7 @@ class Pipeline:
         return tokens, logprobs, logz, top
 
     def _filtered_launches(self, hidden, weight, bias, params, merge, S, n_real, vocab_start,
-                           T, filters, mine, full, constraints: C.Constraints,
+                           T, filters, constraints: C.Constraints,
                            in_capture: bool, logprobs: bool = True
                            ) -> tuple[F.FilteredOutput, bool]:
         """Stage 1, exchange and launchers.stage2_filtered, replayed like run()'s launches;
@@ -347,6 +347,7 @@ class Pipeline:
         B = hidden.shape[0]
         Tx = T + int(constraints.listed)
         planes = records.planes(S, True)
+        numel = planes * B * Tx * records.WIDTH
         fanout = self.transport.fanout()
         tile_major = fanout is not None  # (one device: row-major, docs/design.md)
         fixed = weight is self.fixed_weight
@@ -357,25 +358,36 @@ class Pipeline:
                                                self._mask_words(weight, vocab_start)))
         if not fixed:
             per_call["weight"] = weight
-        # stage 1 also writes the transformed logits (B·V·4 bytes) in calls whose rows fall
-        # back on heavy tails (top-p / min-p without top-k): the exact fallback then reads
-        # them instead of W. Other filtered calls rarely fall back and skip the write (it
-        # cost top_k 50 3-5 % at B <= 64, docs/design.md).
-        per_call["side"] = (torch.empty(B, T * records.TILE, dtype=torch.float32,
-                                        device=hidden.device)
-                            if fast_fallback(filters) else None)
+        # stage 1 also writes the transformed logits (B·V·4 bytes, `side`) in calls whose
+        # rows fall back on heavy tails (top-p / min-p without top-k): the exact fallback
+        # then reads them instead of W. Other filtered calls rarely fall back and skip the
+        # write (it cost top_k 50 3-5 % at B <= 64, docs/design.md).
+        side_out = fast_fallback(filters)
         key = stage2s = stream = plan = log1 = None
+        on_device = None
         if hidden.is_cuda and replay.Replay.usable():
             key = ("filtered", merge, S, hidden.device, hidden.shape, hidden.stride(), n_real,
                    vocab_start, T, filters.replacement, filters.raw, constraint_key(constraints),
-                   self.transport.key(), replay.tensor_key(tuple(per_call.values())),
+                   self.transport.key(), replay.tensor_key(tuple(per_call.values())), side_out,
                    None if fixed else (weight.shape, weight.stride()))
             hit = self.replays.get(key)
             if hit is not None:  # (a launch takes only a tensor's address, which a records
                 stage1, stage2s = hit  # view shares with its flat buffer: the key has the layout)
                 stream = replay.current_stream(hidden.device.index)
-                stage1(stream, records=mine, **per_call)
-        if stage2s is None:
+                if self.graphs is not None and self.graphs.usable(in_capture):
+                    on_device = self._on_device(side_out, hidden, in_capture)
+                    if on_device:
+                        out = self._filtered_graph_call(key, stage1, stage2s, per_call, filters,
+                                                        side_out, B, S, T, numel, stream,
+                                                        logprobs)
+                        if out is not None:
+                            return out, True, None
+        per_call["side"] = (torch.empty(B, T * records.TILE, dtype=torch.float32,
+                                        device=hidden.device) if side_out else None)
+        mine, full = self.transport.slots(numel)
+        if stage2s is not None:
+            stage1(stream, records=mine, **per_call)
+        else:
             plan = self.plan(hidden, weight, merge=merge, num_samples=S, need_mass=True,
                              vocab_start=vocab_start, tiles=T, filters=filters,
                              masked=constraints.any)
@@ -385,10 +397,8 @@ class Pipeline:
                                    constraints, n_real=n_real, vocab_start=vocab_start,
                                    fanout=fanout[:2] if fanout else None)
 
-        # the side output's calls always take the device path (kernels/filter_cut.py)
-        on_device = ((self.transport.world == 1 or self.gather_fallback)
-                     and (per_call["side"] is not None
-                          or self.fallback.device_now(hidden, in_capture)))
+        if on_device is None:
+            on_device = self._on_device(side_out, hidden, in_capture)
         later = dict(top_k=filters.top_k, top_p=filters.top_p, min_p=filters.min_p)
         gathered = None
         if on_device and self.gather_fallback:  # the flagged rows' logit shards, gathered
@@ -397,10 +407,7 @@ class Pipeline:
         elif on_device and per_call["side"] is None:  # the rows' logits, recomputed there
             later["fallback_logits"] = torch.empty(B, T * records.TILE, dtype=torch.float32,
                                                    device=hidden.device)
-        key2 = None
-        if key is not None:
-            key2 = (on_device, filters.top_n, self.transport.key(),
-                    replay.tensor_key(tuple(per_call.values()) + tuple(later.values())))
+        key2 = None if key is None else self._key2(on_device, filters, per_call, later)
         stage2 = None if stage2s is None else stage2s.get(key2)
         if stage2 is not None:
             self.transport.exchange(mine, full)
@@ -439,7 +446,87 @@ class Pipeline:
                                    named2)
         return out, on_device, per_call["side"]
 
+    def _on_device(self, side_out: bool, hidden, in_capture) -> bool:
+        """Whether this filtered call's exact fallback runs on the device (decided once per
+        call: FallbackChoice counts the calls it is asked about). The side output's calls
+        always take the device path (kernels/filter_cut.py)."""
+        return ((self.transport.world == 1 or self.gather_fallback)
+                and (side_out or self.fallback.device_now(hidden, in_capture)))
+
+    def _key2(self, on_device: bool, filters: Filters, per_call: dict, later: dict) -> tuple:
+        """A filtered call's stage-2 replay key under its stage-1 key: the fallback path, the
+        top log-probs, the transport's buffers, and the per-call tensors' alignments and
+        layout (per_call with its side output, later: the filters' tensors and the
+        fallback's logits buffer)."""
+        return (on_device, filters.top_n, self.transport.key(),
+                replay.tensor_key(tuple(per_call.values()) + tuple(later.values())))
+
+    def _filtered_graph_call(self, key, stage1, stage2s: dict, per_call: dict, filters,
+                             side_out: bool, B: int, S: int, T: int, numel: int, stream: int,
+                             logprobs: bool):
+        """A filtered call whose fallback runs on the device, through its CUDA graph
+        (tpsample/call_graphs.py; _graph_call for the plain path): a FilteredOutput with
+        the returned outputs (tokens; log-probs and log Z with `logprobs`; the top tokens
+        with top_logprobs), or None where the launches are re-issued instead. The side
+        output, the records, the fallback's logits and the outputs live in the graph's
+        pool; the graph is captured from the stage-2 replay these launches would take."""
+        later = dict(top_k=filters.top_k, top_p=filters.top_p, min_p=filters.min_p)
+        n = T * records.TILE
+        if self.gather_fallback:  # (a grown buffer changes the transport's key)
+            self.transport.rows_gather(B, n)
+        gkey = (key, filters.top_n, self.transport.key(),
+                replay.tensor_key(tuple(later.values())), stream)
+        named = dict(per_call, **later)
+        graph = self.graphs.get(gkey)
+        if graph is None:
+            if gkey in self._no_graph:
+                return None
+            bound = self.graphs.due(gkey, named)
+            if bound is None:
+                return None
+            dev = self.device
+
+            def fresh():  # the per-call buffers the re-issued launches allocate
+                side = torch.empty(B, n, dtype=torch.float32, device=dev) if side_out else None
+                extra = {} if side_out or self.gather_fallback else dict(
+                    fallback_logits=torch.empty(B, n, dtype=torch.float32, device=dev))
+                return side, extra
+            side, extra = fresh()
+            stage2 = stage2s.get(self._key2(True, filters, dict(per_call, side=side),
+                                            dict(later, **extra)))
+            del side, extra
+            if stage2 is None:  # (not recorded yet for this layout)
+                return None
+
+            def launch(stream, named):
+                side, extra = fresh()
+                mine, full = self.transport.slots(numel)
+                stage1(stream, records=mine, side=side, **named)
+                self.transport.exchange(mine, full)
+                out = launchers.filtered_outputs(B, S, filters.top_n, dev, flat=True)
+                stage2(stream, records=full, sample_records=full, **out._asdict(), **named,
+                       side=side, **extra)
+                return out._asdict()
+            try:
+                graph = self.graphs.capture(gkey, named, bound, launch)
+            except Exception as e:  # noqa: BLE001 - the launches still work without a graph
+                if len(self._no_graph) >= 256:
+                    self._no_graph.clear()
+                self._no_graph.add(gkey)
+                warnings.warn(f"tpsample: CUDA-graph capture of a repeated call failed ({e}); "
+                              "its launches are re-issued per call instead", RuntimeWarning,
+                              stacklevel=5)
+                return None
+        returned = _RETURNED[logprobs] + (_TOP if filters.top_n else ())
+        out = graph(named, returned)
+        if out is None:  # a bound tensor is another object now
+            self.graphs.drop(gkey)
+            return None
+        return F.FilteredOutput(*(out.get(f) for f in _OUT_NAMES))
+
+
 _OUT_NAMES = F.FilteredOutput._fields
+_TOP = ("top_tokens", "top_logprobs")
 _RETURNED = {False: ("tokens",), True: ("tokens", "logprobs", "logz")}
 
 def fast_fallback(filters: Filters) -> bool:
