@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import tpsample
 
-D, V = 4096, 151936
+D, V = 4096, 151936  # D: --dims sets it per pass
 
 
 def host_us(fn, iters: int = 200) -> float:
@@ -160,6 +160,7 @@ def main():
     ap.add_argument("--no-graph", action="store_true")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--kinds", default="", help="comma-separated call kinds (default: all)")
+    ap.add_argument("--dims", default="4096", help="hidden sizes D, comma-separated")
     args = ap.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -167,36 +168,56 @@ def main():
     torch.cuda.set_device(dev)
     if world > 1:
         dist.init_process_group("nccl", device_id=dev)
+    global D
     res = []
-    g = torch.Generator(device=dev).manual_seed(1)
-    W = torch.randn(V, D, generator=g, device=dev, dtype=torch.bfloat16).mul_(D ** -0.5)
     batches = [int(b) for b in args.batches.split(",")]
     only = set(k for k in args.kinds.split(",") if k)
     if rank == 0:
         floor = floor_ops(64, dev)
         print("floor (host us): " + ", ".join(f"{k} {v:.1f}" for k, v in floor.items()))
-        res.append({"call": "floor", "B": 64, "host_us": 0.0, "eager_ms": 0.0, "tokens": 0,
-                    **floor})
-        for B in batches:
-            res += measure(kinds(lambda h, **kw: tpsample.sample(h, W, **kw), B, dev, 1),
-                           1, 0, "tp1", B, not args.no_graph, not args.no_profile, only)
-    if world > 1:
-        dist.barrier()
-        rows = V // world
-        shard = W[rank * rows:(rank + 1) * rows].contiguous()
-        s = tpsample.VocabParallelSampler(shard, vocab_size=V, transport="symm_mem",
-                                          check_inputs=False)
-        for B in batches:
-            res += measure(kinds(s, B, dev, world), world, rank, f"tp{world}", B,
-                           not args.no_graph, not args.no_profile, only)
+        res.append({"call": "floor", "B": 64, "D": D, "host_us": 0.0, "eager_ms": 0.0,
+                    "tokens": 0, **floor})
+    for D in (int(d) for d in args.dims.split(",")):
+        g = torch.Generator(device=dev).manual_seed(1)
+        W = torch.randn(V, D, generator=g, device=dev, dtype=torch.bfloat16).mul_(D ** -0.5)
+        if rank == 0:
+            for B in batches:
+                res += [dict(r, D=D) for r in measure(
+                    kinds(lambda h, **kw: tpsample.sample(h, W, **kw), B, dev, 1), 1, 0, "tp1",
+                    B, not args.no_graph, not args.no_profile, only)]
+        if world > 1:
+            dist.barrier()
+            rows = V // world
+            shard = W[rank * rows:(rank + 1) * rows].contiguous()
+            s = tpsample.VocabParallelSampler(shard, vocab_size=V, transport="symm_mem",
+                                              check_inputs=False)
+            for B in batches:
+                h = torch.randn(B, D, device=dev, dtype=torch.bfloat16)
+                mm = device_ms(lambda: h @ shard.T)
+                t = torch.tensor([mm], device=dev)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                res.append({"call": f"tp{world}_mm_local", "B": B, "D": D, "host_us": 0.0,
+                            "eager_ms": t.item(), "tokens": 0})
+                res += [dict(r, D=D) for r in measure(
+                    kinds(s, B, dev, world), world, rank, f"tp{world}", B, not args.no_graph,
+                    not args.no_profile, only)]
+            del s, shard
     if rank == 0 and args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "host_cost.json"), "w") as f:
             json.dump(res, f, indent=1)
-        print("\nsummary (host us / eager ms / graph ms / token checksum):")
+        print("\nsummary (host us / eager ms / graph ms / token checksum; TP: the bound "
+              "1.2 x mm_local + 0.020 ms):")
+        mm = {(r["D"], r["B"]): r["eager_ms"] for r in res if r["call"].endswith("mm_local")}
         for r in res:
-            print(f"  {r['call']:>28} B={r['B']:<4} {r['host_us']:6.1f}  {r['eager_ms']:.4f}  "
-                  f"{r.get('graph_ms', float('nan')):.4f}  {r['tokens']}")
+            if r["call"] == "floor":
+                continue
+            bound = mm.get((r["D"], r["B"]))
+            tail = "" if bound is None or r["call"].endswith("mm_local") else (
+                f"  bound {1.2 * bound + 0.020:.4f} {'ok' if r['eager_ms'] <= 1.2 * bound + 0.020 else 'MISS'}")
+            print(f"  D={r['D']:<5} {r['call']:>22} B={r['B']:<4} {r['host_us']:6.1f}  "
+                  f"{r['eager_ms']:.4f}  {r.get('graph_ms', float('nan')):.4f}  {r['tokens']}"
+                  + tail)
     if world > 1:
         dist.destroy_process_group()
 
