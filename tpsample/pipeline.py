@@ -226,6 +226,7 @@ class Pipeline:
             return (*merge_records(records.records_view(full, num_samples, B, Tx), params, merge),
                     None)
 
+        slots = self._slots_first(numel)
         fanout = self.transport.fanout()
         fixed = weight is self.fixed_weight
         per_call = dict(hidden=hidden, inv_temp=params.inv_temp, seed=params.seed,
@@ -253,7 +254,7 @@ class Pipeline:
                                            (numel, B, num_samples))
                     if out is not None:
                         return out.get("tokens"), out.get("logprobs"), out.get("logz"), None
-                mine, full = self.transport.slots(numel)
+                mine, full = slots or self.transport.slots(numel)
                 stage1(stream, records=mine, **per_call)
                 self.transport.exchange(mine, full)
                 out = self._outputs(B, num_samples, hidden.device, stream,
@@ -265,7 +266,7 @@ class Pipeline:
                                  need_mass=need_mass, vocab_start=vocab_start, tiles=T,
                                  masked=constraints.any)
         tile_major = fanout is not None  # P2P stores: one contiguous run per stage-1 program
-        mine, full = self.transport.slots(numel)
+        mine, full = slots or self.transport.slots(numel)
         out_view = records.records_view(mine, num_samples, B, Tx, tile_major)
         with replay.record() as log1:
             stage1_constrained(plan, hidden, weight, bias, params, out_view, per_call,
@@ -348,6 +349,7 @@ class Pipeline:
         Tx = T + int(constraints.listed)
         planes = records.planes(S, True)
         numel = planes * B * Tx * records.WIDTH
+        slots = self._slots_first(numel)
         fanout = self.transport.fanout()
         tile_major = fanout is not None  # (one device: row-major, docs/design.md)
         fixed = weight is self.fixed_weight
@@ -384,7 +386,7 @@ class Pipeline:
                             return out, True, None
         per_call["side"] = (torch.empty(B, T * records.TILE, dtype=torch.float32,
                                         device=hidden.device) if side_out else None)
-        mine, full = self.transport.slots(numel)
+        mine, full = slots or self.transport.slots(numel)
         if stage2s is not None:
             stage1(stream, records=mine, **per_call)
         else:
@@ -445,6 +447,13 @@ class Pipeline:
             self.replays.add_split(key, log1, dict(per_call, records=out_view), key2, log2,
                                    named2)
         return out, on_device, per_call["side"]
+
+    def _slots_first(self, numel: int):
+        """The exchange slots of a transport with a persistent buffer, taken before its
+        fanout and key are read (a larger call grows the buffer: new peer addresses, a new
+        key); None for the local transport, whose fresh buffer is taken only where a call
+        uses it (a graph replay does not)."""
+        return None if self.transport.world == 1 else self.transport.slots(numel)
 
     def _on_device(self, side_out: bool, hidden, in_capture) -> bool:
         """Whether this filtered call's exact fallback runs on the device (decided once per
