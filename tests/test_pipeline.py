@@ -139,3 +139,48 @@ def test_run_equals_the_reference(backend, kw, monkeypatch):
     ref = reference_sample(h, w, seed=seed, **kw)
     assert torch.equal(tokens.view(B, -1), ref.tokens)
     assert torch.allclose(logz.double(), ref.logz, atol=1e-4)
+
+
+def test_call_graphs_bind_what_comes_again_and_copy_the_rest():
+    """CallGraphs.due: no capture before the key's CAPTURE_AT-th replayed call; then bound =
+    the tensors that were the same objects at the call before; a weight that changed is
+    never copied (no graph); a key stops capturing after MAX_CAPTURES."""
+    from tpsample import call_graphs as CG
+    graphs = CG.CallGraphs(torch.device("cpu"))
+    w, seed = torch.zeros(4, 2), torch.zeros(3, dtype=torch.int64)
+    calls = [dict(hidden=torch.zeros(3, 2), seed=seed, bias=None, weight=w)
+             for _ in range(CG.CAPTURE_AT)]
+    for c in calls[:-1]:
+        assert graphs.due("k", c) is None
+    assert graphs.due("k", calls[-1]) == frozenset({"seed", "weight"})
+    other = [dict(c, weight=torch.zeros(4, 2)) for c in calls]  # a new weight object each call
+    for c in other[:-1]:
+        assert graphs.due("k2", c) is None
+    assert graphs.due("k2", other[-1]) is None and graphs.captures["k2"] == 1
+    graphs.captures["k3"] = CG.MAX_CAPTURES
+    assert all(graphs.due("k3", c) is None for c in calls * 2)
+
+
+def test_call_graph_replays_with_copies_and_returns_fresh_outputs():
+    """CallGraph.__call__: a bound tensor that is another object → None (no replay); else
+    the copied inputs take this call's values before the replay, and the outputs come back
+    as clones."""
+    import threading
+    from tpsample.call_graphs import CallGraph
+    seed, h = torch.zeros(2, dtype=torch.int64), torch.zeros(2, 3)
+    g = CallGraph()
+    g.inputs, g.bound, g.copied = dict(seed=seed, hidden=h.clone()), ("seed",), ("hidden",)
+    g.outputs = dict(tokens=torch.zeros(2, dtype=torch.int64))
+    g.lock = threading.Lock()
+    replays = []
+
+    class Graph:
+        def replay(self):  # the "kernel": tokens = hidden's row sums + seed
+            replays.append(1)
+            g.outputs["tokens"].copy_(g.inputs["hidden"].sum(1).long() + g.inputs["seed"])
+    g.graph = Graph()
+    assert g(dict(seed=seed.clone(), hidden=h), ("tokens",)) is None and not replays
+    seed.fill_(10)
+    a = g(dict(seed=seed, hidden=torch.ones(2, 3)), ("tokens",))["tokens"]
+    b = g(dict(seed=seed, hidden=torch.full((2, 3), 2.0)), ("tokens",))["tokens"]
+    assert a.tolist() == [13, 13] and b.tolist() == [16, 16] and len(replays) == 2

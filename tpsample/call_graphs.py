@@ -28,6 +28,7 @@ from . import knobs
 CAPTURE_AT = 3  # the call of a key that captures its graph (earlier ones re-issue launches)
 MAX_CAPTURES = 2  # per key: a graph whose bound tensors stop coming is dropped and
                   # captured again once, then the key keeps re-issuing its launches
+NEVER_COPIED = ("weight",)  # per-call tensors a graph must find bound (an LM head's size)
 MAX_GRAPHS = 16  # per pipeline; all are dropped when full (keys change only with shapes)
 
 
@@ -64,10 +65,10 @@ class CallGraphs:
         return len(self.graphs)
 
     @staticmethod
-    def usable(in_capture) -> bool:
+    def usable(in_capture, filtered: bool = False) -> bool:
         """Graphs for eager calls only (a call inside the caller's own capture is part of
-        that graph already)."""
-        return knobs.GRAPHS and in_capture is False
+        that graph already); filtered calls with TPSAMPLE_GRAPHS=filtered."""
+        return (knobs.GRAPHS_FILTERED if filtered else knobs.GRAPHS) and in_capture is False
 
     def get(self, key) -> CallGraph | None:
         return self.graphs.get(key)
@@ -75,7 +76,8 @@ class CallGraphs:
     def due(self, key, tensors: dict) -> frozenset | None:
         """Count a call of `key` that re-issued its launches; at the CAPTURE_AT-th, the
         names to bind (the tensors that were the same objects at the call before), else
-        None."""
+        None. A weight that was another object is never copied: no graph then (counted
+        like a capture)."""
         if self.captures.get(key, 0) >= MAX_CAPTURES:
             return None
         ids = tuple(id(t) for t in tensors.values())
@@ -87,8 +89,12 @@ class CallGraphs:
             self.seen[key] = (calls, ids)
             return None
         self.seen.pop(key, None)
-        return frozenset(n for (n, t), old in zip(tensors.items(), before or ())
-                         if t is not None and id(t) == old)
+        bound = frozenset(n for (n, t), old in zip(tensors.items(), before or ())
+                          if t is not None and id(t) == old)
+        if any(n in tensors and tensors[n] is not None and n not in bound for n in NEVER_COPIED):
+            self.captures[key] = self.captures.get(key, 0) + 1
+            return None
+        return bound
 
     def capture(self, key, tensors: dict, bound: frozenset, launch) -> CallGraph:
         """Capture launch(stream, inputs) -> {name: output tensor} with `tensors` (None

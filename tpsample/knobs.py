@@ -29,9 +29,11 @@ KNOBS = (
          "1: on Triton 3.6 replayed launches call the launcher's C function with their "
          "arguments expanded once (host TMA descriptors re-encoded only where per call); "
          "0: through Triton's launcher (debugging; the same launches)"),
-    Knob("TPSAMPLE_GRAPHS", "1", ("0", "1"),
-         "1: from the third eager call with the same replay key, a call replays its launches "
-         "as one CUDA graph (tpsample/call_graphs.py); 0: the launches one by one"),
+    Knob("TPSAMPLE_GRAPHS", "1", ("0", "1", "filtered"),
+         "1: from the third eager call with the same replay key, a plain call replays its "
+         "launches as one CUDA graph (tpsample/call_graphs.py); filtered: filtered calls "
+         "whose exact fallback runs on the device too (not yet the default: its GPU test has "
+         "not run); 0: the launches one by one"),
     Knob("TPSAMPLE_GLUON", "1", ("0", "1"),
          "0: never the Hopper Gluon kernels (ws, pp); the cuBLAS + records-pass path runs "
          "where the plan would take them"),
@@ -75,7 +77,8 @@ _warn_unknown()
 
 REPLAY = VALUES["TPSAMPLE_REPLAY"] == "1"
 DIRECT_LAUNCH = VALUES["TPSAMPLE_DIRECT_LAUNCH"] == "1"
-GRAPHS = VALUES["TPSAMPLE_GRAPHS"] == "1"
+GRAPHS = VALUES["TPSAMPLE_GRAPHS"] != "0"
+GRAPHS_FILTERED = VALUES["TPSAMPLE_GRAPHS"] == "filtered"
 GLUON = VALUES["TPSAMPLE_GLUON"] == "1"
 CHECK_TENSORS = VALUES["TPSAMPLE_CHECK_TENSORS"] == "1"
 

@@ -248,7 +248,8 @@ class Pipeline:
             if hit is not None:
                 stage1, stage2 = hit
                 stream = replay.current_stream(hidden.device.index)
-                if self.graphs is not None and self.graphs.usable(in_capture):
+                if (self.graphs is not None and self.graphs.usable(in_capture)
+                        and not constraints.listed):  # (its scratch is per call)
                     out = self._graph_call((key, stream), per_call,
                                            _RETURNED[spec.return_logprobs], stage1, stage2,
                                            (numel, B, num_samples))
@@ -376,7 +377,8 @@ class Pipeline:
             if hit is not None:  # (a launch takes only a tensor's address, which a records
                 stage1, stage2s = hit  # view shares with its flat buffer: the key has the layout)
                 stream = replay.current_stream(hidden.device.index)
-                if self.graphs is not None and self.graphs.usable(in_capture):
+                if (self.graphs is not None and self.graphs.usable(in_capture, filtered=True)
+                        and not constraints.listed):
                     on_device = self._on_device(side_out, hidden, in_capture)
                     if on_device:
                         out = self._filtered_graph_call(key, stage1, stage2s, per_call, filters,

@@ -167,7 +167,8 @@ def test_repeated_calls_through_their_graph_equal_reissued_launches(B, S, logpro
 @pytest.mark.parametrize("kw", [dict(top_p=0.9), dict(top_k=50, top_p=0.9),
                                 dict(min_p=0.05, top_logprobs=3), dict(top_p=0.95, flat=True)])
 def test_repeated_filtered_calls_through_their_graph_equal_reissued_launches(kw, monkeypatch):
-    """Filtered calls whose exact fallback runs on the device replay one graph too: the same
+    """Filtered calls whose exact fallback runs on the device replay one graph too
+    (TPSAMPLE_GRAPHS=filtered): the same
     tokens, log-probs, log Z and top tokens per call as re-issued launches, the fallback
     included (flat: near-uniform rows, whose nucleus no candidate certifies)."""
     from tpsample import api, knobs
@@ -180,6 +181,7 @@ def test_repeated_filtered_calls_through_their_graph_equal_reissued_launches(kw,
 
     def run(graphs: bool):
         monkeypatch.setattr(knobs, "GRAPHS", graphs)
+        monkeypatch.setattr(knobs, "GRAPHS_FILTERED", graphs)
         api._PIPELINES.clear()
         seed = torch.zeros(B, dtype=torch.int64, device="cuda")
         outs = []
