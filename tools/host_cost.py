@@ -4,6 +4,7 @@ most expensive Python functions (µs per call, self time).
 
     python -m tools.host_cost [--batches 1,64] [--out DIR]                  # one GPU
     torchrun --nproc-per-node=N -m tools.host_cost [--batches 1,64]          # + TP N
+    python -m tools.host_cost --report LABEL=DIR/host_cost.json ...         # markdown table
 
 Under torchrun rank 0 also times the one-GPU calls (the other ranks wait), then every rank
 times the VocabParallelSampler calls over symmetric memory (max over ranks)."""
@@ -153,8 +154,41 @@ def floor_ops(B: int, dev) -> dict:
             "graph_replay": host_us(g.replay), "clone": host_us(lambda: x.clone())}
 
 
+def report(arms: list[str]) -> str:
+    """A markdown table of saved runs (LABEL=PATH each, e.g. the same command with
+    TPSAMPLE_GRAPHS=0 and =1): host µs and eager / graph ms per call kind and B."""
+    runs = []
+    for arm in arms:
+        label, path = arm.split("=", 1)
+        with open(path) as f:
+            runs.append((label, json.load(f)))
+    floor = [r for r in runs[0][1] if r["call"] == "floor"]
+    rows: dict = {}
+    for label, res in runs:
+        for r in res:
+            if r["call"] != "floor":
+                rows.setdefault((r.get("D", 4096), r["call"], r["B"]), {})[label] = r
+    labels = [lab for lab, _ in runs]
+    head = ["D", "call", "B"] + [f"host µs {lab}" for lab in labels] + \
+        [f"eager / graph ms {lab}" for lab in labels]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (d, call, b), by in rows.items():
+        cells = [str(d), call, str(b)]
+        cells += [f"{by[lab]['host_us']:.1f}" if lab in by else "" for lab in labels]
+        cells += [f"{by[lab]['eager_ms']:.3f} / {by[lab].get('graph_ms', float('nan')):.3f}"
+                  if lab in by else "" for lab in labels]
+        lines.append("| " + " | ".join(cells) + " |")
+    if floor:
+        lines.append("")
+        lines.append("Floor (host µs, " + runs[0][0] + "): " + ", ".join(
+            f"{k} {floor[0][k]:.1f}" for k in ("empty", "add_", "copy_h", "graph_replay",
+                                               "clone")) + ".")
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--report", nargs="+", default=None, metavar="LABEL=JSON")
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-graph", action="store_true")
@@ -162,6 +196,9 @@ def main():
     ap.add_argument("--kinds", default="", help="comma-separated call kinds (default: all)")
     ap.add_argument("--dims", default="4096", help="hidden sizes D, comma-separated")
     args = ap.parse_args()
+    if args.report:
+        print(report(args.report))
+        return
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))

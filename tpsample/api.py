@@ -92,8 +92,9 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, *, temperature: float | t
     host instead (faster there; one synchronisation per call) until a call has none.
 
     `tpsample.explain(B, D, V, ...)` shows which kernels run for a shape. On CUDA a call
-    like an earlier one re-issues its compiled launches (tpsample/pipeline.py); outputs are
-    fresh tensors per call.
+    like an earlier one re-issues its compiled launches (tpsample/pipeline.py), and from the
+    third such eager call replays them as one CUDA graph (tpsample/call_graphs.py;
+    TPSAMPLE_GRAPHS=0 turns that off); outputs are fresh tensors per call.
     """
     P.check_hidden_weight(hidden, weight)
     V = weight.shape[0]

@@ -8,12 +8,15 @@
     stage 2   the records of all slots → tokens, log-probs, log Z (launchers.stage2, or the
               torch merge: tpsample/merge.py); with filters, top log-probs or samples without
               replacement also the candidate reduce (tpsample/filters.py), then the exact
-              fallback for the rows it could not certify
+              fallback for the rows it could not certify (on the device, or from the host:
+              tpsample/host_fallback.py, as tpsample/fallback_choice.py decides)
 
 tpsample.sample runs a process-wide local pipeline; every VocabParallelSampler owns one
 with its transport. On CUDA, a call with the key of an earlier one (shapes, strides,
 dtypes, pointer alignments, options, exchange buffers) re-issues that call's recorded
-launches with the new tensors (tpsample/replay.py): no plan lookup and no Triton dispatch.
+launches with the new tensors (tpsample/replay.py): no plan lookup and no Triton dispatch;
+from the key's third such eager call, as one CUDA graph (tpsample/call_graphs.py).
+A call's parameters arrive validated as a SamplingSpec (tpsample/spec.py).
 """
 from __future__ import annotations
 
