@@ -184,3 +184,45 @@ def test_call_graph_replays_with_copies_and_returns_fresh_outputs():
     a = g(dict(seed=seed, hidden=torch.ones(2, 3)), ("tokens",))["tokens"]
     b = g(dict(seed=seed, hidden=torch.full((2, 3), 2.0)), ("tokens",))["tokens"]
     assert a.tolist() == [13, 13] and b.tolist() == [16, 16] and len(replays) == 2
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(top_p=0.9)])
+def test_stage1_gets_the_peers_of_the_grown_buffer(kw, monkeypatch):
+    """A call larger than the exchange buffer grows it (new peer addresses): stage 1 must
+    store through the grown buffer's fanout, so the slots are taken before the fanout is
+    read (plain and filtered calls)."""
+    from tpsample import pipeline as PL
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+    class Growing(LocalTransport):  # a persistent buffer whose peers move when it grows
+        def __init__(self):
+            super().__init__(torch.device("cpu"))
+            self.rank, self.world, self.version = 0, 2, 0
+
+        def slots(self, numel):
+            if numel > self.capacity:
+                self.capacity, self.version = numel, self.version + 1
+            buf = torch.zeros(self.world, numel)
+            return buf[0], buf
+
+        def fanout(self):
+            return (f"peers of buffer {self.version}", None, None)
+
+        def key(self):
+            return (self.version,)
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def spy(*a, fanout=None, **k):
+        seen.append(fanout[0])
+        raise Stop
+    monkeypatch.setattr(PL, "stage1_constrained", spy)
+    t = Growing()
+    h, w = torch.randn(2, 16), torch.randn(260, 16)
+    with pytest.raises(Stop):
+        Pipeline("triton", h.device, transport=t).run(h, w, None, spec_of(h, 260, **kw),
+                                                      n_real=260, need_mass=True)
+    assert seen == [f"peers of buffer {t.version}"] and t.version == 1
