@@ -7,7 +7,6 @@ import torch
 
 from tpsample import fallback_choice as FC
 from tpsample import filters as F
-from tpsample import params as P
 from tpsample.host_fallback import redo_rows_on_host
 from tpsample.pipeline import Pipeline
 from tpsample.reference import reference_sample
