@@ -225,3 +225,133 @@ def test_stage1_gets_the_peers_of_the_grown_buffer(kw, monkeypatch):
         Pipeline("triton", h.device, transport=t).run(h, w, None, spec_of(h, 260, **kw),
                                                       n_real=260, need_mass=True)
     assert seen == [f"peers of buffer {t.version}"] and t.version == 1
+
+
+class _Tape:
+    """A CUDA graph stand-in on the CPU: launches made while capturing are recorded and
+    re-run by replay(), as the GPU would re-run the captured kernels."""
+    capturing = None
+
+    def __init__(self):
+        self.tape = []
+
+    def capture_begin(self, capture_error_mode=None):
+        _Tape.capturing = self.tape
+
+    def capture_end(self):
+        _Tape.capturing = None
+
+    def replay(self):
+        for work in self.tape:
+            work()
+
+
+def _launch(work):
+    if _Tape.capturing is not None:
+        _Tape.capturing.append(work)
+    else:
+        work()
+
+
+def _fake_cuda(monkeypatch):
+    import contextlib
+
+    class Stream:
+        cuda_stream = 7
+
+        def __init__(self, *a, **k):
+            pass
+
+        def wait_stream(self, other):
+            pass
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _Tape)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+
+
+def _want(h, seed, offset):  # the fake kernels' result
+    return h.sum(1).long() + seed + offset
+
+
+def test_plain_call_graph_wiring(monkeypatch):
+    """Pipeline._graph_call with CallGraphs on fake kernels and a fake graph: no graph before
+    CAPTURE_AT calls, then replays that see each call's new hidden states (copied) and the
+    seed tensor updated in place (bound), fresh outputs per call; another seed object goes
+    back to re-issued launches and drops the graph."""
+    from tpsample import call_graphs as CG
+    _fake_cuda(monkeypatch)
+    B, S, numel = 4, 1, 64
+    pipe = Pipeline("triton", torch.device("cpu"))
+    pipe.graphs = CG.CallGraphs(torch.device("cpu"))
+
+    def stage1(stream, records, hidden, seed, offset, **_):
+        _launch(lambda: records.view(-1)[:B].copy_((hidden.sum(1).long() + seed + offset).float()))
+
+    def stage2(stream, records, tokens, logprobs, logz, **_):
+        _launch(lambda: (tokens.copy_(records.view(-1)[:B].long()),
+                         logz.copy_(records.view(-1)[:B] * 2)))
+    seed, offset = torch.zeros(B, dtype=torch.int64), torch.full((B,), 3)
+    got, want = [], []
+    for i in range(CG.CAPTURE_AT + 3):
+        h = torch.full((B, 2), float(i)) + torch.arange(B)[:, None]
+        seed.fill_(10 * i)
+        call = dict(hidden=h, inv_temp=None, seed=seed, offset=offset, bias=None)
+        out = pipe._graph_call("k", call, ("tokens", "logz"), stage1, stage2, (numel, B, S))
+        assert (out is None) == (i < CG.CAPTURE_AT - 1), i
+        if out is not None:
+            got.append(out)
+            want.append(_want(h, seed, offset))
+    assert all(torch.equal(o["tokens"], w) and torch.equal(o["logz"], 2 * w.float())
+               for o, w in zip(got, want))
+    graph = pipe.graphs.get("k")
+    assert graph.bound == ("seed", "offset") and graph.copied == ("hidden",)
+    assert len({o["tokens"].data_ptr() for o in got} | {graph.outputs["tokens"].data_ptr()}) \
+        == len(got) + 1
+    call = dict(call, seed=seed.clone())
+    assert pipe._graph_call("k", call, ("tokens",), stage1, stage2, (numel, B, S)) is None
+    assert pipe.graphs.get("k") is None
+
+
+def test_filtered_call_graph_wiring(monkeypatch):
+    """Pipeline._filtered_graph_call: captured only from a recorded stage 2 of the same
+    layout (the key2 re-issued launches would take), then each replay sees the call's
+    inputs and the filters' tensors; the side output is the graph's own."""
+    from tpsample import call_graphs as CG
+    _fake_cuda(monkeypatch)
+    B, S, T = 4, 1, 2
+    n, numel = T * 128, 256
+    pipe = Pipeline("triton", torch.device("cpu"))
+    pipe.graphs = CG.CallGraphs(torch.device("cpu"))
+    filters = spec_of(torch.zeros(B, 2), 300, top_p=0.9).filters
+    sides = []
+
+    def stage1(stream, records, side, hidden, seed, offset, **_):
+        sides.append(side)
+        _launch(lambda: (side[:, 0].copy_(hidden.sum(1)),
+                         records.view(-1)[:B].copy_((hidden.sum(1).long() + seed + offset)
+                                                    .float())))
+
+    def stage2(stream, records, side, tokens, logprobs, logz, top_p, **_):
+        _launch(lambda: (tokens.copy_(records.view(-1)[:B].long() + side[:, 0].long() * 0),
+                         logprobs.copy_(top_p)))
+    seed, offset = torch.zeros(B, dtype=torch.int64), torch.full((B,), 3)
+    base = dict(inv_temp=None, seed=seed, offset=offset, bias=None)
+    later = dict(top_k=None, top_p=filters.top_p, min_p=None)
+    outs = []
+    for i in range(CG.CAPTURE_AT + 2):
+        h = torch.full((B, 2), float(i))
+        seed.fill_(i)
+        call = dict(hidden=h, **base)
+        key2 = pipe._key2(True, filters, dict(call, side=torch.empty(B, n)), later)
+        out = pipe._filtered_graph_call("k", stage1, {key2: stage2}, call, filters, True, B, S,
+                                        T, numel, 0, True)
+        assert (out is None) == (i < CG.CAPTURE_AT - 1), i
+        if out is not None:
+            outs.append(out)
+            assert torch.equal(out.tokens, _want(h, seed, offset)), i
+            assert torch.equal(out.logprobs, filters.top_p) and out.top_tokens is None
+    assert len(sides) == 1 and sides[0] is not None  # captured once, with its own side output
+    # a stage 2 of another layout was never recorded: no graph for that key
+    assert pipe._filtered_graph_call("k2", stage1, {}, call, filters, True, B, S, T, numel,
+                                     0, True) is None
