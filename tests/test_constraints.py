@@ -438,7 +438,7 @@ def test_only_a_stage1_that_waits_for_prep_is_its_dependent_launch(B, strategy, 
     (AFTER_PREP): the fused kernel does; ws (docs/design.md) and the records pass (cuBLAS is
     between) are stream-ordered. The launches of tpsample.launchers, intercepted on CPU
     tensors with the H100 table's plans."""
-    from tpsample import constrained_stage1, launchers
+    from tpsample import constrained_stage1, launchers, replay
     from tpsample.params import RowParams
     from tpsample.plan import DeviceKind, make_plan
     D, V = 4096, 151936
@@ -449,8 +449,10 @@ def test_only_a_stage1_that_waits_for_prep_is_its_dependent_launch(B, strategy, 
                      masked=True, merge="cdf" if strategy == "logits" else "max")
     assert plan.strategy == strategy and plan.pdl
     launched = []
-    monkeypatch.setattr(launchers, "run_kernel", lambda fn, grid, args, constexprs, options:
-                        launched.append((getattr(fn, "fn", fn).__name__, constexprs, options)))
+    def spy(fn, grid, args, constexprs, options):
+        launched.append((getattr(fn, "fn", fn).__name__, constexprs, options))
+    monkeypatch.setattr(launchers, "run_kernel", spy)
+    monkeypatch.setattr(replay, "run_kernel", spy)  # (stage 1 launches through run_named)
     monkeypatch.setattr(launchers, "run_step", lambda fn, args: torch.empty(B, V))
     monkeypatch.setattr(launchers, "_num_sms", lambda device: 132)
     h, w = torch.empty(B, D, dtype=torch.bfloat16), torch.empty(V, D, dtype=torch.bfloat16)

@@ -100,16 +100,34 @@ def stage1(plan: Plan, hidden: torch.Tensor, weight: torch.Tensor, bias, params:
     return _triton(plan, cfg, hidden, weight, mask=mask, tiles=tiles, held=held, **common)
 
 
-def _mask_args(mask, held, dummy) -> tuple:
-    """The kernels' (mask_ptr, stride_mask, first_ptr, held_ptr) (dummies where unused)."""
+def _mask_args(mask, held, dummy) -> dict:
+    """The kernels' mask_ptr, stride_mask, first_ptr, held_ptr (dummies where unused)."""
     if mask is None:
-        return (dummy, 0, dummy, dummy)
-    return (mask, mask.stride(0)) + (held if held is not None else (dummy, dummy))
+        return dict(mask_ptr=dummy, stride_mask=0, first_ptr=dummy, held_ptr=dummy)
+    first, held = held if held is not None else (dummy, dummy)
+    return dict(mask_ptr=mask, stride_mask=mask.stride(0), first_ptr=first, held_ptr=held)
 
 
-def _side_args(side, dummy) -> tuple:
-    """The kernels' (side_ptr, stride_side) (a dummy where unused)."""
-    return (dummy, 0) if side is None else (side, side.stride(0))
+def _side_args(side, dummy) -> dict:
+    """The kernels' side_ptr, stride_side (a dummy where unused)."""
+    return dict(side_ptr=dummy, stride_side=0) if side is None else \
+        dict(side_ptr=side, stride_side=side.stride(0))
+
+
+def _records_args(plan, bias, params: RowParams, out, *, n_real, vocab_start, peers,
+                  parity) -> dict:
+    """The arguments every stage-1 kernel takes by the same names: the per-row parameters,
+    the records `out` and their strides, the padding and id offset, the TP fan-out's peers
+    and parity (the seed tensor where unused: never read then), the bias (1/T where none:
+    never read without HAS_BIAS)."""
+    seed = params.seed
+    s, b, t = out.stride()[:3]
+    return dict(bias_ptr=bias if bias is not None else params.inv_temp,
+                inv_temp_ptr=params.inv_temp, seed_ptr=seed, offset_ptr=params.offset,
+                rec_ptr=out, B=seed.shape[0], n_real=n_real, vocab_start=vocab_start,
+                num_samples=plan.num_samples, rec_stride_s=s, rec_stride_b=b, rec_stride_t=t,
+                peer_ptrs=peers if peers is not None else seed,
+                parity_ptr=parity if parity is not None else seed)
 
 
 def _triton(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start, peers, parity,
@@ -125,7 +143,7 @@ def _triton(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start
     if plan.candidates or not plan.replacement:
         consts.update(CANDIDATES=records.CANDIDATES if plan.candidates else 0,
                       NO_REPLACE=not plan.replacement, RAW_MASS=plan.raw_mass)
-    tail = _mask_args(mask, held, seed) + _side_args(side, seed)  # (read only when enabled)
+    tail = dict(_mask_args(mask, held, seed), **_side_args(side, seed))  # (read only when on)
     if side is not None:
         consts.update(SIDE=True)
     if mask is not None:
@@ -134,15 +152,12 @@ def _triton(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start
                       HELD=held is not None)
     options = dict(num_warps=cfg["num_warps"])
     grid = (cdiv(B, cfg["BLOCK_B"]), T)
-    peers = peers if peers is not None else seed  # never read when NUM_PEERS == 0
-    parity = parity if parity is not None else seed
-    bias_arg = bias if bias is not None else params.inv_temp  # never read without HAS_BIAS
+    common = _records_args(plan, bias, params, out, n_real=n_real, vocab_start=vocab_start,
+                           peers=peers, parity=parity)
     if plan.strategy == "logits":
         logits = run_step(logits_fp32, (hidden, weight))
-        run_kernel(fused_sample.logits_records_kernel, grid, (
-            logits, bias_arg, params.inv_temp, seed, params.offset, out, B, V_rows, n_real,
-            vocab_start, plan.num_samples, logits.stride(0), *out.stride()[:3], peers, parity,
-            *tail), consts, options)
+        run_named(fused_sample.logits_records_kernel, grid, options, logits_ptr=logits,
+                  V_rows=V_rows, stride_lb=logits.stride(0), **common, **tail, **consts)
         return out
     w_arg = weight
     if cfg["W_DESC"]:  # W through the tensor-memory accelerator (host-built descriptor)
@@ -155,11 +170,9 @@ def _triton(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start
     if "NOISE_AT" in cfg:
         consts.update(NOISE_AT=cfg["NOISE_AT"], NOISE_CHUNKS=cfg["NOISE_CHUNKS"],
                       NOISE_EVERY=cfg["NOISE_EVERY"])
-    run_kernel(fused_sample.fused_sample_records_kernel, grid, (
-        hidden, w_arg, bias_arg, params.inv_temp, seed, params.offset, out,
-        B, D, V_rows, n_real, vocab_start, plan.num_samples,
-        hidden.stride(0), weight.stride(0), *out.stride()[:3], peers, parity, *tail), consts,
-        options)
+    run_named(fused_sample.fused_sample_records_kernel, grid, options, h_ptr=hidden, w_ptr=w_arg,
+              D=D, V_rows=V_rows, stride_hb=hidden.stride(0), stride_wv=weight.stride(0),
+              **common, **tail, **consts)
     return out
 
 
@@ -301,12 +314,11 @@ def _ws(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start, pe
     options = dict(num_warps=num_warps,
                    maxnreg=65536 // (32 * (num_warps + mma_warps + 4)) // 8 * 8)
     seed = params.seed
-    run_kernel(gluon_sample.ws_records_kernel, grid, (
-        w_desc, h_desc, bias if bias is not None else params.inv_temp, params.inv_temp, seed,
-        params.offset, out, B, n_real, vocab_start, plan.num_samples, *out.stride()[:3],
-        peers if peers is not None else seed, parity if parity is not None else seed, tiles, nb,
-        cdiv(D, block_k), *_mask_args(mask, held, seed), *_side_args(side, seed)), constexprs,
-        options)
+    run_named(gluon_sample.ws_records_kernel, grid, options, w_desc=w_desc, h_desc=h_desc,
+              num_tiles=tiles, num_b_tiles=nb, k_steps=cdiv(D, block_k),
+              **_records_args(plan, bias, params, out, n_real=n_real, vocab_start=vocab_start,
+                              peers=peers, parity=parity),
+              **_mask_args(mask, held, seed), **_side_args(side, seed), **constexprs)
     return out
 
 
@@ -346,13 +358,11 @@ def _pp(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start, pe
         TRACE=plan.trace, CDF=plan.cdf)
     # 4 warps per consumer and 4 for the loader's warpgroup: the register file split evenly
     # before setmaxnreg moves the loader's to the consumers
-    seed = params.seed
-    run_kernel(gluon_pingpong.pp_records_kernel, grid, (
-        w_desc, h_desc, bias if bias is not None else params.inv_temp, params.inv_temp, seed,
-        params.offset, out, B, n_real, vocab_start, plan.num_samples, *out.stride()[:3],
-        peers if peers is not None else seed, parity if parity is not None else seed,
-        trace if plan.trace else seed, tiles, nb, cdiv(D, block_k)), constexprs,
-        dict(num_warps=4, maxnreg=PP_MAXNREG))
+    run_named(gluon_pingpong.pp_records_kernel, grid, dict(num_warps=4, maxnreg=PP_MAXNREG),
+              w_desc=w_desc, h_desc=h_desc, trace_ptr=trace if plan.trace else params.seed,
+              num_tiles=tiles, num_b_tiles=nb, k_steps=cdiv(D, block_k),
+              **_records_args(plan, bias, params, out, n_real=n_real, vocab_start=vocab_start,
+                              peers=peers, parity=parity), **constexprs)
     return out
 
 
@@ -530,7 +540,7 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
     # the fan-out arguments (peer addresses, world, the exchange count); unused without gather
     fan = (count, 1, count) if gather is None else (gather.peers, gather.peers.numel(),
                                                     gather.calls)
-    side_ptr, stride_side = _side_args(side, dummy)
+    side_ptr, stride_side = _side_args(side, dummy).values()
     tiles = N // records.TILE
     block_f = min(1024, max(16, 1 << (B - 1).bit_length()))
     if side is None or gather is not None:  # (one device with side: the logits are there)

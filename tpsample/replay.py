@@ -50,16 +50,16 @@ def run_kernel(fn, grid, args: tuple, constexprs: dict, options: dict):
     return compiled
 
 
-_SIGNATURES: dict = {}  # kernel -> (runtime parameter names in order, constexpr names)
+_SIGNATURES: dict = {}  # id(kernel) -> (runtime parameter names in order, constexpr names)
 
 
 def run_named(fn, grid, options: dict, **named):
     """run_kernel by keyword: `named` holds every runtime argument of fn, in any order, and
     the constexprs to set (the rest keep their defaults), so a parameter added to a kernel
     cannot shift the others. A missing or unknown name raises TypeError naming it."""
-    sig = _SIGNATURES.get(fn)
+    sig = _SIGNATURES.get(id(fn))  # (by id: a JITFunction hashes its source's cache key)
     if sig is None:
-        sig = _SIGNATURES[fn] = _signature(fn)
+        sig = _SIGNATURES[id(fn)] = _signature(fn)
     runtime, constexprs = sig
     missing = [n for n in runtime if n not in named]
     unknown = [n for n in named if n not in constexprs and n not in runtime]
