@@ -18,7 +18,6 @@ import torch
 from triton.testing import do_bench, do_bench_cudagraph
 
 import tpsample
-from tpsample import launchers
 from tpsample import replay as replay_mod
 from tpsample.launch.sweep import hidden, sort_top_p, sweep_head
 
@@ -28,18 +27,17 @@ FILTERS = {"p0.9": dict(top_p=0.9), "m0.1": dict(min_p=0.1), "p0.95": dict(top_p
 def capture(fn):
     """fn's result and [(kernel, grid, args, constexprs, options)] of the launches it makes."""
     log = []
-    orig = launchers.run_kernel
+    orig = replay_mod.run_kernel
 
     def spy(k, grid, args, const, opts):
         log.append((k, grid, args, dict(const), dict(opts)))
         return orig(k, grid, args, const, opts)
-    # launchers' own launches and those by keyword (replay.run_named)
-    launchers.run_kernel = replay_mod.run_kernel = spy
+    replay_mod.run_kernel = spy  # (every launch: run_named calls it)
     enabled, replay_mod.ENABLED = replay_mod.ENABLED, False  # launch, don't replay a list
     try:
         out = fn()
     finally:
-        launchers.run_kernel = replay_mod.run_kernel = orig
+        replay_mod.run_kernel = orig
         replay_mod.ENABLED = enabled
     torch.cuda.synchronize()
     return out, log

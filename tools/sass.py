@@ -103,10 +103,9 @@ def gluon_compile(strategy: str, num_samples: int = 1, need_mass: bool = False, 
         plan = with_options(plan, trace=True)
         trace = torch.empty(trace_rows, 4, dtype=torch.int64)
     launch = {}
-    saved = launchers.run_kernel, replay.run_kernel, launchers._num_sms
-    launchers.run_kernel = replay.run_kernel = \
-        lambda fn, grid, args, constexprs, options: launch.update(
-            fn=fn, args=args, constexprs=constexprs, options=options)  # (run_named's too)
+    saved = replay.run_kernel, launchers._num_sms
+    replay.run_kernel = lambda fn, grid, args, constexprs, options: launch.update(
+        fn=fn, args=args, constexprs=constexprs, options=options)  # (run_named calls it)
     launchers._num_sms = lambda device: 132
     try:
         launchers.stage1(plan, hidden, weight, None, RowParams(row, seed, seed), out, n_real=V,
@@ -117,7 +116,7 @@ def gluon_compile(strategy: str, num_samples: int = 1, need_mass: bool = False, 
                                torch.empty(B, V // 32)) if listed else None,
                          side=torch.empty(B, V) if side else None)
     finally:
-        launchers.run_kernel, replay.run_kernel, launchers._num_sms = saved
+        replay.run_kernel, launchers._num_sms = saved
     kernel = launch["fn"]
     names = [n for n in inspect.signature(kernel.fn).parameters if n not in launch["constexprs"]]
     sig = dict.fromkeys(launch["constexprs"], "constexpr")

@@ -1,8 +1,9 @@
 """Triton launches of stage 1 (records) and stage 2 (reduce) for a Plan.
 
 The plan (tpsample/plan.py) has already chosen the strategy and its parameters; this module
-only turns them into kernel arguments. Every launch goes through replay.run_kernel (and the
-hybrid's GEMM through replay.run_step), so the pipeline can record and re-issue it.
+only turns them into kernel arguments. Every launch goes through replay.run_named (every
+runtime argument by name; it calls replay.run_kernel) and the hybrid's GEMM through
+replay.run_step, so the pipeline can record and re-issue it.
 
 Fan-out (tensor parallelism over symmetric memory): `fanout` = (peer_ptrs, parity), where
 peer_ptrs is an int64 CUDA tensor [2, P] of the addresses of this rank's slot in every
@@ -26,7 +27,7 @@ from .kernels import (filter_cut, filter_fallback, filter_records, fused_sample,
                       listed_records as listed_records_kernel, reduce_records)
 from .params import Filters, RowParams
 from .plan import Plan, cdiv
-from .replay import run_kernel, run_named, run_step
+from .replay import run_named, run_step
 
 BLOCK_V = records.TILE
 WS_LOADER_REGS = 24
@@ -231,13 +232,15 @@ def listed_prep(hidden: torch.Tensor, weight: torch.Tensor, c, scratch: ListedSc
     splits = scratch.dots.shape[1]
     eff = scratch.eff
     allowed = c.mask if c.mask is not None else eff
-    run_kernel(listed_records_kernel.listed_prep_kernel, (B, 1 + cdiv(K, chunk) * splits), (
-        allowed, eff, scratch.first, c.ids, hidden, weight, scratch.dots, K, eff.shape[1], D,
-        n_real, vocab_start, allowed.stride(0), eff.stride(0), c.ids.stride(0),
-        hidden.stride(0), weight.stride(0), splits),
-        dict(HAS_MASK=c.mask is not None, BLOCK_W=LISTED_BLOCK_W, BLOCK_K=block_k,
-             SPLIT_D=listed_split_d(D), CHUNK_K=chunk, PDL=pdl),
-        dict(num_warps=4))
+    run_named(listed_records_kernel.listed_prep_kernel, (B, 1 + cdiv(K, chunk) * splits),
+              dict(num_warps=4), mask_ptr=allowed, eff_ptr=eff, first_ptr=scratch.first,
+              ids_ptr=c.ids, h_ptr=hidden, w_ptr=weight, dots_ptr=scratch.dots, K=K,
+              W=eff.shape[1], D=D, n_real=n_real, vocab_start=vocab_start,
+              stride_mask=allowed.stride(0), stride_eff=eff.stride(0),
+              stride_ids=c.ids.stride(0), stride_hb=hidden.stride(0),
+              stride_wv=weight.stride(0), splits=splits, HAS_MASK=c.mask is not None,
+              BLOCK_W=LISTED_BLOCK_W, BLOCK_K=block_k, SPLIT_D=listed_split_d(D),
+              CHUNK_K=chunk, PDL=pdl)
 
 
 def listed_records(plan: Plan, bias, params: RowParams, c, scratch: ListedScratch,
@@ -255,19 +258,24 @@ def listed_records(plan: Plan, bias, params: RowParams, c, scratch: ListedScratc
     peers, parity = fanout if fanout is not None else (None, None)
     dummy = params.inv_temp
     allowed = c.mask if c.mask is not None else dummy
-    run_kernel(listed_records_kernel.listed_records_kernel, (B,), (
-        dots, scratch.held, bias if bias is not None else dummy, c.ids, c.values,
-        c.penalty if c.penalty is not None else dummy, allowed, params.inv_temp, params.seed,
-        params.offset, out, peers if peers is not None else params.seed,
-        parity if parity is not None else params.seed, K, splits, n_real, vocab_start,
-        plan.num_samples, c.ids.stride(0), c.mask.stride(0) if c.mask is not None else 0,
-        scratch.held.stride(0), *out.stride()[:3], tile),
-        dict(HAS_BIAS=bias is not None, HAS_PENALTY=c.penalty is not None,
-             HAS_MASK=c.mask is not None, BLOCK_K=block_k,
-             NUM_PEERS=0 if peers is None else peers.shape[-1],
-             CANDIDATES=records.CANDIDATES if plan.candidates else 0,
-             NO_REPLACE=not plan.replacement, RAW_MASS=plan.raw_mass, PDL=plan.pdl),
-        dict(num_warps=4, **pdl))
+    s_, b_, t_ = out.stride()[:3]
+    run_named(listed_records_kernel.listed_records_kernel, (B,), dict(num_warps=4, **pdl),
+              dots_ptr=dots, held_ptr=scratch.held,
+              bias_ptr=bias if bias is not None else dummy, ids_ptr=c.ids,
+              values_ptr=c.values,
+              penalty_ptr=c.penalty if c.penalty is not None else dummy, mask_ptr=allowed,
+              inv_temp_ptr=params.inv_temp, seed_ptr=params.seed, offset_ptr=params.offset,
+              rec_ptr=out, peer_ptrs=peers if peers is not None else params.seed,
+              parity_ptr=parity if parity is not None else params.seed, K=K, SPLITS=splits,
+              n_real=n_real, vocab_start=vocab_start, num_samples=plan.num_samples,
+              stride_ids=c.ids.stride(0),
+              stride_mask=c.mask.stride(0) if c.mask is not None else 0,
+              stride_held=scratch.held.stride(0), rec_stride_s=s_, rec_stride_b=b_,
+              rec_stride_t=t_, tile=tile, HAS_BIAS=bias is not None,
+              HAS_PENALTY=c.penalty is not None, HAS_MASK=c.mask is not None,
+              BLOCK_K=block_k, NUM_PEERS=0 if peers is None else peers.shape[-1],
+              CANDIDATES=records.CANDIDATES if plan.candidates else 0,
+              NO_REPLACE=not plan.replacement, RAW_MASS=plan.raw_mass, PDL=plan.pdl)
 
 
 @functools.lru_cache(maxsize=64)
@@ -559,15 +567,20 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
     if c is not None and c.listed:
         K = c.ids.shape[1]
         allowed = allowed_or_eff
-        run_kernel(listed_records_kernel.listed_fallback_kernel, (B,), (
-            listed.dots, listed.held, bias if bias is not None else dummy, c.ids, c.values,
-            c.penalty if c.penalty is not None else dummy, allowed, params.inv_temp,
-            out.fallback, logits, K, listed.dots.shape[1], n_real, vocab_start, c.ids.stride(0),
-            allowed.stride(0), listed.held.stride(0), logits.stride(0), *fan),
-            dict(HAS_BIAS=bias is not None, HAS_PENALTY=c.penalty is not None,
-                 HAS_MASK=c.mask is not None, BLOCK_K=_listed_block(K),
-                 PDL=pdl and gather is None, FANOUT=gather is not None),
-            launch if gather is None else dict(num_warps=4))  # (after the logits kernel)
+        run_named(listed_records_kernel.listed_fallback_kernel, (B,),
+                  launch if gather is None else dict(num_warps=4),  # (after the logits kernel)
+                  dots_ptr=listed.dots, held_ptr=listed.held,
+                  bias_ptr=bias if bias is not None else dummy, ids_ptr=c.ids,
+                  values_ptr=c.values,
+                  penalty_ptr=c.penalty if c.penalty is not None else dummy, mask_ptr=allowed,
+                  inv_temp_ptr=params.inv_temp, flag_ptr=out.fallback, out_ptr=logits, K=K,
+                  SPLITS=listed.dots.shape[1], n_real=n_real, vocab_start=vocab_start,
+                  stride_ids=c.ids.stride(0), stride_mask=allowed.stride(0),
+                  stride_held=listed.held.stride(0), stride_ob=logits.stride(0),
+                  peer_ptrs_ptr=fan[0], world=fan[1], calls_ptr=fan[2],
+                  HAS_BIAS=bias is not None, HAS_PENALTY=c.penalty is not None,
+                  HAS_MASK=c.mask is not None, BLOCK_K=_listed_block(K),
+                  PDL=pdl and gather is None, FANOUT=gather is not None)
     rows = dict(l=logits, stride=logits.stride(0), N=N, starts=count, slot_n=N, slot_stride=0,
                 calls=count)
     if gather is not None:  # every store of this rank is done: signal, wait for the peers'

@@ -469,14 +469,16 @@ def signal_and_wait(flags, peer_flags, calls, status, buf, parity, peer_ptrs, *,
     [n], equal on every rank): exchange only if some cond[i] != 0, else do nothing."""
     from .kernels.exchange_wait import signal_wait_kernel
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    replay.run_kernel(signal_wait_kernel, (1,), (
-        flags, peer_flags, calls, status, buf, parity, peer_ptrs, rank, world, slot_numel,
-        parity_stride, int(timeout_s * 1e9), cond if cond is not None else status,
-        0 if cond is None else cond.numel()),
-        dict(WORLD_P2=triton.next_power_of_2(world), USE_CLOCK=not interpreted, BLOCK=1024,
-             COND=cond is not None,
-             BLOCK_C=min(1024, triton.next_power_of_2(max(1, 0 if cond is None else cond.numel())))),
-        dict(num_warps=1))
+    n = 0 if cond is None else cond.numel()
+    replay.run_named(signal_wait_kernel, (1,), dict(num_warps=1), flags_ptr=flags,
+                     peer_flags_ptr=peer_flags, calls_ptr=calls, status_ptr=status, buf_ptr=buf,
+                     parity_ptr=parity, peer_ptrs_ptr=peer_ptrs, rank=rank, world=world,
+                     slot_numel=slot_numel, parity_stride=parity_stride,
+                     timeout_ns=int(timeout_s * 1e9),
+                     cond_ptr=cond if cond is not None else status, cond_n=n,
+                     WORLD_P2=triton.next_power_of_2(world), USE_CLOCK=not interpreted,
+                     BLOCK=1024, COND=cond is not None,
+                     BLOCK_C=min(1024, triton.next_power_of_2(max(1, n))))
 
 
 def symm_mem_usable(group, device) -> tuple[bool, str]:
