@@ -161,7 +161,7 @@ def test_call_graphs_bind_what_comes_again_and_copy_the_rest():
 
 
 def test_call_graph_replays_with_copies_and_returns_fresh_outputs():
-    """CallGraph.__call__: a bound tensor that is another object → None (no replay); else
+    """CallGraph.__call__: a bound tensor at another address → None (no replay); else
     the copied inputs take this call's values before the replay, and the outputs come back
     as clones."""
     import threading
@@ -169,6 +169,7 @@ def test_call_graph_replays_with_copies_and_returns_fresh_outputs():
     seed, h = torch.zeros(2, dtype=torch.int64), torch.zeros(2, 3)
     g = CallGraph()
     g.inputs, g.bound, g.copied = dict(seed=seed, hidden=h.clone()), ("seed",), ("hidden",)
+    g.bound_ptrs = (seed.data_ptr(),)
     g.outputs = dict(tokens=torch.zeros(2, dtype=torch.int64))
     g.lock = threading.Lock()
     replays = []

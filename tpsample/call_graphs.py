@@ -6,15 +6,16 @@ allocation. From the third call of a key, the pipeline captures those launches o
 CUDA graph and replays that instead: one launch for the whole call.
 
 A graph reads fixed addresses, so every per-call tensor is either
-  bound   the very object the graph was captured with (identity, checked per call; the
-          graph holds it, so its memory stays its own): tensors the caller passes again,
+  bound   read where the graph was captured with it (its address, checked per call; the
+          graph holds the tensor it was captured with): tensors the caller passes again,
           e.g. a seed / offset tensor updated in place, the cached tensors of scalar
           parameters, the weight;
   copied  into a tensor the graph owns, before the replay (one copy launch each): tensors
           that were new at the call before the capture, e.g. the hidden states.
-A call whose bound tensor is another object re-issues the launches instead, and the graph
-is dropped (captured again once, from what the next calls bind). The graph's outputs are its own; the call returns clones of those it
-returns (a fresh tensor per call, as without the graph). Its intermediates (records) live in
+A call whose bound tensor lies elsewhere re-issues the launches instead, and the graph is
+dropped (captured again once, from what the next calls bind). The graph's outputs are its
+own; the call returns clones of those it returns (a fresh tensor per call, as without the
+graph). Its intermediates (records) live in
 the graph's memory pool. TPSAMPLE_GRAPHS=0 turns this off.
 """
 from __future__ import annotations
@@ -34,16 +35,17 @@ MAX_GRAPHS = 16  # per pipeline; all are dropped when full (keys change only wit
 
 class CallGraph:
     """One captured call. inputs: {name: tensor the graph reads}; bound: names whose
-    tensor must be the same object per call; outputs: {name: tensor the graph writes}."""
-    __slots__ = ("graph", "inputs", "bound", "copied", "outputs", "lock")
+    tensor must lie at the address in bound_ptrs per call; outputs: {name: tensor the graph
+    writes}."""
+    __slots__ = ("graph", "inputs", "bound", "bound_ptrs", "copied", "outputs", "lock")
 
     def __call__(self, tensors: dict, returned: tuple[str, ...]) -> dict | None:
         """Replay with this call's tensors; {name: fresh clone} of the `returned` outputs,
-        or None (some bound tensor is another object: not this graph's call). The lock
-        keeps another thread's copies out from between this call's copies and replay."""
+        or None (a bound tensor lies elsewhere: not this graph's call). The lock keeps
+        another thread's copies out from between this call's copies and replay."""
         inputs = self.inputs
-        for name in self.bound:
-            if tensors[name] is not inputs[name]:
+        for name, ptr in zip(self.bound, self.bound_ptrs):
+            if tensors[name].data_ptr() != ptr:  # (the address is what the graph reads)
                 return None
         with self.lock:
             for name in self.copied:
@@ -105,6 +107,7 @@ class CallGraphs:
         g.inputs = {n: (t if t is None or n in bound else torch.empty_like(t))
                     for n, t in tensors.items()}
         g.bound = tuple(n for n, t in tensors.items() if t is not None and n in bound)
+        g.bound_ptrs = tuple(tensors[n].data_ptr() for n in g.bound)
         g.copied = tuple(n for n, t in tensors.items() if t is not None and n not in bound)
         g.graph = torch.cuda.CUDAGraph()
         current = torch.cuda.current_stream(self.device)

@@ -96,7 +96,7 @@ class Pipeline:
         """The call through its CUDA graph (tpsample/call_graphs.py; key: (replay key, the
         current stream), so that a graph's inputs are only ever written in its stream's
         order): {name: output} of the `returned` outputs, or None where the launches are re-issued instead (before the
-        capture, or a bound tensor is another object). Captures at the key's CAPTURE_AT-th
+        capture, or a bound tensor lies elsewhere). Captures at the key's CAPTURE_AT-th
         call; a capture that fails leaves the key to the re-issued launches."""
         graph = self.graphs.get(key)
         if graph is None:
@@ -125,7 +125,7 @@ class Pipeline:
                               stacklevel=4)
                 return None
         out = graph(per_call, returned)
-        if out is None:  # a bound tensor is another object now
+        if out is None:  # a bound tensor lies elsewhere now
             self.graphs.drop(key)
         return out
 
@@ -533,7 +533,7 @@ class Pipeline:
                 return None
         returned = _RETURNED[logprobs] + (_TOP if filters.top_n else ())
         out = graph(named, returned)
-        if out is None:  # a bound tensor is another object now
+        if out is None:  # a bound tensor lies elsewhere now
             self.graphs.drop(gkey)
             return None
         return F.FilteredOutput(*(out.get(f) for f in _OUT_NAMES))
