@@ -339,7 +339,6 @@ def test_filtered_call_graph_wiring(monkeypatch):
     seed, offset = torch.zeros(B, dtype=torch.int64), torch.full((B,), 3)
     base = dict(inv_temp=None, seed=seed, offset=offset, bias=None)
     later = dict(top_k=None, top_p=filters.top_p, min_p=None)
-    outs = []
     for i in range(CG.CAPTURE_AT + 2):
         h = torch.full((B, 2), float(i))
         seed.fill_(i)
@@ -349,10 +348,24 @@ def test_filtered_call_graph_wiring(monkeypatch):
                                         T, numel, 0, True)
         assert (out is None) == (i < CG.CAPTURE_AT - 1), i
         if out is not None:
-            outs.append(out)
             assert torch.equal(out.tokens, _want(h, seed, offset)), i
             assert torch.equal(out.logprobs, filters.top_p) and out.top_tokens is None
     assert len(sides) == 1 and sides[0] is not None  # captured once, with its own side output
     # a stage 2 of another layout was never recorded: no graph for that key
     assert pipe._filtered_graph_call("k2", stage1, {}, call, filters, True, B, S, T, numel,
                                      0, True) is None
+
+
+def test_a_failed_capture_warns_once_and_the_key_keeps_its_launches(monkeypatch):
+    from tpsample import call_graphs as CG
+    _fake_cuda(monkeypatch)
+
+    class Broken(_Tape):
+        def capture_begin(self, capture_error_mode=None):
+            raise RuntimeError("operation not permitted when stream is capturing")
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Broken)
+    graphs = CG.CallGraphs(torch.device("cpu"))
+    call = dict(seed=torch.zeros(2, dtype=torch.int64))
+    with pytest.warns(RuntimeWarning, match="capture of a repeated call failed"):
+        assert graphs.capture("k", call, frozenset({"seed"}), lambda stream, named: {}) is None
+    assert all(graphs.due("k", call) is None for _ in range(2 * CG.CAPTURE_AT))

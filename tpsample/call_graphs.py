@@ -21,6 +21,7 @@ the graph's memory pool. TPSAMPLE_GRAPHS=0 turns this off.
 from __future__ import annotations
 
 import threading
+import warnings
 
 import torch
 
@@ -98,10 +99,35 @@ class CallGraphs:
             return None
         return bound
 
-    def capture(self, key, tensors: dict, bound: frozenset, launch) -> CallGraph:
+    def capture(self, key, tensors: dict, bound: frozenset, launch) -> CallGraph | None:
         """Capture launch(stream, inputs) -> {name: output tensor} with `tensors` (None
         entries stay None; bound ones as they are, the others copied into tensors the graph
-        owns) on a side stream, and keep it under `key`. The graph has not run yet."""
+        owns) on a side stream, and keep it under `key`. The graph has not run yet. None if
+        the capture fails (with a warning): the key then keeps re-issuing its launches."""
+        try:
+            g = self._capture(tensors, bound, launch)
+        except Exception as e:  # noqa: BLE001 - the launches still work without a graph
+            self.captures[key] = MAX_CAPTURES
+            warnings.warn(f"tpsample: CUDA-graph capture of a repeated call failed ({e}); its "
+                          "launches are re-issued per call instead", RuntimeWarning, stacklevel=4)
+            return None
+        if len(self.graphs) >= MAX_GRAPHS:
+            self.graphs.clear()
+        if len(self.captures) >= 4 * MAX_GRAPHS:
+            self.captures.clear()
+        self.graphs[key] = g
+        self.captures[key] = self.captures.get(key, 0) + 1
+        return g
+
+    def replay(self, key, graph: CallGraph, tensors: dict, returned: tuple) -> dict | None:
+        """graph(tensors, returned); where a bound tensor lies elsewhere, None and the graph
+        is dropped."""
+        out = graph(tensors, returned)
+        if out is None:
+            self.graphs.pop(key, None)
+        return out
+
+    def _capture(self, tensors: dict, bound: frozenset, launch) -> CallGraph:
         g = CallGraph()
         g.lock = threading.Lock()
         g.inputs = {n: (t if t is None or n in bound else torch.empty_like(t))
@@ -120,13 +146,4 @@ class CallGraphs:
             finally:
                 g.graph.capture_end()
         current.wait_stream(side)
-        if len(self.graphs) >= MAX_GRAPHS:
-            self.graphs.clear()
-        if len(self.captures) >= 4 * MAX_GRAPHS:
-            self.captures.clear()
-        self.graphs[key] = g
-        self.captures[key] = self.captures.get(key, 0) + 1
         return g
-
-    def drop(self, key) -> None:
-        self.graphs.pop(key, None)

@@ -71,7 +71,6 @@ class Pipeline:
         graphable = device.type == "cuda" and (self.transport.world == 1 or
                                                getattr(self.transport, "device_gather", False))
         self.graphs = CallGraphs(device) if graphable else None
-        self._no_graph: set = set()
         self.candidate_rows = 0  # rows of candidate-path calls, and how many of them took
         self.host_fallback_rows = 0  # the exact fallback (tpsample/filters.py, 5.) from the
         # host (the device's count: self.fallback.device_rows)
@@ -95,13 +94,11 @@ class Pipeline:
     def _graph_call(self, key, per_call: dict, returned: tuple, stage1, stage2, sizes):
         """The call through its CUDA graph (tpsample/call_graphs.py; key: (replay key, the
         current stream), so that a graph's inputs are only ever written in its stream's
-        order): {name: output} of the `returned` outputs, or None where the launches are re-issued instead (before the
-        capture, or a bound tensor lies elsewhere). Captures at the key's CAPTURE_AT-th
-        call; a capture that fails leaves the key to the re-issued launches."""
+        order): {name: output} of the `returned` outputs, or None where the launches are
+        re-issued instead (before the capture, a failed capture, or a bound tensor that lies
+        elsewhere)."""
         graph = self.graphs.get(key)
         if graph is None:
-            if key in self._no_graph:
-                return None
             bound = self.graphs.due(key, per_call)
             if bound is None:
                 return None
@@ -114,20 +111,10 @@ class Pipeline:
                 out = replay.reduce_outputs(B, S, self.device)
                 stage2(stream, records=full, **out, **named)
                 return out
-            try:
-                graph = self.graphs.capture(key, per_call, bound, launch)
-            except Exception as e:  # noqa: BLE001 - the launches still work without a graph
-                if len(self._no_graph) >= 256:
-                    self._no_graph.clear()
-                self._no_graph.add(key)
-                warnings.warn(f"tpsample: CUDA-graph capture of a repeated call failed ({e}); "
-                              "its launches are re-issued per call instead", RuntimeWarning,
-                              stacklevel=4)
+            graph = self.graphs.capture(key, per_call, bound, launch)
+            if graph is None:
                 return None
-        out = graph(per_call, returned)
-        if out is None:  # a bound tensor lies elsewhere now
-            self.graphs.drop(key)
-        return out
+        return self.graphs.replay(key, graph, per_call, returned)
 
     def _outputs(self, B: int, S: int, device, stream: int, logprobs: bool) -> dict:
         """Fresh stage-2 outputs for a replayed call; logprobs False (a tokens-only eager
@@ -493,8 +480,6 @@ class Pipeline:
         named = dict(per_call, **later)
         graph = self.graphs.get(gkey)
         if graph is None:
-            if gkey in self._no_graph:
-                return None
             bound = self.graphs.due(gkey, named)
             if bound is None:
                 return None
@@ -521,22 +506,12 @@ class Pipeline:
                 stage2(stream, records=full, sample_records=full, **out._asdict(), **named,
                        side=side, **extra)
                 return out._asdict()
-            try:
-                graph = self.graphs.capture(gkey, named, bound, launch)
-            except Exception as e:  # noqa: BLE001 - the launches still work without a graph
-                if len(self._no_graph) >= 256:
-                    self._no_graph.clear()
-                self._no_graph.add(gkey)
-                warnings.warn(f"tpsample: CUDA-graph capture of a repeated call failed ({e}); "
-                              "its launches are re-issued per call instead", RuntimeWarning,
-                              stacklevel=5)
+            graph = self.graphs.capture(gkey, named, bound, launch)
+            if graph is None:
                 return None
-        returned = _RETURNED[logprobs] + (_TOP if filters.top_n else ())
-        out = graph(named, returned)
-        if out is None:  # a bound tensor lies elsewhere now
-            self.graphs.drop(gkey)
-            return None
-        return F.FilteredOutput(*(out.get(f) for f in _OUT_NAMES))
+        out = self.graphs.replay(gkey, graph, named,
+                                 _RETURNED[logprobs] + (_TOP if filters.top_n else ()))
+        return None if out is None else F.FilteredOutput(*(out.get(f) for f in _OUT_NAMES))
 
 
 _OUT_NAMES = F.FilteredOutput._fields
