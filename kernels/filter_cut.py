@@ -40,6 +40,22 @@ A(t*) >= p·Z. The row is split into G chunks; one launch per STEP, each program
 
 Work per row: four reads of its logits (STATS, three HIST) plus one with noise (SAMPLE), and
 a sort of at most CAP keys; no step needs more than G·(NT + 2) partial sums per row.
+
+WINNER (a tokens-only call, one sample, merge "max"): most rows need neither the cut nor
+SAMPLE. The row's Gumbel-max winner over all its tokens, w (the filter kernel stores its key),
+is the kept set's winner too whenever w is kept, since the kept set's winner is the largest
+perturbed score among the kept tokens, with the same noise. w is kept by top-p when the
+tokens ordered before it weigh less than p·Z, which STATS sums in the same read (the mass of
+x > x_w, and the count of x == x_w: a tie with another token leaves the question to the cut),
+and by min-p when exp(x_w - x_max) >= min_p, SAMPLE's own test. A top-p row keeps w with
+probability about p (the nucleus's mass), so with p = 0.9 one row in ten takes the HIST,
+COMPACT, FINISH and SAMPLE steps and the others end at FINAL. (A call that returns
+log-probs needs the kept mass, so the cut, on every row.) SAMPLE then redraws the noise only
+where the answer can be: each 128-token tile's record holds its winner (score, id, logit);
+a tile whose winner is kept gives the kept set its winner there, so s* = the best kept tile
+winner is a lower bound of the answer, and only tiles whose winner scores above s* (their
+winner is not kept) can hold a better kept token. SAMPLE reads the logits and draws the
+noise only in the 2048-column blocks that hold such a tile: a few per row.
 """
 import triton
 import triton.language as tl
@@ -73,6 +89,49 @@ def _row_stats(part_ptr, b, B, G, W, BLOCK_G: tl.constexpr):
     xmax = tl.max(cmax)
     z = tl.sum(tl.where(cmax > NEG_INF, csum * tl.exp(cmax - xmax), 0.0))
     return xmax, z, tl.min(tl.load(at + 2, mask=g < G, other=INF))
+
+
+@triton.jit
+def _winner_kept(part_ptr, b, B, G, W, x_w, p, m, xmax, z, BLOCK_G: tl.constexpr):
+    """Whether the row's sample-0 winner (logit x_w) is kept (module docstring, WINNER):
+    from STATS' partial sums of the mass above x_w and the count of tokens at x_w."""
+    g = tl.arange(0, BLOCK_G)
+    at = part_ptr + (tl.cast(b, tl.int64) * G + g) * W
+    cmax = tl.load(at, mask=g < G, other=NEG_INF)
+    above = tl.sum(tl.where(cmax > NEG_INF, tl.load(at + 3, mask=g < G, other=0.0)
+                            * tl.exp(cmax - xmax), 0.0))
+    ties = tl.sum(tl.load(at + 4, mask=g < G, other=0.0))
+    kept_p = (p >= 1.0) | ((ties == 1.0) & (above < p * z))
+    return kept_p & (tl.exp(x_w - xmax) >= m)
+
+
+@triton.jit
+def _kept_tile_winners(rec_row, st_slot, st_t, T_rec, N_rec, cut, m, xmax,
+                       BLOCK_R: tl.constexpr):
+    """s*: the largest order key (score, id) among the row's tile winners (sample plane 0 of
+    its N_rec records, T_rec per slot) that are kept ({key >= cut} and exp(x - x_max) >=
+    min_p, from the record's logit); -1 when none is."""
+    n = tl.arange(0, BLOCK_R)
+    ok = n < N_rec
+    at = (n // T_rec).to(tl.int64) * st_slot + (n % T_rec).to(tl.int64) * st_t
+    sc = tl.load(rec_row + at, mask=ok, other=NEG_INF)
+    tok = tl.load(rec_row + at + 1, mask=ok, other=0.0)
+    x = tl.load(rec_row + at + 2, mask=ok, other=NEG_INF)
+    kept = (sc > NEG_INF) & (x > NEG_INF) & (order_key(x, tok) >= cut) & (tl.exp(x - xmax) >= m)
+    return tl.max(tl.where(kept, order_key(sc, tok), -1))
+
+
+@triton.jit
+def _tiles_above(rec_row, st_slot, st_t, T_rec, N_rec, v0, s_star, BLOCK: tl.constexpr):
+    """Whether a tile of the columns [v0, v0 + BLOCK) has a winner above s* (tile j of the
+    row's columns is record (j // T_rec, j % T_rec): a slot's columns are whole tiles)."""
+    TPB: tl.constexpr = BLOCK // 128 if BLOCK >= 128 else 1
+    j = v0 // 128 + tl.arange(0, TPB)
+    ok = j < N_rec
+    at = (j // T_rec).to(tl.int64) * st_slot + (j % T_rec).to(tl.int64) * st_t
+    sc = tl.load(rec_row + at, mask=ok, other=NEG_INF)
+    tok = tl.load(rec_row + at + 1, mask=ok, other=0.0)
+    return tl.max(tl.where(ok & (sc > NEG_INF), order_key(sc, tok), -1)) > s_star
 
 
 @triton.jit
@@ -145,11 +204,14 @@ def _sorted_cut(keys, n, row, N, vocab_start, slots, a_hi, target, xmax, SIZE: t
 def cut_step_kernel(
     l_ptr, stride_lb, N, vocab_start, inv_temp_ptr, seed_ptr, offset_ptr, top_k_ptr,
     top_p_ptr, min_p_ptr, tokens_ptr, logprobs_ptr, logz_ptr, flag_ptr, count_ptr, part_ptr,
-    keys_ptr, B, G, C, W, S, starts_ptr, slot_n, slot_stride, calls_ptr,
+    keys_ptr, win_ptr, win_at, rec_ptr, st_slot, st_b, st_t, T_rec, N_rec, parity_ptr,
+    parity_stride, B, G, C, W, S, starts_ptr, slot_n, slot_stride, calls_ptr,
     STEP: tl.constexpr, HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_M: tl.constexpr,
     RAW: tl.constexpr, ALIGNED4: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_F: tl.constexpr, PDL: tl.constexpr = False, SLOTTED: tl.constexpr = False,
+    WINNER: tl.constexpr = False, USE_PARITY: tl.constexpr = False,
+    BLOCK_R: tl.constexpr = 16,
 ):
     """One STEP (module docstring) for the rows fast_row takes. l [B, N] fp32 logits (row
     stride stride_lb; SLOTTED: [world, B, slot_n] as filter_fallback.fallback_rows_kernel
@@ -158,7 +220,12 @@ def cut_step_kernel(
     chunk g of a row is columns [g·C, (g+1)·C), C a multiple of BLOCK. Outputs as
     fallback_rows_kernel's ([B, S], [B]); count[0] += the rows done (FINAL). The programs
     take the items (rows × chunks, or rows for FINISH / FINAL) in turn; a call without a
-    flagged row costs each program one scan of the flags."""
+    flagged row costs each program one scan of the flags. WINNER (S = 1, tokens only): the
+    rows whose winner (key at win[win_at + b], the filter kernel's) is kept skip every step
+    from HIST to SAMPLE; SAMPLE draws noise only in the blocks with a tile winner above s*
+    (records [slots, planes, B, T_rec, 4] by strides, N_rec = slots · T_rec; USE_PARITY: the
+    fan-out's two buffers, this call's the one the filter kernel's parity flip left); FINAL
+    writes tokens, and NaN log-probs and log Z."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -193,26 +260,51 @@ def cut_step_kernel(
                 lm = tl.full((BLOCK,), NEG_INF, tl.float32)
                 ls = tl.zeros((BLOCK,), tl.float32)
                 lmin = tl.full((BLOCK,), INF, tl.float32)
+                lgt = tl.zeros((BLOCK,), tl.float32)  # WINNER: the mass above x_w, ties
+                leq = tl.zeros((BLOCK,), tl.float32)
+                x_w = tl.cast(INF, tl.float32)
+                if WINNER:
+                    x_w = decode_key(tl.load(win_ptr + win_at + b64))
                 xn = row_x(row, c0 + cols, c1, slots, SLOTTED)
                 for v0 in range(c0, c1, BLOCK):
                     x = xn  # the next block's load in flight while this one is summed
                     xn = row_x(row, v0 + BLOCK + cols, c1, slots, SLOTTED)
                     up = tl.maximum(lm, x)
                     safe = tl.where(up > NEG_INF, up, 0.0)
-                    ls = ls * tl.exp(lm - safe) + tl.exp(x - safe)
+                    rescale = tl.exp(lm - safe)
+                    ex = tl.exp(x - safe)
+                    ls = ls * rescale + ex
+                    if WINNER:
+                        lgt = lgt * rescale + tl.where(x > x_w, ex, 0.0)
+                        leq += tl.where(x == x_w, 1.0, 0.0)
                     lm = up
                     lmin = tl.minimum(lmin, tl.where(x > NEG_INF, x, INF))
                 cmax = tl.max(lm)
-                csum = tl.sum(ls * tl.exp(lm - tl.where(cmax > NEG_INF, cmax, 0.0)))
+                to_cmax = tl.exp(lm - tl.where(cmax > NEG_INF, cmax, 0.0))
                 tl.store(mine, cmax)
-                tl.store(mine + 1, csum)
+                tl.store(mine + 1, tl.sum(ls * to_cmax))
                 tl.store(mine + 2, tl.min(lmin))
+                if WINNER:
+                    tl.store(mine + 3, tl.sum(lgt * to_cmax))
+                    tl.store(mine + 4, tl.sum(leq))
                 if g == 0:
                     tl.store(keys + CAP, tl.cast(0, tl.int64))  # COMPACT's counter
             else:
                 xmax, z, xmin = _row_stats(part_ptr, b, B, G, W, BLOCK_G)
                 target = p * z
-                if STEP <= PASSES:  # HIST
+                w_key = tl.cast(0, tl.int64)
+                won = w_key < 0
+                if WINNER:
+                    w_key = tl.load(win_ptr + win_at + b64)
+                    won = _winner_kept(part_ptr, b, B, G, W, decode_key(w_key), p, m, xmax, z,
+                                       BLOCK_G)
+                if won:
+                    if STEP == FINAL:
+                        tl.store(tokens_ptr + b64, ID_MASK - (w_key & ID_MASK))
+                        tl.store(logprobs_ptr + b64, float("nan"))
+                        tl.store(logz_ptr + b, float("nan"))
+                        tl.atomic_add(count_ptr, 1)
+                elif STEP <= PASSES:  # HIST
                     lo, hi, a_hi, bmin, bmax = _bracket(part_ptr, b, B, G, W, STEP - 1, target,
                                                         z, N, xmax, xmin, NT, BLOCK_G)
                     lo_e = tl.maximum(lo, bmin)
@@ -273,6 +365,36 @@ def cut_step_kernel(
                         cut = key_cut(row, N, vocab_start, slots, tl.cast(0, tl.int64), target,
                                       xmax, True, BLOCK, SLOTTED)
                     tl.store(keys + CAP + 1, cut)
+                elif STEP == SAMPLE and WINNER:
+                    cut = tl.cast(0, tl.int64)
+                    if p < 1.0:
+                        cut = tl.load(keys + CAP + 1)
+                    rec_row = rec_ptr + b64 * st_b
+                    if USE_PARITY:
+                        rec_row += (1 - tl.load(parity_ptr)).to(tl.int64) * parity_stride
+                    s_star = _kept_tile_winners(rec_row, st_slot, st_t, T_rec, N_rec, cut, m,
+                                                xmax, BLOCK_R)
+                    seed = tl.load(seed_ptr + b)
+                    off = tl.load(offset_ptr + b)
+                    off_lo = (off & 0xFFFFFFFF).to(tl.uint32)
+                    off_hi = ((off >> 32) & 0xFFFFFFFF).to(tl.uint32)
+                    best = tl.full((BLOCK,), -1, tl.int64)
+                    for v0 in range(c0, c1, BLOCK):
+                        if _tiles_above(rec_row, st_slot, st_t, T_rec, N_rec, v0, s_star, BLOCK):
+                            x = row_x(row, v0 + cols, c1, slots, SLOTTED)
+                            gid = row_ids(v0 + cols, c1, vocab_start, slots, SLOTTED)
+                            key = tl.where(x > NEG_INF, order_key(x, gid), -1)
+                            keep = (key >= cut) & (tl.exp(x - xmax) >= m)
+                            if ALIGNED4:
+                                words = tl.reshape(philox_words_tile(
+                                    seed, off_lo, off_hi, tl.cast(0, tl.uint32),
+                                    vocab_start + v0, BLOCK, 1), (BLOCK,))
+                            else:
+                                words = philox_word(seed, off_lo, off_hi, tl.cast(0, tl.uint32),
+                                                    gid)
+                            zs = tl.fma(gumbel_log(words), NOISE_COEF, x)
+                            best = tl.maximum(best, tl.where(keep, order_key(zs, gid), -1))
+                    tl.store(keys + CAP + 2 + g, tl.maximum(tl.max(best), s_star))
                 elif STEP == SAMPLE:
                     cut = tl.cast(0, tl.int64)
                     if p < 1.0:
@@ -318,6 +440,13 @@ def cut_step_kernel(
                             tl.store(mine + 1, tl.sum(raw))
                         tl.store(keys + CAP + 2 + g * S + s, top)
                         tl.store(mine + 2 + s, tl.max(tl.where(best == top, best_x, NEG_INF)))
+                elif WINNER:  # FINAL, tokens only
+                    gs = tl.arange(0, BLOCK_G)
+                    best = tl.max(tl.load(keys + CAP + 2 + gs, mask=gs < G, other=-1))
+                    tl.store(tokens_ptr + b64, tl.where(best >= 0, ID_MASK - (best & ID_MASK), -1))
+                    tl.store(logprobs_ptr + b64, float("nan"))
+                    tl.store(logz_ptr + b, float("nan"))
+                    tl.atomic_add(count_ptr, 1)
                 else:  # FINAL
                     gs = tl.arange(0, BLOCK_G)
                     parts = part_ptr + ((b64 + SAMPLE * B) * G + gs) * W

@@ -107,7 +107,7 @@ def masses_logsumexp(v):
 def filter_records_kernel(
     rec_ptr, st_slot, st_plane, st_b, st_t, inv_temp_ptr, seed_ptr, offset_ptr,
     top_k_ptr, top_p_ptr, min_p_ptr, tokens_ptr, logprobs_ptr, logz_ptr, top_tok_ptr,
-    top_lp_ptr, flag_ptr, scratch_ptr, S, T, N, n_top, parity_ptr, parity_stride,
+    top_lp_ptr, flag_ptr, scratch_ptr, win_at, S, T, N, n_top, parity_ptr, parity_stride,
     HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_M: tl.constexpr, RAW: tl.constexpr,
     REPLACE: tl.constexpr, USE_PARITY: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_U: tl.constexpr, CAP: tl.constexpr, SORT_A: tl.constexpr, SORT_B: tl.constexpr,
@@ -121,7 +121,9 @@ def filter_records_kernel(
     PATHWISE (merge "max"): this kernel is the call's whole stage 2. Rows without filters
     take sample s's pathwise winner over sample plane s (pathwise_winner: reduce_records'
     token), its logit over this kernel's log Z; with USE_PARITY its last program flips the
-    parity. PDL: a programmatic dependent of the launch before (stage 1 or the exchange),
+    parity. With replacement every row's sample-0 winner is also stored as its order key
+    (logit, id) at scratch[win_at + b], for the fast path's winner check
+    (kernels/filter_cut.py). PDL: a programmatic dependent of the launch before (stage 1 or the exchange),
     whose records it waits for.
     Otherwise reduce_records runs before it (and flips the parity) and writes the unfiltered
     rows' tokens and log-probs; PDL: a programmatic dependent of reduce_records, which lets
@@ -200,6 +202,8 @@ def filter_records_kernel(
                      seed_ptr, offset_ptr, tokens_ptr, logprobs_ptr, logz_ptr, top_tok_ptr,
                      top_lp_ptr, flag_ptr, S, T, N, n_top, st_slot, st_plane, st_t, RAW,
                      REPLACE, PDL, BLOCK_U, CAP, PATHWISE, at_n, n_ok, u_tok0, u_x0)
+    if PATHWISE and REPLACE:
+        tl.store(scratch_ptr + win_at + b, order_key(u_x0, u_tok0))
     if PATHWISE and USE_PARITY:
         # every program read the parity before its increment (acq_rel orders them), so the
         # program that sees all others done may flip it (as reduce_records does)

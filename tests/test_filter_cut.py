@@ -12,6 +12,8 @@ the maximum of one 128-token tile instead of the row's, min-p dropped).
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import tpsample
 from tpsample import launchers, replay
@@ -85,6 +87,86 @@ def test_fast_path_leaves_other_rows_to_the_bisection_kernel(monkeypatch):
     kw = dict(FLAT, top_k=torch.tensor([0, 0, 400, 0, 2000, -1]), seed=torch.arange(6) + 5)
     out = tpsample.sample(h, w, backend="triton", return_logprobs=True, **kw)
     assert_matches_reference(out, reference_sample(h, w, **kw))
+
+
+WINNER_ROWS = dict(top_p=torch.tensor([0.9, 0.5, 1.0, 0.99, 0.95, 0.3, 0.9, 0.7] * 2),
+                   min_p=torch.tensor([0.0, 0.0, 0.3, 0.0, 0.05, 0.0, 0.02, 0.0] * 2),
+                   temperature=torch.tensor([1.0, 0.8, 1.0, 1.5, 1.2, 1.0, 0.9, 1.1] * 2))
+
+
+def _winner_call(monkeypatch, **patches):
+    """A tokens-only call on 16 flat rows (every one flagged), with filter_cut's helpers
+    replaced by `patches`; returns (h, w, keywords, tokens), after checking that the fast
+    path ran in its tokens-only mode."""
+    monkeypatch.setattr(launchers, "fallback_programs", lambda t: 5)
+    for name, fn in patches.items():
+        monkeypatch.setattr(filter_cut, name, fn)
+    modes = []
+    run = replay.run_kernel
+
+    def spy(k, grid, args, const, opts):
+        if const.get("STEP") == filter_cut.FINAL.value:
+            modes.append(const.get("WINNER"))
+        return run(k, grid, args, const, opts)
+    monkeypatch.setattr(replay, "run_kernel", spy)
+    h, w = flat_rows(B=16)
+    kw = dict(WINNER_ROWS, seed=torch.arange(16) * 5 + 3)
+    tok = tpsample.sample(h, w, backend="triton", **kw)
+    assert modes == [True]
+    return h, w, kw, tok.view(-1)
+
+
+def test_winner_check_gives_the_cut_paths_tokens(monkeypatch):
+    """A tokens-only call checks each row's winner instead of finding its cut, and redraws
+    noise only near tile winners that beat the best kept one: every row's token equals the
+    reference's and the log-prob call's (which finds every cut and draws every token's
+    noise). The rows are of both kinds: some rows' unfiltered winner (same noise) is kept,
+    some not."""
+    h, w, kw, tok = _winner_call(monkeypatch)
+    ref = reference_sample(h, w, **kw)
+    assert torch.equal(tok, ref.tokens.view(-1))
+    full = tpsample.sample(h, w, backend="triton", return_logprobs=True, **kw)
+    assert torch.equal(tok, full.tokens.view(-1))
+    plain = reference_sample(h, w, seed=kw["seed"], temperature=kw["temperature"]).tokens
+    kept = torch.stack([filtered_probs(row_logits(h[b], w, float(kw["temperature"][b])),
+                                       top_p=float(kw["top_p"][b]),
+                                       min_p=float(kw["min_p"][b]))[plain[b, 0]] > 0
+                        for b in range(16)])
+    assert 0 < int(kept.sum()) < 16, kept
+
+
+@triton.jit
+def _kept_always(part_ptr, b, B, G, W, x_w, p, m, xmax, z, BLOCK_G: tl.constexpr):
+    return x_w == x_w
+
+
+@triton.jit
+def _kept_never(part_ptr, b, B, G, W, x_w, p, m, xmax, z, BLOCK_G: tl.constexpr):
+    return x_w != x_w
+
+
+@triton.jit
+def _best_tile_winner(rec_row, st_slot, st_t, T_rec, N_rec, cut, m, xmax,
+                      BLOCK_R: tl.constexpr):
+    n = tl.arange(0, BLOCK_R)
+    at = (n // T_rec).to(tl.int64) * st_slot + (n % T_rec).to(tl.int64) * st_t
+    sc = tl.load(rec_row + at, mask=n < N_rec, other=float("-inf"))
+    tok = tl.load(rec_row + at + 1, mask=n < N_rec, other=0.0)
+    return tl.max(tl.where(sc > float("-inf"), filter_cut.order_key(sc, tok), -1))
+
+
+@SLOW
+@pytest.mark.parametrize("patches,right", [
+    (dict(_winner_kept=_kept_always), False),  # every winner taken as kept
+    (dict(_winner_kept=_kept_never), True),  # every row through the cut and SAMPLE
+    (dict(_winner_kept=_kept_never, _kept_tile_winners=_best_tile_winner), False),  # s* from
+], ids=["check-always", "check-never", "s*-not-kept"])  # every tile winner, kept or not
+def test_winner_check_negative_controls(patches, right, monkeypatch):
+    """The reference comparison rejects a winner check that keeps every winner, and a SAMPLE
+    whose s* ignores whether the tile winner is kept; with no winner kept (every row through
+    the cut and the tile-skipping SAMPLE) it still passes."""
+    h, w, kw, tok = _winner_call(monkeypatch, **patches)
+    assert torch.equal(tok, reference_sample(h, w, **kw).tokens.view(-1)) == right
 
 
 @pytest.mark.slow

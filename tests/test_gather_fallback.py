@@ -140,21 +140,51 @@ class CpuSymmTransport(SymmMemTransport):
         super().gather_exchange(cond)
 
 
-def one_rank_call(rank, world, h, w, kws, vocab=V):
+def one_rank_call(rank, world, h, w, kws, vocab=V, logprobs=True):
     import tpsample.parallel as par
     par.make_transport = lambda name, group, device, timeout_s: CpuSymmTransport(
         group, device, timeout_s)
+    from tpsample import replay
+    from tpsample.kernels import filter_cut
+    modes = []  # (WINNER, USE_PARITY) of the fast path's SAMPLE launches
+    run = replay.run_kernel
+
+    def spy(k, grid, args, const, opts):
+        if const.get("STEP") == filter_cut.SAMPLE.value:
+            modes.append((const.get("WINNER"), const.get("USE_PARITY")))
+        return run(k, grid, args, const, opts)
+    replay.run_kernel = spy
     sampler = tpsample.VocabParallelSampler(w, vocab_size=vocab, backend="triton")
     outs, exchanges, device_rows, stored_before_signal = [], [], [], []
     pipe = sampler.pipeline
     for hh, kw in zip(h, kws):
-        outs.append(sampler(hh, return_logprobs=True, **kw))
+        outs.append(sampler(hh, return_logprobs=logprobs, **kw))
         exchanges.append(int(sampler.transport.calls.item()))
         device_rows.append(int(pipe.fallback.device_rows.item()))
         t = sampler.transport
         stored_before_signal.append(torch.equal(t.at_exchange, t.gather_buf))
     return dict(outs=outs, exchanges=exchanges, device_rows=device_rows,
-                host_rows=pipe.host_fallback_rows, stored_before_signal=stored_before_signal)
+                host_rows=pipe.host_fallback_rows, stored_before_signal=stored_before_signal,
+                modes=modes)
+
+
+@pytest.mark.slow
+def test_one_rank_symm_mem_tokens_only_call_checks_winners_on_gathered_rows():
+    """A tokens-only call with top-p / min-p alone through the symmetric-memory transport:
+    the gathered rows take the fast path's winner check and its tile-skipping SAMPLE, which
+    read this call's records through the fan-out's parity; tokens equal the reference's in
+    every row, twice (both record buffers)."""
+    h, w = flat_case()
+    kw = dict(temperature=MIXED["temperature"], top_p=torch.tensor([0.9, 0.5, 0.95, 0.3] * 2),
+              min_p=torch.tensor([0.0, 0.1, 0.0, 0.0, 0.2, 0.0, 0.05, 0.0]),
+              seed=torch.arange(8) * 3 + 1)
+    kw2 = dict(kw, seed=torch.arange(8) * 5 + 2)
+    (res,) = run_world(1, one_rank_call, [h, h], w, [kw, kw2], V, False)
+    assert "error" not in res, res
+    assert res["host_rows"] == 0 and res["device_rows"][0] >= 4
+    assert set(res["modes"]) == {(True, True)}, res["modes"]
+    for out, k in zip(res["outs"], (kw, kw2)):
+        assert torch.equal(out.view(-1), reference_sample(h, w, **k).tokens.view(-1))
 
 
 @pytest.mark.slow

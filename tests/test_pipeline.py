@@ -343,7 +343,7 @@ def test_filtered_call_graph_wiring(monkeypatch):
         h = torch.full((B, 2), float(i))
         seed.fill_(i)
         call = dict(hidden=h, **base)
-        key2 = pipe._key2(True, filters, dict(call, side=torch.empty(B, n)), later)
+        key2 = pipe._key2(True, filters, dict(call, side=torch.empty(B, n)), later, True)
         out = pipe._filtered_graph_call("k", stage1, {key2: stage2}, call, filters, True, B, S,
                                         T, numel, 0, True)
         assert (out is None) == (i < CG.CAPTURE_AT - 1), i

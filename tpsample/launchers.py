@@ -426,7 +426,8 @@ _NO_TOP: dict = {}  # (B, device) -> the empty top planes of calls without top l
 def filtered_outputs(B: int, S: int, n: int, device, flat: bool = False) -> F.FilteredOutput:
     """Fresh outputs of stage2_filtered: tokens int64 [B, S], logprobs fp32 [B, S], logz fp32
     [B], top tokens int64 [B, n], top log-probs fp32 [B, n], fallback flags int32 [B]
-    (`fallback`), and the filter kernel's scratch int64 [B, KNOWN_CAP]. With n = 0 the top
+    (`fallback`), and the filter kernels' scratch int64 [B·(KNOWN_CAP + 1)] (a row's sort
+    scratch in the first B·KNOWN_CAP, then its sample-0 winner's key). With n = 0 the top
     planes hold nothing and are shared between calls (each allocation costs host time).
     flat (a replayed call, whose launches take only the addresses): tokens and logprobs
     [B] when S == 1, the shape the caller returns (a slice per call costs host time)."""
@@ -448,7 +449,7 @@ def filtered_outputs(B: int, S: int, n: int, device, flat: bool = False) -> F.Fi
         tokens, logprobs, torch.empty(B, dtype=torch.float32, device=device),
         *top,
         torch.empty(B, dtype=torch.int32, device=device),
-        torch.empty(B, F.KNOWN_CAP, dtype=torch.int64, device=device))
+        torch.empty(B * (F.KNOWN_CAP + 1), dtype=torch.int64, device=device))
 
 
 def stage2_filtered(plan: Plan, recs: torch.Tensor, params: RowParams, filters: Filters,
@@ -479,8 +480,8 @@ def stage2_filtered(plan: Plan, recs: torch.Tensor, params: RowParams, filters: 
               st_b=recs.stride(2), st_t=recs.stride(3), inv_temp_ptr=params.inv_temp,
               seed_ptr=params.seed, offset_ptr=params.offset, **_filter_ptrs(params, filters),
               tokens_ptr=tokens, logprobs_ptr=logprobs, logz_ptr=logz, top_tok_ptr=top_tok,
-              top_lp_ptr=top_lp, flag_ptr=flag, scratch_ptr=scratch, S=S, T=T, N=N, n_top=n,
-              parity_ptr=parity if parity is not None else params.seed,
+              top_lp_ptr=top_lp, flag_ptr=flag, scratch_ptr=scratch, win_at=B * F.KNOWN_CAP,
+              S=S, T=T, N=N, n_top=n, parity_ptr=parity if parity is not None else params.seed,
               parity_stride=parity_stride, RAW=filters.raw,
               REPLACE=filters.replacement, USE_PARITY=parity is not None,
               K=records.CANDIDATES, BLOCK_N=block_n,
@@ -517,7 +518,9 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
                        count: torch.Tensor, *, n_real: int, vocab_start: int = 0,
                        constraints=None, listed: ListedScratch | None = None,
                        pdl: bool = False, gather: FallbackGather | None = None,
-                       side: torch.Tensor | None = None) -> None:
+                       side: torch.Tensor | None = None, winner: bool = False,
+                       recs: torch.Tensor | None = None, parity=None,
+                       parity_stride: int = 0) -> None:
     """The exact fallback of one device's call, after stage2_filtered and with no host
     synchronisation (kernels/filter_fallback.py, kernels/filter_cut.py): the rows flagged in
     out.fallback get their outputs redone in `out` from their logits; count (int32 [1])
@@ -530,7 +533,11 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
     listed.held and listed.dots, what this call's stage 1 and listed_prep kept). gather
     (tensor parallel): the rows' logit shards go to every rank (gather.own in each rank's
     buffer; the listed tokens' after the rest, in stream order) and, after gather.exchange,
-    every rank redoes the rows from all shards."""
+    every rank redoes the rows from all shards. winner: the call returns tokens only and its
+    filter kernel stored each row's winner (merge "max"): one-sample rows whose winner is
+    kept skip the cut, and the others draw noise only near their tile winners
+    (kernels/filter_cut.py, WINNER), which they read from recs ([slots, planes, B, T, 4], as
+    stage2_filtered read them; parity, parity_stride: the fan-out's two buffers)."""
     B, D = hidden.shape
     if gather is not None:
         logits = gather.own
@@ -594,7 +601,8 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
     if fast:
         _cut_steps(hidden, params, filters, out, count, rows, vocab_start, block_f,
                    dict(launch, num_warps=8), aligned=gather is None and vocab_start % 4 == 0,
-                   slotted=gather is not None)
+                   slotted=gather is not None,
+                   winner=(recs, parity, parity_stride) if winner and recs is not None else None)
     run_named(filter_fallback.fallback_rows_kernel, (B,), dict(launch, num_warps=8),
               **_row_source(rows, params, filters, vocab_start),
               tokens_ptr=out.tokens, logprobs_ptr=out.logprobs, logz_ptr=out.logz,
@@ -635,11 +643,12 @@ _CUT_PROGRAMS = {filter_cut.STATS.value: 2, filter_cut.COMPACT.value: 4,
 
 def _cut_steps(hidden, params: RowParams, filters: Filters, out: F.FilteredOutput, count,
                rows: dict, vocab_start: int, block_f: int, launch: dict, *, aligned: bool,
-               slotted: bool) -> None:
+               slotted: bool, winner: tuple | None = None) -> None:
     """kernels/filter_cut.py's steps for the flagged rows with top-p / min-p and no top-k
     (the cut's steps only when the call has top-p). Workspace, per call: fp32 [SAMPLE + 1, B,
     G, W] partial sums and int64 [B, CAP + 2 + G·S] keys (G chunks per row: at least 8, and
-    two items per program of a full grid at small B)."""
+    two items per program of a full grid at small B). winner: (records, parity,
+    parity_stride) of a tokens-only call with merge "max" (kernels/filter_cut.py, WINNER)."""
     B, S, N = out.fallback.shape[0], out.tokens.shape[1], rows["N"]
     K = filter_cut
     block = min(2048, 1 << (N - 1).bit_length())  # a read per step: 2048 columns a pass
@@ -651,6 +660,17 @@ def _cut_steps(hidden, params: RowParams, filters: Filters, out: F.FilteredOutpu
     part = torch.empty(K.SAMPLE.value + 1, B, G, W, dtype=torch.float32, device=hidden.device)
     keys = torch.empty(B, K.CAP.value + 2 + G * S, dtype=torch.int64, device=hidden.device)
     source = _row_source(rows, params, filters, vocab_start)
+    use_winner = winner is not None and S == 1
+    if use_winner:
+        recs, parity, parity_stride = winner
+        rec = dict(rec_ptr=recs, st_slot=recs.stride(0), st_b=recs.stride(2),
+                   st_t=recs.stride(3), T_rec=recs.shape[3], N_rec=recs.shape[0] * recs.shape[3],
+                   parity_ptr=parity if parity is not None else count,
+                   parity_stride=parity_stride, USE_PARITY=parity is not None,
+                   BLOCK_R=max(16, 1 << (recs.shape[0] * recs.shape[3] - 1).bit_length()))
+    else:
+        rec = dict(rec_ptr=count, st_slot=0, st_b=0, st_t=0, T_rec=1, N_rec=0, parity_ptr=count,
+                   parity_stride=0)
     steps = [K.STATS.value]
     if filters.top_p is not None:
         steps += list(K.CUT_STEPS)
@@ -660,7 +680,8 @@ def _cut_steps(hidden, params: RowParams, filters: Filters, out: F.FilteredOutpu
         grid = (max(1, min(programs * _CUT_PROGRAMS.get(step, 1), B if per_row else B * G)),)
         run_named(K.cut_step_kernel, grid, launch, **source,
                   tokens_ptr=out.tokens, logprobs_ptr=out.logprobs, logz_ptr=out.logz,
-                  flag_ptr=out.fallback, count_ptr=count, part_ptr=part, keys_ptr=keys, B=B, G=G,
-                  C=C, W=W, S=S, STEP=step, ALIGNED4=aligned, BLOCK=block,
+                  flag_ptr=out.fallback, count_ptr=count, part_ptr=part, keys_ptr=keys,
+                  win_ptr=out.scratch, win_at=B * F.KNOWN_CAP, **rec, B=B, G=G, C=C, W=W, S=S,
+                  STEP=step, ALIGNED4=aligned, BLOCK=block, WINNER=use_winner,
                   SUB=min(block, 512), BLOCK_G=max(2, 1 << (G - 1).bit_length()),
                   BLOCK_F=block_f, PDL="launch_pdl" in launch, SLOTTED=slotted)

@@ -401,7 +401,7 @@ class Pipeline:
         elif on_device and per_call["side"] is None:  # the rows' logits, recomputed there
             later["fallback_logits"] = torch.empty(B, T * records.TILE, dtype=torch.float32,
                                                    device=hidden.device)
-        key2 = None if key is None else self._key2(on_device, filters, per_call, later)
+        key2 = None if key is None else self._key2(on_device, filters, per_call, later, logprobs)
         stage2 = None if stage2s is None else stage2s.get(key2)
         if stage2 is not None:
             self.transport.exchange(mine, full)
@@ -431,7 +431,10 @@ class Pipeline:
                                              self.fallback.counter(), n_real=n_real,
                                              vocab_start=vocab_start, constraints=constraints,
                                              listed=listed_scratch(per_call), pdl=plan.pdl,
-                                             gather=gather, side=per_call["side"])
+                                             gather=gather, side=per_call["side"],
+                                             winner=merge == "max" and not logprobs, recs=recs,
+                                             parity=fanout[1] if fanout else None,
+                                             parity_stride=fanout[2] if fanout else 0)
         named2 = dict(per_call, **later, records=recs, sample_records=head, **out._asdict())
         if stage2s is not None:
             self.replays.add_stage2(stage2s, key2, log2, named2)
@@ -454,12 +457,14 @@ class Pipeline:
         return ((self.transport.world == 1 or self.gather_fallback)
                 and (side_out or self.fallback.device_now(hidden, in_capture)))
 
-    def _key2(self, on_device: bool, filters: Filters, per_call: dict, later: dict) -> tuple:
+    def _key2(self, on_device: bool, filters: Filters, per_call: dict, later: dict,
+              logprobs: bool) -> tuple:
         """A filtered call's stage-2 replay key under its stage-1 key: the fallback path, the
-        top log-probs, the transport's buffers, and the per-call tensors' alignments and
-        layout (per_call with its side output, later: the filters' tensors and the
+        top log-probs, whether log-probs are returned (a tokens-only call's fallback skips
+        the cut where it can), the transport's buffers, and the per-call tensors' alignments
+        and layout (per_call with its side output, later: the filters' tensors and the
         fallback's logits buffer)."""
-        return (on_device, filters.top_n, self.transport.key(),
+        return (on_device, filters.top_n, logprobs, self.transport.key(),
                 replay.tensor_key(tuple(per_call.values()) + tuple(later.values())))
 
     def _filtered_graph_call(self, key, stage1, stage2s: dict, per_call: dict, filters,
@@ -475,7 +480,7 @@ class Pipeline:
         n = T * records.TILE
         if self.gather_fallback:  # (a grown buffer changes the transport's key)
             self.transport.rows_gather(B, n)
-        gkey = (key, filters.top_n, self.transport.key(),
+        gkey = (key, filters.top_n, logprobs, self.transport.key(),
                 replay.tensor_key(tuple(later.values())), stream)
         named = dict(per_call, **later)
         graph = self.graphs.get(gkey)
@@ -492,7 +497,7 @@ class Pipeline:
                 return side, extra
             side, extra = fresh()
             stage2 = stage2s.get(self._key2(True, filters, dict(per_call, side=side),
-                                            dict(later, **extra)))
+                                            dict(later, **extra), logprobs))
             del side, extra
             if stage2 is None:  # (not recorded yet for this layout)
                 return None

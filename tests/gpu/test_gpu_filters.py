@@ -262,6 +262,9 @@ def test_top_p_alone_on_heavy_tails_stays_on_the_device_fast_path():
     assert not pipe.fallback.host_mode and pipe.host_fallback_rows == 0
     assert pipe.fallback_rows >= 4 * B // 2  # (min-p 0.01 may certify its rows)
     ref = reference_sample(h, w, **{k: v for k, v in kw.items() if k != "return_logprobs"})
+    # tokens only: rows whose winner is kept skip the cut; the same token in every row
+    only = tpsample.sample(h, w, **{k: v for k, v in kw.items() if k != "return_logprobs"})
+    assert torch.equal(only.view(-1), out.tokens.view(-1))
     same = out.tokens == ref.tokens[:, 0]
     assert same.float().mean() >= 0.9
     assert torch.allclose(out.logz.double(), ref.logz, atol=2e-3)
