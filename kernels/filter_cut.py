@@ -122,16 +122,19 @@ def _kept_tile_winners(rec_row, st_slot, st_t, T_rec, N_rec, cut, m, xmax,
 
 
 @triton.jit
-def _tiles_above(rec_row, st_slot, st_t, T_rec, N_rec, v0, s_star, BLOCK: tl.constexpr):
-    """Whether a tile of the columns [v0, v0 + BLOCK) has a winner above s* (tile j of the
-    row's columns is record (j // T_rec, j % T_rec): a slot's columns are whole tiles)."""
-    TPB: tl.constexpr = BLOCK // 128 if BLOCK >= 128 else 1
-    j = v0 // 128 + tl.arange(0, TPB)
-    ok = j < N_rec
+def _blocks_above(rec_row, st_slot, st_t, T_rec, N_rec, c0, c1, s_star, BLOCK: tl.constexpr,
+                  BLOCK_TC: tl.constexpr):
+    """For the tiles of the columns [c0, c1) (BLOCK_TC >= their number; tile j of the row's
+    columns is record (j // T_rec, j % T_rec): a slot's columns are whole tiles): the index
+    of each one's BLOCK-column block from c0, or -1 where its winner is not above s*. One
+    load of the chunk's records, so the blocks' loop waits on no load to skip a block."""
+    j = c0 // 128 + tl.arange(0, BLOCK_TC)
+    ok = (j < N_rec) & (j * 128 < c1)
     at = (j // T_rec).to(tl.int64) * st_slot + (j % T_rec).to(tl.int64) * st_t
     sc = tl.load(rec_row + at, mask=ok, other=NEG_INF)
     tok = tl.load(rec_row + at + 1, mask=ok, other=0.0)
-    return tl.max(tl.where(ok & (sc > NEG_INF), order_key(sc, tok), -1)) > s_star
+    above = ok & (sc > NEG_INF) & (order_key(sc, tok) > s_star)
+    return tl.where(above, (j * 128 - c0) // BLOCK, -1)
 
 
 @triton.jit
@@ -211,7 +214,7 @@ def cut_step_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_F: tl.constexpr, PDL: tl.constexpr = False, SLOTTED: tl.constexpr = False,
     WINNER: tl.constexpr = False, USE_PARITY: tl.constexpr = False,
-    BLOCK_R: tl.constexpr = 16,
+    BLOCK_R: tl.constexpr = 16, BLOCK_TC: tl.constexpr = 16,
 ):
     """One STEP (module docstring) for the rows fast_row takes. l [B, N] fp32 logits (row
     stride stride_lb; SLOTTED: [world, B, slot_n] as filter_fallback.fallback_rows_kernel
@@ -223,7 +226,8 @@ def cut_step_kernel(
     flagged row costs each program one scan of the flags. WINNER (S = 1, tokens only): the
     rows whose winner (key at win[win_at + b], the filter kernel's) is kept skip every step
     from HIST to SAMPLE; SAMPLE draws noise only in the blocks with a tile winner above s*
-    (records [slots, planes, B, T_rec, 4] by strides, N_rec = slots · T_rec; USE_PARITY: the
+    (records [slots, planes, B, T_rec, 4] by strides, N_rec = slots · T_rec, BLOCK_TC >= a
+    chunk's tiles; USE_PARITY: the
     fan-out's two buffers, this call's the one the filter kernel's parity flip left); FINAL
     writes tokens, and NaN log-probs and log Z."""
     if PDL:
@@ -379,8 +383,10 @@ def cut_step_kernel(
                     off_lo = (off & 0xFFFFFFFF).to(tl.uint32)
                     off_hi = ((off >> 32) & 0xFFFFFFFF).to(tl.uint32)
                     best = tl.full((BLOCK,), -1, tl.int64)
+                    hits = _blocks_above(rec_row, st_slot, st_t, T_rec, N_rec, c0, c1, s_star,
+                                         BLOCK, BLOCK_TC)
                     for v0 in range(c0, c1, BLOCK):
-                        if _tiles_above(rec_row, st_slot, st_t, T_rec, N_rec, v0, s_star, BLOCK):
+                        if tl.max((hits == (v0 - c0) // BLOCK).to(tl.int32)) > 0:
                             x = row_x(row, v0 + cols, c1, slots, SLOTTED)
                             gid = row_ids(v0 + cols, c1, vocab_start, slots, SLOTTED)
                             key = tl.where(x > NEG_INF, order_key(x, gid), -1)

@@ -667,7 +667,8 @@ def _cut_steps(hidden, params: RowParams, filters: Filters, out: F.FilteredOutpu
                    st_t=recs.stride(3), T_rec=recs.shape[3], N_rec=recs.shape[0] * recs.shape[3],
                    parity_ptr=parity if parity is not None else count,
                    parity_stride=parity_stride, USE_PARITY=parity is not None,
-                   BLOCK_R=max(16, 1 << (recs.shape[0] * recs.shape[3] - 1).bit_length()))
+                   BLOCK_R=max(16, 1 << (recs.shape[0] * recs.shape[3] - 1).bit_length()),
+                   BLOCK_TC=max(16, 1 << cdiv(C, records.TILE).bit_length()))
     else:
         rec = dict(rec_ptr=count, st_slot=0, st_b=0, st_t=0, T_rec=1, N_rec=0, parity_ptr=count,
                    parity_stride=0)
