@@ -31,9 +31,9 @@ KNOBS = (
          "0: through Triton's launcher (debugging; the same launches)"),
     Knob("TPSAMPLE_GRAPHS", "1", ("0", "1", "filtered"),
          "1: from the third eager call with the same replay key, a plain call replays its "
-         "launches as one CUDA graph (tpsample/call_graphs.py); filtered: filtered calls "
-         "whose exact fallback runs on the device too (not yet the default: its GPU test has "
-         "not run); 0: the launches one by one"),
+         "launches as one CUDA graph (tpsample/call_graphs.py); filtered: also filtered "
+         "calls with top-p / min-p and no top-k or top log-probs (their exact fallback always "
+         "runs on the device; not yet the default); 0: the launches one by one"),
     Knob("TPSAMPLE_GLUON", "1", ("0", "1"),
          "0: never the Hopper Gluon kernels (ws, pp); the cuBLAS + records-pass path runs "
          "where the plan would take them"),

@@ -367,8 +367,10 @@ class Pipeline:
             if hit is not None:  # (a launch takes only a tensor's address, which a records
                 stage1, stage2s = hit  # view shares with its flat buffer: the key has the layout)
                 stream = replay.current_stream(hidden.device.index)
+                # (only calls whose flagged rows all take the device's fast path: another
+                # call's fallback may move to the host, which re-issued launches follow)
                 if (self.graphs is not None and self.graphs.usable(in_capture, filtered=True)
-                        and not constraints.listed):
+                        and side_out and not constraints.listed):
                     on_device = self._on_device(side_out, hidden, in_capture)
                     if on_device:
                         out = self._filtered_graph_call(key, stage1, stage2s, per_call, filters,
