@@ -38,6 +38,16 @@ def test_single_device_example(tmp_path):
     assert run([sys.executable, str(example)], tmp_path).strip()
 
 
+def test_speculative_example_writes_the_plain_loops_tokens(tmp_path):
+    """examples/speculative.py: n-gram drafts verified by tpsample.verify_drafts give the
+    plain decoding loop's tokens, in fewer target passes."""
+    example = Path(__file__).resolve().parents[1] / "examples" / "speculative.py"
+    text = run([sys.executable, str(example), "--steps", "60", "--temperature", "0"], tmp_path)
+    assert "same tokens as plain decoding: True" in text
+    passes = int(text.split(" target passes")[0].split(" in ")[-1])
+    assert passes < 60, text
+
+
 def test_hf_decode_example(tmp_path):
     """examples/hf_decode.py on its random model: decodes, and at temperature 0 gives
     transformers' own greedy tokens."""

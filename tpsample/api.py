@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from . import params as P
+from . import verify as VF
 from .pipeline import Pipeline
 from .spec import sampling_spec
 
@@ -116,3 +117,66 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, *, temperature: float | t
         hidden.contiguous(), weight, bias, spec, n_real=vocab_size,
         need_mass=return_logprobs or merge != "max", in_capture=in_capture)
     return P.package(tokens, logprobs, logz, num_samples, return_logprobs, top)
+
+
+def verify_drafts(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torch.Tensor, *,
+                  draft_probs: torch.Tensor | None = None,
+                  temperature: float | torch.Tensor = 1.0, seed: int | torch.Tensor | None = None,
+                  offset: int | torch.Tensor = 0, bias: torch.Tensor | None = None,
+                  vocab_size: int | None = None, top_k: int | torch.Tensor | None = None,
+                  top_p: float | torch.Tensor | None = None,
+                  min_p: float | torch.Tensor | None = None, return_logprobs: bool = False,
+                  backend: str = "auto") -> VF.VerifyOutput:
+    """Verify speculative drafts exactly against the LM head's distribution
+    (tpsample/verify.py has the argument).
+
+    Args:
+        hidden: [B, S + 1, D] the target's hidden states at the S draft positions and the
+            bonus position (dtype and device as tpsample.sample's hidden).
+        weight: [V, D] the LM head (as tpsample.sample).
+        draft_tokens: int64 [B, S]; -1 ends a request's drafts (ragged S per request: every
+            entry after a -1 is -1).
+        draft_probs: None (one-hot drafts: n-gram drafts, greedy draft heads) or fp32
+            [B, S, vocab_size], the draft model's probabilities at each draft position (each
+            sums to 1 within 1e-3).
+        temperature, top_k, top_p, min_p: as tpsample.sample, a scalar or a Tensor[B] per
+            request; they define the target distribution p at every position of that request.
+            Greedy requests (T = 0) accept while the draft equals the argmax, then emit it.
+        seed: None (drawn), int or Tensor[B] int64 per request; offset: int or Tensor[B]:
+            position i of request b is sampled with (seed_b, offset_b + i), as ordinary
+            decoding at those steps would be.
+        bias, vocab_size, backend: as tpsample.sample.
+        return_logprobs: also return the emitted tokens' log-probs under p.
+
+    Returns:
+        VerifyOutput(tokens int64 [B, S + 1]: the accepted drafts, then the token from the
+        residual or the bonus token, then -1; num_accepted int64 [B]; logprobs fp32
+        [B, S + 1] (NaN after the emitted tokens) or None).
+
+    One-hot drafts take one fused sampler call on the B·(S + 1) rows and a scan; draft_probs
+    computes the draft positions' logits (not fused). The inputs' contents are checked with
+    one host synchronisation.
+
+    Example:
+        >>> h = torch.randn(2, 3, 64); w = torch.randn(1000, 64)
+        >>> out = tpsample.verify_drafts(h, w, torch.tensor([[5, 7], [9, -1]]), seed=1)
+        >>> out.tokens.shape, out.num_accepted.shape
+        (torch.Size([2, 3]), torch.Size([2]))
+    """
+    VF.check_hidden3(hidden)
+    P.check_hidden_weight(hidden[:, 0], weight)
+    V = weight.shape[0]
+    vocab_size = P.check_vocab_size(V if vocab_size is None else vocab_size, V)
+    bias = P.check_bias(bias, V, hidden.device)
+    n = VF.check_drafts(hidden, draft_tokens, draft_probs, vocab_size)
+
+    def sample_rows(rows, **kw):
+        return sample(rows, weight, bias=bias, vocab_size=vocab_size, backend=backend, **kw)
+
+    def draw_seed(B):
+        return torch.randint(0, P.SEED_HIGH, (B,), dtype=torch.int64, device=hidden.device)
+    return VF.verify(hidden, draft_tokens, draft_probs, n, sample_rows=sample_rows,
+                     draft_logits=VF.local_logits(weight, bias, vocab_size),
+                     draw_seed=draw_seed, vocab_size=vocab_size, temperature=temperature,
+                     seed=seed, offset=offset, top_k=top_k, top_p=top_p, min_p=min_p,
+                     return_logprobs=return_logprobs)

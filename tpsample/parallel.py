@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from . import params as P
+from . import verify as VF
 from .pipeline import Pipeline
 from .records import num_tiles
 from .spec import sampling_spec
@@ -125,6 +126,7 @@ class VocabParallelSampler:
         self.n_real = max(0, min(V_r, vocab_size - vocab_start))
         self.tiles = max(num_tiles(v) for (v, _, _, _) in layouts)
         self.rows_total = sum(v for (v, _, _, _) in layouts)
+        self.shard_width = max(v for (v, _, _, _) in layouts)  # (verify_drafts' all-gather)
         self.transport.reserve(max_batch * self.tiles * 4)
 
         base = torch.randint(0, P.SEED_HIGH, (1,), dtype=torch.int64)
@@ -249,6 +251,43 @@ class VocabParallelSampler:
             need_mass=self.logprobs, vocab_start=self.vocab_start, tiles=self.tiles,
             in_capture=capturing)
         return P.package(tokens, logprobs, logz, num_samples, return_logprobs, top)
+
+    def verify_drafts(self, hidden: torch.Tensor, draft_tokens: torch.Tensor, *,
+                      draft_probs: torch.Tensor | None = None,
+                      temperature: float | torch.Tensor = 1.0,
+                      seed: int | torch.Tensor | None = None, offset: int | torch.Tensor = 0,
+                      bias: torch.Tensor | None = None, top_k=None, top_p=None, min_p=None,
+                      return_logprobs: bool = False) -> VF.VerifyOutput:
+        """tpsample.verify_drafts on this vocabulary-parallel head: hidden [B, S + 1, D],
+        draft_tokens int64 [B, S] (global ids, -1 ends a request's drafts), draft_probs None
+        or fp32 [B, S, vocab_size] (the full vocabulary on every rank), bias this rank's
+        shard [V_r]; every argument equal on all ranks. The same VerifyOutput on every rank,
+        equal to tpsample.verify_drafts on the full weight. One-hot drafts exchange what a
+        sampler call on the B·(S + 1) rows exchanges; draft_probs also all-gathers the
+        draft positions' fp32 logits (B·S·V·4 bytes)."""
+        VF.check_hidden3(hidden)
+        P.check_hidden_weight(hidden[:, 0], self.weight, "weight_shard")
+        bias = P.check_bias(bias, self.weight.shape[0], hidden.device)
+        n = VF.check_drafts(hidden, draft_tokens, draft_probs, self.vocab_size)
+        local = VF.local_logits(self.weight, bias, self.n_real, self.vocab_start,
+                                self.shard_width)
+
+        def draft_logits(rows, inv_temp):
+            l, _ = local(rows, inv_temp)
+            full = self.transport.all_gather(l)  # [world, R, width]
+            ids = torch.cat([s + torch.arange(self.shard_width, device=l.device)
+                             for s in self.shard_starts])
+            return full.permute(1, 0, 2).reshape(l.shape[0], -1), ids
+
+        def draw_seed(B):
+            return torch.randint(0, P.SEED_HIGH, (B,), dtype=torch.int64, device=self.device,
+                                 generator=self.generator)
+        return VF.verify(hidden, draft_tokens, draft_probs, n,
+                         sample_rows=lambda rows, **kw: self(rows, bias=bias, **kw),
+                         draft_logits=draft_logits, draw_seed=draw_seed,
+                         vocab_size=self.vocab_size, temperature=temperature, seed=seed,
+                         offset=offset, top_k=top_k, top_p=top_p, min_p=min_p,
+                         return_logprobs=return_logprobs)
 
 
 __all__ = ["VocabParallelSampler", "ExchangeTimeout"]

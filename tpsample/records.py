@@ -36,6 +36,8 @@ spells it out); the stream flags keep the draws of different purposes apart:
     GROUP_STREAM     per-record Gumbel noise of the log-mass merge (id = record index)
     CDF_STREAM       merge "cdf": the four subgroup uniforms (id = tile start + subgroup)
     CDF_PICK_STREAM  merge "cdf": the uniform choosing the subgroup (id = tile start)
+    ACCEPT_STREAM    speculative verification with draft distributions: the acceptance
+                     uniform of a draft position (id = 0; tpsample/verify.py)
 
 The sample index shares the counter word with the flags, hence MAX_SAMPLES.
 """
@@ -54,6 +56,7 @@ TOKEN_STREAM = 0
 GROUP_STREAM = 1 << 31
 CDF_STREAM = 1 << 30
 CDF_PICK_STREAM = (1 << 30) | (1 << 29)
+ACCEPT_STREAM = 1 << 29
 MAX_SAMPLES = 1 << 29
 CANDIDATES = 4
 CANDIDATE_PLANES = CANDIDATES // 2

@@ -1,0 +1,192 @@
+"""Speculative-draft verification (tpsample/verify.py): exact, one device and TP.
+
+Pathwise: one-hot drafts are the sampler's tokens at (seed, offset + i) and a scan (tested
+against tpsample.sample itself, ragged drafts and greedy requests included); the torch path
+and the interpreted kernels agree; two gloo ranks equal one device. Statistical (chi-squared
+at ALPHA against float64, torch path): the first emitted token is distributed as p_0 and,
+given x_0 accepted, the next as p_1, with and without filters, for one-hot and full draft
+distributions; the acceptance rate is p_0(x_0) (one-hot) or sum(min(p_0, q_0)) within its
+binomial interval; negative controls the same tests reject (a rejection that resamples from
+p_0 with x_0 left in; a residual p instead of max(0, p - q)).
+"""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import tpsample
+from tpsample import verify as VF
+
+from dist_utils import run_world
+from stats import ALPHA, chi2_pvalue
+from test_filters import filtered_probs, row_logits
+
+
+def head(V=64, D=16, S=2, seed=3):
+    """hidden [1, S + 1, D] (a different distribution at each position) and W [V, D]."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, S + 1, D, generator=g) * 0.6, torch.randn(V, D, generator=g)
+
+
+def test_one_hot_drafts_are_the_samplers_tokens_and_a_scan():
+    """Request b's drafts are the sampler's own tokens at (seed_b, offset_b + i) for its
+    first k_b positions, then another id: k_b are accepted and the emitted token is the
+    sampler's at position k_b; -1 drafts end a request early (the bonus at its last
+    position); greedy requests accept while the draft is the argmax."""
+    B, S, V = 6, 3, 50
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(B, S + 1, 8, generator=g)
+    w = torch.randn(V, 8, generator=g)
+    seed = torch.arange(B) * 11 + 2
+    offset = torch.tensor([0, 5, 9, 1, 0, 3])
+    T = torch.tensor([1.0, 0.7, 1.3, 0.0, 1.0, 0.0])
+    y = tpsample.sample(h.reshape(-1, 8), w, seed=seed.repeat_interleave(S + 1),
+                        offset=offset.repeat_interleave(S + 1) + torch.arange(S + 1).repeat(B),
+                        temperature=T.repeat_interleave(S + 1), backend="torch").view(B, S + 1)
+    k = torch.tensor([0, 1, 3, 2, 1, 3])
+    draft = torch.where(torch.arange(S)[None, :] < k[:, None], y[:, :S], (y[:, :S] + 1) % V)
+    draft[4, 1:] = -1  # request 4: one draft, accepted; its bonus is position 1
+    out = tpsample.verify_drafts(h, w, draft, seed=seed, offset=offset, temperature=T,
+                                 backend="torch", return_logprobs=True)
+    assert out.num_accepted.tolist() == k.tolist()
+    for b in range(B):
+        n = int(k[b])
+        assert out.tokens[b, :n + 1].tolist() == y[b, :n + 1].tolist(), b
+        assert (out.tokens[b, n + 1:] == -1).all() and torch.isnan(out.logprobs[b, n + 1:]).all()
+        assert torch.isfinite(out.logprobs[b, :n + 1]).all()
+    again = tpsample.verify_drafts(h, w, draft, seed=seed, offset=offset, temperature=T,
+                                   backend="torch")
+    assert torch.equal(again.tokens, out.tokens) and again.logprobs is None
+
+
+@pytest.mark.parametrize("probs", [False, True], ids=["one-hot", "draft-probs"])
+def test_interpreted_kernels_equal_the_torch_path(probs):
+    """The Triton backend (interpreted on the CPU) gives the torch path's tokens, with
+    filters."""
+    B, S, V = 3, 2, 300
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(B, S + 1, 16, generator=g) * 0.3
+    w = torch.randn(V, 16, generator=g)
+    draft = torch.randint(0, V, (B, S), generator=g)
+    q = torch.softmax(torch.randn(B, S, V, generator=g), -1) if probs else None
+    kw = dict(draft_probs=q, seed=torch.tensor([3, 4, 5]), top_p=torch.tensor([0.9, 1.0, 0.5]),
+              return_logprobs=True)
+    a = tpsample.verify_drafts(h, w, draft, backend="torch", **kw)
+    b = tpsample.verify_drafts(h, w, draft, backend="triton", **kw)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.num_accepted, b.num_accepted)
+    fin = torch.isfinite(a.logprobs)
+    assert torch.equal(fin, torch.isfinite(b.logprobs))
+    assert torch.allclose(a.logprobs[fin], b.logprobs[fin], atol=1e-4)
+
+
+# ----- chi-squared ---------------------------------------------------------------------------
+N = 20000
+FILTERS = [dict(), dict(top_k=12, top_p=0.8)]
+
+
+def target_probs(h, w, filt, i):
+    return filtered_probs(row_logits(h[0, i:i + 1], w)[0], **filt)
+
+
+def binomial_ok(successes: int, n: int, p: float) -> bool:
+    return abs(successes - n * p) <= 4.5 * math.sqrt(n * p * (1 - p))  # two-sided ~7e-6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("filt", FILTERS, ids=["plain", "top_k+top_p"])
+def test_chi2_one_hot(filt):
+    """x_0 fixed (the 3rd most probable token of p_0): tokens[:, 0] ~ p_0, the acceptance
+    rate is p_0(x_0), and tokens[:, 1] given acceptance ~ p_1. Negative control: a
+    rejection that draws again from p_0 (x_0 not excluded) fails the first test."""
+    h, w = head(S=1)
+    p0, p1 = target_probs(h, w, filt, 0), target_probs(h, w, filt, 1)
+    x0 = int(torch.argsort(torch.as_tensor(p0), descending=True)[2])
+    out = tpsample.verify_drafts(h.expand(N, -1, -1).contiguous(), w,
+                                 torch.full((N, 1), x0), seed=torch.arange(N) * 7 + 1,
+                                 backend="torch", **filt)
+    first = out.tokens[:, 0]
+    assert chi2_pvalue(first, p0) > ALPHA
+    acc = out.num_accepted == 1
+    assert binomial_ok(int(acc.sum()), N, float(p0[x0]))
+    assert chi2_pvalue(out.tokens[acc, 1], p1) > ALPHA
+    again = tpsample.sample(h[0, :1].expand(N, -1).contiguous(), w, seed=torch.arange(N) + 10 ** 6,
+                            backend="torch", **filt)
+    wrong = torch.where(acc, first, again)
+    assert chi2_pvalue(wrong, p0) < ALPHA
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("filt", FILTERS, ids=["plain", "top_k+top_p"])
+def test_chi2_draft_probs(filt, monkeypatch):
+    """x_0 ~ q_0 (a draft distribution unlike p_0): tokens[:, 0] ~ p_0, the acceptance rate
+    is sum(min(p_0, q_0)), tokens[:, 1] given acceptance ~ p_1. Negative control: the
+    residual p_0 instead of max(0, p_0 - q_0) fails the first test."""
+    h, w = head(S=1)
+    V = w.shape[0]
+    p0, p1 = target_probs(h, w, filt, 0), target_probs(h, w, filt, 1)
+    g = torch.Generator().manual_seed(9)
+    q0 = torch.softmax(torch.randn(V, generator=g) * 1.5, -1)
+    x0 = torch.multinomial(q0, N, replacement=True, generator=g)[:, None]
+    kw = dict(draft_probs=q0.expand(N, 1, V).contiguous(), seed=torch.arange(N) * 5 + 3,
+              backend="torch", **filt)
+    hh = h.expand(N, -1, -1).contiguous()
+    out = tpsample.verify_drafts(hh, w, x0, **kw)
+    assert chi2_pvalue(out.tokens[:, 0], p0) > ALPHA
+    acc = out.num_accepted == 1
+    overlap = float(np.minimum(np.asarray(p0), q0.double().numpy()).sum())
+    assert binomial_ok(int(acc.sum()), N, overlap)
+    assert chi2_pvalue(out.tokens[acc, 1], p1) > ALPHA
+    monkeypatch.setattr(VF, "residual_weights", lambda p, q: p)
+    wrong = tpsample.verify_drafts(hh, w, x0, **kw)
+    assert chi2_pvalue(wrong.tokens[:, 0], p0) < ALPHA
+
+
+# ----- tensor parallel -----------------------------------------------------------------------
+def _tp_verify(rank, world, probs):
+    B, S, V = 4, 3, 600
+    g = torch.Generator().manual_seed(6)
+    h = torch.randn(B, S + 1, 16, generator=g) * 0.3
+    w = torch.randn(V, 16, generator=g)
+    draft = torch.randint(0, V, (B, S), generator=g)
+    draft[1, 2:] = -1
+    q = torch.softmax(torch.randn(B, S, V, generator=g), -1) if probs else None
+    lo, hi = (0, 250) if rank == 0 else (250, V)
+    s = tpsample.VocabParallelSampler(w[lo:hi].contiguous(), vocab_size=V, vocab_start=lo,
+                                      backend="torch")
+    kw = dict(draft_probs=q, seed=torch.tensor([1, 2, 3, 4]), min_p=0.05, return_logprobs=True)
+    return s.verify_drafts(h, draft, **kw), tpsample.verify_drafts(h, w, draft, backend="torch",
+                                                                   **kw)
+
+
+@pytest.mark.parametrize("probs", [False, True], ids=["one-hot", "draft-probs"])
+def test_tp_gloo_equals_one_device(probs):
+    """Two gloo ranks (uneven shards): the same tokens and acceptances on both ranks as one
+    device, log-probs within 1e-5."""
+    outs = run_world(2, _tp_verify, probs)
+    for o in outs:
+        assert not isinstance(o, dict), o
+        tp, one = o
+        assert torch.equal(tp.tokens, one.tokens) and torch.equal(tp.num_accepted, one.num_accepted)
+        assert torch.allclose(tp.logprobs, one.logprobs, atol=1e-5, equal_nan=True)
+
+
+# ----- bad input -----------------------------------------------------------------------------
+@pytest.mark.parametrize("change,err,match", [
+    (dict(hidden=torch.randn(2, 8)), ValueError, "hidden must be a Tensor \\[B, S \\+ 1, D\\]"),
+    (dict(draft_tokens=torch.zeros(2, 3, dtype=torch.int64)), ValueError, "draft_tokens must be \\[B, S\\]"),
+    (dict(draft_tokens=torch.zeros(2, 2)), TypeError, "draft_tokens must be an int64"),
+    (dict(draft_tokens=torch.tensor([[1, 50], [0, 0]])), ValueError, "ids in \\[0, 50\\)"),
+    (dict(draft_tokens=torch.tensor([[-1, 3], [0, 0]])), ValueError, "a -1 ends"),
+    (dict(draft_probs=torch.full((2, 2, 50), 0.03)), ValueError, "sum to 1 within"),
+    (dict(draft_probs=torch.full((2, 2, 49), 1 / 49)), ValueError, "draft_probs must be \\[B, S, V\\]"),
+    (dict(draft_probs=torch.full((2, 2, 50), 0.02, dtype=torch.float64)), TypeError, "draft_probs must be None or a float32"),
+    (dict(top_p=torch.tensor([0.5, 0.5, 0.5])), ValueError, "top_p must be a scalar or a Tensor\\[B\\]"),
+])
+def test_bad_input_names_the_argument(change, err, match):
+    kw = dict(hidden=torch.randn(2, 3, 8), weight=torch.randn(50, 8),
+              draft_tokens=torch.tensor([[1, 2], [3, -1]]), backend="torch")
+    kw.update(change)
+    h, w, d = kw.pop("hidden"), kw.pop("weight"), kw.pop("draft_tokens")
+    with pytest.raises(err, match=match):
+        tpsample.verify_drafts(h, w, d, **kw)

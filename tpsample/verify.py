@@ -1,0 +1,286 @@
+"""Speculative-decoding verification: exact, through the fused sampler, one device and TP.
+
+A draft proposes x_1 .. x_s for a request; the target's distributions p_0 .. p_s at those
+positions (hidden [B, S + 1, D]: the S draft positions and the bonus one) accept x_i with
+probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection a token from
+normalise(max(0, p_i - q_i)) is emitted and the request stops; if all s drafts are accepted
+a token from p_s is emitted. The emitted tokens are then distributed as s + 1 tokens
+sampled from the target one after the other (the standard speculative-sampling argument).
+
+One-hot drafts (draft_probs None: n-gram drafts, greedy draft heads): q_i is the point mass
+at x_i, so x_i is accepted with probability p_i(x_i) and the residual is p_i without x_i,
+renormalised. Both are what one sample y_i ~ p_i gives: P(y_i = x_i) = p_i(x_i), and given
+y_i != x_i, y_i is distributed as p_i without x_i renormalised. So verification is one
+ordinary sampler call on the B·(S + 1) rows — the fused kernel, its filters and its
+exchange under TP, nothing materialised — with position i of request b sampled with
+(seed_b, offset_b + i), and a scan: accept while y_i = x_i, emit the first y_i that differs
+(or the bonus y_s). The tokens are those that ordinary decoding with the same seed and
+offsets would have drawn at those positions, on any TP degree and at any batch position.
+
+Full draft distributions (draft_probs [B, S, V]): the acceptance needs p_i(x_i) and the
+residual needs p_i over the whole vocabulary, so the S draft positions' logits are computed
+(a matmul; under TP each rank's shard, all-gathered) and filtered in float64 (the semantics
+of tpsample/filters.py); this path is not fused. x_i is accepted when u_i · q_i(x_i) <
+p_i(x_i), u_i = noise.uniform(seed_b, offset_b + i, 0, 0, ACCEPT_STREAM); the residual is
+sampled by Gumbel-max over log max(0, p_i - q_i) with the sampler's token noise at position
+i (so a draft equal to the target is always accepted, and a rejected position emits what
+the noise picks from the residual). The bonus token is the sampler's.
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+
+from . import merge, noise
+from . import filters as F
+from . import params as P
+from .records import ACCEPT_STREAM
+from .spec import sampling_spec
+
+DRAFT_PROBS_TOL = 1e-3  # |sum(q_i) - 1| allowed for a draft position's distribution
+
+
+class VerifyOutput(NamedTuple):
+    """tokens int64 [B, S + 1]: the accepted drafts, then the token from the residual (or the
+    bonus token when every draft was accepted), then -1; num_accepted int64 [B]; logprobs
+    fp32 [B, S + 1] (return_logprobs): the emitted tokens' log-probs under p (the processed
+    distribution at their position), NaN after; else None."""
+    tokens: torch.Tensor
+    num_accepted: torch.Tensor
+    logprobs: torch.Tensor | None
+
+
+def check_hidden3(hidden) -> None:
+    if not isinstance(hidden, torch.Tensor) or hidden.ndim != 3 or hidden.shape[1] < 1:
+        raise ValueError("hidden must be a Tensor [B, S + 1, D] (the S draft positions and the "
+                         f"bonus position), got {getattr(hidden, 'shape', type(hidden))}")
+
+
+def check_drafts(hidden: torch.Tensor, draft_tokens, draft_probs, vocab_size: int) -> torch.Tensor:
+    """Validate hidden [B, S + 1, D], draft_tokens [B, S] and draft_probs (None or fp32
+    [B, S, vocab_size]); returns the number of drafts per request, int64 [B]. The contents
+    (ids in range, -1 only at the end, distributions that sum to 1) cost one host
+    synchronisation, skipped during CUDA-graph capture and with TPSAMPLE_CHECK_TENSORS=0."""
+    check_hidden3(hidden)
+    B, S1, _ = hidden.shape
+    S = S1 - 1
+    if not isinstance(draft_tokens, torch.Tensor) or draft_tokens.dtype not in (torch.int64,
+                                                                                 torch.int32):
+        raise TypeError("draft_tokens must be an int64 (or int32) Tensor [B, S], got "
+                        f"{getattr(draft_tokens, 'dtype', type(draft_tokens))}")
+    if tuple(draft_tokens.shape) != (B, S):
+        raise ValueError(f"draft_tokens must be [B, S] = [{B}, {S}] (hidden is [B, S + 1, D]), "
+                         f"got {list(draft_tokens.shape)}")
+    if draft_tokens.device != hidden.device:
+        raise ValueError(f"draft_tokens is on {draft_tokens.device}, hidden on {hidden.device}")
+    d = draft_tokens.long()
+    ended = torch.cumsum((d < 0).long(), dim=1) > 0
+    n = (~ended).sum(1)
+    if draft_probs is not None:
+        if not isinstance(draft_probs, torch.Tensor) or draft_probs.dtype != torch.float32:
+            raise TypeError("draft_probs must be None or a float32 Tensor [B, S, V], got "
+                            f"{getattr(draft_probs, 'dtype', type(draft_probs))}")
+        if tuple(draft_probs.shape) != (B, S, vocab_size):
+            raise ValueError(f"draft_probs must be [B, S, V] = [{B}, {S}, {vocab_size}] (the "
+                             f"full vocabulary), got {list(draft_probs.shape)}")
+        if draft_probs.device != hidden.device:
+            raise ValueError(f"draft_probs is on {draft_probs.device}, hidden on {hidden.device}")
+    if P.skip_tensor_checks(hidden.device):  # (during capture, or TPSAMPLE_CHECK_TENSORS=0)
+        return n
+    if bool(((d < -1) | (d >= vocab_size)).any()):
+        bad = d[(d < -1) | (d >= vocab_size)][:4].tolist()
+        raise ValueError(f"draft_tokens must be ids in [0, {vocab_size}) or -1 (no more drafts), "
+                         f"got {bad}")
+    if bool((ended & (d >= 0)).any()):
+        raise ValueError("draft_tokens: a -1 ends a request's drafts; an id after it in rows "
+                         f"{(ended & (d >= 0)).any(1).nonzero()[:4, 0].tolist()}")
+    if draft_probs is not None:
+        live = ~ended
+        sums = draft_probs.double().sum(-1)
+        bad = live & (~torch.isfinite(sums) | ((sums - 1).abs() > DRAFT_PROBS_TOL))
+        neg = live & (draft_probs < 0).any(-1)
+        if bool((bad | neg).any()):
+            at = (bad | neg).nonzero()[:4].tolist()
+            raise ValueError("draft_probs: each draft position's distribution must be >= 0 and "
+                             f"sum to 1 within {DRAFT_PROBS_TOL}; not at (request, position) {at}")
+    return n
+
+
+def per_request(name: str, value, B: int, S1: int):
+    """A scalar stays as it is; a Tensor[B] (one value per request) is repeated for the
+    S + 1 positions of each request."""
+    if isinstance(value, torch.Tensor):
+        if value.ndim != 1 or value.shape[0] != B:
+            raise ValueError(f"{name} must be a scalar or a Tensor[B] with B = {B} requests, got "
+                             f"shape {list(value.shape)}")
+        return value.repeat_interleave(S1)
+    return value
+
+
+def positions(hidden: torch.Tensor, seed, offset, draw_seed: Callable[[int], torch.Tensor]):
+    """(seed, offset) per row of the flattened [B·(S + 1)] positions: request b's seed, and
+    its offset + i at position i (seed None: one drawn per request)."""
+    B, S1, _ = hidden.shape
+    dev = hidden.device
+    if seed is None:
+        seed = draw_seed(B)
+    seed_rows = per_request("seed", seed, B, S1)
+    if not isinstance(seed_rows, torch.Tensor):
+        seed_rows = torch.full((B * S1,), int(seed), dtype=torch.int64, device=dev)
+    off = per_request("offset", offset, B, S1)
+    if isinstance(off, torch.Tensor):
+        off = off.to(dev, torch.int64)
+    step = torch.arange(S1, device=dev, dtype=torch.int64).repeat(B)
+    return seed_rows, off + step
+
+
+def scan(y: torch.Tensor, lp: torch.Tensor | None, draft: torch.Tensor, n: torch.Tensor,
+         accept: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+         lp_draft: torch.Tensor | None = None, lp_residual: torch.Tensor | None = None):
+    """The acceptance scan per request. y [B, S + 1]: the sampler's token at each position
+    (lp: its log-prob); draft [B, S], n [B] drafts per request. One-hot drafts: x_i is
+    accepted while y_i == x_i. With accept / residual [B, S] (full draft distributions): x_i
+    accepted where accept, residual[i] emitted at the first rejection. Returns tokens,
+    num_accepted, logprobs."""
+    B, S1 = y.shape
+    S = S1 - 1
+    pos = torch.arange(S1, device=y.device)
+    live = pos[None, :S] < n[:, None]
+    ok = (y[:, :S] == draft) if accept is None else accept
+    ok = ok & live
+    acc = torch.cumprod(ok.long(), dim=1).sum(1)
+    at = acc[:, None]
+    if accept is None:  # the first y_i that differs (or the bonus) is the emitted token
+        tokens = torch.where(pos[None, :] <= at, y, -1)
+        logprobs = None if lp is None else torch.where(pos[None, :] <= at, lp, float("nan"))
+        return tokens, acc, logprobs
+    rejected = acc < n  # the token at acc: the residual's, or the bonus y at position n
+    first = acc.clamp(max=S - 1)[:, None]
+    last_tok = torch.where(rejected, residual.gather(1, first)[:, 0], y.gather(1, at)[:, 0])
+    tokens = torch.where(pos[None, :] < at, torch.cat([draft, y[:, S:]], 1), -1)
+    tokens = torch.where(pos[None, :] == at, last_tok[:, None], tokens)
+    logprobs = None
+    if lp is not None:
+        last_lp = torch.where(rejected, lp_residual.gather(1, first)[:, 0].float(),
+                              lp.gather(1, at)[:, 0])
+        logprobs = torch.where(pos[None, :] < at, torch.cat([lp_draft.float(), lp[:, S:]], 1),
+                               float("nan"))
+        logprobs = torch.where(pos[None, :] == at, last_lp[:, None], logprobs)
+    return tokens, acc, logprobs
+
+
+def residual_weights(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The residual's unnormalised weights max(0, p - q) (float64; Gumbel-max needs no
+    normalisation)."""
+    return torch.clamp(p - q, min=0.0)
+
+
+def residual_verdicts(l: torch.Tensor, ids: torch.Tensor, inv_temp: torch.Tensor,
+                      filters: P.Filters, seed: torch.Tensor, offset: torch.Tensor,
+                      x: torch.Tensor, q: torch.Tensor):
+    """The full-draft-distribution test at R draft positions. l [R, C] fp32 transformed
+    logits (-inf in padding columns), ids [C] int64 each column's global id; inv_temp,
+    seed, offset [R] and filters (per row) as the sampler's; x [R] the draft ids (-1: none),
+    q [R, V] fp32 the draft distributions (indexed by global id). p is the processed
+    distribution in float64 (tpsample/filters.py's semantics; greedy rows: the point mass at
+    the argmax). Returns (accept [R] bool, residual token [R] int64, log p(x) [R], log
+    p(residual token) [R]) in float64 log-probs."""
+    R, C = l.shape
+    dev = l.device
+    col = torch.arange(C, device=dev)
+    by_id = torch.argsort(ids, stable=True)
+    order = by_id[torch.argsort(l[:, by_id], dim=1, descending=True, stable=True)]  # [R, C]
+    xs = l.gather(1, order).double()
+    xmax = xs[:, :1].nan_to_num(neginf=0.0, posinf=0.0)
+    logz = torch.logsumexp(xs, dim=1)
+    greedy = inv_temp == 0
+    k, p_, m = F.row_filters(filters, R, dev)
+    off = ~F.row_is_filtered(filters, inv_temp)
+    k, p_, m = (torch.where(off, 0, k), torch.where(off, 1.0, p_), torch.where(off, 0.0, m))
+    kept, _ = F.kept_prefix(xs, torch.ones_like(xs, dtype=torch.bool), k, p_, m, logz)
+    kept = torch.where(greedy[:, None], col[None, :] == 0, kept)
+    logz_kept = xmax[:, 0] + torch.log((torch.exp(xs - xmax) * kept).sum(1))
+    lp_sorted = torch.where(kept, xs - logz_kept[:, None], float("-inf"))
+    lp_sorted = torch.where(greedy[:, None], torch.where(kept, 0.0, float("-inf")), lp_sorted)
+    lp_cols = torch.full((R, C), float("-inf"), dtype=torch.float64, device=dev)
+    lp_cols.scatter_(1, order, lp_sorted)
+    p = torch.exp(lp_cols)
+    qc = q.double().gather(1, ids.clamp(max=q.shape[1] - 1)[None, :].expand(R, C))
+    qc = torch.where(torch.isfinite(l), qc, 0.0)
+    hit = (ids[None, :] == x[:, None]) & torch.isfinite(l)
+    p_x = (p * hit).sum(1)
+    q_x = (qc * hit).sum(1)
+    u = noise.uniform(seed[:, None], offset[:, None], 0, torch.zeros(1, 1, dtype=torch.int64,
+                                                                        device=dev),
+                      stream=ACCEPT_STREAM)[:, 0].double()
+    accept = (x >= 0) & (u * q_x < p_x)
+    r = residual_weights(p, qc)
+    g = noise.gumbel(seed[:, None], offset[:, None], 0, ids[None, :])
+    z = torch.where(r > 0, torch.log(r).float() + g, float("-inf"))
+    none = ~(r > 0).any(1)  # p == q up to rounding: the residual is p itself
+    z = torch.where(none[:, None], torch.where(p > 0, lp_cols.float() + g, float("-inf")), z)
+    pick = merge.pathwise_max(z, ids.float().expand(R, C))
+    lp_pick = lp_cols.gather(1, pick.clamp(min=0)[:, None])[:, 0]
+    return (accept, torch.where(pick >= 0, ids[pick.clamp(min=0)], -1),
+            torch.where(x >= 0, torch.log(p_x), float("nan")), lp_pick)
+
+
+def verify(hidden: torch.Tensor, draft_tokens: torch.Tensor, draft_probs, n: torch.Tensor, *,
+           sample_rows: Callable, draft_logits: Callable, draw_seed: Callable, vocab_size: int,
+           temperature, seed, offset, top_k, top_p, min_p,
+           return_logprobs: bool) -> VerifyOutput:
+    """The shared body of verify_drafts and VocabParallelSampler.verify_drafts. hidden
+    [B, S + 1, D], n [B] (check_drafts); sample_rows(rows [R, D], **sampler keywords) is the
+    sampler; draft_logits(rows [R, D], inv_temp [R]) returns (l [R, C] fp32 transformed
+    logits, ids [C] int64 global ids) for the draft-probs path; draw_seed(B) draws the
+    requests' seeds when seed is None."""
+    B, S1, D = hidden.shape
+    S = S1 - 1
+    rows = hidden.reshape(B * S1, D)
+    seed_rows, offset_rows = positions(hidden, seed, offset, draw_seed)
+    kw = dict(temperature=per_request("temperature", temperature, B, S1),
+              top_k=per_request("top_k", top_k, B, S1), top_p=per_request("top_p", top_p, B, S1),
+              min_p=per_request("min_p", min_p, B, S1), seed=seed_rows, offset=offset_rows)
+    out = sample_rows(rows, return_logprobs=return_logprobs, **kw)
+    y = (out.tokens if return_logprobs else out).view(B, S1)
+    lp = out.logprobs.view(B, S1) if return_logprobs else None
+    draft = draft_tokens.long()
+    if draft_probs is None or S == 0:
+        return VerifyOutput(*scan(y, lp, draft, n))
+    spec = sampling_spec(rows, vocab_size=vocab_size, rows=vocab_size, merge="max",
+                         num_samples=1, return_logprobs=False, top_logprobs=0, replacement=True,
+                         logprobs_mode="processed", allowed_mask=None, logit_adjust=None,
+                         repetition_penalty=None, **kw)
+    at = (torch.arange(B, device=rows.device)[:, None] * S1
+          + torch.arange(S, device=rows.device)[None, :]).reshape(-1)  # the draft positions
+    inv = spec.row.inv_temp[at]
+    l, ids = draft_logits(rows[at], inv)
+    accept, resid, lp_x, lp_r = residual_verdicts(
+        l, ids, inv, F.take_rows(spec.filters, at), spec.row.seed[at], spec.row.offset[at],
+        draft.reshape(-1), draft_probs.reshape(B * S, -1))
+    return VerifyOutput(*scan(y, lp, draft, n, accept.view(B, S), resid.view(B, S),
+                              lp_x.view(B, S), lp_r.view(B, S)))
+
+
+def local_logits(weight: torch.Tensor, bias, n_real: int, vocab_start: int = 0,
+                 columns: int | None = None):
+    """draft_logits for one device, or one rank's shard before its all-gather: rows [R, D]
+    and inv_temp [R] → (fp32 ((rows @ W.T + bias) · 1/T) [R, columns], -inf from n_real on
+    (greedy rows: T = 1); the columns' global ids vocab_start + j [columns]). columns
+    (default: the weight's rows) pads a shard to the ranks' common width."""
+    V_rows = weight.shape[0]
+    width = V_rows if columns is None else columns
+
+    def logits(rows: torch.Tensor, inv_temp: torch.Tensor):
+        l = torch.full((rows.shape[0], width), float("-inf"), dtype=torch.float32,
+                       device=rows.device)
+        x = rows.float() @ weight[:n_real].float().T
+        if bias is not None:
+            x = x + bias[:n_real].float()
+        l[:, :n_real] = x * torch.where(inv_temp == 0, torch.ones_like(inv_temp), inv_temp)[:, None]
+        return l, vocab_start + torch.arange(width, device=rows.device)
+    return logits
+
+
+__all__ = ["VerifyOutput", "check_hidden3", "check_drafts", "verify", "local_logits"]
