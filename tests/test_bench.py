@@ -176,3 +176,33 @@ def test_mode_defaults_follow_torchrun(monkeypatch):
     a = bench.parse_args(["--cpu"])
     assert a.mode == "tp" and a.transports == ["gloo"] and a.batches == [1, 4, 16]
     assert bench.parse_args(["--cpu", "--mode", "single"]).mode == "single"
+
+
+def test_verify_bench_writes_json_doc_and_summary(tmp_path):
+    """python -m tpsample.launch.verify_bench on the CPU: every variant timed per (B, S), the
+    summary line, the doc section and its plot."""
+    doc = tmp_path / "perf.md"
+    text = run([sys.executable, "-m", "tpsample.launch.verify_bench", "--batches", "2",
+                "--drafts", "1,3", "--out", str(tmp_path), "--doc", str(doc), "--label", "CPU"],
+               tmp_path)
+    meta = json.loads((tmp_path / "verify.json").read_text())
+    rows = meta["shapes"][0]["rows"]
+    assert [(r["B"], r["S"], r["rows"]) for r in rows] == [(2, 1, 4), (2, 3, 8)]
+    assert set(rows[0]["ms"]) == {"plain", "onehot", "probs", "mm", "torch_onehot", "torch_probs"}
+    assert "summary: D=64 V=1000: onehot / plain worst" in text
+    assert "| 2 | 3 | 8 |" in doc.read_text() and (tmp_path / "img" / "cpu_64x1000.png").exists()
+
+
+def test_torch_rejection_baseline_is_exact():
+    """The benchmark's torch rejection sampler (its baseline) emits p_0 as the first token
+    (chi-squared at ALPHA), one-hot drafts."""
+    import torch
+    from stats import ALPHA, chi2_pvalue
+    from tpsample.launch.verify_bench import torch_verify
+    g = torch.Generator().manual_seed(2)
+    N, V, D = 20000, 40, 8
+    h = torch.randn(1, 2, D, generator=g).expand(N, -1, -1).contiguous()
+    w = torch.randn(V, D, generator=g)
+    p0 = torch.softmax((h[0, 0] @ w.T).double(), -1)
+    tok = torch_verify(h, w, torch.full((N, 1), int(p0.argmax())), None, g)
+    assert chi2_pvalue(tok[:, 0], p0) > ALPHA

@@ -1,0 +1,206 @@
+"""Speculative-draft verification: tpsample.verify_drafts against the plain fused call on the
+same rows and against matmul + softmax + a torch rejection sampler.
+
+    python -m tpsample.launch.verify_bench [--shapes 4096x151936,8192x128256]
+        [--batches 1,8,32] [--drafts 1,4,7] [--out DIR] [--doc docs/performance.md --label NAME]
+
+Per shape D x V, B requests and S drafts (bf16 h [B, S + 1, D] and W [V, D], random), the
+same run times (median ms, do_bench on CUDA):
+
+    plain         tpsample.sample on the B·(S + 1) rows (what one-hot verification costs at best)
+    onehot        tpsample.verify_drafts, one-hot drafts
+    probs         tpsample.verify_drafts with draft_probs [B, S, V] (the draft positions' logits
+                  computed, not fused)
+    mm            h @ W.T on the B·(S + 1) rows alone
+    torch_onehot  matmul, fp32 softmax, then a batched rejection sampler in torch (as vLLM's:
+                  accept u < p(x), residual p without x renormalised, multinomial, bonus)
+    torch_probs   the same with the draft distributions (u·q(x) < p(x), max(0, p - q))
+
+Writes OUT/verify.json after every cell; the summary line gives onehot / plain (worst) and
+torch / tpsample at B·(S + 1) >= 32. Without CUDA: D=64 V=1000, B=1,4, S=1,2 (indicative).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+
+import torch
+
+import tpsample
+
+from .bench import DTYPES, log, run_meta, time_fn, write_doc
+
+
+def torch_verify(h, w, draft, q, gen):
+    """matmul + softmax + a batched rejection sampler in torch (T = 1): tokens [B, S + 1]."""
+    B, S1, D = h.shape
+    S = S1 - 1
+    p = torch.softmax((h.reshape(-1, D) @ w.T).float(), -1).view(B, S1, -1)
+    pd = p[:, :S]
+    onehot = torch.nn.functional.one_hot(draft, pd.shape[-1]).float() if q is None else q
+    px = pd.gather(-1, draft[..., None])[..., 0]
+    qx = onehot.gather(-1, draft[..., None])[..., 0]
+    u = torch.rand(B, S, device=h.device, generator=gen)
+    acc = torch.cumprod((u * qx < px).long(), 1).sum(1)
+    resid = (pd - onehot).clamp(min=0).reshape(B * S, -1)
+    resid = resid / resid.sum(-1, keepdim=True).clamp(min=1e-30)
+    resid_tok = torch.multinomial(resid, 1, generator=gen).view(B, S)
+    bonus = torch.multinomial(p[:, S], 1, generator=gen)
+    pos = torch.arange(S1, device=h.device)[None, :]
+    emitted = torch.where(acc < S, resid_tok.gather(1, acc.clamp(max=S - 1)[:, None])[:, 0],
+                          bonus[:, 0])
+    tokens = torch.where(pos < acc[:, None], torch.cat([draft, bonus], 1), -1)
+    return torch.where(pos == acc[:, None], emitted[:, None], tokens)
+
+
+def variants(h, w, draft, q, gen) -> dict:
+    B, S1, D = h.shape
+    rows = h.reshape(-1, D)
+    step = iter(range(1 << 40))
+    return {
+        "plain": lambda: tpsample.sample(rows, w, seed=1, offset=next(step)),
+        "onehot": lambda: tpsample.verify_drafts(h, w, draft, seed=1, offset=next(step)),
+        "probs": lambda: tpsample.verify_drafts(h, w, draft, draft_probs=q, seed=1,
+                                                offset=next(step)),
+        "mm": lambda: rows @ w.T,
+        "torch_onehot": lambda: torch_verify(h, w, draft, None, gen),
+        "torch_probs": lambda: torch_verify(h, w, draft, q, gen),
+    }
+
+
+def run(args) -> dict:
+    device = torch.device("cuda" if args.cuda else "cpu")
+    dtype = DTYPES[args.dtype]
+    meta = dict(run_meta(args, args.cuda), shapes=[])
+    meta["command"] = ("python -m tpsample.launch.verify_bench "
+                       + " ".join(map(shlex.quote, args.argv)))
+    os.makedirs(args.out, exist_ok=True)
+    gen = torch.Generator(device=device).manual_seed(0)
+    for D, V in args.shapes:
+        g = torch.Generator(device=device).manual_seed(1)
+        w = (torch.randn(V, D, device=device, generator=g) / D ** 0.5).to(dtype)
+        rows: list = []
+        meta["shapes"].append({"D": D, "V": V, "rows": rows})
+        for B in args.batches:
+            for S in args.drafts:
+                h = torch.randn(B, S + 1, D, device=device, generator=g).to(dtype)
+                draft = torch.randint(0, V, (B, S), device=device, generator=g)
+                q = torch.softmax(torch.randn(B, S, V, device=device, generator=g), -1)
+                ms = {n: time_fn(fn, args.cuda) for n, fn in variants(h, w, draft, q, gen).items()}
+                rows.append(dict(B=B, S=S, rows=B * (S + 1), ms=ms))
+                log(f"[D={D} V={V} B={B} S={S}] " + " ".join(f"{k}={v:.3f}" for k, v in ms.items()))
+                with open(os.path.join(args.out, "verify.json"), "w") as f:
+                    json.dump(meta, f, indent=1)
+        del w
+    return meta
+
+
+def summary(meta: dict) -> list[str]:
+    out = []
+    for res in meta["shapes"]:
+        rows = res["rows"]
+        if not rows:
+            continue
+        worst = max(rows, key=lambda r: r["ms"]["onehot"] / r["ms"]["plain"])
+        big = [r for r in rows if r["rows"] >= 32]
+        part = (f"D={res['D']} V={res['V']}: onehot / plain worst "
+                f"{worst['ms']['onehot'] / worst['ms']['plain']:.3f} (B={worst['B']}, "
+                f"S={worst['S']})")
+        if big:
+            part += (f"; torch_onehot / onehot at B·(S+1) >= 32: min "
+                     f"{min(r['ms']['torch_onehot'] / r['ms']['onehot'] for r in big):.2f}; "
+                     f"torch_probs / probs: min "
+                     f"{min(r['ms']['torch_probs'] / r['ms']['probs'] for r in big):.2f}")
+        out.append(part)
+    return out
+
+
+def markdown(meta: dict, doc: str, label: str) -> str:
+    lines = [f"`{meta['command']}` — {meta['device']}, torch {meta['torch']}, Triton "
+             f"{meta['triton']}, {meta['date']}; median ms of tpsample.sample on the B·(S + 1) "
+             "rows (plain), every other column as a ratio to it (same run).", ""]
+    lines += [f"- {s}" for s in summary(meta)] + [""]
+    names = ["onehot", "probs", "mm", "torch_onehot", "torch_probs"]
+    for res in meta["shapes"]:
+        lines += [f"**D={res['D']}, V={res['V']}**", "",
+                  "| B | S | rows | plain | " + " | ".join(names) + " |",
+                  "|---" * (4 + len(names)) + "|"]
+        for r in res["rows"]:
+            ms = r["ms"]
+            lines.append(f"| {r['B']} | {r['S']} | {r['rows']} | {ms['plain']:.3f} | "
+                         + " | ".join(f"{ms[n] / ms['plain']:.2f}" for n in names) + " |")
+        img = plot(res, doc, label)
+        if img:
+            lines += ["", f"![{label} D={res['D']} V={res['V']}]({img})"]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(res: dict, doc: str, label: str) -> str | None:
+    """Each variant's time / the plain call's against the rows B·(S + 1)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = sorted(res["rows"], key=lambda r: r["rows"])
+    if not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for n in ("onehot", "probs", "mm", "torch_onehot", "torch_probs"):
+        ax.plot([r["rows"] for r in rows], [r["ms"][n] / r["ms"]["plain"] for r in rows],
+                marker="o", label=n)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("rows B·(S + 1)")
+    ax.set_ylabel("time / tpsample.sample on the same rows")
+    ax.set_title(f"{label}: D={res['D']} V={res['V']}")
+    ax.legend(fontsize=7)
+    name = f"{label.lower().replace(' ', '_')}_{res['D']}x{res['V']}.png"
+    folder = os.path.join(os.path.dirname(os.path.abspath(doc)), "img")
+    os.makedirs(folder, exist_ok=True)
+    fig.savefig(os.path.join(folder, name), dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return f"img/{name}"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m tpsample.launch.verify_bench",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", help="DxV,... (default 4096x151936,8192x128256; CPU 64x1000)")
+    p.add_argument("--batches", help="B,... (default 1,8,32; CPU 1,4)")
+    p.add_argument("--drafts", help="S,... (default 1,4,7; CPU 1,2)")
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--out", default="bench_out")
+    p.add_argument("--doc", help="markdown file whose section --label this run rewrites")
+    p.add_argument("--label", default="verify")
+    p.add_argument("--report", metavar="JSON", help="render a verify.json, no run")
+    p.add_argument("--cpu", action="store_true", help="CPU tensors even where CUDA exists")
+    a = p.parse_args(argv)
+    a.argv = list(sys.argv[1:] if argv is None else argv)
+    a.cuda = torch.cuda.is_available() and not a.cpu
+    shapes = a.shapes or ("4096x151936,8192x128256" if a.cuda else "64x1000")
+    a.shapes = [tuple(int(x) for x in s.lower().split("x")) for s in shapes.split(",")]
+    a.batches = [int(b) for b in (a.batches or ("1,8,32" if a.cuda else "1,4")).split(",")]
+    a.drafts = [int(s) for s in (a.drafts or ("1,4,7" if a.cuda else "1,2")).split(",")]
+    if any(s < 1 for s in a.drafts):
+        p.error("--drafts: S >= 1")
+    return a
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    meta = json.load(open(args.report)) if args.report else run(args)
+    text = markdown(meta, args.doc or os.devnull, args.label)
+    print(text)
+    for s in summary(meta):
+        print("summary:", s)
+    if args.doc:
+        write_doc(args.doc, args.label, text)
+
+
+if __name__ == "__main__":
+    main()
