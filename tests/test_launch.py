@@ -48,6 +48,21 @@ def test_speculative_example_writes_the_plain_loops_tokens(tmp_path):
     assert passes < 60, text
 
 
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed next to python")
+def test_fast_decode_tiny_model_tp1_and_tp2(tmp_path):
+    """examples/fast_decode.py --check on its tiny configuration (CPU, gloo): greedy tokens
+    of the tpsample head equal the stock head's (logits all-gathered, argmax) at every step,
+    and the same seed samples the same sequence at TP1 and TP2."""
+    example = Path(__file__).resolve().parents[1] / "examples" / "fast_decode.py"
+    seqs = []
+    for n in (1, 2):
+        text = run([str(TORCHRUN), "--standalone", f"--nproc-per-node={n}", str(example),
+                    "--check", "--steps", "5", "--top-p", "0.9"], tmp_path)
+        assert "greedy tokens equal the stock head's: True" in text, text
+        seqs.append(text.split(f"sampled tokens (tp{n}): ")[1].splitlines()[0])
+    assert seqs[0] == seqs[1]
+
+
 def test_hf_decode_example(tmp_path):
     """examples/hf_decode.py on its random model: decodes, and at temperature 0 gives
     transformers' own greedy tokens."""
