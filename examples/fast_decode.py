@@ -218,9 +218,11 @@ class TpsampleHead:
 
 
 def decode(model: Model, head, prompt: torch.Tensor, steps: int, temperature: float,
-           graph: bool):
+           graph: bool, replays: int = 0):
     """Prefill the prompt [B, P], then `steps` decode steps (each one CUDA graph when graph):
-    the generated tokens [B, steps] and the decode steps' wall seconds."""
+    the generated tokens [B, steps] and a dict: the decode steps' wall ms per step and, with
+    graph and replays > 0, the GPU ms per step of `replays` back-to-back replays (CUDA
+    events) and the allocated bytes before and after them."""
     B, P = prompt.shape
     dev = prompt.device
     hidden = model.forward(prompt, torch.arange(P, device=dev))
@@ -259,7 +261,18 @@ def decode(model: Model, head, prompt: torch.Tensor, steps: int, temperature: fl
         out.append(nxt)
     if dev.type == "cuda":
         torch.cuda.synchronize()
-    return torch.stack(out, 1), time.perf_counter() - t0
+    times = dict(wall_ms=(time.perf_counter() - t0) / max(steps - 1, 1) * 1e3)
+    if g is not None and replays:
+        before = torch.cuda.memory_allocated()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.update(gpu_ms=start.elapsed_time(end) / replays, bytes_before=before,
+                     bytes_after=torch.cuda.memory_allocated())
+    return torch.stack(out, 1), times
 
 
 def init(device_arg: str | None):
@@ -294,8 +307,10 @@ def check(cfg, rank, world, dev, dtype, args) -> dict:
     sampled, _ = decode(model, TpsampleHead(model, args.top_p, 7), prompt, steps, 0.8, False)
     res["sampled"] = sampled.tolist()
     if dev.type == "cuda":
-        graphed, _ = decode(model, TpsampleHead(model, args.top_p, 7), prompt, steps, 0.8, True)
+        graphed, t = decode(model, TpsampleHead(model, args.top_p, 7), prompt, steps, 0.8, True,
+                            replays=1000)
         res["graph_equals_eager"] = bool(torch.equal(graphed, sampled))
+        res["memory_growth_bytes"] = t["bytes_after"] - t["bytes_before"]
     return res
 
 
@@ -309,21 +324,79 @@ def tpot(cfg, rank, world, dev, dtype, args) -> list:
         for name, head in (("stock", StockHead(model, args.top_p)),
                            ("tpsample", TpsampleHead(model, args.top_p, 1))):
             graph = dev.type == "cuda"
-            _, wall = decode(model, head, prompt, args.steps, 1.0, graph)
+            _, t = decode(model, head, prompt, args.steps, 1.0, graph, replays=args.steps)
             h = torch.randn(B, cfg.dim, device=dev, dtype=dtype)
             step = torch.zeros(B, dtype=torch.int64, device=dev)
-            head_ms = float("nan")
+            head_ms = None
             if graph:
                 from triton.testing import do_bench_cudagraph
                 head_ms = do_bench_cudagraph(lambda: head(h, 1.0, step), rep=50)
-            ms = wall / max(args.steps - 1, 1) * 1e3
-            rows.append(dict(B=B, head=name, step_ms=ms, head_ms=head_ms,
-                             tokens_per_s=B / ms * 1e3))
+            row = dict(B=B, head=name, wall_ms=t["wall_ms"], gpu_ms=t.get("gpu_ms"),
+                       head_ms=head_ms, tokens_per_s=B / t["wall_ms"] * 1e3)
+            rows.append(row)
             if rank == 0:
-                print(f"B={B} {name}: {ms:.3f} ms/step, head {head_ms:.3f} ms, "
-                      f"{B / ms * 1e3:.0f} tokens/s", flush=True)
+                print(f"B={B} {name}: " + " ".join(f"{k}={v:.4g}" for k, v in row.items()
+                                                   if isinstance(v, float)), flush=True)
         del model
     return rows
+
+
+def report(paths: list[str], doc: str | None, label: str) -> str:
+    """The TPOT table (and a plot next to doc) from fast_decode_tp<N>.json runs: per config,
+    TP degree and batch, the GPU ms per step of both heads (graph replays), the measured gain,
+    the stock head's share of the step, the gain predicted from the heads' own GPU times
+    ((stock head - tpsample head) / stock step), wall ms per step and tokens/s."""
+    runs = [json.load(open(p)) for p in paths]
+    lines = ["| config | TP | B | stock GPU ms | tpsample GPU ms | measured gain | head share "
+             "| predicted gain | stock wall ms | tpsample wall ms | tpsample tokens/s |",
+             "|---" * 11 + "|"]
+    points = []
+    for run in sorted(runs, key=lambda r: (r["config"], r["world"])):
+        by = {(r["B"], r["head"]): r for r in run["rows"]}
+        for B in sorted({r["B"] for r in run["rows"]}):
+            st, tp = by.get((B, "stock")), by.get((B, "tpsample"))
+            if st is None or tp is None:
+                continue
+            gpu = st.get("gpu_ms") is not None and tp.get("gpu_ms") is not None
+            heads = st.get("head_ms") is not None and tp.get("head_ms") is not None
+            gain = 1 - tp["gpu_ms"] / st["gpu_ms"] if gpu else None
+            pred = (st["head_ms"] - tp["head_ms"]) / st["gpu_ms"] if gpu and heads else None
+            share = st["head_ms"] / st["gpu_ms"] if gpu and heads else None
+
+            def f(x, pct=False):
+                return "–" if x is None else (f"{100 * x:+.1f} %" if pct else f"{x:.3f}")
+            lines.append(f"| {run['config']} | {run['world']} | {B} | {f(st.get('gpu_ms'))} | "
+                         f"{f(tp.get('gpu_ms'))} | {f(gain, True)} | "
+                         f"{'–' if share is None else f'{100 * share:.1f} %'} | {f(pred, True)} | "
+                         f"{f(st['wall_ms'])} | {f(tp['wall_ms'])} | {tp['tokens_per_s']:.0f} |")
+            if gain is not None and pred is not None:
+                points.append((f"{run['config']} TP{run['world']}", B, gain, pred))
+    text = "\n".join(lines)
+    if doc and points:
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+            fig, ax = plt.subplots(figsize=(7, 4))
+            for name in sorted({p[0] for p in points}):
+                pts = sorted((p for p in points if p[0] == name), key=lambda p: p[1])
+                line, = ax.plot([p[1] for p in pts], [100 * p[2] for p in pts], marker="o",
+                                label=f"{name} measured")
+                ax.plot([p[1] for p in pts], [100 * p[3] for p in pts], ls="--",
+                        color=line.get_color(), label=f"{name} predicted")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("batch")
+            ax.set_ylabel("GPU time per step saved (%)")
+            ax.legend(fontsize=7)
+            name = f"{label.lower().replace(' ', '_')}.png"
+            folder = os.path.join(os.path.dirname(os.path.abspath(doc)), "img")
+            os.makedirs(folder, exist_ok=True)
+            fig.savefig(os.path.join(folder, name), dpi=110, bbox_inches="tight")
+            plt.close(fig)
+            text += f"\n\n![{label}](img/{name})"
+        except ImportError:
+            pass
+    return text
 
 
 def main(argv=None):
@@ -336,7 +409,18 @@ def main(argv=None):
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--device", choices=["cpu", "cuda"], default=None)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--report", nargs="+", metavar="JSON", help="render runs, no decoding")
+    ap.add_argument("--doc", help="with --report: the markdown file whose section --label "
+                    "this table rewrites")
+    ap.add_argument("--label", default="fast decode")
     args = ap.parse_args(argv)
+    if args.report:
+        text = report(args.report, args.doc, args.label)
+        print(text)
+        if args.doc:
+            from tpsample.launch.bench import write_doc
+            write_doc(args.doc, args.label, text)
+        return
     args.batches = [int(b) for b in args.batches.split(",")]
     rank, world, dev = init(args.device)
     cfg = CONFIGS[args.config]
@@ -348,6 +432,7 @@ def main(argv=None):
             print(f"sampled tokens (tp{world}): {res['sampled']}")
             if "graph_equals_eager" in res:
                 print(f"graph replays equal eager steps: {res['graph_equals_eager']}")
+                print(f"memory growth over 1000 replays: {res['memory_growth_bytes']} bytes")
     else:
         rows = tpot(cfg, rank, world, dev, dtype, args)
         if rank == 0 and args.out:
