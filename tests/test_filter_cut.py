@@ -109,7 +109,7 @@ def _winner_call(monkeypatch, **patches):
             modes.append(const.get("WINNER"))
         return run(k, grid, args, const, opts)
     monkeypatch.setattr(replay, "run_kernel", spy)
-    h, w = flat_rows(B=16)
+    h, w = flat_rows(V=1200, B=16)
     kw = dict(WINNER_ROWS, seed=torch.arange(16) * 5 + 3)
     tok = tpsample.sample(h, w, backend="triton", **kw)
     assert modes == [True]
