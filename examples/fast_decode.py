@@ -21,7 +21,8 @@ softmax and torch.multinomial; with --top-p the torch sort path) and "tpsample"
 --check: greedy tokens of the two heads equal at every step, sampled tokens equal at TP1 and
 under this world size for the same seed (run it at several --nproc-per-node), the graph's
 replays equal eager steps. --out: per (batch, head) TPOT from graph replays and wall time per
-step, the head's own GPU time, tokens/s, to OUT/fast_decode_tp<N>.json.
+step, the head's own GPU time, tokens/s, to OUT/fast_decode_<config>_tp<N>.json; --report
+renders such runs as the TPOT table (tools/multigpu.sh decode OUT runs them all).
 """
 from __future__ import annotations
 
@@ -157,12 +158,12 @@ class Model:
             if cfg.qk_norm:
                 q, k = F.rms_norm(q, (hd,), L["q_norm"]), F.rms_norm(k, (hd,), L["k_norm"])
             q, k = self.rope(q, pos), self.rope(k, pos)
-            L["k"][:, :, pos] = k
-            L["v"][:, :, pos] = v
-            S = L["k"].shape[2]
+            kc, vc = L["k"][:B], L["v"][:B]  # (the cache holds the largest batch)
+            kc[:, :, pos] = k
+            vc[:, :, pos] = v
+            S = kc.shape[2]
             mask = torch.arange(S, device=x.device)[None, :] <= pos[:, None]  # [T, S]
-            o = F.scaled_dot_product_attention(q, L["k"], L["v"], attn_mask=mask,
-                                               enable_gqa=True)
+            o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=True)
             o = o.transpose(1, 2).reshape(B, T, n_q)
             x = x + self.all_reduce(o @ L["wo"].T)
             h = F.rms_norm(x, (cfg.dim,), L["norm2"])
@@ -317,10 +318,10 @@ def check(cfg, rank, world, dev, dtype, args) -> dict:
 def tpot(cfg, rank, world, dev, dtype, args) -> list:
     """Per batch and head: wall and GPU time per decode step, the head's own GPU time."""
     rows = []
+    model = Model(cfg, rank, world, dev, dtype, max(args.batches), args.prompt + args.steps + 1)
     for B in args.batches:
         g = torch.Generator().manual_seed(B)
         prompt = torch.randint(0, cfg.vocab, (B, args.prompt), generator=g).to(dev)
-        model = Model(cfg, rank, world, dev, dtype, B, args.prompt + args.steps + 1)
         for name, head in (("stock", StockHead(model, args.top_p)),
                            ("tpsample", TpsampleHead(model, args.top_p, 1))):
             graph = dev.type == "cuda"
@@ -337,12 +338,11 @@ def tpot(cfg, rank, world, dev, dtype, args) -> list:
             if rank == 0:
                 print(f"B={B} {name}: " + " ".join(f"{k}={v:.4g}" for k, v in row.items()
                                                    if isinstance(v, float)), flush=True)
-        del model
     return rows
 
 
 def report(paths: list[str], doc: str | None, label: str) -> str:
-    """The TPOT table (and a plot next to doc) from fast_decode_tp<N>.json runs: per config,
+    """The TPOT table (and a plot next to doc) from fast_decode_*_tp<N>.json runs: per config,
     TP degree and batch, the GPU ms per step of both heads (graph replays), the measured gain,
     the stock head's share of the step, the gain predicted from the heads' own GPU times
     ((stock head - tpsample head) / stock step), wall ms per step and tokens/s."""
@@ -437,7 +437,8 @@ def main(argv=None):
         rows = tpot(cfg, rank, world, dev, dtype, args)
         if rank == 0 and args.out:
             os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, f"fast_decode_tp{world}.json"), "w") as f:
+            with open(os.path.join(args.out, f"fast_decode_{args.config}_tp{world}.json"),
+                      "w") as f:
                 json.dump(dict(config=args.config, world=world, rows=rows,
                                prompt=args.prompt, steps=args.steps), f, indent=1)
     if dist.is_initialized():

@@ -10,6 +10,10 @@
 #                                  # default "1 N"), then the table and plot of every
 #                                  # OUT/tpot/tpot_*.json in OUT/tpot.md (3-4 min per config
 #                                  # and degree on H100s; CONFIG=.. TP=.. picks one)
+#   tools/multigpu.sh decode OUT   # examples/fast_decode.py: --check at each TP degree (the
+#                                  # sampled sequences must match), then the TPOT runs per
+#                                  # config (CONFIG, default qwen3-1.7b) and degree (TP,
+#                                  # default "1 2 4" up to N), then the table in OUT/decode.md
 #
 # N = NPROC (default: every visible GPU). Writes JSON, logs and plots under OUT; the bench
 # parts print their tables last. Run from the repository root with tpsample importable
@@ -20,7 +24,7 @@
 # below): tpsample never uses it, and some shared hosts must not see it.
 set -euo pipefail
 
-part=${1:?part: tests, bench or tpot}
+part=${1:?part: tests, bench, tpot or decode}
 out=${2:?output directory}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -59,6 +63,26 @@ tpot)
     python examples/mcore_decode.py --report "$out"/tpot/tpot_*.json --doc "$out/tpot.md" \
         --label "megatron-core decode"
     ;;
+decode)
+    config=${CONFIG:-qwen3-1.7b}
+    degrees=${TP:-$(for t in 1 2 4; do [ "$t" -le "$n" ] && echo "$t"; done)}
+    for tp in $degrees; do
+        torchrun --standalone --nproc-per-node="$tp" examples/fast_decode.py \
+            --config "${config%%,*}" --check --steps 8 --top-p 0.95 2>&1 \
+            | tee "$out/decode_check_tp$tp.log"
+    done
+    seqs=$(grep -h "sampled tokens" "$out"/decode_check_tp*.log | sed 's/.*: //' | sort -u | wc -l)
+    echo "sampled sequences equal at every TP degree: $([ "$seqs" -eq 1 ] && echo True || echo False)"
+    for c in ${config//,/ }; do
+        for tp in $degrees; do
+            torchrun --standalone --nproc-per-node="$tp" examples/fast_decode.py --config "$c" \
+                --batches 1,8,32,128 --prompt 512 --steps 128 --out "$out/decode" 2>&1 \
+                | tee "$out/decode_${c}_tp$tp.log"
+        done
+    done
+    python examples/fast_decode.py --report "$out"/decode/fast_decode_*.json \
+        --doc "$out/decode.md" --label "fast decode"
+    ;;
 *)
-    echo "unknown part $part (tests, bench or tpot)"; exit 2 ;;
+    echo "unknown part $part (tests, bench, tpot or decode)"; exit 2 ;;
 esac
