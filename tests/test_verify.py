@@ -190,3 +190,27 @@ def test_bad_input_names_the_argument(change, err, match):
     h, w, d = kw.pop("hidden"), kw.pop("weight"), kw.pop("draft_tokens")
     with pytest.raises(err, match=match):
         tpsample.verify_drafts(h, w, d, **kw)
+
+
+@pytest.mark.parametrize("probs", [False, True], ids=["one-hot", "draft-probs"])
+def test_logprobs_are_the_emitted_tokens_under_p(probs):
+    """return_logprobs: every emitted token's log-prob is log p_i(token) at its position (the
+    float64 filtered distribution, within 1e-4), NaN after the emitted ones."""
+    B, S, V = 40, 2, 64
+    h, w = head(V=V, S=S, seed=8)
+    g = torch.Generator().manual_seed(3)
+    filt = dict(top_k=20, top_p=0.9)
+    p = [torch.as_tensor(target_probs(h, w, filt, i)) for i in range(S + 1)]
+    q = torch.softmax(torch.randn(B, S, V, generator=g) * 2, -1) if probs else None
+    src = q if probs else torch.stack(p[:S]).float().expand(B, S, V)  # drafts from q (or p)
+    draft = torch.multinomial(src.reshape(B * S, V), 1, generator=g).view(B, S)
+    out = tpsample.verify_drafts(h.expand(B, -1, -1).contiguous(), w, draft, draft_probs=q,
+                                 seed=torch.arange(B), return_logprobs=True, backend="torch",
+                                 **filt)
+    assert out.num_accepted.max() > 0 and (out.num_accepted < S).any()
+    for b in range(B):
+        n = int(out.num_accepted[b])
+        for i in range(n + 1):
+            want = math.log(float(p[i][out.tokens[b, i]]))
+            assert abs(float(out.logprobs[b, i]) - want) < 1e-4, (b, i)
+        assert torch.isnan(out.logprobs[b, n + 1:]).all()
