@@ -2,7 +2,8 @@
 temperature and batch, with the worst cell beside the typical one.
 
     python -m tpsample.launch.sweep [--shapes 4096x151936,8192x128256] [--batches 1,16,64,256]
-        [--temps 0.7,1.0,1.5] [--heads zipf2.0,...,mixed] [--out DIR] [--doc docs/performance.md --label NAME]
+        [--temps 0.7,1.0,1.5] [--heads zipf2.0,...,mixed] [--warm 8] [--out DIR]
+        [--doc docs/performance.md --label NAME]
 
 One W per shape carries every head's logit profile along its own direction of the hidden
 space, so a head is a hidden state: Zipf heads -a·ln(rank) (random placement) for a in
@@ -12,7 +13,8 @@ the same run times the plain call, cuBLAS's matmul alone, matmul + torch sort + 
 multinomial, and tpsample with each filter set; it prints each head's entropy and nucleus
 sizes at T. Writes OUT/sweep.json after every cell row (a cut-off run keeps what it timed);
 the summary line gives the worst cell per batch range next to the typical one (a = 1.6,
-T = 1).
+T = 1). --warm N first compiles every kernel of the run in N processes at once (a fresh
+machine otherwise compiles each (B, filter set) in turn, minutes per row).
 """
 from __future__ import annotations
 
@@ -112,9 +114,45 @@ def sort_top_p(h, w, T: float, p: float = 0.9):
     return idx.gather(1, torch.multinomial(s.softmax(-1), 1))
 
 
+_WARM_W: dict = {}  # a warm-up worker's weight per (D, V)
+
+
+def _warm_one(task) -> str:
+    """One warm-up task in a worker process: the plain call and each filter set on random
+    [B, D] × [V, D] tensors (the values do not matter: the kernels compile for the shapes,
+    dtypes, B and the filters), so the run's own calls find them in Triton's disk cache."""
+    D, V, B, dtype_name, cuda = task
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = DTYPES[dtype_name]
+    w = _WARM_W.get((D, V))
+    if w is None:
+        _WARM_W.clear()
+        w = _WARM_W[(D, V)] = (torch.randn(V, D, device=device) / D ** 0.5).to(dtype)
+    h = torch.randn(B, D, device=device).to(dtype)
+    for kw in [{}] + list(FILTERS.values()):
+        tpsample.sample(h, w, seed=1, **kw)
+    if cuda:
+        torch.cuda.synchronize()
+    return f"D={D} V={V} B={B}"
+
+
+def warm(args) -> None:
+    """Compile every kernel the run will launch in args.warm worker processes at once (on a
+    fresh machine each (B, filter set) otherwise compiles in turn inside the timed loop's
+    first call: minutes per row). Each worker holds one W on the device."""
+    if args.warm <= 0:
+        return
+    import multiprocessing as mp
+    tasks = [(D, V, B, args.dtype, args.cuda) for D, V in args.shapes for B in args.batches]
+    with mp.get_context("spawn").Pool(min(args.warm, len(tasks))) as pool:
+        for done in pool.imap_unordered(_warm_one, tasks):
+            log(f"[warm] {done}")
+
+
 def run(args) -> dict:
     device = torch.device("cuda" if args.cuda else "cpu")
     dtype = DTYPES[args.dtype]
+    warm(args)
     meta = dict(run_meta(args, args.cuda), bandwidth_bytes_per_s=measure_bandwidth(device),
                 filters=FILTERS, shapes=[])
     meta["command"] = "python -m tpsample.launch.sweep " + " ".join(map(shlex.quote, args.argv))
@@ -259,6 +297,8 @@ def parse_args(argv=None):
     p.add_argument("--label", default="sweep")
     p.add_argument("--report", metavar="JSON", help="render a sweep.json, no run")
     p.add_argument("--cpu", action="store_true", help="CPU tensors even where CUDA exists")
+    p.add_argument("--warm", type=int, default=None,
+                   help="compile in this many processes first (default: 8 on CUDA, 0 on CPU)")
     a = p.parse_args(argv)
     a.argv = list(sys.argv[1:] if argv is None else argv)
     a.cuda = torch.cuda.is_available() and not a.cpu
@@ -267,6 +307,8 @@ def parse_args(argv=None):
     a.batches = [int(b) for b in (a.batches or ("1,16,64,256" if a.cuda else "1,4")).split(",")]
     a.temps = [float(t) for t in a.temps.split(",")]
     a.heads = a.heads.split(",")
+    if a.warm is None:
+        a.warm = min(8, os.cpu_count() or 1) if a.cuda else 0
     if not set(a.heads) <= set(HEADS) | {"mixed"}:
         p.error(f"--heads: a subset of {','.join(list(HEADS) + ['mixed'])}")
     if any(t <= 0 or not math.isfinite(t) for t in a.temps):

@@ -206,3 +206,19 @@ def test_torch_rejection_baseline_is_exact():
     p0 = torch.softmax((h[0, 0] @ w.T).double(), -1)
     tok = torch_verify(h, w, torch.full((N, 1), int(p0.argmax())), None, g)
     assert chi2_pvalue(tok[:, 0], p0) > ALPHA
+
+
+def test_sweep_warms_in_processes_then_writes_json_doc_and_summary(tmp_path):
+    """python -m tpsample.launch.sweep on the CPU with --warm 2: the warm-up runs every batch
+    in worker processes first, then the rows are timed; json, summary and doc section."""
+    doc = tmp_path / "perf.md"
+    text = run([sys.executable, "-m", "tpsample.launch.sweep", "--shapes", "64x4096",
+                "--batches", "1,4", "--heads", "zipf1.6,mixed", "--temps", "1.0", "--warm", "2",
+                "--out", str(tmp_path), "--doc", str(doc), "--label", "CPU"], tmp_path)
+    meta = json.loads((tmp_path / "sweep.json").read_text())
+    rows = meta["shapes"][0]["rows"]
+    assert [(r["head"], r["B"]) for r in rows] == [("zipf1.6", 1), ("zipf1.6", 4), ("mixed", 1),
+                                                   ("mixed", 4)]
+    assert {"plain", "mm", "sort_p0.9", "p0.9", "k50p0.95m0.05"} <= set(rows[0]["ms"])
+    assert "summary: D=64 V=4096: worst B<=64:" in text
+    assert "| zipf1.6 | 1.0 | 4 |" in doc.read_text()
