@@ -208,6 +208,7 @@ def test_torch_rejection_baseline_is_exact():
     assert chi2_pvalue(tok[:, 0], p0) > ALPHA
 
 
+@pytest.mark.slow
 def test_sweep_warms_in_processes_then_writes_json_doc_and_summary(tmp_path):
     """python -m tpsample.launch.sweep on the CPU with --warm 2: the warm-up runs every batch
     in worker processes first, then the rows are timed; json, summary and doc section."""

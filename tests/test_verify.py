@@ -60,7 +60,8 @@ def test_one_hot_drafts_are_the_samplers_tokens_and_a_scan():
     assert torch.equal(again.tokens, out.tokens) and again.logprobs is None
 
 
-@pytest.mark.parametrize("probs", [False, True], ids=["one-hot", "draft-probs"])
+@pytest.mark.parametrize("probs", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["one-hot", "draft-probs"])
 def test_interpreted_kernels_equal_the_torch_path(probs):
     """The Triton backend (interpreted on the CPU) gives the torch path's tokens, with
     filters."""
