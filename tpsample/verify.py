@@ -88,23 +88,25 @@ def check_drafts(hidden: torch.Tensor, draft_tokens, draft_probs, vocab_size: in
             raise ValueError(f"draft_probs is on {draft_probs.device}, hidden on {hidden.device}")
     if P.skip_tensor_checks(hidden.device):  # (during capture, or TPSAMPLE_CHECK_TENSORS=0)
         return n
-    if bool(((d < -1) | (d >= vocab_size)).any()):
-        bad = d[(d < -1) | (d >= vocab_size)][:4].tolist()
-        raise ValueError(f"draft_tokens must be ids in [0, {vocab_size}) or -1 (no more drafts), "
-                         f"got {bad}")
-    if bool((ended & (d >= 0)).any()):
-        raise ValueError("draft_tokens: a -1 ends a request's drafts; an id after it in rows "
-                         f"{(ended & (d >= 0)).any(1).nonzero()[:4, 0].tolist()}")
+    out_of_range = (d < -1) | (d >= vocab_size)
+    after_end = ended & (d >= 0)
+    flags = [out_of_range.any(), after_end.any()]
     if draft_probs is not None:
-        live = ~ended
         sums = draft_probs.double().sum(-1)
-        bad = live & (~torch.isfinite(sums) | ((sums - 1).abs() > DRAFT_PROBS_TOL))
-        neg = live & (draft_probs < 0).any(-1)
-        if bool((bad | neg).any()):
-            at = (bad | neg).nonzero()[:4].tolist()
-            raise ValueError("draft_probs: each draft position's distribution must be >= 0 and "
-                             f"sum to 1 within {DRAFT_PROBS_TOL}; not at (request, position) {at}")
-    return n
+        off = ~ended & (~torch.isfinite(sums) | ((sums - 1).abs() > DRAFT_PROBS_TOL)
+                        | (draft_probs < 0).any(-1))
+        flags.append(off.any())
+    if not bool(torch.stack(flags).any()):  # (one host synchronisation for all of them)
+        return n
+    if bool(flags[0]):
+        raise ValueError(f"draft_tokens must be ids in [0, {vocab_size}) or -1 (no more drafts), "
+                         f"got {d[out_of_range][:4].tolist()}")
+    if bool(flags[1]):
+        raise ValueError("draft_tokens: a -1 ends a request's drafts; an id after it in rows "
+                         f"{after_end.any(1).nonzero()[:4, 0].tolist()}")
+    raise ValueError("draft_probs: each draft position's distribution must be >= 0 and sum to 1 "
+                     f"within {DRAFT_PROBS_TOL}; not at (request, position) "
+                     f"{off.nonzero()[:4].tolist()}")
 
 
 def per_request(name: str, value, B: int, S1: int):
