@@ -180,6 +180,7 @@ def test_tp_gloo_equals_one_device(probs):
     (dict(draft_tokens=torch.tensor([[1, 50], [0, 0]])), ValueError, "ids in \\[0, 50\\)"),
     (dict(draft_tokens=torch.tensor([[-1, 3], [0, 0]])), ValueError, "a -1 ends"),
     (dict(draft_probs=torch.full((2, 2, 50), 0.03)), ValueError, "sum to 1 within"),
+    (dict(draft_probs=torch.full((2, 2, 50), 0.02).index_put_((torch.tensor([0]), torch.tensor([1]), torch.tensor([3])), torch.tensor(-0.01)).index_put_((torch.tensor([0]), torch.tensor([1]), torch.tensor([4])), torch.tensor(0.05))), ValueError, "must be >= 0"),
     (dict(draft_probs=torch.full((2, 2, 49), 1 / 49)), ValueError, "draft_probs must be \\[B, S, V\\]"),
     (dict(draft_probs=torch.full((2, 2, 50), 0.02, dtype=torch.float64)), TypeError, "draft_probs must be None or a float32"),
     (dict(top_p=torch.tensor([0.5, 0.5, 0.5])), ValueError, "top_p must be a scalar or a Tensor\\[B\\]"),
