@@ -179,13 +179,13 @@ class StockHead:
     def __init__(self, model: Model, top_p: float | None):
         self.m, self.top_p = model, top_p
         self.sizes = [shard(model.cfg.vocab, r, model.world) for r in range(model.world)]
+        self.width = max(s.stop - s.start for s in self.sizes)
 
     def __call__(self, hidden: torch.Tensor, temperature: float, step: torch.Tensor):
         m = self.m
         logits = (hidden @ m.head.T).float()
         if m.world > 1:
-            width = max(s.stop - s.start for s in self.sizes)
-            pad = torch.full((logits.shape[0], width), float("-inf"), device=logits.device)
+            pad = torch.full((logits.shape[0], self.width), float("-inf"), device=logits.device)
             pad[:, :logits.shape[1]] = logits
             parts = [torch.empty_like(pad) for _ in range(m.world)]
             dist.all_gather(parts, pad)
@@ -388,12 +388,9 @@ def report(paths: list[str], doc: str | None, label: str) -> str:
             ax.set_xlabel("batch")
             ax.set_ylabel("GPU time per step saved (%)")
             ax.legend(fontsize=7)
-            name = f"{label.lower().replace(' ', '_')}.png"
-            folder = os.path.join(os.path.dirname(os.path.abspath(doc)), "img")
-            os.makedirs(folder, exist_ok=True)
-            fig.savefig(os.path.join(folder, name), dpi=110, bbox_inches="tight")
-            plt.close(fig)
-            text += f"\n\n![{label}](img/{name})"
+            from tpsample.launch.bench import save_beside_doc
+            img = save_beside_doc(fig, doc, label.lower().replace(" ", "_"))
+            text += f"\n\n![{label}]({img})"
         except ImportError:
             pass
     return text

@@ -381,6 +381,28 @@ def write_doc(path: str, label: str, body: str) -> None:
     log(f"wrote section {label} of {path}")
 
 
+def save_beside_doc(fig, doc: str, name: str) -> str:
+    """Save a matplotlib figure as img/NAME.png next to the doc (closing it); returns the
+    doc-relative path for its markdown link."""
+    import matplotlib.pyplot as plt
+    folder = os.path.join(os.path.dirname(os.path.abspath(doc)), "img")
+    os.makedirs(folder, exist_ok=True)
+    fig.savefig(os.path.join(folder, f"{name}.png"), dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return f"img/{name}.png"
+
+
+def render_report(args, meta: dict, markdown, summary) -> None:
+    """Print a run's (or --report's) markdown and summary lines; with --doc, rewrite its
+    section --label (the sweep-style benchmarks' common ending)."""
+    text = markdown(meta, args.doc or os.devnull, args.label)
+    print(text)
+    for s in summary(meta):
+        print("summary:", s)
+    if args.doc:
+        write_doc(args.doc, args.label, text)
+
+
 FILTER_SETS = {"tps_k": dict(top_k=50), "tps_p": dict(top_p=0.9), "tps_m": dict(min_p=0.05),
                "tps_kpm": dict(top_k=50, top_p=0.9, min_p=0.05), "tps_lp20": dict(top_logprobs=20)}
 

@@ -30,7 +30,8 @@ import torch
 
 import tpsample
 
-from .bench import DTYPES, log, measure_bandwidth, run_meta, time_fn, write_doc
+from .bench import (DTYPES, log, measure_bandwidth, render_report, run_meta, save_beside_doc,
+                    time_fn)
 
 HEADS = {"zipf2.0": ("zipf", 2.0), "zipf1.6": ("zipf", 1.6), "zipf1.3": ("zipf", 1.3),
          "zipf1.1": ("zipf", 1.1), "zipf1.0": ("zipf", 1.0), "gauss4": ("gauss", 4.0),
@@ -275,12 +276,7 @@ def plot(res: dict, doc: str, label: str) -> str | None:
     ax.set_ylabel("filtered call / plain call")
     ax.set_title(f"{label}: D={res['D']} V={res['V']} B={B} T=1")
     ax.legend(fontsize=7, ncol=2)
-    name = f"{label.lower().replace(' ', '_')}_{res['D']}x{res['V']}.png"
-    folder = os.path.join(os.path.dirname(os.path.abspath(doc)), "img")
-    os.makedirs(folder, exist_ok=True)
-    fig.savefig(os.path.join(folder, name), dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return f"img/{name}"
+    return save_beside_doc(fig, doc, f"{label.lower().replace(' ', '_')}_{res['D']}x{res['V']}")
 
 
 def parse_args(argv=None):
@@ -319,12 +315,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     meta = json.load(open(args.report)) if args.report else run(args)
-    text = markdown(meta, args.doc or os.devnull, args.label)
-    print(text)
-    for s in summary(meta):
-        print("summary:", s)
-    if args.doc:
-        write_doc(args.doc, args.label, text)
+    render_report(args, meta, markdown, summary)
 
 
 if __name__ == "__main__":

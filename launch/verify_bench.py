@@ -31,7 +31,7 @@ import torch
 
 import tpsample
 
-from .bench import DTYPES, log, run_meta, time_fn, write_doc
+from .bench import DTYPES, log, render_report, run_meta, save_beside_doc, time_fn
 
 
 def torch_verify(h, w, draft, q, gen):
@@ -159,12 +159,7 @@ def plot(res: dict, doc: str, label: str) -> str | None:
     ax.set_ylabel("time / tpsample.sample on the same rows")
     ax.set_title(f"{label}: D={res['D']} V={res['V']}")
     ax.legend(fontsize=7)
-    name = f"{label.lower().replace(' ', '_')}_{res['D']}x{res['V']}.png"
-    folder = os.path.join(os.path.dirname(os.path.abspath(doc)), "img")
-    os.makedirs(folder, exist_ok=True)
-    fig.savefig(os.path.join(folder, name), dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return f"img/{name}"
+    return save_beside_doc(fig, doc, f"{label.lower().replace(' ', '_')}_{res['D']}x{res['V']}")
 
 
 def parse_args(argv=None):
@@ -194,12 +189,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     meta = json.load(open(args.report)) if args.report else run(args)
-    text = markdown(meta, args.doc or os.devnull, args.label)
-    print(text)
-    for s in summary(meta):
-        print("summary:", s)
-    if args.doc:
-        write_doc(args.doc, args.label, text)
+    render_report(args, meta, markdown, summary)
 
 
 if __name__ == "__main__":
