@@ -304,7 +304,7 @@ def cut_step_kernel(
                                        BLOCK_G)
                 if won:
                     if STEP == FINAL:
-                        tl.store(tokens_ptr + b64, ID_MASK - (w_key & ID_MASK))
+                        tl.store(tokens_ptr + b64, tl.where(w_key >= 0, ID_MASK - (w_key & ID_MASK), -1))
                         tl.store(logprobs_ptr + b64, float("nan"))
                         tl.store(logz_ptr + b, float("nan"))
                         tl.atomic_add(count_ptr, 1)
