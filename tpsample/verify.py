@@ -20,7 +20,8 @@ offsets would have drawn at those positions, on any TP degree and at any batch p
 Full draft distributions (draft_probs [B, S, V]): the acceptance needs p_i(x_i) and the
 residual needs p_i over the whole vocabulary, so the S draft positions' logits are computed
 (a matmul; under TP each rank's shard, all-gathered) and filtered in float64 (the semantics
-of tpsample/filters.py); this path is not fused. x_i is accepted when u_i · q_i(x_i) <
+of tpsample/filters.py); this path is not fused. The verdicts come first, so the residual is
+drawn only at each request's first rejection. x_i is accepted when u_i · q_i(x_i) <
 p_i(x_i), u_i = noise.uniform(seed_b, offset_b + i, 0, 0, ACCEPT_STREAM); the residual is
 sampled by Gumbel-max over log max(0, p_i - q_i) with the sampler's token noise at position
 i (so a draft equal to the target is always accepted, and a rejected position emits what
@@ -138,13 +139,14 @@ def positions(hidden: torch.Tensor, seed, offset, draw_seed: Callable[[int], tor
 
 
 def scan(y: torch.Tensor, lp: torch.Tensor | None, draft: torch.Tensor, n: torch.Tensor,
-         accept: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-         lp_draft: torch.Tensor | None = None, lp_residual: torch.Tensor | None = None):
+         accept: torch.Tensor | None = None):
     """The acceptance scan per request. y [B, S + 1]: the sampler's token at each position
     (lp: its log-prob); draft [B, S], n [B] drafts per request. One-hot drafts: x_i is
-    accepted while y_i == x_i. With accept / residual [B, S] (full draft distributions): x_i
-    accepted where accept, residual[i] emitted at the first rejection. Returns tokens,
-    num_accepted, logprobs."""
+    accepted while y_i == x_i, and the first y_i that differs (or the bonus y_s) is emitted.
+    With accept [B, S] (full draft distributions): x_i accepted where accept; the caller puts
+    the residual's token at the first rejection (num_accepted < n). Returns tokens,
+    num_accepted, logprobs (the emitted drafts' and the bonus token's; the residual's slot
+    holds y's until the caller fills it)."""
     B, S1 = y.shape
     S = S1 - 1
     pos = torch.arange(S1, device=y.device)
@@ -157,18 +159,12 @@ def scan(y: torch.Tensor, lp: torch.Tensor | None, draft: torch.Tensor, n: torch
         tokens = torch.where(pos[None, :] <= at, y, -1)
         logprobs = None if lp is None else torch.where(pos[None, :] <= at, lp, float("nan"))
         return tokens, acc, logprobs
-    rejected = acc < n  # the token at acc: the residual's, or the bonus y at position n
-    first = acc.clamp(max=S - 1)[:, None]
-    last_tok = torch.where(rejected, residual.gather(1, first)[:, 0], y.gather(1, at)[:, 0])
-    tokens = torch.where(pos[None, :] < at, torch.cat([draft, y[:, S:]], 1), -1)
-    tokens = torch.where(pos[None, :] == at, last_tok[:, None], tokens)
+    emitted = torch.cat([draft, y[:, S:]], 1)  # the accepted drafts; y at the bonus position
+    tokens = torch.where(pos[None, :] < at, emitted, -1)
+    tokens = torch.where(pos[None, :] == at, y.gather(1, at), tokens)
     logprobs = None
     if lp is not None:
-        last_lp = torch.where(rejected, lp_residual.gather(1, first)[:, 0].float(),
-                              lp.gather(1, at)[:, 0])
-        logprobs = torch.where(pos[None, :] < at, torch.cat([lp_draft.float(), lp[:, S:]], 1),
-                               float("nan"))
-        logprobs = torch.where(pos[None, :] == at, last_lp[:, None], logprobs)
+        logprobs = torch.where(pos[None, :] <= at, lp, float("nan"))
     return tokens, acc, logprobs
 
 
@@ -178,54 +174,55 @@ def residual_weights(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.clamp(p - q, min=0.0)
 
 
-def residual_verdicts(l: torch.Tensor, ids: torch.Tensor, inv_temp: torch.Tensor,
-                      filters: P.Filters, seed: torch.Tensor, offset: torch.Tensor,
-                      x: torch.Tensor, q: torch.Tensor):
-    """The full-draft-distribution test at R draft positions. l [R, C] fp32 transformed
-    logits (-inf in padding columns), ids [C] int64 each column's global id; inv_temp,
-    seed, offset [R] and filters (per row) as the sampler's; x [R] the draft ids (-1: none),
-    q [R, V] fp32 the draft distributions (indexed by global id). p is the processed
-    distribution in float64 (tpsample/filters.py's semantics; greedy rows: the point mass at
-    the argmax). Returns (accept [R] bool, residual token [R] int64, log p(x) [R], log
-    p(residual token) [R]) in float64 log-probs."""
+def target_logprobs(l: torch.Tensor, ids: torch.Tensor, inv_temp: torch.Tensor,
+                    filters: P.Filters) -> torch.Tensor:
+    """log p over R rows' columns, float64 [R, C] (-inf where p is 0): p the processed
+    distribution (tpsample/filters.py's semantics; greedy rows: the point mass at the
+    argmax, the smallest id among equal logits). l [R, C] fp32 transformed logits (-inf in
+    padding columns), ids [C] int64 each column's global id; inv_temp and filters per row.
+    Rows sort only where top_k or top_p can cut; min_p is a threshold on the logit."""
     R, C = l.shape
     dev = l.device
-    col = torch.arange(C, device=dev)
-    by_id = torch.argsort(ids, stable=True)
-    order = by_id[torch.argsort(l[:, by_id], dim=1, descending=True, stable=True)]  # [R, C]
-    xs = l.gather(1, order).double()
-    xmax = xs[:, :1].nan_to_num(neginf=0.0, posinf=0.0)
-    logz = torch.logsumexp(xs, dim=1)
+    x = l.double()
     greedy = inv_temp == 0
+    on = F.row_is_filtered(filters, inv_temp)
     k, p_, m = F.row_filters(filters, R, dev)
-    off = ~F.row_is_filtered(filters, inv_temp)
-    k, p_, m = (torch.where(off, 0, k), torch.where(off, 1.0, p_), torch.where(off, 0.0, m))
-    kept, _ = F.kept_prefix(xs, torch.ones_like(xs, dtype=torch.bool), k, p_, m, logz)
-    kept = torch.where(greedy[:, None], col[None, :] == 0, kept)
-    logz_kept = xmax[:, 0] + torch.log((torch.exp(xs - xmax) * kept).sum(1))
-    lp_sorted = torch.where(kept, xs - logz_kept[:, None], float("-inf"))
-    lp_sorted = torch.where(greedy[:, None], torch.where(kept, 0.0, float("-inf")), lp_sorted)
-    lp_cols = torch.full((R, C), float("-inf"), dtype=torch.float64, device=dev)
-    lp_cols.scatter_(1, order, lp_sorted)
-    p = torch.exp(lp_cols)
-    qc = q.double().gather(1, ids.clamp(max=q.shape[1] - 1)[None, :].expand(R, C))
-    qc = torch.where(torch.isfinite(l), qc, 0.0)
-    hit = (ids[None, :] == x[:, None]) & torch.isfinite(l)
-    p_x = (p * hit).sum(1)
-    q_x = (qc * hit).sum(1)
-    u = noise.uniform(seed[:, None], offset[:, None], 0, torch.zeros(1, 1, dtype=torch.int64,
-                                                                        device=dev),
-                      stream=ACCEPT_STREAM)[:, 0].double()
-    accept = (x >= 0) & (u * q_x < p_x)
-    r = residual_weights(p, qc)
+    k, p_, m = (torch.where(on, k, 0), torch.where(on, p_, 1.0), torch.where(on, m, 0.0))
+    logz = torch.logsumexp(x, dim=1)
+    xmax = x.amax(1, keepdim=True)
+    finite_max = torch.where(torch.isfinite(xmax), xmax, 0.0)
+    if filters.top_k is not None or filters.top_p is not None:
+        by_id = torch.argsort(ids, stable=True)
+        order = by_id[torch.argsort(l[:, by_id], dim=1, descending=True, stable=True)]
+        kept_sorted, _ = F.kept_prefix(x.gather(1, order), torch.ones_like(x, dtype=torch.bool),
+                                       k, p_, m, logz)
+        kept = torch.zeros_like(kept_sorted).scatter_(1, order, kept_sorted)
+    else:  # min-p alone: the kept set is exp(x - x_max) >= min_p (filters.kept_prefix)
+        kept = (x > float("-inf")) & (torch.exp(x - finite_max) >= m.double()[:, None])
+    top = torch.where(x == xmax, ids[None, :], torch.iinfo(torch.int64).max).argmin(1)
+    kept = torch.where(greedy[:, None], torch.arange(C, device=dev)[None, :] == top[:, None],
+                       kept)
+    logz_kept = finite_max[:, 0] + torch.log((torch.exp(x - finite_max) * kept).sum(1))
+    lp = torch.where(kept, x - logz_kept[:, None], float("-inf"))
+    return torch.where(greedy[:, None], torch.where(kept, 0.0, float("-inf")), lp)
+
+
+def residual_pick(lp: torch.Tensor, ids: torch.Tensor, q: torch.Tensor, seed: torch.Tensor,
+                  offset: torch.Tensor):
+    """A token from normalise(max(0, p - q)) per row by Gumbel-max with the sampler's token
+    noise at (seed, offset): lp [R, C] float64 log p (target_logprobs), ids [C], q [R, C]
+    the draft probabilities of those columns. Where p == q up to rounding (no residual
+    mass) the token is drawn from p. Returns (token [R] int64, log p(token) [R] float64)."""
+    R, C = lp.shape
+    p = torch.exp(lp)
+    r = residual_weights(p, q.double())
     g = noise.gumbel(seed[:, None], offset[:, None], 0, ids[None, :])
     z = torch.where(r > 0, torch.log(r).float() + g, float("-inf"))
-    none = ~(r > 0).any(1)  # p == q up to rounding: the residual is p itself
-    z = torch.where(none[:, None], torch.where(p > 0, lp_cols.float() + g, float("-inf")), z)
+    none = ~(r > 0).any(1)
+    z = torch.where(none[:, None], torch.where(p > 0, lp.float() + g, float("-inf")), z)
     pick = merge.pathwise_max(z, ids.float().expand(R, C))
-    lp_pick = lp_cols.gather(1, pick.clamp(min=0)[:, None])[:, 0]
-    return (accept, torch.where(pick >= 0, ids[pick.clamp(min=0)], -1),
-            torch.where(x >= 0, torch.log(p_x), float("nan")), lp_pick)
+    return (torch.where(pick >= 0, ids[pick.clamp(min=0)], -1),
+            lp.gather(1, pick.clamp(min=0)[:, None])[:, 0])
 
 
 def verify(hidden: torch.Tensor, draft_tokens: torch.Tensor, draft_probs, n: torch.Tensor, *,
@@ -236,7 +233,11 @@ def verify(hidden: torch.Tensor, draft_tokens: torch.Tensor, draft_probs, n: tor
     [B, S + 1, D], n [B] (check_drafts); sample_rows(rows [R, D], **sampler keywords) is the
     sampler; draft_logits(rows [R, D], inv_temp [R]) returns (l [R, C] fp32 transformed
     logits, ids [C] int64 global ids) for the draft-probs path; draw_seed(B) draws the
-    requests' seeds when seed is None."""
+    requests' seeds when seed is None.
+
+    Full draft distributions: x_i is accepted when u_i · q_i(x_i) < p_i(x_i) at every draft
+    position (log p from the draft positions' logits); the residual is drawn only at each
+    request's first rejection (B rows, not B·S)."""
     B, S1, D = hidden.shape
     S = S1 - 1
     rows = hidden.reshape(B * S1, D)
@@ -254,15 +255,38 @@ def verify(hidden: torch.Tensor, draft_tokens: torch.Tensor, draft_probs, n: tor
                          num_samples=1, return_logprobs=False, top_logprobs=0, replacement=True,
                          logprobs_mode="processed", allowed_mask=None, logit_adjust=None,
                          repetition_penalty=None, **kw)
-    at = (torch.arange(B, device=rows.device)[:, None] * S1
-          + torch.arange(S, device=rows.device)[None, :]).reshape(-1)  # the draft positions
+    dev = rows.device
+    at = (torch.arange(B, device=dev)[:, None] * S1
+          + torch.arange(S, device=dev)[None, :]).reshape(-1)  # the draft positions
     inv = spec.row.inv_temp[at]
+    filters = F.take_rows(spec.filters, at)
     l, ids = draft_logits(rows[at], inv)
-    accept, resid, lp_x, lp_r = residual_verdicts(
-        l, ids, inv, F.take_rows(spec.filters, at), spec.row.seed[at], spec.row.offset[at],
-        draft.reshape(-1), draft_probs.reshape(B * S, -1))
-    return VerifyOutput(*scan(y, lp, draft, n, accept.view(B, S), resid.view(B, S),
-                              lp_x.view(B, S), lp_r.view(B, S)))
+    lp_all = target_logprobs(l, ids, inv, filters)  # [B·S, C]
+    x = draft.reshape(-1)
+    # (a shard's padding columns may repeat a real id; their log p is -inf)
+    lp_x = torch.where(ids[None, :] == x[:, None], lp_all, float("-inf")).amax(1)
+    q = draft_probs.reshape(B * S, -1)
+    q_x = q.gather(1, x.clamp(min=0)[:, None])[:, 0].double()
+    u = noise.uniform(spec.row.seed[at], spec.row.offset[at], 0,
+                      torch.zeros(B * S, dtype=torch.int64, device=dev),
+                      stream=ACCEPT_STREAM).double()
+    accept = ((x >= 0) & (u * q_x < torch.exp(lp_x))).view(B, S)
+    tokens, acc, logprobs = scan(y, lp, draft, n, accept)
+    # the residual at each request's first rejection (position S - 1 where none: unused)
+    first = torch.arange(B, device=dev) * S + acc.clamp(max=S - 1)
+    q_cols = q[first].gather(1, ids.clamp(max=vocab_size - 1)[None, :].expand(B, -1))
+    q_cols = torch.where(torch.isfinite(l[first]), q_cols, 0.0)
+    resid, lp_resid = residual_pick(lp_all[first], ids, q_cols, spec.row.seed[at][first],
+                                    spec.row.offset[at][first])
+    rejected = (acc < n)[:, None] & (torch.arange(S1, device=dev)[None, :] == acc[:, None])
+    tokens = torch.where(rejected, resid[:, None], tokens)
+    if logprobs is not None:
+        accepted = torch.arange(S, device=dev)[None, :] < acc[:, None]
+        lp_draft = torch.where(accepted, lp_x.view(B, S).float(), float("nan"))
+        logprobs = torch.cat([torch.where(accepted, lp_draft, logprobs[:, :S]),
+                              logprobs[:, S:]], 1)
+        logprobs = torch.where(rejected, lp_resid.float()[:, None], logprobs)
+    return VerifyOutput(tokens, acc, logprobs)
 
 
 def local_logits(weight: torch.Tensor, bias, n_real: int, vocab_start: int = 0,
