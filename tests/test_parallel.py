@@ -42,8 +42,9 @@ def tp_sample(rank, world, merge, backend, explicit_start):
                    num_samples=2, return_logprobs=True)
 
 
-@pytest.mark.parametrize("world,backend,explicit", [(2, "auto", False), (3, "torch", False),
-                                                    (4, "torch", True), (3, "auto", True)])
+@pytest.mark.parametrize("world,backend,explicit", [
+    (2, "auto", False), (3, "torch", False), pytest.param(4, "torch", True, marks=pytest.mark.slow),
+    (3, "auto", True)])
 def test_tp_tokens_equal_single_device_and_identical_on_ranks(world, backend, explicit):
     outs = run_world(world, tp_sample, "max", backend, explicit)
     for o in outs:
@@ -135,12 +136,16 @@ def tp_bad(rank, world, case):
     return "no error"
 
 
-@pytest.mark.parametrize("case,exc,words", [("D", "ValueError", "D"), ("vocab_size", "ValueError", "vocab_size"),
-                                            ("vocab_start", "ValueError", "vocab_start"),
-                                            ("B", "ValueError", "disagree on B"),
-                                            ("logprobs", "ValueError", "logprobs differs"),
-                                            ("no_logprobs", "ValueError", "logprobs=False"),
-                                            ("timeout_s", "ValueError", "timeout_s")])
+SLOW = pytest.mark.slow  # (each case starts two processes: the README command keeps three)
+
+
+@pytest.mark.parametrize("case,exc,words", [
+    ("D", "ValueError", "D"), ("B", "ValueError", "disagree on B"),
+    ("logprobs", "ValueError", "logprobs differs"),
+    pytest.param("vocab_size", "ValueError", "vocab_size", marks=SLOW),
+    pytest.param("vocab_start", "ValueError", "vocab_start", marks=SLOW),
+    pytest.param("no_logprobs", "ValueError", "logprobs=False", marks=SLOW),
+    pytest.param("timeout_s", "ValueError", "timeout_s", marks=SLOW)])
 def test_tp_bad_input_raises_on_every_rank(case, exc, words):
     outs = run_world(2, tp_bad, case)
     for o in outs:
