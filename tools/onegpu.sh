@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Everything that needs one GPU, in parts that each fit one ~10-minute run on a fresh machine
+# (compiling included):
+#
+#   tools/onegpu.sh tests OUT    # the one-GPU tests (tests/gpu, without the multigpu module)
+#   tools/onegpu.sh sweep OUT    # the filtered-call sweep (SHAPES, default 4096x151936; the
+#                                # flat, typical and mixed heads at T = 1, B 16/64/256), its
+#                                # table and plot in OUT/sweep.md
+#   tools/onegpu.sh verify OUT   # speculative verification against the plain call and a
+#                                # torch rejection sampler (SHAPES as above), OUT/verify.md
+#   tools/onegpu.sh decode OUT   # examples/fast_decode.py at TP1: --check, then the TPOT
+#                                # runs (CONFIG, default qwen3-1.7b) and OUT/decode.md
+#   tools/onegpu.sh host OUT     # tools.host_cost: host µs per call kind, graphs off and on
+#
+# Run from the repository root with tpsample importable (PYTHONPATH or an install; the source
+# tree's tpsample/ has no kernels, so it is kept off sys.path: PYTHONSAFEPATH, and the
+# repository root goes last on PYTHONPATH for tools/ and tests/). Writes JSON, logs and
+# markdown under OUT; each part prints its table last.
+set -euo pipefail
+
+part=${1:?part: tests, sweep, verify, decode or host}
+out=${2:?output directory}
+mkdir -p "$out"
+export PYTHONSAFEPATH=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
+shapes=${SHAPES:-4096x151936}
+
+case "$part" in
+tests)
+    python -m pytest -q -ra -m "gpu or not gpu" tests/gpu --ignore=tests/gpu/test_multigpu.py \
+        2>&1 | tee "$out/tests.log"
+    ;;
+sweep)
+    python -m tpsample.launch.sweep --shapes "$shapes" --temps 1.0 \
+        --heads gauss1,zipf1.3,zipf1.6,mixed --batches 16,64,256 --out "$out/sweep" \
+        --doc "$out/sweep.md" --label "sweep" 2>&1 | tee "$out/sweep.log"
+    ;;
+verify)
+    python -m tpsample.launch.verify_bench --shapes "$shapes" --out "$out/verify" \
+        --doc "$out/verify.md" --label "verify" 2>&1 | tee "$out/verify.log"
+    ;;
+decode)
+    config=${CONFIG:-qwen3-1.7b}
+    python examples/fast_decode.py --config "$config" --check --steps 8 --top-p 0.95 2>&1 \
+        | tee "$out/decode_check.log"
+    python examples/fast_decode.py --config "$config" --batches 1,8,32,128 --prompt 512 \
+        --steps 128 --out "$out/decode" 2>&1 | tee "$out/decode_${config}.log"
+    python examples/fast_decode.py --report "$out"/decode/fast_decode_*.json \
+        --doc "$out/decode.md" --label "fast decode"
+    ;;
+host)
+    TPSAMPLE_GRAPHS=0 python -m tools.host_cost --batches 1,64 --no-profile \
+        --kinds plain,plain_fresh_h,logprobs,top_p0.9 --out "$out/off" 2>&1 | tee "$out/off.log"
+    python -m tools.host_cost --batches 1,64 --no-profile \
+        --kinds plain,plain_fresh_h,logprobs,top_p0.9 --out "$out/on" 2>&1 | tee "$out/on.log"
+    python -m tools.host_cost --report off="$out/off/host_cost.json" on="$out/on/host_cost.json"
+    ;;
+*)
+    echo "unknown part $part (tests, sweep, verify, decode or host)"; exit 2 ;;
+esac
