@@ -81,6 +81,47 @@ def test_interpreted_kernels_equal_the_torch_path(probs):
     assert torch.allclose(a.logprobs[fin], b.logprobs[fin], atol=1e-4)
 
 
+@pytest.mark.parametrize("S", [0, 1, 3, 4])
+def test_draft_scan_kernels_equal_the_torch_functions(S):
+    """kernels/draft_scan.py (interpreted) against verify.draft_rows / scan's torch path:
+    the drafts per request, each position's (seed, offset), the scan's tokens, counts and
+    log-probs, with ragged drafts, int32 drafts, y equal to the draft on some prefixes."""
+    B, V = 7, 40
+    g = torch.Generator().manual_seed(S)
+    h = torch.zeros(B, S + 1, 4)
+    draft = torch.randint(0, V, (B, S), generator=g)
+    cut = torch.randint(0, S + 1, (B,), generator=g)
+    draft = torch.where(torch.arange(S)[None, :] < cut[:, None], draft, -1)
+    y = torch.randint(0, V, (B, S + 1), generator=g)
+    keep = torch.randint(0, S + 1, (B,), generator=g)  # y equals the draft on a prefix
+    y[:, :S] = torch.where(torch.arange(S)[None, :] < keep[:, None], draft.clamp(min=0), y[:, :S])
+    lp = -torch.rand(B, S + 1, generator=g)
+    for seed, offset in [(torch.arange(B) * 5 + 1, torch.arange(B) + 100), (9, 4)]:
+        one = VF.draft_rows(h, draft, None, V, seed, offset, None, kernels=False)
+        two = VF.draft_rows(h, draft.int(), None, V, seed, offset, None, kernels=True)
+        for a, b in zip(one, two):
+            assert torch.equal(a, b)
+        n = one[0]
+        assert n.tolist() == cut.tolist()
+        for with_lp in (lp, None):
+            ref = VF.scan(y, with_lp, draft, n)
+            out = VF.accept_scan(y, with_lp, draft, n)
+            assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+            if with_lp is None:
+                assert out[2] is None
+            else:
+                assert torch.equal(out[2].isnan(), ref[2].isnan())
+                assert torch.equal(out[2].nan_to_num(), ref[2].nan_to_num())
+
+
+@pytest.mark.parametrize("draft,match", [([[1, 50], [0, 0]], "ids in \\[0, 50\\)"),
+                                         ([[-1, 3], [0, 0]], "a -1 ends")])
+def test_bad_drafts_raise_on_the_kernel_path(draft, match):
+    h, w = torch.randn(2, 3, 8), torch.randn(50, 8)
+    with pytest.raises(ValueError, match=match):
+        tpsample.verify_drafts(h, w, torch.tensor(draft), seed=1, backend="triton")
+
+
 # ----- chi-squared ---------------------------------------------------------------------------
 N = 20000
 FILTERS = [dict(), dict(top_k=12, top_p=0.8)]

@@ -168,15 +168,16 @@ def verify_drafts(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torc
     V = weight.shape[0]
     vocab_size = P.check_vocab_size(V if vocab_size is None else vocab_size, V)
     bias = P.check_bias(bias, V, hidden.device)
-    n = VF.check_drafts(hidden, draft_tokens, draft_probs, vocab_size)
+    VF.check_drafts(hidden, draft_tokens, draft_probs, vocab_size)
 
     def sample_rows(rows, **kw):
         return sample(rows, weight, bias=bias, vocab_size=vocab_size, backend=backend, **kw)
 
     def draw_seed(B):
         return torch.randint(0, P.SEED_HIGH, (B,), dtype=torch.int64, device=hidden.device)
-    return VF.verify(hidden, draft_tokens, draft_probs, n, sample_rows=sample_rows,
+    return VF.verify(hidden, draft_tokens, draft_probs, sample_rows=sample_rows,
                      draft_logits=VF.local_logits(weight, bias, vocab_size),
                      draw_seed=draw_seed, vocab_size=vocab_size, temperature=temperature,
                      seed=seed, offset=offset, top_k=top_k, top_p=top_p, min_p=min_p,
-                     return_logprobs=return_logprobs)
+                     return_logprobs=return_logprobs,
+                     kernels=P.resolve_backend(backend, hidden.device) == "triton")

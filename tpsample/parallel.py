@@ -268,7 +268,7 @@ class VocabParallelSampler:
         VF.check_hidden3(hidden)
         P.check_hidden_weight(hidden[:, 0], self.weight, "weight_shard")
         bias = P.check_bias(bias, self.weight.shape[0], hidden.device)
-        n = VF.check_drafts(hidden, draft_tokens, draft_probs, self.vocab_size)
+        VF.check_drafts(hidden, draft_tokens, draft_probs, self.vocab_size)
         local = VF.local_logits(self.weight, bias, self.n_real, self.vocab_start,
                                 self.shard_width)
 
@@ -282,12 +282,12 @@ class VocabParallelSampler:
         def draw_seed(B):
             return torch.randint(0, P.SEED_HIGH, (B,), dtype=torch.int64, device=self.device,
                                  generator=self.generator)
-        return VF.verify(hidden, draft_tokens, draft_probs, n,
+        return VF.verify(hidden, draft_tokens, draft_probs,
                          sample_rows=lambda rows, **kw: self(rows, bias=bias, **kw),
                          draft_logits=draft_logits, draw_seed=draw_seed,
                          vocab_size=self.vocab_size, temperature=temperature, seed=seed,
                          offset=offset, top_k=top_k, top_p=top_p, min_p=min_p,
-                         return_logprobs=return_logprobs)
+                         return_logprobs=return_logprobs, kernels=self.backend == "triton")
 
 
 __all__ = ["VocabParallelSampler", "ExchangeTimeout"]

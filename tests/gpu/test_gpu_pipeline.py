@@ -204,3 +204,40 @@ def test_repeated_filtered_calls_through_their_graph_equal_reissued_launches(kw,
         for f in ("tokens", "logprobs", "logz", "top_tokens", "top_logprobs"):
             x, y = getattr(a, f), getattr(b, f)
             assert (x is None and y is None) or torch.equal(x, y), (i, f)
+def test_verify_drafts_kernels_and_their_replays_equal_the_torch_scan():
+    """verify_drafts on CUDA (kernels/draft_scan.py around the sampler call; from the second
+    call the two launches are re-issued through their recorded launchers) against the
+    sampler's own tokens and the torch scan, over calls with new drafts, offsets and
+    ragged drafts; and captured in a CUDA graph."""
+    from tpsample import verify as VF
+    B, S, D, V = 8, 4, 256, 5000
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(B, S + 1, D, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(V, D, device="cuda", generator=g) * 0.1).bfloat16()
+    seed = torch.arange(B, device="cuda") * 13 + 1
+    for call in range(4):
+        offset = torch.full((B,), call * 10, dtype=torch.int64, device="cuda")
+        rows = h.reshape(-1, D)
+        y = tpsample.sample(rows, w, seed=seed.repeat_interleave(S + 1),
+                            offset=offset.repeat_interleave(S + 1)
+                            + torch.arange(S + 1, device="cuda").repeat(B),
+                            return_logprobs=True)
+        keep = torch.arange(B, device="cuda") % (S + 1)
+        draft = torch.where(torch.arange(S, device="cuda")[None, :] < keep[:, None],
+                            y.tokens.view(B, S + 1)[:, :S], (y.tokens.view(B, S + 1)[:, :S] + 1) % V)
+        draft[call % B, S - 1:] = -1
+        n = (draft >= 0).cumprod(1).sum(1)
+        ref = VF.scan(y.tokens.view(B, S + 1), y.logprobs.view(B, S + 1), draft, n)
+        out = tpsample.verify_drafts(h, w, draft, seed=seed, offset=offset, return_logprobs=True)
+        assert torch.equal(out.tokens, ref[0]) and torch.equal(out.num_accepted, ref[1]), call
+        assert torch.equal(out.logprobs.isnan(), ref[2].isnan())
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        eager = tpsample.verify_drafts(h, w, draft, seed=seed, offset=offset)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = tpsample.verify_drafts(h, w, draft, seed=seed, offset=offset)
+    graph.replay()
+    assert torch.equal(captured.tokens, eager.tokens)
