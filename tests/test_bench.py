@@ -193,9 +193,9 @@ def test_verify_bench_writes_json_doc_and_summary(tmp_path):
     assert "| 2 | 3 | 8 |" in doc.read_text() and (tmp_path / "img" / "cpu_64x1000.png").exists()
 
 
-def test_torch_rejection_baseline_is_exact():
+def test_verify_bench_torch_rejection_baseline_is_exact():
     """The benchmark's torch rejection sampler (its baseline) emits p_0 as the first token
-    (chi-squared at ALPHA), one-hot drafts."""
+    (chi-squared at ALPHA), one-hot drafts and draft distributions."""
     import torch
     from stats import ALPHA, chi2_pvalue
     from tpsample.launch.verify_bench import torch_verify
@@ -206,6 +206,18 @@ def test_torch_rejection_baseline_is_exact():
     p0 = torch.softmax((h[0, 0] @ w.T).double(), -1)
     tok = torch_verify(h, w, torch.full((N, 1), int(p0.argmax())), None, g)
     assert chi2_pvalue(tok[:, 0], p0) > ALPHA
+    q = torch.softmax(torch.randn(V, generator=g) * 2, -1)
+    draft = torch.multinomial(q, N, replacement=True, generator=g)[:, None]
+    tok = torch_verify(h, w, draft, q.float().expand(N, 1, V), g)
+    assert chi2_pvalue(tok[:, 0], p0) > ALPHA
+
+
+def test_sweep_warm_task_reports_a_failure():
+    """A warm-up task that fails says so in its log line instead of raising (which would end
+    the run before its first timed row)."""
+    from tpsample.launch import sweep
+    assert sweep._warm_one((64, 1000, 2, "p0.9", "fp32", False)).startswith("D=64 V=1000 B=2 p0.9 (")
+    assert "FAILED" in sweep._warm_one((64, 1000, 2, "no_such_filter", "fp32", False))
 
 
 @pytest.mark.slow
