@@ -19,12 +19,14 @@ machine otherwise compiles each (B, filter set) in turn, minutes per row).
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
 import os
 import shlex
 import sys
+import time
 
 import torch
 
@@ -90,6 +92,7 @@ def kept_sizes(l: torch.Tensor) -> dict:
     return out
 
 
+@functools.lru_cache(maxsize=None)  # (a second per (head, T) on the CPU; the same for every B)
 def head_kept(head: str, T: float, V: int) -> dict:
     """kept_sizes of a head's logit profile at T (the mixed batch: its larger row's)."""
     prof = profiles(V)
@@ -119,45 +122,63 @@ _WARM_W: dict = {}  # a warm-up worker's weight per (D, V)
 
 
 def _warm_one(task) -> str:
-    """One warm-up task in a worker process: the plain call and each filter set on random
-    [B, D] × [V, D] tensors (the values do not matter: the kernels compile for the shapes,
-    dtypes, B and the filters), so the run's own calls find them in Triton's disk cache."""
-    D, V, B, dtype_name, cuda = task
-    device = torch.device("cuda" if cuda else "cpu")
-    dtype = DTYPES[dtype_name]
-    w = _WARM_W.get((D, V))
-    if w is None:
-        _WARM_W.clear()
-        w = _WARM_W[(D, V)] = (torch.randn(V, D, device=device) / D ** 0.5).to(dtype)
-    h = torch.randn(B, D, device=device).to(dtype)
-    for kw in [{}] + list(FILTERS.values()):
-        tpsample.sample(h, w, seed=1, **kw)
-    if cuda:
-        torch.cuda.synchronize()
-    return f"D={D} V={V} B={B}"
+    """One warm-up task in a worker process: one call (name: "plain" or a FILTERS key) on
+    random [B, D] × [V, D] tensors (the values do not matter: the kernels compile for the
+    shapes, dtypes, B and the filters), so the run's own calls find them in Triton's disk
+    cache. A failure is reported, not raised: the run then compiles that call itself."""
+    D, V, B, name, dtype_name, cuda = task
+    t0 = time.perf_counter()
+    try:
+        device = torch.device("cuda" if cuda else "cpu")
+        dtype = DTYPES[dtype_name]
+        w = _WARM_W.get((D, V))
+        if w is None:
+            _WARM_W.clear()  # (one W per worker; made in dtype: no fp32 copy on the device)
+            w = _WARM_W[(D, V)] = torch.randn(V, D, device=device, dtype=dtype).mul_(D ** -0.5)
+        h = torch.randn(B, D, device=device, dtype=dtype)
+        tpsample.sample(h, w, seed=1, **({} if name == "plain" else FILTERS[name]))
+        if cuda:
+            torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - the timed call compiles (or fails) itself
+        return (f"D={D} V={V} B={B} {name} FAILED after {time.perf_counter() - t0:.0f} s: "
+                f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}")
+    return f"D={D} V={V} B={B} {name} ({time.perf_counter() - t0:.0f} s)"
 
 
-def warm(args) -> None:
+def warm(args, calls=None) -> None:
     """Compile every kernel the run will launch in args.warm worker processes at once (on a
     fresh machine each (B, filter set) otherwise compiles in turn inside the timed loop's
-    first call: minutes per row). Each worker holds one W on the device."""
+    first call: minutes per row). calls: (D, V, B, "plain" or a filter set) each (default:
+    the sweep's, every shape, batch and filter set), one task each. Each worker holds one W
+    on the device. A worker that dies ends the warm-up, not the run."""
     if args.warm <= 0:
         return
     import multiprocessing as mp
-    tasks = [(D, V, B, args.dtype, args.cuda) for D, V in args.shapes for B in args.batches]
-    with mp.get_context("spawn").Pool(min(args.warm, len(tasks))) as pool:
-        for done in pool.imap_unordered(_warm_one, tasks):
-            log(f"[warm] {done}")
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures.process import BrokenProcessPool
+    if calls is None:
+        calls = [(D, V, B, name) for D, V in args.shapes for B in args.batches
+                 for name in ["plain"] + list(FILTERS)]
+    tasks = [(*c, args.dtype, args.cuda) for c in calls]
+    t0 = time.perf_counter()
+    try:  # (a Pool would wait forever for the task of a worker that died)
+        with ProcessPoolExecutor(min(args.warm, len(tasks)),
+                                 mp_context=mp.get_context("spawn")) as pool:
+            for done in as_completed([pool.submit(_warm_one, t) for t in tasks]):
+                log(f"[warm] {done.result()}")
+    except BrokenProcessPool as e:
+        log(f"[warm] a worker died ({e}): the timed calls compile what is left")
+    log(f"[warm] {len(tasks)} calls in {time.perf_counter() - t0:.0f} s")
 
 
 def run(args) -> dict:
     device = torch.device("cuda" if args.cuda else "cpu")
     dtype = DTYPES[args.dtype]
+    os.makedirs(args.out, exist_ok=True)
     warm(args)
     meta = dict(run_meta(args, args.cuda), bandwidth_bytes_per_s=measure_bandwidth(device),
                 filters=FILTERS, shapes=[])
     meta["command"] = "python -m tpsample.launch.sweep " + " ".join(map(shlex.quote, args.argv))
-    os.makedirs(args.out, exist_ok=True)
     step = itertools.count()
     for D, V in args.shapes:
         w, U = sweep_head(D, V, dtype, device)

@@ -2,7 +2,8 @@
 same rows and against matmul + softmax + a torch rejection sampler.
 
     python -m tpsample.launch.verify_bench [--shapes 4096x151936,8192x128256]
-        [--batches 1,8,32] [--drafts 1,4,7] [--out DIR] [--doc docs/performance.md --label NAME]
+        [--batches 1,8,32] [--drafts 1,4,7] [--warm 8] [--out DIR]
+        [--doc docs/performance.md --label NAME]
 
 Per shape D x V, B requests and S drafts (bf16 h [B, S + 1, D] and W [V, D], random), the
 same run times (median ms, do_bench on CUDA):
@@ -13,11 +14,15 @@ same run times (median ms, do_bench on CUDA):
                   computed, not fused)
     mm            h @ W.T on the B·(S + 1) rows alone
     torch_onehot  matmul, fp32 softmax, then a batched rejection sampler in torch (as vLLM's:
-                  accept u < p(x), residual p without x renormalised, multinomial, bonus)
+                  accept u < p(x), residual p without x renormalised, sampled as argmax(r / E)
+                  with E ~ Exp(1), bonus likewise; no host synchronisation)
     torch_probs   the same with the draft distributions (u·q(x) < p(x), max(0, p - q))
 
-Writes OUT/verify.json after every cell; the summary line gives onehot / plain (worst) and
-torch / tpsample at B·(S + 1) >= 32. Without CUDA: D=64 V=1000, B=1,4, S=1,2 (indicative).
+verify_drafts runs with its checks of tensor contents off (TPSAMPLE_CHECK_TENSORS=0: they cost
+one host synchronisation per call, which the other variants do not pay). --warm N first
+compiles the plain call at every B·(S + 1) in N processes (launch/sweep.py's warm-up). Writes
+OUT/verify.json after every cell; the summary line gives onehot / plain (worst) and torch /
+tpsample at B·(S + 1) >= 32. Without CUDA: D=64 V=1000, B=1,4, S=1,2 (indicative).
 """
 from __future__ import annotations
 
@@ -30,30 +35,56 @@ import sys
 import torch
 
 import tpsample
+from tpsample import knobs
 
 from .bench import DTYPES, log, render_report, run_meta, save_beside_doc, time_fn
+from .sweep import warm
+
+
+def exp_race(probs, gen):
+    """One index per row of probs [..., V] (unnormalised is fine): argmax(probs / E),
+    E ~ Exp(1), as vLLM's samplers draw; torch.multinomial would check its input with two
+    host synchronisations per call."""
+    return (probs / torch.empty_like(probs).exponential_(generator=gen)).argmax(-1)
 
 
 def torch_verify(h, w, draft, q, gen):
-    """matmul + softmax + a batched rejection sampler in torch (T = 1): tokens [B, S + 1]."""
+    """matmul + softmax + a batched rejection sampler in torch (T = 1), all on the device
+    and without a host synchronisation: tokens [B, S + 1]."""
     B, S1, D = h.shape
     S = S1 - 1
     p = torch.softmax((h.reshape(-1, D) @ w.T).float(), -1).view(B, S1, -1)
     pd = p[:, :S]
-    onehot = torch.nn.functional.one_hot(draft, pd.shape[-1]).float() if q is None else q
     px = pd.gather(-1, draft[..., None])[..., 0]
-    qx = onehot.gather(-1, draft[..., None])[..., 0]
     u = torch.rand(B, S, device=h.device, generator=gen)
-    acc = torch.cumprod((u * qx < px).long(), 1).sum(1)
-    resid = (pd - onehot).clamp(min=0).reshape(B * S, -1)
+    if q is None:  # one-hot drafts: accept u < p(x); the residual is p without x
+        acc = torch.cumprod((u < px).long(), 1).sum(1)
+        resid = pd.scatter(-1, draft[..., None], 0.0)
+    else:
+        qx = q.gather(-1, draft[..., None])[..., 0]
+        acc = torch.cumprod((u * qx < px).long(), 1).sum(1)
+        resid = (pd - q).clamp(min=0)
     resid = resid / resid.sum(-1, keepdim=True).clamp(min=1e-30)
-    resid_tok = torch.multinomial(resid, 1, generator=gen).view(B, S)
-    bonus = torch.multinomial(p[:, S], 1, generator=gen)
+    resid_tok = exp_race(resid, gen)  # [B, S]
+    bonus = exp_race(p[:, S], gen)  # [B]
     pos = torch.arange(S1, device=h.device)[None, :]
     emitted = torch.where(acc < S, resid_tok.gather(1, acc.clamp(max=S - 1)[:, None])[:, 0],
-                          bonus[:, 0])
-    tokens = torch.where(pos < acc[:, None], torch.cat([draft, bonus], 1), -1)
+                          bonus)
+    tokens = torch.where(pos < acc[:, None], torch.cat([draft, bonus[:, None]], 1), -1)
     return torch.where(pos == acc[:, None], emitted[:, None], tokens)
+
+
+def unchecked(fn):
+    """fn with tpsample's checks of tensor contents off (TPSAMPLE_CHECK_TENSORS=0):
+    verify_drafts checks the drafts with one host synchronisation per call, which do_bench
+    would time as an idle GPU beside the plain call and the baselines, which check nothing."""
+    def call():
+        before, knobs.CHECK_TENSORS = knobs.CHECK_TENSORS, False
+        try:
+            return fn()
+        finally:
+            knobs.CHECK_TENSORS = before
+    return call
 
 
 def variants(h, w, draft, q, gen) -> dict:
@@ -62,9 +93,10 @@ def variants(h, w, draft, q, gen) -> dict:
     step = iter(range(1 << 40))
     return {
         "plain": lambda: tpsample.sample(rows, w, seed=1, offset=next(step)),
-        "onehot": lambda: tpsample.verify_drafts(h, w, draft, seed=1, offset=next(step)),
-        "probs": lambda: tpsample.verify_drafts(h, w, draft, draft_probs=q, seed=1,
-                                                offset=next(step)),
+        "onehot": unchecked(lambda: tpsample.verify_drafts(h, w, draft, seed=1,
+                                                           offset=next(step))),
+        "probs": unchecked(lambda: tpsample.verify_drafts(h, w, draft, draft_probs=q, seed=1,
+                                                          offset=next(step))),
         "mm": lambda: rows @ w.T,
         "torch_onehot": lambda: torch_verify(h, w, draft, None, gen),
         "torch_probs": lambda: torch_verify(h, w, draft, q, gen),
@@ -78,6 +110,8 @@ def run(args) -> dict:
     meta["command"] = ("python -m tpsample.launch.verify_bench "
                        + " ".join(map(shlex.quote, args.argv)))
     os.makedirs(args.out, exist_ok=True)
+    warm(args, [(D, V, R, "plain") for D, V in args.shapes
+                for R in sorted({B * (S + 1) for B in args.batches for S in args.drafts})])
     gen = torch.Generator(device=device).manual_seed(0)
     for D, V in args.shapes:
         g = torch.Generator(device=device).manual_seed(1)
@@ -121,7 +155,8 @@ def summary(meta: dict) -> list[str]:
 def markdown(meta: dict, doc: str, label: str) -> str:
     lines = [f"`{meta['command']}` — {meta['device']}, torch {meta['torch']}, Triton "
              f"{meta['triton']}, {meta['date']}; median ms of tpsample.sample on the B·(S + 1) "
-             "rows (plain), every other column as a ratio to it (same run).", ""]
+             "rows (plain), every other column as a ratio to it (same run); verify_drafts "
+             "without its host-synchronising input checks (TPSAMPLE_CHECK_TENSORS=0).", ""]
     lines += [f"- {s}" for s in summary(meta)] + [""]
     names = ["onehot", "probs", "mm", "torch_onehot", "torch_probs"]
     for res in meta["shapes"]:
@@ -174,9 +209,13 @@ def parse_args(argv=None):
     p.add_argument("--label", default="verify")
     p.add_argument("--report", metavar="JSON", help="render a verify.json, no run")
     p.add_argument("--cpu", action="store_true", help="CPU tensors even where CUDA exists")
+    p.add_argument("--warm", type=int, default=None,
+                   help="compile in this many processes first (default: 8 on CUDA, 0 on CPU)")
     a = p.parse_args(argv)
     a.argv = list(sys.argv[1:] if argv is None else argv)
     a.cuda = torch.cuda.is_available() and not a.cpu
+    if a.warm is None:
+        a.warm = min(8, os.cpu_count() or 1) if a.cuda else 0
     shapes = a.shapes or ("4096x151936,8192x128256" if a.cuda else "64x1000")
     a.shapes = [tuple(int(x) for x in s.lower().split("x")) for s in shapes.split(",")]
     a.batches = [int(b) for b in (a.batches or ("1,8,32" if a.cuda else "1,4")).split(",")]

@@ -18,14 +18,14 @@ exchange under TP, nothing materialised — with position i of request b sampled
 offsets would have drawn at those positions, on any TP degree and at any batch position.
 
 Full draft distributions (draft_probs [B, S, V]): the acceptance needs p_i(x_i) and the
-residual needs p_i over the whole vocabulary, so the S draft positions' logits are computed
-(a matmul; under TP each rank's shard, all-gathered) and filtered in float64 (the semantics
-of tpsample/filters.py); this path is not fused. The verdicts come first, so the residual is
-drawn only at each request's first rejection. x_i is accepted when u_i · q_i(x_i) <
-p_i(x_i), u_i = noise.uniform(seed_b, offset_b + i, 0, 0, ACCEPT_STREAM); the residual is
-sampled by Gumbel-max over log max(0, p_i - q_i) with the sampler's token noise at position
-i (so a draft equal to the target is always accepted, and a rejected position emits what
-the noise picks from the residual). The bonus token is the sampler's.
+residual needs p_i over the whole vocabulary, so the B·(S + 1) rows' logits are computed
+(one matmul, W read once; under TP each rank's shard, all-gathered) and their log p taken
+in float64 (the semantics of tpsample/filters.py); no sampler call, nothing fused. x_i is
+accepted when u_i · q_i(x_i) < p_i(x_i), u_i = noise.uniform(seed_b, offset_b + i, 0, 0,
+ACCEPT_STREAM). The verdicts come first; then one Gumbel-max pick per request with the
+sampler's token noise at its position: at the first rejection over log max(0, p_i - q_i)
+(so a draft equal to the target is always accepted), else at the bonus position over log
+p (the token the sampler would draw there, up to the logits' rounding).
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ from . import merge, noise, replay
 from . import filters as F
 from . import params as P
 from .kernels import draft_scan
+from .launchers import logits_fp32
 from .records import ACCEPT_STREAM
 from .spec import sampling_spec
 
@@ -216,33 +217,19 @@ def positions(hidden: torch.Tensor, seed, offset):
     return seed_rows, off + step
 
 
-def scan(y: torch.Tensor, lp: torch.Tensor | None, draft: torch.Tensor, n: torch.Tensor,
-         accept: torch.Tensor | None = None):
-    """The acceptance scan per request. y [B, S + 1]: the sampler's token at each position
-    (lp: its log-prob); draft [B, S], n [B] drafts per request. One-hot drafts: x_i is
-    accepted while y_i == x_i, and the first y_i that differs (or the bonus y_s) is emitted.
-    With accept [B, S] (full draft distributions): x_i accepted where accept; the caller puts
-    the residual's token at the first rejection (num_accepted < n). Returns tokens,
-    num_accepted, logprobs (the emitted drafts' and the bonus token's; the residual's slot
-    holds y's until the caller fills it)."""
+def scan(y: torch.Tensor, lp: torch.Tensor | None, draft: torch.Tensor, n: torch.Tensor):
+    """The acceptance scan of one-hot drafts per request (torch). y [B, S + 1]: the sampler's
+    token at each position (lp: its log-prob); draft [B, S], n [B] drafts per request. x_i
+    is accepted while y_i == x_i, and the first y_i that differs (or the bonus y at position
+    n) is emitted. Returns tokens, num_accepted, logprobs."""
     B, S1 = y.shape
     S = S1 - 1
     pos = torch.arange(S1, device=y.device)
-    live = pos[None, :S] < n[:, None]
-    ok = (y[:, :S] == draft) if accept is None else accept
-    ok = ok & live
+    ok = (y[:, :S] == draft) & (pos[None, :S] < n[:, None])
     acc = torch.cumprod(ok.long(), dim=1).sum(1)
     at = acc[:, None]
-    if accept is None:  # the first y_i that differs (or the bonus) is the emitted token
-        tokens = torch.where(pos[None, :] <= at, y, -1)
-        logprobs = None if lp is None else torch.where(pos[None, :] <= at, lp, float("nan"))
-        return tokens, acc, logprobs
-    emitted = torch.cat([draft, y[:, S:]], 1)  # the accepted drafts; y at the bonus position
-    tokens = torch.where(pos[None, :] < at, emitted, -1)
-    tokens = torch.where(pos[None, :] == at, y.gather(1, at), tokens)
-    logprobs = None
-    if lp is not None:
-        logprobs = torch.where(pos[None, :] <= at, lp, float("nan"))
+    tokens = torch.where(pos[None, :] <= at, y, -1)
+    logprobs = None if lp is None else torch.where(pos[None, :] <= at, lp, float("nan"))
     return tokens, acc, logprobs
 
 
@@ -315,8 +302,9 @@ def residual_pick(lp: torch.Tensor, ids: torch.Tensor, q: torch.Tensor, seed: to
     none = ~(r > 0).any(1)
     z = torch.where(none[:, None], torch.where(p > 0, lp.float() + g, float("-inf")), z)
     pick = merge.pathwise_max(z, ids.float().expand(R, C))
-    return (torch.where(pick >= 0, ids[pick.clamp(min=0)], -1),
-            lp.gather(1, pick.clamp(min=0)[:, None])[:, 0])
+    found = z.amax(1) > float("-inf")  # (NaN or no mass: no token, -1)
+    return (torch.where(found, ids[pick], -1),
+            torch.where(found, lp.gather(1, pick[:, None])[:, 0], float("nan")))
 
 
 def verify(hidden: torch.Tensor, draft_tokens: torch.Tensor, draft_probs, *,
@@ -325,14 +313,10 @@ def verify(hidden: torch.Tensor, draft_tokens: torch.Tensor, draft_probs, *,
            kernels: bool) -> VerifyOutput:
     """The shared body of verify_drafts and VocabParallelSampler.verify_drafts, after
     check_drafts. hidden [B, S + 1, D]; sample_rows(rows [R, D], **sampler keywords) is the
-    sampler; draft_logits(rows [R, D], inv_temp [R]) returns (l [R, C] fp32 transformed
-    logits, ids [C] int64 global ids) for the draft-probs path; draw_seed(B) draws the
+    sampler (one-hot drafts); draft_logits(rows [R, D], inv_temp [R]) returns (l [R, C] fp32
+    transformed logits, ids [C] int64 global ids) for draft_probs; draw_seed(B) draws the
     requests' seeds when seed is None; kernels: the Triton kernels around the sampler call
-    (kernels/draft_scan.py), else torch.
-
-    Full draft distributions: x_i is accepted when u_i · q_i(x_i) < p_i(x_i) at every draft
-    position (log p from the draft positions' logits); the residual is drawn only at each
-    request's first rejection (B rows, not B·S)."""
+    (kernels/draft_scan.py), else torch."""
     B, S1, D = hidden.shape
     S = S1 - 1
     rows = hidden.reshape(B * S1, D)
@@ -341,47 +325,61 @@ def verify(hidden: torch.Tensor, draft_tokens: torch.Tensor, draft_probs, *,
     kw = dict(temperature=per_request("temperature", temperature, B, S1),
               top_k=per_request("top_k", top_k, B, S1), top_p=per_request("top_p", top_p, B, S1),
               min_p=per_request("min_p", min_p, B, S1), seed=seed_rows, offset=offset_rows)
-    out = sample_rows(rows, return_logprobs=return_logprobs, **kw)
-    y = (out.tokens if return_logprobs else out).view(B, S1)
-    lp = out.logprobs.view(B, S1) if return_logprobs else None
-    draft = draft_tokens.long()
     if draft_probs is None or S == 0:
+        out = sample_rows(rows, return_logprobs=return_logprobs, **kw)
+        y = (out.tokens if return_logprobs else out).view(B, S1)
+        lp = out.logprobs.view(B, S1) if return_logprobs else None
         return VerifyOutput(*(accept_scan if kernels else scan)(y, lp, draft_tokens, n))
+    return _verify_draft_probs(rows, draft_tokens.long(), draft_probs, n, seed_rows,
+                               offset_rows, kw, draft_logits, vocab_size, return_logprobs)
+
+
+def _verify_draft_probs(rows, draft, draft_probs, n, seed_rows, offset_rows, kw, draft_logits,
+                        vocab_size: int, return_logprobs: bool) -> VerifyOutput:
+    """Full draft distributions from the B·(S + 1) rows' logits (one matmul): x_i accepted
+    when u_i · q_i(x_i) < p_i(x_i) at every draft position, then one Gumbel-max pick per
+    request at its first rejection (from max(0, p - q)) or at its bonus position (from p,
+    with the noise the sampler would use there)."""
+    B, S = draft.shape
+    S1 = S + 1
+    dev = rows.device
     spec = sampling_spec(rows, vocab_size=vocab_size, rows=vocab_size, merge="max",
                          num_samples=1, return_logprobs=False, top_logprobs=0, replacement=True,
                          logprobs_mode="processed", allowed_mask=None, logit_adjust=None,
                          repetition_penalty=None, **kw)
-    dev = rows.device
+    inv = spec.row.inv_temp
+    l, ids = draft_logits(rows, inv)
+    lp_all = target_logprobs(l, ids, inv, spec.filters)  # [B·(S + 1), C]
     at = (torch.arange(B, device=dev)[:, None] * S1
           + torch.arange(S, device=dev)[None, :]).reshape(-1)  # the draft positions
-    inv = spec.row.inv_temp[at]
-    filters = F.take_rows(spec.filters, at)
-    l, ids = draft_logits(rows[at], inv)
-    lp_all = target_logprobs(l, ids, inv, filters)  # [B·S, C]
     x = draft.reshape(-1)
     # (a shard's padding columns may repeat a real id; their log p is -inf)
-    lp_x = torch.where(ids[None, :] == x[:, None], lp_all, float("-inf")).amax(1)
+    lp_x = torch.where(ids[None, :] == x[:, None], lp_all[at], float("-inf")).amax(1)
     q = draft_probs.reshape(B * S, -1)
     q_x = q.gather(1, x.clamp(min=0)[:, None])[:, 0].double()
-    u = noise.uniform(spec.row.seed[at], spec.row.offset[at], 0,
+    u = noise.uniform(seed_rows[at], offset_rows[at], 0,
                       torch.zeros(B * S, dtype=torch.int64, device=dev),
                       stream=ACCEPT_STREAM).double()
-    accept = ((x >= 0) & (u * q_x < torch.exp(lp_x))).view(B, S)
-    tokens, acc, logprobs = scan(y, lp, draft, n, accept)
-    # the residual at each request's first rejection (position S - 1 where none: unused)
-    first = torch.arange(B, device=dev) * S + acc.clamp(max=S - 1)
-    q_cols = q[first].gather(1, ids.clamp(max=vocab_size - 1)[None, :].expand(B, -1))
-    q_cols = torch.where(torch.isfinite(l[first]), q_cols, 0.0)
-    resid, lp_resid = residual_pick(lp_all[first], ids, q_cols, spec.row.seed[at][first],
-                                    spec.row.offset[at][first])
-    rejected = (acc < n)[:, None] & (torch.arange(S1, device=dev)[None, :] == acc[:, None])
-    tokens = torch.where(rejected, resid[:, None], tokens)
-    if logprobs is not None:
-        accepted = torch.arange(S, device=dev)[None, :] < acc[:, None]
-        lp_draft = torch.where(accepted, lp_x.view(B, S).float(), float("nan"))
-        logprobs = torch.cat([torch.where(accepted, lp_draft, logprobs[:, :S]),
-                              logprobs[:, S:]], 1)
-        logprobs = torch.where(rejected, lp_resid.float()[:, None], logprobs)
+    live = torch.arange(S, device=dev)[None, :] < n[:, None]
+    accept = ((x >= 0) & (u * q_x < torch.exp(lp_x))).view(B, S) & live
+    acc = torch.cumprod(accept.long(), dim=1).sum(1)
+    rejected = acc < n
+    pick_row = torch.arange(B, device=dev) * S1 + acc  # a rejection's position, or the bonus
+    q_row = q[torch.arange(B, device=dev) * S + acc.clamp(max=S - 1)]
+    q_cols = q_row.gather(1, ids.clamp(max=vocab_size - 1)[None, :].expand(B, -1))
+    q_cols = torch.where(rejected[:, None] & torch.isfinite(l[pick_row]), q_cols, 0.0)
+    tok, lp_tok = residual_pick(lp_all[pick_row], ids, q_cols, seed_rows[pick_row],
+                                offset_rows[pick_row])
+    pos = torch.arange(S1, device=dev)[None, :]
+    drafts = torch.cat([draft, draft[:, :1]], 1)  # (the extra column is never below acc)
+    tokens = torch.where(pos < acc[:, None], drafts, -1)
+    tokens = torch.where(pos == acc[:, None], tok[:, None], tokens)
+    logprobs = None
+    if return_logprobs:
+        lp_d = torch.cat([lp_x.view(B, S), lp_x.new_zeros(B, 1)], 1).float()
+        logprobs = torch.where(pos < acc[:, None], lp_d, float("nan"))
+        logprobs = torch.where(pos == acc[:, None], lp_tok.float()[:, None], logprobs)
+        logprobs = torch.where(tokens < 0, float("nan"), logprobs)
     return VerifyOutput(tokens, acc, logprobs)
 
 
@@ -397,7 +395,7 @@ def local_logits(weight: torch.Tensor, bias, n_real: int, vocab_start: int = 0,
     def logits(rows: torch.Tensor, inv_temp: torch.Tensor):
         l = torch.full((rows.shape[0], width), float("-inf"), dtype=torch.float32,
                        device=rows.device)
-        x = rows.float() @ weight[:n_real].float().T
+        x = logits_fp32(rows, weight[:n_real])  # (fp32 accumulation, W never copied)
         if bias is not None:
             x = x + bias[:n_real].float()
         l[:, :n_real] = x * torch.where(inv_temp == 0, torch.ones_like(inv_temp), inv_temp)[:, None]
