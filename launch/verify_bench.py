@@ -10,8 +10,8 @@ same run times (median ms, do_bench on CUDA):
 
     plain         tpsample.sample on the B·(S + 1) rows (what one-hot verification costs at best)
     onehot        tpsample.verify_drafts, one-hot drafts
-    probs         tpsample.verify_drafts with draft_probs [B, S, V] (the draft positions' logits
-                  computed, not fused)
+    probs         tpsample.verify_drafts with draft_probs [B, S, V] (the rows' logits from one
+                  matmul, not fused)
     mm            h @ W.T on the B·(S + 1) rows alone
     torch_onehot  matmul, fp32 softmax, then a batched rejection sampler in torch (as vLLM's:
                   accept u < p(x), residual p without x renormalised, sampled as argmax(r / E)

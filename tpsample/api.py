@@ -154,7 +154,7 @@ def verify_drafts(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torc
         [B, S + 1] (NaN after the emitted tokens) or None).
 
     One-hot drafts take one fused sampler call on the B·(S + 1) rows and a scan; draft_probs
-    computes the draft positions' logits (not fused). The inputs' contents are checked with
+    computes the rows' logits with one matmul (not fused). The inputs' contents are checked with
     one host synchronisation.
 
     Example:

@@ -263,8 +263,8 @@ class VocabParallelSampler:
         or fp32 [B, S, vocab_size] (the full vocabulary on every rank), bias this rank's
         shard [V_r]; every argument equal on all ranks. The same VerifyOutput on every rank,
         equal to tpsample.verify_drafts on the full weight. One-hot drafts exchange what a
-        sampler call on the B·(S + 1) rows exchanges; draft_probs also all-gathers the
-        draft positions' fp32 logits (B·S·V·4 bytes)."""
+        sampler call on the B·(S + 1) rows exchanges; draft_probs all-gathers the rows' fp32
+        logits instead (B·(S + 1)·V·4 bytes)."""
         VF.check_hidden3(hidden)
         P.check_hidden_weight(hidden[:, 0], self.weight, "weight_shard")
         bias = P.check_bias(bias, self.weight.shape[0], hidden.device)
