@@ -39,9 +39,10 @@ ALIGNED_INTS = {"stride_lb", "stride_hb", "stride_wv", "rec_stride_s", "rec_stri
 
 
 def sass_ops(kernel, constexprs: dict, num_warps: int, arch: int = 90,
-             aligned: tuple = ()) -> Counter:
+             aligned: tuple = (), types: dict | None = None) -> Counter:
     """Opcode counts of `kernel` compiled with these constexprs (pointers 16-byte aligned, and
-    the int arguments named in ALIGNED_INTS or `aligned` multiples of 16)."""
+    the int arguments named in ALIGNED_INTS or `aligned` multiples of 16); types: argument
+    types where POINTER_TYPES's defaults are not the launched ones ({"y_ptr": "*i64"})."""
     params = inspect.signature(kernel.fn).parameters
     names = list(params)
     # constexprs left out take their defaults (else they would be typed as runtime ints)
@@ -49,7 +50,8 @@ def sass_ops(kernel, constexprs: dict, num_warps: int, arch: int = 90,
                      if q.default is not inspect.Parameter.empty and "constexpr" in str(q.annotation)},
                   **constexprs}
     sig = {n: "constexpr" if n in constexprs else
-           POINTER_TYPES.get(n, "*fp32" if n.endswith("_ptr") else "i32") for n in names}
+           (types or {}).get(n) or POINTER_TYPES.get(n, "*fp32" if n.endswith("_ptr") else "i32")
+           for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if sig[n].startswith("*") or n in ALIGNED_INTS or n in aligned}
     compiled = triton.compile(ASTSource(kernel, sig, constexprs, attrs),

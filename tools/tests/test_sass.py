@@ -206,3 +206,29 @@ def test_listed_prep_compiles_at_the_launched_shapes(tmp_path):
     rows = [line.split() for line in out.stdout.splitlines() if line.strip()]
     assert [r[:2] for r in rows] == [["16", "16"], ["64", "64"], ["64", "256"]], rows
     assert all(int(r[3]) > 0 for r in rows), rows
+
+
+DRAFT_SCAN = (
+    "from tools import sass\n"
+    "from tpsample.kernels import draft_scan as ds\n"
+    "i64 = lambda *names: {n: '*i64' for n in names}\n"
+    "for draft in ('*i64', '*i32'):\n"
+    "    for S, block in ((0, 1), (4, 8), (7, 8)):\n"
+    "        t = dict(i64('seed_ptr', 'offset_ptr', 'n_ptr', 'seed_rows_ptr', 'offset_rows_ptr'),\n"
+    "                 bad_ptr='*i32', draft_ptr=draft)\n"
+    "        a = sass.sass_ops(ds.draft_rows_kernel, dict(S=S, BLOCK=block), 1, types=t)\n"
+    "        t = dict(i64('y_ptr', 'n_ptr', 'tokens_ptr', 'accepted_ptr'), draft_ptr=draft)\n"
+    "        b = sass.sass_ops(ds.accept_scan_kernel, dict(S=S, BLOCK=block, HAS_LP=True), 1,\n"
+    "                          types=t)\n"
+    "        print(draft, S, a['STG'], b['STG'], a['LDL'] + a['STL'] + b['LDL'] + b['STL'])\n")
+
+
+def test_draft_scan_kernels_compile(tmp_path):
+    """The speculative-verification kernels (kernels/draft_scan.py) compile for sm_90 with
+    this Triton at the launched argument types (int64 / int32 drafts), without spills."""
+    out = subprocess.run([sys.executable, "-c", DRAFT_SCAN], env=subprocess_env(tmp_path),
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line.split() for line in out.stdout.splitlines() if line.strip()]
+    assert len(rows) == 6, rows
+    assert all(int(r[2]) > 0 and int(r[3]) > 0 and r[4] == "0" for r in rows), rows
