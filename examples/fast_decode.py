@@ -343,6 +343,19 @@ def check(cfg, rank, world, dev, dtype, args) -> dict:
         graphed, t = decode(model, head, prompt, steps, 0.8, True, replays=1000)
         res["graph_equals_eager"] = bool(torch.equal(graphed, sampled))
         res["memory_growth_bytes"] = t["bytes_after"] - t["bytes_before"]
+        # the sampler's own caches over 1,000 eager calls (a graph replay allocates nothing)
+        h = (torch.randn(B, cfg.dim, generator=torch.Generator().manual_seed(1))
+             * model.head_scale).to(dev, dtype)
+        step = torch.zeros(B, dtype=torch.int64, device=dev)
+        for _ in range(10):
+            head(h, 0.8, step)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        for _ in range(1000):
+            step += 1
+            head(h, 0.8, step)
+        torch.cuda.synchronize()
+        res["eager_head_growth_bytes"] = torch.cuda.memory_allocated() - before
     return res
 
 
@@ -465,6 +478,8 @@ def main(argv=None):
             if "graph_equals_eager" in res:
                 print(f"graph replays equal eager steps: {res['graph_equals_eager']}")
                 print(f"memory growth over 1000 replays: {res['memory_growth_bytes']} bytes")
+                print("memory growth over 1000 eager head calls: "
+                      f"{res['eager_head_growth_bytes']} bytes")
     else:
         rows = tpot(cfg, rank, world, dev, dtype, args)
         if rank == 0 and args.out:
