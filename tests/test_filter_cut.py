@@ -45,8 +45,8 @@ TIERS = [pytest.param((None, None, None, None), "short", id="short-sort"),
          pytest.param((2, 2, 2, 4), "bisection", id="bisection", marks=SLOW)]
 
 
-@pytest.mark.parametrize("extra", [dict(), dict(num_samples=2, logprobs_mode="raw")],
-                         ids=["replacement", "raw-S2"])
+@pytest.mark.parametrize("extra", [dict(), pytest.param(dict(num_samples=2, logprobs_mode="raw"),
+                                                  marks=SLOW)], ids=["replacement", "raw-S2"])
 @pytest.mark.parametrize("sizes,tier", TIERS)
 def test_fast_path_matches_reference(extra, sizes, tier, monkeypatch):
     """Every row flagged and taken by the fast path (the call has no top-k or top log-probs):
