@@ -143,3 +143,17 @@ def test_sample_and_the_tp_sampler_take_the_same_arguments():
         assert name in call or name in init, f"VocabParallelSampler does not take {name}"
         if name in call:
             assert call[name].default == p.default, (name, call[name].default, p.default)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_per_row_tensors_in_any_layout(backend):
+    """Strided seed / offset / temperature tensors (views of wider ones) give the tokens of
+    their contiguous copies: the kernels read one value per row."""
+    h, w = random_inputs(B=4, D=16, V=200, seed=3)
+    wide = torch.arange(8).view(4, 2) * 1000 + 11
+    temps = torch.tensor([[0.7, 9.0], [1.0, 9.0], [1.3, 9.0], [0.0, 9.0]])
+    kw = dict(backend=backend, return_logprobs=True)
+    a = tpsample.sample(h, w, seed=wide[:, 0], offset=wide[:, 1], temperature=temps[:, 0], **kw)
+    b = tpsample.sample(h, w, seed=wide[:, 0].contiguous(), offset=wide[:, 1].contiguous(),
+                        temperature=temps[:, 0].contiguous(), **kw)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)

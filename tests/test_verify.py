@@ -95,6 +95,8 @@ def test_draft_scan_kernels_equal_the_torch_functions(S):
     y = torch.randint(0, V, (B, S + 1), generator=g)
     keep = torch.randint(0, S + 1, (B,), generator=g)  # y equals the draft on a prefix
     y[:, :S] = torch.where(torch.arange(S)[None, :] < keep[:, None], draft.clamp(min=0), y[:, :S])
+    y[0, int(cut[0]):] = -1  # degenerate sampler rows: never accepted as drafts
+    y[1, :] = -1
     lp = -torch.rand(B, S + 1, generator=g)
     for seed, offset in [(torch.arange(B) * 5 + 1, torch.arange(B) + 100), (9, 4)]:
         one = VF.draft_rows(h, draft, None, V, seed, offset, None, kernels=False)
@@ -120,6 +122,53 @@ def test_bad_drafts_raise_on_the_kernel_path(draft, match):
     h, w = torch.randn(2, 3, 8), torch.randn(50, 8)
     with pytest.raises(ValueError, match=match):
         tpsample.verify_drafts(h, w, torch.tensor(draft), seed=1, backend="triton")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("probs", [False, True], ids=["one-hot", "draft-probs"])
+def test_rows_without_an_answer_give_minus_one(backend, probs):
+    """A request whose hidden states are NaN (greedy or sampled) accepts nothing and emits
+    -1, never a valid id, whatever its drafts (0 included); the other requests are
+    unaffected; B = 0 gives empty outputs."""
+    B, S, V = 3, 2, 50
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(B, S + 1, 8, generator=g)
+    w = torch.randn(V, 8, generator=g)
+    h[0] = float("nan")
+    h[1, 1] = float("nan")
+    draft = torch.zeros(B, S, dtype=torch.int64)
+    q = torch.full((B, S, V), 1.0 / V) if probs else None
+    for T in (0.0, 1.0):
+        out = tpsample.verify_drafts(h, w, draft, draft_probs=q, seed=1, temperature=T,
+                                     backend=backend, return_logprobs=True)
+        assert out.tokens[0].tolist() == [-1] * (S + 1) and int(out.num_accepted[0]) == 0
+        assert out.tokens[1, 1:].tolist() == [-1, -1] and int(out.num_accepted[1]) <= 1
+        assert torch.isnan(out.logprobs[0]).all()
+        assert (out.tokens[2, :int(out.num_accepted[2]) + 1] >= 0).all()
+    empty = tpsample.verify_drafts(h[:0], w, draft[:0], draft_probs=None if q is None else q[:0],
+                                   seed=1, backend=backend)
+    assert empty.tokens.shape == (0, S + 1) and empty.num_accepted.shape == (0,)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_seed_and_offset_in_any_layout(backend):
+    """Per-request seeds and offsets as strided views, int32 offsets and numpy integers give
+    the tokens of contiguous int64 tensors."""
+    B, S, V = 4, 2, 60
+    g = torch.Generator().manual_seed(6)
+    h = torch.randn(B, S + 1, 8, generator=g)
+    w = torch.randn(V, 8, generator=g)
+    draft = torch.randint(0, V, (B, S), generator=g)
+    seeds = torch.arange(2 * B).view(B, 2) * 100 + 7
+    ref = tpsample.verify_drafts(h, w, draft, seed=seeds[:, 0].contiguous(),
+                                 offset=torch.full((B,), 3), backend=backend)
+    for seed, offset in [(seeds[:, 0], torch.tensor(3).expand(B)),
+                         (seeds[:, 0], torch.full((B,), 3, dtype=torch.int32))]:
+        out = tpsample.verify_drafts(h, w, draft, seed=seed, offset=offset, backend=backend)
+        assert torch.equal(out.tokens, ref.tokens)
+    a = tpsample.verify_drafts(h, w, draft, seed=np.int64(9), offset=np.int32(2), backend=backend)
+    b = tpsample.verify_drafts(h, w, draft, seed=9, offset=2, backend=backend)
+    assert torch.equal(a.tokens, b.tokens)
 
 
 # ----- chi-squared ---------------------------------------------------------------------------

@@ -139,7 +139,7 @@ def _per_row_tensor(name: str, value, B: int, device, dtypes: tuple[torch.dtype,
         raise ValueError(f"{name} tensor must have shape [{B}], got {tuple(value.shape)}")
     if value.dtype not in dtypes:
         raise TypeError(f"{name} tensor must have dtype {' or '.join(map(str, dtypes))}, got {value.dtype}")
-    return value if value.device == device else value.to(device)
+    return value.to(device).contiguous()  # (the kernels read one value per row, stride 1)
 
 
 def inverse_temperature(temperature: float) -> float:

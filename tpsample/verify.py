@@ -29,6 +29,7 @@ p (the token the sampler would draw there, up to the logits' rounding).
 """
 from __future__ import annotations
 
+import numbers
 from typing import Callable, NamedTuple
 
 import torch
@@ -89,19 +90,20 @@ def check_drafts(hidden: torch.Tensor, draft_tokens, draft_probs, vocab_size: in
 
 
 def request_key(name: str, value, B: int, device) -> torch.Tensor:
-    """seed or offset (an int, or a Tensor[B] int64 per request) as int64 [B] on device."""
+    """seed or offset (an int, or a Tensor[B] int64 / int32 per request) as a contiguous
+    int64 [B] on device (the kernel reads one value per request)."""
     if isinstance(value, torch.Tensor):
         if value.ndim != 1 or value.shape[0] != B:
             raise ValueError(f"{name} must be a scalar or a Tensor[B] with B = {B} requests, got "
                              f"shape {list(value.shape)}")
-        if value.dtype != torch.int64:
+        if value.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"{name} tensor must have dtype torch.int64, got {value.dtype}")
-        return value.to(device)
-    if not isinstance(value, int) or isinstance(value, bool):
+        return value.to(device, torch.int64).contiguous()
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
         raise TypeError(f"{name} must be an int or a Tensor[B] int64, got {type(value).__name__}")
-    if not -(1 << 63) <= value < (1 << 63):
+    if not -(1 << 63) <= int(value) < (1 << 63):
         raise ValueError(f"{name} must fit in int64, got {value}")
-    return P._filled(B, value, torch.int64, device)
+    return P._filled(B, int(value), torch.int64, device)
 
 
 def draft_rows(hidden: torch.Tensor, draft_tokens: torch.Tensor, draft_probs, vocab_size: int,
@@ -127,18 +129,19 @@ def draft_rows(hidden: torch.Tensor, draft_tokens: torch.Tensor, draft_probs, vo
             draft_ptr=draft_tokens.contiguous(), seed_ptr=seed_b, offset_ptr=offset_b, n_ptr=n,
             bad_ptr=bad, seed_rows_ptr=seed_rows, offset_rows_ptr=offset_rows),
             vocab=vocab_size, S=S, BLOCK=triton.next_power_of_2(S1))
-        flags = [bad.any()]
+        flags = [bad]
     else:
         seed_rows, offset_rows = positions(hidden, seed, offset)
         d = draft_tokens.long()
         ended = torch.cumsum((d < 0).long(), dim=1) > 0
         n = (~ended).sum(1)
-        flags = [((d < -1) | (d >= vocab_size) | (ended & (d >= 0))).any()]
+        flags = [(d < -1) | (d >= vocab_size) | (ended & (d >= 0))]
     if P.skip_tensor_checks(dev):  # (during capture, or TPSAMPLE_CHECK_TENSORS=0)
         return n, seed_rows, offset_rows
+    flags = [flags[0].any()]
     if draft_probs is not None:
         live = torch.arange(S, device=dev)[None, :] < n[:, None]
-        sums = draft_probs.double().sum(-1)
+        sums = draft_probs.sum(-1, dtype=torch.float64)
         off = live & (~torch.isfinite(sums) | ((sums - 1).abs() > DRAFT_PROBS_TOL)
                       | (draft_probs < 0).any(-1))
         flags.append(off.any())
@@ -158,7 +161,9 @@ def _raise_bad_drafts(draft_tokens, draft_probs, vocab_size: int, n: torch.Tenso
     if bool(after_end.any()):
         raise ValueError("draft_tokens: a -1 ends a request's drafts; an id after it in rows "
                          f"{after_end.any(1).nonzero()[:4, 0].tolist()}")
-    sums = draft_probs.double().sum(-1)
+    if draft_probs is None:  # (the flags said so; the torch re-check disagrees)
+        raise ValueError("draft_tokens: ids out of range or after a -1")
+    sums = draft_probs.sum(-1, dtype=torch.float64)
     off = ~ended & (~torch.isfinite(sums) | ((sums - 1).abs() > DRAFT_PROBS_TOL)
                     | (draft_probs < 0).any(-1))
     raise ValueError("draft_probs: each draft position's distribution must be >= 0 and sum to 1 "
@@ -185,7 +190,7 @@ def _launch(fn, B: int, scalars: tuple, named: dict, **args) -> None:
         return
     with replay.record() as log:
         replay.run_named(fn, (B,), {}, **named, **args)
-    if all(hasattr(c, "run") and hasattr(c, "packed_metadata") for _, c, *_ in log):
+    if replay._replayable(log):
         if len(_REPLAYS) >= 256:
             _REPLAYS.clear()
         _REPLAYS[key] = replay.Replay(log, named)
@@ -285,7 +290,10 @@ def target_logprobs(l: torch.Tensor, ids: torch.Tensor, inv_temp: torch.Tensor,
                        kept)
     logz_kept = finite_max[:, 0] + torch.log((torch.exp(x - finite_max) * kept).sum(1))
     lp = torch.where(kept, x - logz_kept[:, None], float("-inf"))
-    return torch.where(greedy[:, None], torch.where(kept, 0.0, float("-inf")), lp)
+    lp = torch.where(greedy[:, None], torch.where(kept, 0.0, float("-inf")), lp)
+    # a row whose log Z is not finite (NaN, +inf, nothing finite) has no answer: NaN, so no
+    # draft is accepted there and no token is picked (-1), as the sampler does
+    return torch.where(torch.isfinite(logz)[:, None], lp, float("nan"))
 
 
 def residual_pick(lp: torch.Tensor, ids: torch.Tensor, q: torch.Tensor, seed: torch.Tensor,
@@ -354,9 +362,10 @@ def _verify_draft_probs(rows, draft, draft_probs, n, seed_rows, offset_rows, kw,
           + torch.arange(S, device=dev)[None, :]).reshape(-1)  # the draft positions
     x = draft.reshape(-1)
     # (a shard's padding columns may repeat a real id; their log p is -inf)
-    lp_x = torch.where(ids[None, :] == x[:, None], lp_all[at], float("-inf")).amax(1)
-    q = draft_probs.reshape(B * S, -1)
-    q_x = q.gather(1, x.clamp(min=0)[:, None])[:, 0].double()
+    lp_x = torch.where(ids == x.view(B, S, 1), lp_all.view(B, S1, lp_all.shape[1])[:, :S],
+                       float("-inf")).amax(-1).reshape(-1)
+    q = draft_probs.reshape(B * S, vocab_size)
+    q_x = q.gather(1, x.clamp(0, vocab_size - 1)[:, None])[:, 0].double()
     u = noise.uniform(seed_rows[at], offset_rows[at], 0,
                       torch.zeros(B * S, dtype=torch.int64, device=dev),
                       stream=ACCEPT_STREAM).double()

@@ -204,6 +204,8 @@ def test_repeated_filtered_calls_through_their_graph_equal_reissued_launches(kw,
         for f in ("tokens", "logprobs", "logz", "top_tokens", "top_logprobs"):
             x, y = getattr(a, f), getattr(b, f)
             assert (x is None and y is None) or torch.equal(x, y), (i, f)
+
+
 def test_verify_drafts_kernels_and_their_replays_equal_the_torch_scan():
     """verify_drafts on CUDA (kernels/draft_scan.py around the sampler call; from the second
     call the two launches are re-issued through their recorded launchers) against the
@@ -231,6 +233,8 @@ def test_verify_drafts_kernels_and_their_replays_equal_the_torch_scan():
         out = tpsample.verify_drafts(h, w, draft, seed=seed, offset=offset, return_logprobs=True)
         assert torch.equal(out.tokens, ref[0]) and torch.equal(out.num_accepted, ref[1]), call
         assert torch.equal(out.logprobs.isnan(), ref[2].isnan())
+    from tpsample import replay
+    assert VF._REPLAYS or not replay.Replay.usable()  # (calls 2-4 went through the replays)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
