@@ -151,7 +151,8 @@ def verify_drafts(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torc
     Returns:
         VerifyOutput(tokens int64 [B, S + 1]: the accepted drafts, then the token from the
         residual or the bonus token, then -1; num_accepted int64 [B]; logprobs fp32
-        [B, S + 1] (NaN after the emitted tokens) or None).
+        [B, S + 1] (NaN after the emitted tokens) or None). A position whose log Z is not
+        finite (NaN or +inf logits) accepts no draft and emits -1, as tpsample.sample does.
 
     One-hot drafts take one fused sampler call on the B·(S + 1) rows and a scan; draft_probs
     computes the rows' logits with one matmul (not fused). The inputs' contents are checked with
