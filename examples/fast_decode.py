@@ -240,15 +240,7 @@ def decode(model: Model, head, prompt: torch.Tensor, steps: int, temperature: fl
     out = [tok]
     g = None
     if graph:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):  # warm-up: compile and record outside the capture
-            for _ in range(2):
-                one_step()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            graph_out = one_step()
+        g, graph_out = capture(one_step)
     if dev.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -267,40 +259,46 @@ def decode(model: Model, head, prompt: torch.Tensor, steps: int, temperature: fl
     times = dict(wall_ms=(time.perf_counter() - t0) / max(steps - 1, 1) * 1e3)
     if g is not None and replays:
         before = torch.cuda.memory_allocated()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.update(gpu_ms=start.elapsed_time(end) / replays, bytes_before=before,
+        times.update(gpu_ms=replay_ms(g, replays), bytes_before=before,
                      bytes_after=torch.cuda.memory_allocated())
     return torch.stack(out, 1), times
 
 
-def graph_ms(fn, calls: int = 50, replays: int = 10) -> float:
-    """GPU ms per call of fn: `calls` calls captured in one CUDA graph, replayed `replays` times
-    (CUDA events). A fixed count, unlike triton's do_bench_cudagraph, which sizes its graph
-    from each rank's own estimate: under TP every rank must capture as many collectives, or
-    the replays' all-gathers and exchanges never pair up (a hang)."""
+def capture(fn, calls: int = 1, warmup: int = 2):
+    """fn called `warmup` times on a side stream (compiling and recording outside the
+    capture), then `calls` calls captured in one CUDA graph → (graph, the last output)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):  # warm-up: compile and record outside the capture
-        for _ in range(3):
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
             fn()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for _ in range(calls):
-            fn()
-    g.replay()
+            out = fn()
+    return g, out
+
+
+def replay_ms(g, replays: int) -> float:
+    """GPU ms per replay of g over `replays` back-to-back replays (CUDA events)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(replays):
         g.replay()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / (calls * replays)
+    return start.elapsed_time(end) / replays
+
+
+def graph_ms(fn, calls: int = 50, replays: int = 10) -> float:
+    """GPU ms per call of fn: `calls` calls captured in one CUDA graph, replayed `replays` times.
+    A fixed count, unlike triton's do_bench_cudagraph, which sizes its graph from each rank's
+    own estimate: under TP every rank must capture as many collectives, or the replays'
+    all-gathers and exchanges never pair up (a hang)."""
+    g, _ = capture(fn, calls, warmup=3)
+    g.replay()
+    return replay_ms(g, replays) / calls
 
 
 def init(device_arg: str | None):

@@ -93,9 +93,7 @@ def request_key(name: str, value, B: int, device) -> torch.Tensor:
     """seed or offset (an int, or a Tensor[B] int64 / int32 per request) as a contiguous
     int64 [B] on device (the kernel reads one value per request)."""
     if isinstance(value, torch.Tensor):
-        if value.ndim != 1 or value.shape[0] != B:
-            raise ValueError(f"{name} must be a scalar or a Tensor[B] with B = {B} requests, got "
-                             f"shape {list(value.shape)}")
+        _check_per_request(name, value, B)
         if value.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"{name} tensor must have dtype torch.int64, got {value.dtype}")
         return value.to(device, torch.int64).contiguous()
@@ -200,11 +198,15 @@ def per_request(name: str, value, B: int, S1: int):
     """A scalar stays as it is; a Tensor[B] (one value per request) is repeated for the
     S + 1 positions of each request."""
     if isinstance(value, torch.Tensor):
-        if value.ndim != 1 or value.shape[0] != B:
-            raise ValueError(f"{name} must be a scalar or a Tensor[B] with B = {B} requests, got "
-                             f"shape {list(value.shape)}")
+        _check_per_request(name, value, B)
         return value.repeat_interleave(S1)
     return value
+
+
+def _check_per_request(name: str, value: torch.Tensor, B: int) -> None:
+    if value.ndim != 1 or value.shape[0] != B:
+        raise ValueError(f"{name} must be a scalar or a Tensor[B] with B = {B} requests, got "
+                         f"shape {list(value.shape)}")
 
 
 def positions(hidden: torch.Tensor, seed, offset):
