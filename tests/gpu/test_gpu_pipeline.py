@@ -171,8 +171,13 @@ def test_repeated_filtered_calls_through_their_graph_equal_reissued_launches(kw,
     top-k or top log-probs) replay one graph too (TPSAMPLE_GRAPHS=filtered): the same
     tokens, log-probs, log Z and top tokens per call as re-issued launches, the fallback
     included (flat: near-uniform rows, whose nucleus no candidate certifies). Other filtered
-    calls (whose fallback may move to the host) keep re-issuing their launches."""
+    calls (whose fallback may move to the host) keep re-issuing their launches. The
+    one-device fallback choice is pinned to the device: it moves to the host at a call set by
+    when a CUDA event completes, so two runs could switch at different calls (the same
+    tokens, log-probs that differ in the last bits)."""
     from tpsample import api, knobs
+    from tpsample.fallback_choice import FallbackChoice
+    monkeypatch.setattr(FallbackChoice, "device_now", lambda self, hidden, in_capture: True)
     kw = dict(kw)
     flat = kw.pop("flat", False)
     B, D, V = 48, 512, 5000
