@@ -21,7 +21,8 @@ import tpsample
 from tpsample import replay as replay_mod
 from tpsample.launch.sweep import hidden, sort_top_p, sweep_head
 
-FILTERS = {"p0.9": dict(top_p=0.9), "m0.1": dict(min_p=0.1), "p0.95": dict(top_p=0.95)}
+FILTERS = {"p0.9": dict(top_p=0.9), "m0.1": dict(min_p=0.1), "p0.95": dict(top_p=0.95),
+           "k50": dict(top_k=50)}
 
 
 def capture(fn):

@@ -298,16 +298,36 @@ def target_logprobs(l: torch.Tensor, ids: torch.Tensor, inv_temp: torch.Tensor,
     return torch.where(torch.isfinite(logz)[:, None], lp, float("nan"))
 
 
+def row_uniforms(seed: torch.Tensor, offset: torch.Tensor, index: torch.Tensor, stream: int,
+                 kernels: bool) -> torch.Tensor:
+    """noise.uniform(seed[r], offset[r], 0, index[j], stream) as float32 [R, C] for seed /
+    offset int64 [R] and index int64 [C]: one launch with kernels (kernels/draft_scan.py),
+    else noise.py's torch ops (~200 small ops: Philox's rounds)."""
+    if not kernels:
+        return noise.uniform(seed[:, None], offset[:, None], 0, index[None, :], stream=stream)
+    R, C = seed.numel(), index.numel()
+    out = torch.empty(R, C, dtype=torch.float32, device=seed.device)
+    BLOCK = min(1024, triton.next_power_of_2(max(C, 1)))
+    blocks = triton.cdiv(C, BLOCK)
+    if R * blocks:
+        _launch(draft_scan.row_uniforms_kernel, R * blocks, (C, blocks, stream), dict(
+            seed_ptr=seed.contiguous(), offset_ptr=offset.contiguous(),
+            index_ptr=index.contiguous(), out_ptr=out), C=C, BLOCKS=blocks, c1=stream,
+            BLOCK=BLOCK)
+    return out
+
+
 def residual_pick(lp: torch.Tensor, ids: torch.Tensor, q: torch.Tensor, seed: torch.Tensor,
-                  offset: torch.Tensor):
+                  offset: torch.Tensor, kernels: bool = False):
     """A token from normalise(max(0, p - q)) per row by Gumbel-max with the sampler's token
     noise at (seed, offset): lp [R, C] float64 log p (target_logprobs), ids [C], q [R, C]
     the draft probabilities of those columns. Where p == q up to rounding (no residual
-    mass) the token is drawn from p. Returns (token [R] int64, log p(token) [R] float64)."""
+    mass) the token is drawn from p. Returns (token [R] int64, log p(token) [R] float64).
+    kernels: the noise from one launch (row_uniforms)."""
     R, C = lp.shape
     p = torch.exp(lp)
     r = residual_weights(p, q.double())
-    g = noise.gumbel(seed[:, None], offset[:, None], 0, ids[None, :])
+    g = -torch.log(-torch.log(row_uniforms(seed, offset, ids, noise.TOKEN_STREAM, kernels)))
     z = torch.where(r > 0, torch.log(r).float() + g, float("-inf"))
     none = ~(r > 0).any(1)
     z = torch.where(none[:, None], torch.where(p > 0, lp.float() + g, float("-inf")), z)
@@ -341,11 +361,13 @@ def verify(hidden: torch.Tensor, draft_tokens: torch.Tensor, draft_probs, *,
         lp = out.logprobs.view(B, S1) if return_logprobs else None
         return VerifyOutput(*(accept_scan if kernels else scan)(y, lp, draft_tokens, n))
     return _verify_draft_probs(rows, draft_tokens.long(), draft_probs, n, seed_rows,
-                               offset_rows, kw, draft_logits, vocab_size, return_logprobs)
+                               offset_rows, kw, draft_logits, vocab_size, return_logprobs,
+                               kernels)
 
 
 def _verify_draft_probs(rows, draft, draft_probs, n, seed_rows, offset_rows, kw, draft_logits,
-                        vocab_size: int, return_logprobs: bool) -> VerifyOutput:
+                        vocab_size: int, return_logprobs: bool,
+                        kernels: bool) -> VerifyOutput:
     """Full draft distributions from the B·(S + 1) rows' logits (one matmul): x_i accepted
     when u_i · q_i(x_i) < p_i(x_i) at every draft position, then one Gumbel-max pick per
     request at its first rejection (from max(0, p - q)) or at its bonus position (from p,
@@ -368,9 +390,8 @@ def _verify_draft_probs(rows, draft, draft_probs, n, seed_rows, offset_rows, kw,
                        float("-inf")).amax(-1).reshape(-1)
     q = draft_probs.reshape(B * S, vocab_size)
     q_x = q.gather(1, x.clamp(0, vocab_size - 1)[:, None])[:, 0].double()
-    u = noise.uniform(seed_rows[at], offset_rows[at], 0,
-                      torch.zeros(B * S, dtype=torch.int64, device=dev),
-                      stream=ACCEPT_STREAM).double()
+    u = row_uniforms(seed_rows[at], offset_rows[at], torch.zeros(1, dtype=torch.int64, device=dev),
+                     ACCEPT_STREAM, kernels)[:, 0].double()
     live = torch.arange(S, device=dev)[None, :] < n[:, None]
     accept = ((x >= 0) & (u * q_x < torch.exp(lp_x))).view(B, S) & live
     acc = torch.cumprod(accept.long(), dim=1).sum(1)
@@ -380,7 +401,7 @@ def _verify_draft_probs(rows, draft, draft_probs, n, seed_rows, offset_rows, kw,
     q_cols = q_row.gather(1, ids.clamp(max=vocab_size - 1)[None, :].expand(B, -1))
     q_cols = torch.where(rejected[:, None] & torch.isfinite(l[pick_row]), q_cols, 0.0)
     tok, lp_tok = residual_pick(lp_all[pick_row], ids, q_cols, seed_rows[pick_row],
-                                offset_rows[pick_row])
+                                offset_rows[pick_row], kernels)
     pos = torch.arange(S1, device=dev)[None, :]
     drafts = torch.cat([draft, draft[:, :1]], 1)  # (the extra column is never below acc)
     tokens = torch.where(pos < acc[:, None], drafts, -1)
