@@ -81,3 +81,181 @@ def row_uniforms_kernel(seed_ptr, offset_ptr, index_ptr, out_ptr, C, BLOCKS, c1,
     x = philox_word(seed, off_lo, off_hi, tl.cast(c1, tl.uint32), gid)
     u = ((x >> 9).to(tl.float32) + 0.5) * (2.0 ** -23)
     tl.store(out_ptr + r * C + j, u, mask=m)
+
+
+# ---- full draft distributions (tpsample/verify.py's draft-probs path on the kernels) ----
+# p_r, the processed distribution of row r, keeps a prefix of the row's order (logit
+# descending, id ascending): with a cut (HAS_CUT: top-k / top-p, found by a sort in torch)
+# the tokens up to (cut_l, cut_id); without one the tokens with exp(l - l_max) >= min_p
+# (all finite ones where min_p is 0); on greedy rows (inv_temp 0) the argmax with the
+# smallest id. log p = l - log Z_kept on the kept tokens, float64 as verify.target_logprobs.
+
+
+@triton.jit
+def _kept(l, ids, xmax, top, greedy, m, cut_l, cut_id, HAS_CUT: tl.constexpr):
+    if HAS_CUT:
+        k = (l > cut_l) | ((l == cut_l) & (ids <= cut_id))
+    else:
+        k = tl.where(m > 0, tl.exp(l.to(tl.float64) - xmax.to(tl.float64)) >= m.to(tl.float64),
+                     l > float("-inf"))
+    k = k & (l > float("-inf"))
+    return tl.where(greedy, (l == xmax) & (ids == top), k)
+
+
+@triton.jit
+def probs_rows_kernel(l_ptr, ids_ptr, C, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr, draft_ptr,
+                      xmax_ptr, top_ptr, logz_ptr, lpx_ptr, S: tl.constexpr,
+                      HAS_CUT: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per row r = b·(S + 1) + i of l [R, C] (ids [C]: the columns' global ids):
+    its largest logit xmax[r], the smallest id there top[r], log Z of its kept tokens
+    logz[r] (float64; NaN where the row's log Z is not finite: a NaN, +inf, or nothing
+    finite) and log p of the draft x = draft[b, i] (i < S; -inf where not kept, NaN on such
+    rows)."""
+    r = tl.program_id(0).to(tl.int64)
+    b = r // (S + 1)
+    i = r % (S + 1)
+    x = tl.load(draft_ptr + b * S + i, mask=i < S, other=-1)
+    row = l_ptr + r * C
+    j = tl.arange(0, BLOCK)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_id = tl.full([BLOCK], 9223372036854775807, tl.int64)
+    lx = tl.full([BLOCK], float("-inf"), tl.float32)
+    nan = tl.zeros([BLOCK], tl.int32)
+    for c0 in range(0, C, BLOCK):
+        cols = c0 + j
+        ok = cols < C
+        l = tl.load(row + cols, mask=ok, other=float("-inf"))
+        ids = tl.load(ids_ptr + cols, mask=ok, other=-1)
+        nan = nan | (l != l).to(tl.int32)
+        better = (l > best) | ((l == best) & (ids < best_id))
+        best_id = tl.where(better, ids, best_id)
+        best = tl.where(better, l, best)
+        lx = tl.maximum(lx, tl.where(ids == x, l, float("-inf")))
+    xmax = tl.max(best, axis=0)
+    top = tl.min(tl.where(best == xmax, best_id, 9223372036854775807), axis=0)
+    l_x = tl.max(lx, axis=0)
+    bad = (tl.max(nan, axis=0) > 0) | (xmax == float("inf")) | (xmax == float("-inf"))
+    greedy = tl.load(inv_ptr + r) == 0
+    m = tl.load(min_p_ptr + r)
+    cut_l = 0.0
+    cut_id = 0
+    if HAS_CUT:
+        cut_l = tl.load(cut_l_ptr + r)
+        cut_id = tl.load(cut_id_ptr + r)
+    z = tl.zeros([BLOCK], tl.float64)
+    for c0 in range(0, C, BLOCK):
+        cols = c0 + j
+        ok = cols < C
+        l = tl.load(row + cols, mask=ok, other=float("-inf"))
+        ids = tl.load(ids_ptr + cols, mask=ok, other=-1)
+        k = _kept(l, ids, xmax, top, greedy, m, cut_l, cut_id, HAS_CUT)
+        z += tl.where(k, tl.exp(l.to(tl.float64) - xmax.to(tl.float64)), 0.0)
+    logz = xmax.to(tl.float64) + tl.log(tl.sum(z, axis=0))
+    k_x = _kept(l_x, x, xmax, top, greedy, m, cut_l, cut_id, HAS_CUT) & (x >= 0)
+    lp_x = tl.where(k_x, tl.where(greedy, 0.0, l_x.to(tl.float64) - logz), float("-inf"))
+    tl.store(xmax_ptr + r, xmax)
+    tl.store(top_ptr + r, top)
+    tl.store(logz_ptr + r, tl.where(bad, float("nan"), logz))
+    tl.store(lpx_ptr + r, tl.where(bad, float("nan"), lp_x))
+
+
+@triton.jit
+def probs_accept_kernel(l_ptr, ids_ptr, C, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr, xmax_ptr,
+                        top_ptr, logz_ptr, lpx_ptr, q_ptr, V, draft_ptr, n_ptr, seed_rows_ptr,
+                        offset_rows_ptr, tokens_ptr, accepted_ptr, lp_out_ptr, ACCEPT: tl.constexpr,
+                        S: tl.constexpr, HAS_CUT: tl.constexpr, HAS_LP: tl.constexpr,
+                        BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
+    """One program per request b (after probs_rows_kernel): x_i accepted while
+    u_i · q_i(x_i) < p_i(x_i) and i < n[b] (u_i = noise.uniform(seed, offset + i, 0, 0,
+    ACCEPT) of position i); a = the accepted count. Then one Gumbel-max pick at row
+    b·(S + 1) + a over log max(0, p - q_a) (a < n: a rejection) or log p (the bonus), from p
+    where the residual has no mass, with the token noise of that position; -1 where
+    nothing can be picked. tokens [B, S + 1]: the accepted drafts, the pick, -1 after;
+    accepted [B] = a; with HAS_LP their log p (float32, NaN after and at -1)."""
+    b = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, BLOCK_S)
+    at = s < S
+    n = tl.load(n_ptr + b)
+    x = tl.load(draft_ptr + b * S + s, mask=at, other=-1)
+    lp_x = tl.load(lpx_ptr + b * (S + 1) + s, mask=at, other=float("nan"))
+    q_x = tl.load(q_ptr + (b * S + s) * V + tl.minimum(tl.maximum(x, 0), V - 1), mask=at,
+                  other=0.0)
+    seed_s = tl.load(seed_rows_ptr + b * (S + 1) + s, mask=at, other=0)
+    off_s = tl.load(offset_rows_ptr + b * (S + 1) + s, mask=at, other=0)
+    w = philox_word(seed_s, (off_s & 0xFFFFFFFF).to(tl.uint32),
+                    ((off_s >> 32) & 0xFFFFFFFF).to(tl.uint32), tl.cast(ACCEPT, tl.uint32),
+                    tl.zeros([BLOCK_S], tl.int64))
+    u = ((w >> 9).to(tl.float32) + 0.5) * (2.0 ** -23)
+    ok = (x >= 0) & (u.to(tl.float64) * q_x.to(tl.float64) < tl.exp(lp_x)) & (s < n)
+    a = tl.min(tl.where(at & ~ok, s, S), axis=0).to(tl.int64)
+    rejected = a < n
+    r = b * (S + 1) + a
+    xmax = tl.load(xmax_ptr + r)
+    top = tl.load(top_ptr + r)
+    logz = tl.load(logz_ptr + r)
+    greedy = tl.load(inv_ptr + r) == 0
+    m = tl.load(min_p_ptr + r)
+    cut_l = 0.0
+    cut_id = 0
+    if HAS_CUT:
+        cut_l = tl.load(cut_l_ptr + r)
+        cut_id = tl.load(cut_id_ptr + r)
+    seed = tl.load(seed_rows_ptr + r)
+    off = tl.load(offset_rows_ptr + r)
+    off_lo = (off & 0xFFFFFFFF).to(tl.uint32)
+    off_hi = ((off >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    q_row = q_ptr + (b * S + tl.minimum(a, S - 1)) * V
+    row = l_ptr + r * C
+    j = tl.arange(0, BLOCK)
+    NONE: tl.constexpr = 9223372036854775807
+    zr = tl.full([BLOCK], float("-inf"), tl.float32)
+    zr_id = tl.full([BLOCK], NONE, tl.int64)
+    zr_lp = tl.zeros([BLOCK], tl.float64)
+    zp = tl.full([BLOCK], float("-inf"), tl.float32)
+    zp_id = tl.full([BLOCK], NONE, tl.int64)
+    zp_lp = tl.zeros([BLOCK], tl.float64)
+    mass = tl.zeros([BLOCK], tl.int32)
+    for c0 in range(0, C, BLOCK):
+        cols = c0 + j
+        ok_c = cols < C
+        l = tl.load(row + cols, mask=ok_c, other=float("-inf"))
+        ids = tl.load(ids_ptr + cols, mask=ok_c, other=-1)
+        k = _kept(l, ids, xmax, top, greedy, m, cut_l, cut_id, HAS_CUT)
+        lp = tl.where(k, tl.where(greedy, 0.0, l.to(tl.float64) - logz), float("-inf"))
+        p = tl.exp(lp)
+        q = tl.load(q_row + tl.minimum(tl.maximum(ids, 0), V - 1),
+                    mask=ok_c & rejected & (l > float("-inf")) & (l < float("inf")), other=0.0)
+        res = tl.maximum(p - q.to(tl.float64), 0.0)
+        word = philox_word(seed, off_lo, off_hi, tl.cast(0, tl.uint32), ids)
+        g = -tl.log(-tl.log(((word >> 9).to(tl.float32) + 0.5) * (2.0 ** -23)))
+        z1 = tl.where(res > 0, tl.log(res).to(tl.float32) + g, float("-inf"))
+        z2 = tl.where(p > 0, lp.to(tl.float32) + g, float("-inf"))
+        mass = mass | (res > 0).to(tl.int32)
+        b1 = (z1 > zr) | ((z1 == zr) & (ids < zr_id))
+        zr_id = tl.where(b1, ids, zr_id)
+        zr_lp = tl.where(b1, lp, zr_lp)
+        zr = tl.where(b1, z1, zr)
+        b2 = (z2 > zp) | ((z2 == zp) & (ids < zp_id))
+        zp_id = tl.where(b2, ids, zp_id)
+        zp_lp = tl.where(b2, lp, zp_lp)
+        zp = tl.where(b2, z2, zp)
+    use_res = tl.max(mass, axis=0) > 0
+    z = tl.where(use_res, zr, zp)
+    z_id = tl.where(use_res, zr_id, zp_id)
+    z_lp = tl.where(use_res, zr_lp, zp_lp)
+    best = tl.max(z, axis=0)
+    tok = tl.min(tl.where(z == best, z_id, NONE), axis=0)
+    lp_tok = tl.max(tl.where((z == best) & (z_id == tok), z_lp, float("-inf")), axis=0)
+    found = (best > float("-inf")) & (logz == logz)
+    tok = tl.where(found, tok, -1)
+    pos = tl.arange(0, BLOCK_S)
+    out = pos <= S
+    drafts = tl.load(draft_ptr + b * S + pos, mask=pos < S, other=-1)
+    tokens = tl.where(pos < a, drafts, tl.where(pos == a, tok, -1))
+    tl.store(tokens_ptr + b * (S + 1) + pos, tokens, mask=out)
+    tl.store(accepted_ptr + b, a)
+    if HAS_LP:
+        lp_d = tl.load(lpx_ptr + b * (S + 1) + pos, mask=pos < S, other=float("nan"))
+        lp_o = tl.where(pos < a, lp_d, tl.where(pos == a, lp_tok, float("nan")))
+        lp_o = tl.where(tokens < 0, float("nan"), lp_o)
+        tl.store(lp_out_ptr + b * (S + 1) + pos, lp_o.to(tl.float32), mask=out)

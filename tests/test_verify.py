@@ -82,6 +82,51 @@ def test_interpreted_kernels_equal_the_torch_path(probs):
     assert torch.allclose(a.logprobs[fin], b.logprobs[fin], atol=1e-4)
 
 
+@pytest.mark.parametrize("filt", [dict(), dict(min_p=0.05), dict(top_k=7),
+                                  dict(top_p=torch.tensor([0.9, 1.0, 0.6, 0.8, 0.95, 0.7]),
+                                       min_p=0.02)],
+                         ids=["plain", "min_p", "top_k", "top_p+min_p"])
+def test_draft_probs_kernels_equal_the_torch_path(filt):
+    """The draft-probs path's two launches (kernels/draft_scan.probs_rows_kernel and
+    probs_accept_kernel, interpreted) give the torch path's tokens, counts and log-probs:
+    a draft distribution near p (long acceptances) on some requests and far from it on
+    others, greedy rows, ragged drafts and a request without drafts, a row of NaN logits,
+    and columns laid out as two padded vocabulary shards (padding ids repeat real ones)."""
+    B, S, V, D = 6, 3, 300, 16
+    g = torch.Generator().manual_seed(11)
+    h = torch.randn(B, S + 1, D, generator=g) * 1.2  # (argmaxes of p ~0.2-0.9)
+    w = torch.randn(V, D, generator=g)
+    h[4, 2] = float("nan")
+    T = torch.tensor([1.0, 0.0, 0.8, 1.3, 1.0, 0.0])
+    exact = torch.softmax((h[:, :S] @ w.T) / T.clamp(min=0.5)[:, None, None], -1).nan_to_num(1 / V)
+    noisy = torch.softmax(torch.randn(B, S, V, generator=g), -1)
+    near = torch.tensor([True, True, False, True, True, False])
+    top = torch.nn.functional.one_hot(exact.argmax(-1), V)  # (residuals far from p)
+    q = torch.where(near[:, None, None], 0.5 * top + 0.5 * exact, noisy)
+    draft = torch.multinomial(q.view(-1, V), 1, generator=g).view(B, S)
+    draft[1] = (h[1, :S] @ w.T).argmax(-1)  # greedy row: the drafts are the argmaxes
+    draft[2, 1:] = -1
+    draft[5, :] = -1
+    half = (V + 1) // 2 + 2  # two shards, padded to a common width
+    shards = [VF.local_logits(w[:(V + 1) // 2], None, (V + 1) // 2, 0, half),
+              VF.local_logits(w[(V + 1) // 2:], None, V - (V + 1) // 2, (V + 1) // 2, half)]
+
+    def padded(rows, inv):
+        parts = [f(rows, inv) for f in shards]
+        return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts])
+    for logits in (VF.local_logits(w, None, V), padded):
+        outs = [VF.verify(h, draft, q, sample_rows=None, draft_logits=logits, draw_seed=None,
+                          vocab_size=V, temperature=T, seed=torch.arange(B) * 3 + 1, offset=5,
+                          top_k=filt.get("top_k"), top_p=filt.get("top_p"),
+                          min_p=filt.get("min_p"), return_logprobs=True, kernels=kernels)
+                for kernels in (False, True)]
+        a, b = outs
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.num_accepted, b.num_accepted)
+        assert torch.equal(a.logprobs.isnan(), b.logprobs.isnan())
+        assert torch.allclose(a.logprobs.nan_to_num(), b.logprobs.nan_to_num(), atol=1e-5)
+        assert int(a.num_accepted.max()) >= 2 and (a.tokens[4] == -1).any()
+
+
 @pytest.mark.parametrize("S", [0, 1, 3, 4])
 def test_draft_scan_kernels_equal_the_torch_functions(S):
     """kernels/draft_scan.py (interpreted) against verify.draft_rows / scan's torch path:

@@ -172,22 +172,23 @@ def _raise_bad_drafts(draft_tokens, draft_probs, vocab_size: int, n: torch.Tenso
 _REPLAYS: dict = {}  # (kernel, grid, scalars, constexprs, device, tensor_key) -> replay.Replay
 
 
-def _launch(fn, B: int, scalars: tuple, named: dict, **args) -> None:
+def _launch(fn, B: int, scalars: tuple, named: dict, num_warps: int = 4, **args) -> None:
     """fn[(B,)](**named, **args). On CUDA a launch seen before (same scalars, constexprs and
     tensor layout: what Triton specialized on) is re-issued through its recorded launcher
     (tpsample/replay.py: ~8 µs of host time against ~30 for Triton's dispatch)."""
     dev = next(iter(named.values())).device
+    options = {"num_warps": num_warps}
     if dev.type != "cuda" or not replay.Replay.usable():
-        replay.run_named(fn, (B,), {}, **named, **args)
+        replay.run_named(fn, (B,), options, **named, **args)
         return
-    key = (fn.__name__, B, scalars, tuple(sorted(args.items())), dev.index,
+    key = (fn.__name__, B, scalars, num_warps, tuple(sorted(args.items())), dev.index,
            replay.tensor_key(tuple(named.values())))
     again = _REPLAYS.get(key)
     if again is not None:
         again(replay.current_stream(dev.index), **named)
         return
     with replay.record() as log:
-        replay.run_named(fn, (B,), {}, **named, **args)
+        replay.run_named(fn, (B,), options, **named, **args)
     if replay._replayable(log):
         if len(_REPLAYS) >= 256:
             _REPLAYS.clear()
@@ -273,18 +274,12 @@ def target_logprobs(l: torch.Tensor, ids: torch.Tensor, inv_temp: torch.Tensor,
     dev = l.device
     x = l.double()
     greedy = inv_temp == 0
-    on = F.row_is_filtered(filters, inv_temp)
-    k, p_, m = F.row_filters(filters, R, dev)
-    k, p_, m = (torch.where(on, k, 0), torch.where(on, p_, 1.0), torch.where(on, m, 0.0))
+    k, p_, m = row_filter_values(filters, inv_temp)
     logz = torch.logsumexp(x, dim=1)
     xmax = x.amax(1, keepdim=True)
     finite_max = torch.where(torch.isfinite(xmax), xmax, 0.0)
     if filters.top_k is not None or filters.top_p is not None:
-        by_id = torch.argsort(ids, stable=True)
-        order = by_id[torch.argsort(l[:, by_id], dim=1, descending=True, stable=True)]
-        kept_sorted, _ = F.kept_prefix(x.gather(1, order), torch.ones_like(x, dtype=torch.bool),
-                                       k, p_, m, logz)
-        kept = torch.zeros_like(kept_sorted).scatter_(1, order, kept_sorted)
+        kept = sorted_kept(l, ids, x, k, p_, m, logz)
     else:  # min-p alone: the kept set is exp(x - x_max) >= min_p (filters.kept_prefix)
         kept = (x > float("-inf")) & (torch.exp(x - finite_max) >= m.double()[:, None])
     top = torch.where(x == xmax, ids[None, :], torch.iinfo(torch.int64).max).argmin(1)
@@ -315,6 +310,25 @@ def row_uniforms(seed: torch.Tensor, offset: torch.Tensor, index: torch.Tensor, 
             index_ptr=index.contiguous(), out_ptr=out), C=C, BLOCKS=blocks, c1=stream,
             BLOCK=BLOCK)
     return out
+
+
+def row_filter_values(filters: P.Filters, inv_temp: torch.Tensor):
+    """(top_k int64, top_p fp32, min_p fp32) [R] with the 'off' values on rows that are not
+    filtered (greedy rows included)."""
+    on = F.row_is_filtered(filters, inv_temp)
+    k, p_, m = F.row_filters(filters, inv_temp.shape[0], inv_temp.device)
+    return torch.where(on, k, 0), torch.where(on, p_, 1.0), torch.where(on, m, 0.0)
+
+
+def sorted_kept(l, ids, x, k, p_, m, logz) -> torch.Tensor:
+    """bool [R, C]: the tokens top-k, top-p and min-p keep (a prefix of each row's order,
+    logit descending then id ascending; filters.kept_prefix on the sorted row). l [R, C]
+    fp32, ids [C], x = l in float64, logz [R] its log-sum-exp."""
+    by_id = torch.argsort(ids, stable=True)
+    order = by_id[torch.argsort(l[:, by_id], dim=1, descending=True, stable=True)]
+    kept_sorted, _ = F.kept_prefix(x.gather(1, order), torch.ones_like(x, dtype=torch.bool),
+                                   k, p_, m, logz)
+    return torch.zeros_like(kept_sorted).scatter_(1, order, kept_sorted)
 
 
 def residual_pick(lp: torch.Tensor, ids: torch.Tensor, q: torch.Tensor, seed: torch.Tensor,
@@ -381,6 +395,9 @@ def _verify_draft_probs(rows, draft, draft_probs, n, seed_rows, offset_rows, kw,
                          repetition_penalty=None, **kw)
     inv = spec.row.inv_temp
     l, ids = draft_logits(rows, inv)
+    if kernels:
+        return _draft_probs_kernels(l, ids, inv, spec.filters, draft, draft_probs, n,
+                                    seed_rows, offset_rows, return_logprobs)
     lp_all = target_logprobs(l, ids, inv, spec.filters)  # [B·(S + 1), C]
     at = (torch.arange(B, device=dev)[:, None] * S1
           + torch.arange(S, device=dev)[None, :]).reshape(-1)  # the draft positions
@@ -413,6 +430,46 @@ def _verify_draft_probs(rows, draft, draft_probs, n, seed_rows, offset_rows, kw,
         logprobs = torch.where(pos == acc[:, None], lp_tok.float()[:, None], logprobs)
         logprobs = torch.where(tokens < 0, float("nan"), logprobs)
     return VerifyOutput(tokens, acc, logprobs)
+
+
+def _draft_probs_kernels(l, ids, inv, filters, draft, q, n, seed_rows, offset_rows,
+                         return_logprobs: bool) -> VerifyOutput:
+    """_verify_draft_probs after the matmul as two launches (kernels/draft_scan.py: every
+    row's log Z and the drafts' log p, then per request the verdicts and the pick); top-k and
+    top-p first find each row's cut by a sort (sorted_kept), the last kept (logit, id)."""
+    R, C = l.shape
+    B, S = draft.shape
+    dev = l.device
+    k, p_, m = row_filter_values(filters, inv)
+    has_cut = filters.top_k is not None or filters.top_p is not None
+    if has_cut:
+        x = l.double()
+        kept = sorted_kept(l, ids, x, k, p_, m, torch.logsumexp(x, dim=1))
+        cut_l = torch.where(kept, l, float("inf")).amin(1)
+        cut_id = torch.where(kept & (l == cut_l[:, None]), ids[None, :], -1).amax(1)
+    else:
+        cut_l, cut_id = m, k  # (not read)
+    xmax = torch.empty(R, dtype=torch.float32, device=dev)
+    top = torch.empty(R, dtype=torch.int64, device=dev)
+    logz = torch.empty(R, dtype=torch.float64, device=dev)
+    lpx = torch.empty(R, dtype=torch.float64, device=dev)
+    common = dict(l_ptr=l.contiguous(), ids_ptr=ids.contiguous(), inv_ptr=inv.contiguous(),
+                  min_p_ptr=m.float().contiguous(), cut_l_ptr=cut_l.contiguous(),
+                  cut_id_ptr=cut_id.contiguous(), draft_ptr=draft.contiguous())
+    _launch(draft_scan.probs_rows_kernel, R, (C,), dict(
+        common, xmax_ptr=xmax, top_ptr=top, logz_ptr=logz, lpx_ptr=lpx), num_warps=8, C=C,
+        S=S, HAS_CUT=has_cut, BLOCK=2048)
+    tokens = torch.empty(B, S + 1, dtype=torch.int64, device=dev)
+    acc = torch.empty(B, dtype=torch.int64, device=dev)
+    lp = torch.empty(B, S + 1, dtype=torch.float32, device=dev) if return_logprobs else tokens
+    V = q.shape[-1]
+    _launch(draft_scan.probs_accept_kernel, B, (C, V), dict(
+        common, xmax_ptr=xmax, top_ptr=top, logz_ptr=logz, lpx_ptr=lpx, q_ptr=q.contiguous(),
+        n_ptr=n, seed_rows_ptr=seed_rows, offset_rows_ptr=offset_rows, tokens_ptr=tokens,
+        accepted_ptr=acc, lp_out_ptr=lp), num_warps=8, C=C, V=V, ACCEPT=ACCEPT_STREAM, S=S,
+        HAS_CUT=has_cut, HAS_LP=return_logprobs, BLOCK=2048,
+        BLOCK_S=triton.next_power_of_2(S + 1))
+    return VerifyOutput(tokens, acc, lp if return_logprobs else None)
 
 
 def local_logits(weight: torch.Tensor, bias, n_real: int, vocab_start: int = 0,

@@ -250,3 +250,32 @@ def test_verify_drafts_kernels_and_their_replays_equal_the_torch_scan():
         captured = tpsample.verify_drafts(h, w, draft, seed=seed, offset=offset)
     graph.replay()
     assert torch.equal(captured.tokens, eager.tokens)
+
+
+def test_verify_draft_probs_kernels_equal_the_torch_path():
+    """verify_drafts with draft distributions at the LM head's vocabulary: the kernels'
+    tokens and counts are the torch path's (verify.verify with kernels off), filtered and
+    not, with greedy rows and ragged drafts."""
+    from tpsample import verify as VF
+    B, S, D, V = 16, 4, 1024, 151936
+    g = torch.Generator(device="cuda").manual_seed(3)
+    h = torch.randn(B, S + 1, D, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(V, D, device="cuda", generator=g) / D ** 0.5 * 4).bfloat16()
+    exact = torch.softmax(VF.logits_fp32(h[:, :S].reshape(-1, D), w), -1).view(B, S, V)
+    top = torch.nn.functional.one_hot(exact.argmax(-1), V)
+    q = torch.where((torch.arange(B, device="cuda") % 2 == 0)[:, None, None],
+                    0.5 * top + 0.5 * exact, torch.softmax(torch.randn_like(exact), -1))
+    draft = torch.multinomial(q.view(-1, V), 1, generator=g).view(B, S)
+    draft[3, 2:] = -1
+    T = torch.where(torch.arange(B, device="cuda") % 5 == 0, 0.0, 1.0)
+    for filt in (dict(), dict(top_p=0.9), dict(min_p=0.05, top_k=40)):
+        outs = [VF.verify(h, draft, q, sample_rows=None, draft_logits=VF.local_logits(w, None, V),
+                          draw_seed=None, vocab_size=V, temperature=T,
+                          seed=torch.arange(B, device="cuda") + 1, offset=0,
+                          top_k=filt.get("top_k"), top_p=filt.get("top_p"),
+                          min_p=filt.get("min_p"), return_logprobs=True, kernels=kernels)
+                for kernels in (False, True)]
+        a, b = outs
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.num_accepted, b.num_accepted), filt
+        assert torch.allclose(a.logprobs.nan_to_num(), b.logprobs.nan_to_num(), atol=1e-4)
+        assert int(a.num_accepted.max()) >= 2
