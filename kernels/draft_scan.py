@@ -89,6 +89,13 @@ def row_uniforms_kernel(seed_ptr, offset_ptr, index_ptr, out_ptr, C, BLOCKS, c1,
 # the tokens up to (cut_l, cut_id); without one the tokens with exp(l - l_max) >= min_p
 # (all finite ones where min_p is 0); on greedy rows (inv_temp 0) the argmax with the
 # smallest id. log p = l - log Z_kept on the kept tokens, float64 as verify.target_logprobs.
+# Each row is split into G chunks of CHUNK columns, one program each, in four launches:
+# probs_max (each chunk's max, the smallest id there, the draft's logit, NaNs), probs_mass
+# (each chunk's kept mass under the row's max), probs_pick (per request: the verdicts, then
+# each chunk's best residual and target scores at the picked row), probs_finish (per
+# request: the pick and the outputs). A row whose log Z is not finite (a NaN, +inf, nothing
+# finite) accepts nothing and picks nothing (-1).
+NONE_ID = tl.constexpr(9223372036854775807)
 
 
 @triton.jit
@@ -103,28 +110,38 @@ def _kept(l, ids, xmax, top, greedy, m, cut_l, cut_id, HAS_CUT: tl.constexpr):
 
 
 @triton.jit
-def probs_rows_kernel(l_ptr, ids_ptr, C, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr, draft_ptr,
-                      xmax_ptr, top_ptr, logz_ptr, lpx_ptr, S: tl.constexpr,
-                      HAS_CUT: tl.constexpr, BLOCK: tl.constexpr):
-    """One program per row r = b·(S + 1) + i of l [R, C] (ids [C]: the columns' global ids):
-    its largest logit xmax[r], the smallest id there top[r], log Z of its kept tokens
-    logz[r] (float64; NaN where the row's log Z is not finite: a NaN, +inf, or nothing
-    finite) and log p of the draft x = draft[b, i] (i < S; -inf where not kept, NaN on such
-    rows)."""
-    r = tl.program_id(0).to(tl.int64)
+def _row_filters(r, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr, HAS_CUT: tl.constexpr):
+    greedy = tl.load(inv_ptr + r) == 0
+    m = tl.load(min_p_ptr + r)
+    cut_l = 0.0
+    cut_id = 0
+    if HAS_CUT:
+        cut_l = tl.load(cut_l_ptr + r)
+        cut_id = tl.load(cut_id_ptr + r)
+    return greedy, m, cut_l, cut_id
+
+
+@triton.jit
+def probs_max_kernel(l_ptr, ids_ptr, C, draft_ptr, pmax_ptr, ptop_ptr, plx_ptr, pnan_ptr, G,
+                     S: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Program r·G + c: chunk c of row r = b·(S + 1) + i of l [R, C] (ids [C] the columns'
+    global ids): its largest logit, the smallest id there, the largest logit of the draft
+    x = draft[b, i]'s columns (i < S), whether it holds a NaN; [R, G] each."""
+    pid = tl.program_id(0).to(tl.int64)
+    r = pid // G
+    c = pid % G
     b = r // (S + 1)
     i = r % (S + 1)
     x = tl.load(draft_ptr + b * S + i, mask=i < S, other=-1)
-    row = l_ptr + r * C
     j = tl.arange(0, BLOCK)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_id = tl.full([BLOCK], 9223372036854775807, tl.int64)
+    best_id = tl.full([BLOCK], NONE_ID, tl.int64)
     lx = tl.full([BLOCK], float("-inf"), tl.float32)
     nan = tl.zeros([BLOCK], tl.int32)
-    for c0 in range(0, C, BLOCK):
-        cols = c0 + j
+    for c0 in range(0, CHUNK, BLOCK):
+        cols = c * CHUNK + c0 + j
         ok = cols < C
-        l = tl.load(row + cols, mask=ok, other=float("-inf"))
+        l = tl.load(l_ptr + r * C + cols, mask=ok, other=float("-inf"))
         ids = tl.load(ids_ptr + cols, mask=ok, other=-1)
         nan = nan | (l != l).to(tl.int32)
         better = (l > best) | ((l == best) & (ids < best_id))
@@ -132,100 +149,142 @@ def probs_rows_kernel(l_ptr, ids_ptr, C, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_p
         best = tl.where(better, l, best)
         lx = tl.maximum(lx, tl.where(ids == x, l, float("-inf")))
     xmax = tl.max(best, axis=0)
-    top = tl.min(tl.where(best == xmax, best_id, 9223372036854775807), axis=0)
-    l_x = tl.max(lx, axis=0)
-    bad = (tl.max(nan, axis=0) > 0) | (xmax == float("inf")) | (xmax == float("-inf"))
-    greedy = tl.load(inv_ptr + r) == 0
-    m = tl.load(min_p_ptr + r)
-    cut_l = 0.0
-    cut_id = 0
-    if HAS_CUT:
-        cut_l = tl.load(cut_l_ptr + r)
-        cut_id = tl.load(cut_id_ptr + r)
-    z = tl.zeros([BLOCK], tl.float64)
-    for c0 in range(0, C, BLOCK):
-        cols = c0 + j
-        ok = cols < C
-        l = tl.load(row + cols, mask=ok, other=float("-inf"))
-        ids = tl.load(ids_ptr + cols, mask=ok, other=-1)
-        k = _kept(l, ids, xmax, top, greedy, m, cut_l, cut_id, HAS_CUT)
-        z += tl.where(k, tl.exp(l.to(tl.float64) - xmax.to(tl.float64)), 0.0)
-    logz = xmax.to(tl.float64) + tl.log(tl.sum(z, axis=0))
-    k_x = _kept(l_x, x, xmax, top, greedy, m, cut_l, cut_id, HAS_CUT) & (x >= 0)
-    lp_x = tl.where(k_x, tl.where(greedy, 0.0, l_x.to(tl.float64) - logz), float("-inf"))
-    tl.store(xmax_ptr + r, xmax)
-    tl.store(top_ptr + r, top)
-    tl.store(logz_ptr + r, tl.where(bad, float("nan"), logz))
-    tl.store(lpx_ptr + r, tl.where(bad, float("nan"), lp_x))
+    tl.store(pmax_ptr + pid, xmax)
+    tl.store(ptop_ptr + pid, tl.min(tl.where(best == xmax, best_id, NONE_ID), axis=0))
+    tl.store(plx_ptr + pid, tl.max(lx, axis=0))
+    tl.store(pnan_ptr + pid, tl.max(nan, axis=0))
 
 
 @triton.jit
-def probs_accept_kernel(l_ptr, ids_ptr, C, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr, xmax_ptr,
-                        top_ptr, logz_ptr, lpx_ptr, q_ptr, V, draft_ptr, n_ptr, seed_rows_ptr,
-                        offset_rows_ptr, tokens_ptr, accepted_ptr, lp_out_ptr, ACCEPT: tl.constexpr,
-                        S: tl.constexpr, HAS_CUT: tl.constexpr, HAS_LP: tl.constexpr,
-                        BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
-    """One program per request b (after probs_rows_kernel): x_i accepted while
-    u_i · q_i(x_i) < p_i(x_i) and i < n[b] (u_i = noise.uniform(seed, offset + i, 0, 0,
-    ACCEPT) of position i); a = the accepted count. Then one Gumbel-max pick at row
-    b·(S + 1) + a over log max(0, p - q_a) (a < n: a rejection) or log p (the bonus), from p
-    where the residual has no mass, with the token noise of that position; -1 where
-    nothing can be picked. tokens [B, S + 1]: the accepted drafts, the pick, -1 after;
-    accepted [B] = a; with HAS_LP their log p (float32, NaN after and at -1)."""
-    b = tl.program_id(0).to(tl.int64)
-    s = tl.arange(0, BLOCK_S)
-    at = s < S
+def _row_stats(r, pmax_ptr, ptop_ptr, plx_ptr, pnan_ptr, G, BLOCK_G: tl.constexpr):
+    """Row r's largest logit, smallest id there, the draft's logit and whether its log Z is
+    not finite, from its G chunks' partials."""
+    g = tl.arange(0, BLOCK_G)
+    on = g < G
+    pm = tl.load(pmax_ptr + r * G + g, mask=on, other=float("-inf"))
+    xmax = tl.max(pm, axis=0)
+    pt = tl.load(ptop_ptr + r * G + g, mask=on, other=NONE_ID)
+    top = tl.min(tl.where(pm == xmax, pt, NONE_ID), axis=0)
+    lx = tl.max(tl.load(plx_ptr + r * G + g, mask=on, other=float("-inf")), axis=0)
+    nan = tl.max(tl.load(pnan_ptr + r * G + g, mask=on, other=0), axis=0)
+    bad = (nan > 0) | (xmax == float("inf")) | (xmax == float("-inf"))
+    return xmax, top, lx, bad
+
+
+@triton.jit
+def probs_mass_kernel(l_ptr, ids_ptr, C, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr, pmax_ptr,
+                      ptop_ptr, plx_ptr, pnan_ptr, pz_ptr, G, HAS_CUT: tl.constexpr,
+                      CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Program r·G + c: the kept tokens' mass of chunk c of row r, sum exp(l - l_max)
+    (float64) [R, G]."""
+    pid = tl.program_id(0).to(tl.int64)
+    r = pid // G
+    c = pid % G
+    xmax, top, lx, bad = _row_stats(r, pmax_ptr, ptop_ptr, plx_ptr, pnan_ptr, G, BLOCK_G)
+    greedy, m, cut_l, cut_id = _row_filters(r, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr,
+                                            HAS_CUT)
+    j = tl.arange(0, BLOCK)
+    z = tl.zeros([BLOCK], tl.float64)
+    for c0 in range(0, CHUNK, BLOCK):
+        cols = c * CHUNK + c0 + j
+        ok = cols < C
+        l = tl.load(l_ptr + r * C + cols, mask=ok, other=float("-inf"))
+        ids = tl.load(ids_ptr + cols, mask=ok, other=-1)
+        k = _kept(l, ids, xmax, top, greedy, m, cut_l, cut_id, HAS_CUT)
+        z += tl.where(k, tl.exp(l.to(tl.float64) - xmax.to(tl.float64)), 0.0)
+    tl.store(pz_ptr + pid, tl.sum(z, axis=0))
+
+
+@triton.jit
+def _logp(r, draft, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr, pmax_ptr, ptop_ptr, plx_ptr,
+          pnan_ptr, pz_ptr, G, HAS_CUT: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Row r's stats and log Z of its kept tokens (float64; NaN where its log Z is not
+    finite), and log p of the token draft there (-inf where not kept)."""
+    xmax, top, lx, bad = _row_stats(r, pmax_ptr, ptop_ptr, plx_ptr, pnan_ptr, G, BLOCK_G)
+    greedy, m, cut_l, cut_id = _row_filters(r, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr,
+                                            HAS_CUT)
+    g = tl.arange(0, BLOCK_G)
+    z = tl.sum(tl.load(pz_ptr + r * G + g, mask=g < G, other=0.0), axis=0)
+    logz = tl.where(bad, float("nan"), xmax.to(tl.float64) + tl.log(z))
+    k_x = _kept(lx, draft, xmax, top, greedy, m, cut_l, cut_id, HAS_CUT) & (draft >= 0)
+    lp_x = tl.where(k_x, tl.where(greedy, 0.0, lx.to(tl.float64) - logz), float("-inf"))
+    return xmax, top, greedy, m, cut_l, cut_id, logz, tl.where(bad, float("nan"), lp_x)
+
+
+@triton.jit
+def probs_pick_kernel(l_ptr, ids_ptr, C, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr, pmax_ptr,
+                      ptop_ptr, plx_ptr, pnan_ptr, pz_ptr, G, q_ptr, V, draft_ptr, n_ptr,
+                      seed_rows_ptr, offset_rows_ptr, accepted_ptr, lpx_ptr, bad_ptr,
+                      pbest_ptr, pid_ptr, plp_ptr, pmass_ptr, ACCEPT: tl.constexpr,
+                      S: tl.constexpr,
+                      HAS_CUT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                      BLOCK_G: tl.constexpr):
+    """Program b·G + c. The verdicts of request b: x_i accepted while u_i · q_i(x_i) < p_i(x_i)
+    and i < n[b] (u_i = noise.uniform(seed, offset + i, 0, 0, ACCEPT) of position i);
+    a = the accepted count (program c = 0 stores it, the drafts' log p and whether the
+    picked row's log Z is not finite). Then over
+    chunk c of row b·(S + 1) + a, with the token noise of that position: the best score of
+    the residual log max(0, p - q_a) (a < n: a rejection; else q = 0) and of log p, each
+    with its id (ties to the smaller) and log p, and whether the residual has mass there:
+    pbest, pid, plp [B, G, 2], pmass [B, G]."""
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // G
+    c = pid % G
     n = tl.load(n_ptr + b)
-    x = tl.load(draft_ptr + b * S + s, mask=at, other=-1)
-    lp_x = tl.load(lpx_ptr + b * (S + 1) + s, mask=at, other=float("nan"))
-    q_x = tl.load(q_ptr + (b * S + s) * V + tl.minimum(tl.maximum(x, 0), V - 1), mask=at,
-                  other=0.0)
-    seed_s = tl.load(seed_rows_ptr + b * (S + 1) + s, mask=at, other=0)
-    off_s = tl.load(offset_rows_ptr + b * (S + 1) + s, mask=at, other=0)
-    w = philox_word(seed_s, (off_s & 0xFFFFFFFF).to(tl.uint32),
-                    ((off_s >> 32) & 0xFFFFFFFF).to(tl.uint32), tl.cast(ACCEPT, tl.uint32),
-                    tl.zeros([BLOCK_S], tl.int64))
-    u = ((w >> 9).to(tl.float32) + 0.5) * (2.0 ** -23)
-    ok = (x >= 0) & (u.to(tl.float64) * q_x.to(tl.float64) < tl.exp(lp_x)) & (s < n)
-    a = tl.min(tl.where(at & ~ok, s, S), axis=0).to(tl.int64)
+    a = tl.zeros([], tl.int64) + S
+    go = tl.zeros([], tl.int32) + 1
+    for i in tl.static_range(S):
+        r = b * (S + 1) + i
+        x = tl.load(draft_ptr + b * S + i)
+        _, _, _, _, _, _, _, lp_x = _logp(r, x, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr,
+                                          pmax_ptr, ptop_ptr, plx_ptr, pnan_ptr, pz_ptr, G,
+                                          HAS_CUT, BLOCK_G)
+        q_x = tl.load(q_ptr + (b * S + i) * V + tl.minimum(tl.maximum(x, 0), V - 1))
+        seed = tl.load(seed_rows_ptr + r)
+        off = tl.load(offset_rows_ptr + r)
+        w = philox_word(seed, (off & 0xFFFFFFFF).to(tl.uint32),
+                        ((off >> 32) & 0xFFFFFFFF).to(tl.uint32), tl.cast(ACCEPT, tl.uint32),
+                        tl.zeros([], tl.int64))
+        u = ((w >> 9).to(tl.float32) + 0.5) * (2.0 ** -23)
+        ok = (x >= 0) & (u.to(tl.float64) * q_x.to(tl.float64) < tl.exp(lp_x)) & (i < n)
+        stop = (go > 0) & ~ok
+        a = tl.where(stop, i, a)
+        go = tl.where(stop, 0, go)
+        if c == 0:
+            tl.store(lpx_ptr + r, lp_x)
+    if c == 0:
+        tl.store(accepted_ptr + b, a)
     rejected = a < n
     r = b * (S + 1) + a
-    xmax = tl.load(xmax_ptr + r)
-    top = tl.load(top_ptr + r)
-    logz = tl.load(logz_ptr + r)
-    greedy = tl.load(inv_ptr + r) == 0
-    m = tl.load(min_p_ptr + r)
-    cut_l = 0.0
-    cut_id = 0
-    if HAS_CUT:
-        cut_l = tl.load(cut_l_ptr + r)
-        cut_id = tl.load(cut_id_ptr + r)
+    xmax, top, greedy, m, cut_l, cut_id, logz, _ = _logp(
+        r, -1, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr, pmax_ptr, ptop_ptr, plx_ptr, pnan_ptr,
+        pz_ptr, G, HAS_CUT, BLOCK_G)
+    if c == 0:
+        tl.store(bad_ptr + b, (logz != logz).to(tl.int32))
     seed = tl.load(seed_rows_ptr + r)
     off = tl.load(offset_rows_ptr + r)
     off_lo = (off & 0xFFFFFFFF).to(tl.uint32)
     off_hi = ((off >> 32) & 0xFFFFFFFF).to(tl.uint32)
     q_row = q_ptr + (b * S + tl.minimum(a, S - 1)) * V
-    row = l_ptr + r * C
     j = tl.arange(0, BLOCK)
-    NONE: tl.constexpr = 9223372036854775807
     zr = tl.full([BLOCK], float("-inf"), tl.float32)
-    zr_id = tl.full([BLOCK], NONE, tl.int64)
+    zr_id = tl.full([BLOCK], NONE_ID, tl.int64)
     zr_lp = tl.zeros([BLOCK], tl.float64)
     zp = tl.full([BLOCK], float("-inf"), tl.float32)
-    zp_id = tl.full([BLOCK], NONE, tl.int64)
+    zp_id = tl.full([BLOCK], NONE_ID, tl.int64)
     zp_lp = tl.zeros([BLOCK], tl.float64)
     mass = tl.zeros([BLOCK], tl.int32)
-    for c0 in range(0, C, BLOCK):
-        cols = c0 + j
+    for c0 in range(0, CHUNK, BLOCK):
+        cols = c * CHUNK + c0 + j
         ok_c = cols < C
-        l = tl.load(row + cols, mask=ok_c, other=float("-inf"))
+        l = tl.load(l_ptr + r * C + cols, mask=ok_c, other=float("-inf"))
         ids = tl.load(ids_ptr + cols, mask=ok_c, other=-1)
         k = _kept(l, ids, xmax, top, greedy, m, cut_l, cut_id, HAS_CUT)
         lp = tl.where(k, tl.where(greedy, 0.0, l.to(tl.float64) - logz), float("-inf"))
         p = tl.exp(lp)
         q = tl.load(q_row + tl.minimum(tl.maximum(ids, 0), V - 1),
-                    mask=ok_c & rejected & (l > float("-inf")) & (l < float("inf")), other=0.0)
-        res = tl.maximum(p - q.to(tl.float64), 0.0)
+                    mask=ok_c & (l > float("-inf")) & (l < float("inf")), other=0.0)
+        res = tl.maximum(p - tl.where(rejected, q.to(tl.float64), 0.0), 0.0)
         word = philox_word(seed, off_lo, off_hi, tl.cast(0, tl.uint32), ids)
         g = -tl.log(-tl.log(((word >> 9).to(tl.float32) + 0.5) * (2.0 ** -23)))
         z1 = tl.where(res > 0, tl.log(res).to(tl.float32) + g, float("-inf"))
@@ -239,21 +298,49 @@ def probs_accept_kernel(l_ptr, ids_ptr, C, inv_ptr, min_p_ptr, cut_l_ptr, cut_id
         zp_id = tl.where(b2, ids, zp_id)
         zp_lp = tl.where(b2, lp, zp_lp)
         zp = tl.where(b2, z2, zp)
-    use_res = tl.max(mass, axis=0) > 0
-    z = tl.where(use_res, zr, zp)
-    z_id = tl.where(use_res, zr_id, zp_id)
-    z_lp = tl.where(use_res, zr_lp, zp_lp)
+    br = tl.max(zr, axis=0)
+    br_id = tl.min(tl.where(zr == br, zr_id, NONE_ID), axis=0)
+    bp = tl.max(zp, axis=0)
+    bp_id = tl.min(tl.where(zp == bp, zp_id, NONE_ID), axis=0)
+    tl.store(pbest_ptr + pid * 2, br)
+    tl.store(pid_ptr + pid * 2, br_id)
+    tl.store(plp_ptr + pid * 2, tl.max(tl.where((zr == br) & (zr_id == br_id), zr_lp,
+                                                float("-inf")), axis=0))
+    tl.store(pbest_ptr + pid * 2 + 1, bp)
+    tl.store(pid_ptr + pid * 2 + 1, bp_id)
+    tl.store(plp_ptr + pid * 2 + 1, tl.max(tl.where((zp == bp) & (zp_id == bp_id), zp_lp,
+                                                    float("-inf")), axis=0))
+    tl.store(pmass_ptr + pid, tl.max(mass, axis=0))
+
+
+@triton.jit
+def probs_finish_kernel(draft_ptr, accepted_ptr, lpx_ptr, bad_ptr, pbest_ptr, pid_ptr,
+                        plp_ptr, pmass_ptr, G, tokens_ptr, lp_out_ptr, S: tl.constexpr,
+                        HAS_LP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Program b (after probs_pick_kernel): the pick (the residual's best over the chunks if
+    it has mass in any, else the target's; -1 where no score is finite or the picked row's
+    log Z is not: bad[b]), then tokens [B, S + 1] (the accepted drafts, the pick, -1 after),
+    and with HAS_LP their log p (float32; NaN after and at -1)."""
+    b = tl.program_id(0).to(tl.int64)
+    a = tl.load(accepted_ptr + b)
+    g = tl.arange(0, BLOCK_G)
+    on = g < G
+    use_res = tl.max(tl.load(pmass_ptr + b * G + g, mask=on, other=0), axis=0) > 0
+    k = tl.where(use_res, 0, 1)
+    z = tl.load(pbest_ptr + (b * G + g) * 2 + k, mask=on, other=float("-inf"))
+    zid = tl.load(pid_ptr + (b * G + g) * 2 + k, mask=on, other=NONE_ID)
+    zlp = tl.load(plp_ptr + (b * G + g) * 2 + k, mask=on, other=float("-inf"))
     best = tl.max(z, axis=0)
-    tok = tl.min(tl.where(z == best, z_id, NONE), axis=0)
-    lp_tok = tl.max(tl.where((z == best) & (z_id == tok), z_lp, float("-inf")), axis=0)
-    found = (best > float("-inf")) & (logz == logz)
+    tok = tl.min(tl.where(z == best, zid, NONE_ID), axis=0)
+    lp_tok = tl.max(tl.where((z == best) & (zid == tok), zlp, float("-inf")), axis=0)
+    bad = tl.load(bad_ptr + b) != 0
+    found = (best > float("-inf")) & ~bad
     tok = tl.where(found, tok, -1)
     pos = tl.arange(0, BLOCK_S)
     out = pos <= S
     drafts = tl.load(draft_ptr + b * S + pos, mask=pos < S, other=-1)
     tokens = tl.where(pos < a, drafts, tl.where(pos == a, tok, -1))
     tl.store(tokens_ptr + b * (S + 1) + pos, tokens, mask=out)
-    tl.store(accepted_ptr + b, a)
     if HAS_LP:
         lp_d = tl.load(lpx_ptr + b * (S + 1) + pos, mask=pos < S, other=float("nan"))
         lp_o = tl.where(pos < a, lp_d, tl.where(pos == a, lp_tok, float("nan")))

@@ -86,12 +86,13 @@ def test_interpreted_kernels_equal_the_torch_path(probs):
                                   dict(top_p=torch.tensor([0.9, 1.0, 0.6, 0.8, 0.95, 0.7]),
                                        min_p=0.02)],
                          ids=["plain", "min_p", "top_k", "top_p+min_p"])
-def test_draft_probs_kernels_equal_the_torch_path(filt):
+def test_draft_probs_kernels_equal_the_torch_path(filt, monkeypatch):
     """The draft-probs path's two launches (kernels/draft_scan.probs_rows_kernel and
     probs_accept_kernel, interpreted) give the torch path's tokens, counts and log-probs:
     a draft distribution near p (long acceptances) on some requests and far from it on
     others, greedy rows, ragged drafts and a request without drafts, a row of NaN logits,
-    and columns laid out as two padded vocabulary shards (padding ids repeat real ones)."""
+    and columns laid out as two padded vocabulary shards (padding ids repeat real ones),
+    each row in one chunk and in five."""
     B, S, V, D = 6, 3, 300, 16
     g = torch.Generator().manual_seed(11)
     h = torch.randn(B, S + 1, D, generator=g) * 1.2  # (argmaxes of p ~0.2-0.9)
@@ -114,7 +115,8 @@ def test_draft_probs_kernels_equal_the_torch_path(filt):
     def padded(rows, inv):
         parts = [f(rows, inv) for f in shards]
         return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts])
-    for logits in (VF.local_logits(w, None, V), padded):
+    for logits, chunk in ((VF.local_logits(w, None, V), 4096), (padded, 64)):
+        monkeypatch.setattr(VF, "PROBS_CHUNK", chunk)  # (64: each row over five programs)
         outs = [VF.verify(h, draft, q, sample_rows=None, draft_logits=logits, draw_seed=None,
                           vocab_size=V, temperature=T, seed=torch.arange(B) * 3 + 1, offset=5,
                           top_k=filt.get("top_k"), top_p=filt.get("top_p"),

@@ -169,6 +169,7 @@ def _raise_bad_drafts(draft_tokens, draft_probs, vocab_size: int, n: torch.Tenso
                      f"{off.nonzero()[:4].tolist()}")
 
 
+PROBS_CHUNK = 4096  # columns per program in the draft-probs kernels (37 chunks at V = 151936)
 _REPLAYS: dict = {}  # (kernel, grid, scalars, constexprs, device, tensor_key) -> replay.Replay
 
 
@@ -434,9 +435,10 @@ def _verify_draft_probs(rows, draft, draft_probs, n, seed_rows, offset_rows, kw,
 
 def _draft_probs_kernels(l, ids, inv, filters, draft, q, n, seed_rows, offset_rows,
                          return_logprobs: bool) -> VerifyOutput:
-    """_verify_draft_probs after the matmul as two launches (kernels/draft_scan.py: every
-    row's log Z and the drafts' log p, then per request the verdicts and the pick); top-k and
-    top-p first find each row's cut by a sort (sorted_kept), the last kept (logit, id)."""
+    """_verify_draft_probs after the matmul as four launches over chunks of PROBS_CHUNK
+    columns (kernels/draft_scan.py: the rows' maxima, their kept mass, per request the
+    verdicts and each chunk's best pick, the pick and the outputs); top-k and top-p first
+    find each row's cut by a sort (sorted_kept), the last kept (logit, id)."""
     R, C = l.shape
     B, S = draft.shape
     dev = l.device
@@ -449,25 +451,37 @@ def _draft_probs_kernels(l, ids, inv, filters, draft, q, n, seed_rows, offset_ro
         cut_id = torch.where(kept & (l == cut_l[:, None]), ids[None, :], -1).amax(1)
     else:
         cut_l, cut_id = m, k  # (not read)
-    xmax = torch.empty(R, dtype=torch.float32, device=dev)
-    top = torch.empty(R, dtype=torch.int64, device=dev)
-    logz = torch.empty(R, dtype=torch.float64, device=dev)
-    lpx = torch.empty(R, dtype=torch.float64, device=dev)
-    common = dict(l_ptr=l.contiguous(), ids_ptr=ids.contiguous(), inv_ptr=inv.contiguous(),
-                  min_p_ptr=m.float().contiguous(), cut_l_ptr=cut_l.contiguous(),
-                  cut_id_ptr=cut_id.contiguous(), draft_ptr=draft.contiguous())
-    _launch(draft_scan.probs_rows_kernel, R, (C,), dict(
-        common, xmax_ptr=xmax, top_ptr=top, logz_ptr=logz, lpx_ptr=lpx), num_warps=8, C=C,
-        S=S, HAS_CUT=has_cut, BLOCK=2048)
-    tokens = torch.empty(B, S + 1, dtype=torch.int64, device=dev)
-    acc = torch.empty(B, dtype=torch.int64, device=dev)
-    lp = torch.empty(B, S + 1, dtype=torch.float32, device=dev) if return_logprobs else tokens
+    G = triton.cdiv(C, PROBS_CHUNK)
+    part = lambda dtype, *shape: torch.empty(*shape, dtype=dtype, device=dev)  # noqa: E731
+    stats = dict(pmax_ptr=part(torch.float32, R, G), ptop_ptr=part(torch.int64, R, G),
+                 plx_ptr=part(torch.float32, R, G), pnan_ptr=part(torch.int32, R, G))
+    pz = part(torch.float64, R, G)
+    filt = dict(inv_ptr=inv.contiguous(), min_p_ptr=m.float().contiguous(),
+                cut_l_ptr=cut_l.contiguous(), cut_id_ptr=cut_id.contiguous())
+    l, ids, draft = l.contiguous(), ids.contiguous(), draft.contiguous()
+    sizes = dict(C=C, G=G, CHUNK=PROBS_CHUNK, BLOCK=min(1024, PROBS_CHUNK))
+    BLOCK_G = triton.next_power_of_2(G)
+    _launch(draft_scan.probs_max_kernel, R * G, (C, G), dict(
+        l_ptr=l, ids_ptr=ids, draft_ptr=draft, **stats), S=S, **sizes)
+    _launch(draft_scan.probs_mass_kernel, R * G, (C, G), dict(
+        l_ptr=l, ids_ptr=ids, **filt, **stats, pz_ptr=pz), HAS_CUT=has_cut, BLOCK_G=BLOCK_G,
+        **sizes)
+    tokens = part(torch.int64, B, S + 1)
+    acc = part(torch.int64, B)
+    lpx = part(torch.float64, B, S + 1)
+    bad = part(torch.int32, B)
+    picks = dict(pbest_ptr=part(torch.float32, B, G, 2), pid_ptr=part(torch.int64, B, G, 2),
+                 plp_ptr=part(torch.float64, B, G, 2), pmass_ptr=part(torch.int32, B, G))
     V = q.shape[-1]
-    _launch(draft_scan.probs_accept_kernel, B, (C, V), dict(
-        common, xmax_ptr=xmax, top_ptr=top, logz_ptr=logz, lpx_ptr=lpx, q_ptr=q.contiguous(),
-        n_ptr=n, seed_rows_ptr=seed_rows, offset_rows_ptr=offset_rows, tokens_ptr=tokens,
-        accepted_ptr=acc, lp_out_ptr=lp), num_warps=8, C=C, V=V, ACCEPT=ACCEPT_STREAM, S=S,
-        HAS_CUT=has_cut, HAS_LP=return_logprobs, BLOCK=2048,
+    _launch(draft_scan.probs_pick_kernel, B * G, (C, G, V), dict(
+        l_ptr=l, ids_ptr=ids, **filt, **stats, pz_ptr=pz, q_ptr=q.contiguous(), draft_ptr=draft,
+        n_ptr=n, seed_rows_ptr=seed_rows, offset_rows_ptr=offset_rows, accepted_ptr=acc,
+        lpx_ptr=lpx, bad_ptr=bad, **picks), V=V, ACCEPT=ACCEPT_STREAM, S=S, HAS_CUT=has_cut,
+        BLOCK_G=BLOCK_G, **sizes)
+    lp = part(torch.float32, B, S + 1) if return_logprobs else tokens
+    _launch(draft_scan.probs_finish_kernel, B, (G,), dict(
+        draft_ptr=draft, accepted_ptr=acc, lpx_ptr=lpx, bad_ptr=bad, **picks, tokens_ptr=tokens,
+        lp_out_ptr=lp), G=G, S=S, HAS_LP=return_logprobs, BLOCK_G=BLOCK_G,
         BLOCK_S=triton.next_power_of_2(S + 1))
     return VerifyOutput(tokens, acc, lp if return_logprobs else None)
 

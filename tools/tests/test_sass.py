@@ -220,15 +220,31 @@ DRAFT_SCAN = (
     "        t = dict(i64('y_ptr', 'n_ptr', 'tokens_ptr', 'accepted_ptr'), draft_ptr=draft)\n"
     "        b = sass.sass_ops(ds.accept_scan_kernel, dict(S=S, BLOCK=block, HAS_LP=True), 1,\n"
     "                          types=t)\n"
-    "        print(draft, S, a['STG'], b['STG'], a['LDL'] + a['STL'] + b['LDL'] + b['STL'])\n")
+    "        print(draft, S, a['STG'], b['STG'], a['LDL'] + a['STL'] + b['LDL'] + b['STL'])\n"
+    "t = dict(i64('ids_ptr', 'draft_ptr', 'ptop_ptr', 'cut_id_ptr', 'n_ptr', 'seed_rows_ptr',\n"
+    "             'offset_rows_ptr', 'accepted_ptr', 'pid_ptr', 'tokens_ptr', 'seed_ptr',\n"
+    "             'offset_ptr', 'index_ptr'),\n"
+    "         pnan_ptr='*i32', bad_ptr='*i32', pmass_ptr='*i32', pz_ptr='*fp64', lpx_ptr='*fp64',\n"
+    "         plp_ptr='*fp64')\n"
+    "big = dict(CHUNK=4096, BLOCK=1024)\n"
+    "for name, k, c in (('max', ds.probs_max_kernel, dict(S=4, **big)),\n"
+    "                   ('mass', ds.probs_mass_kernel, dict(HAS_CUT=True, BLOCK_G=64, **big)),\n"
+    "                   ('pick', ds.probs_pick_kernel, dict(ACCEPT=1 << 29, S=4, HAS_CUT=True,\n"
+    "                                                      BLOCK_G=64, **big)),\n"
+    "                   ('finish', ds.probs_finish_kernel, dict(S=4, HAS_LP=True, BLOCK_G=64,\n"
+    "                                                          BLOCK_S=8)),\n"
+    "                   ('uniforms', ds.row_uniforms_kernel, dict(BLOCK=1024))):\n"
+    "    o = sass.sass_ops(k, c, 4, types=t)\n"
+    "    print(name, 'x', o['STG'], o['STG'], o['LDL'] + o['STL'])\n")
 
 
 def test_draft_scan_kernels_compile(tmp_path):
     """The speculative-verification kernels (kernels/draft_scan.py) compile for sm_90 with
-    this Triton at the launched argument types (int64 / int32 drafts), without spills."""
+    this Triton at the launched argument types (int64 / int32 drafts; the draft-probs
+    kernels and the row uniforms), without spills."""
     out = subprocess.run([sys.executable, "-c", DRAFT_SCAN], env=subprocess_env(tmp_path),
                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line.split() for line in out.stdout.splitlines() if line.strip()]
-    assert len(rows) == 6, rows
+    assert len(rows) == 11, rows
     assert all(int(r[2]) > 0 and int(r[3]) > 0 and r[4] == "0" for r in rows), rows
