@@ -145,9 +145,9 @@ def summary(meta: dict) -> list[str]:
                 f"S={worst['S']})")
         if big:
             part += (f"; torch_onehot / onehot at B·(S+1) >= 32: min "
-                     f"{min(r['ms']['torch_onehot'] / r['ms']['onehot'] for r in big):.2f}; "
-                     f"torch_probs / probs: min "
-                     f"{min(r['ms']['torch_probs'] / r['ms']['probs'] for r in big):.2f}")
+                     f"{min(r['ms']['torch_onehot'] / r['ms']['onehot'] for r in big):.2f}")
+        probs = [r["ms"]["torch_probs"] / r["ms"]["probs"] for r in rows]
+        part += f"; torch_probs / probs: {min(probs):.2f} - {max(probs):.2f}"
         out.append(part)
     return out
 
