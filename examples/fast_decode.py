@@ -23,7 +23,7 @@ under this world size for the same seed (run it at several --nproc-per-node), th
 replays equal eager steps; the model runs in fp32 there, on GPUs too (bf16 all-reduces and
 bf16 logits move near-ties: bf16 tokens differ across TP degrees and from an exact argmax).
 --out: per (batch, head) TPOT from graph replays and wall time per step, the head's own GPU
-time, tokens/s, to OUT/fast_decode_<config>_tp<N>.json; --report
+time, tokens/s, to OUT/fast_decode_<config>_tp<N>[_p<top_p>].json; --report
 renders such runs as the TPOT table (tools/multigpu.sh decode OUT runs them all).
 """
 from __future__ import annotations
@@ -390,11 +390,12 @@ def report(paths: list[str], doc: str | None, label: str) -> str:
     the stock head's share of the step, the gain predicted from the heads' own GPU times
     ((stock head - tpsample head) / stock step), wall ms per step and tokens/s."""
     runs = [json.load(open(p)) for p in paths]
-    lines = ["| config | TP | B | stock GPU ms | tpsample GPU ms | measured gain | head share "
-             "| predicted gain | stock wall ms | tpsample wall ms | tpsample tokens/s |",
-             "|---" * 11 + "|"]
+    lines = ["| config | top_p | TP | B | stock GPU ms | tpsample GPU ms | measured gain "
+             "| head share | predicted gain | stock wall ms | tpsample wall ms "
+             "| tpsample tokens/s |", "|---" * 12 + "|"]
     points = []
-    for run in sorted(runs, key=lambda r: (r["config"], r["world"])):
+    for run in sorted(runs, key=lambda r: (r["config"], r.get("top_p") or 0, r["world"])):
+        top_p = run.get("top_p")
         by = {(r["B"], r["head"]): r for r in run["rows"]}
         for B in sorted({r["B"] for r in run["rows"]}):
             st, tp = by.get((B, "stock")), by.get((B, "tpsample"))
@@ -408,12 +409,14 @@ def report(paths: list[str], doc: str | None, label: str) -> str:
 
             def f(x, pct=False):
                 return "–" if x is None else (f"{100 * x:+.1f} %" if pct else f"{x:.3f}")
-            lines.append(f"| {run['config']} | {run['world']} | {B} | {f(st.get('gpu_ms'))} | "
+            lines.append(f"| {run['config']} | {top_p or '–'} | {run['world']} | {B} | "
+                         f"{f(st.get('gpu_ms'))} | "
                          f"{f(tp.get('gpu_ms'))} | {f(gain, True)} | "
                          f"{'–' if share is None else f'{100 * share:.1f} %'} | {f(pred, True)} | "
                          f"{f(st['wall_ms'])} | {f(tp['wall_ms'])} | {tp['tokens_per_s']:.0f} |")
             if gain is not None and pred is not None:
-                points.append((f"{run['config']} TP{run['world']}", B, gain, pred))
+                points.append((f"{run['config']}{f' top_p {top_p}' if top_p else ''} "
+                               f"TP{run['world']}", B, gain, pred))
     text = "\n".join(lines)
     if doc and points:
         try:
@@ -482,8 +485,9 @@ def main(argv=None):
         rows = tpot(cfg, rank, world, dev, dtype, args)
         if rank == 0 and args.out:
             os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, f"fast_decode_{args.config}_tp{world}.json"),
-                      "w") as f:
+            name = f"fast_decode_{args.config}_tp{world}"
+            name += f"_p{args.top_p}" if args.top_p is not None else ""
+            with open(os.path.join(args.out, name + ".json"), "w") as f:
                 json.dump(dict(config=args.config, world=world, rows=rows,
                                prompt=args.prompt, steps=args.steps, top_p=args.top_p,
                                device=(torch.cuda.get_device_name(dev) if dev.type == "cuda"

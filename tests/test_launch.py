@@ -66,21 +66,24 @@ def test_fast_decode_tiny_model_tp1_and_tp2(tmp_path):
 
 def test_fast_decode_report_renders_gains_and_plot(tmp_path):
     """examples/fast_decode.py --report: per batch, the measured GPU-time gain of the
-    tpsample head, the stock head's share and the gain predicted from the heads' own times;
-    a run without GPU times shows dashes."""
+    tpsample head, the stock head's share and the gain predicted from the heads' own times,
+    per top_p (– without); a run without GPU times shows dashes."""
     import json
     example = Path(__file__).resolve().parents[1] / "examples" / "fast_decode.py"
     rows = [dict(B=8, head="stock", wall_ms=10.0, gpu_ms=8.0, head_ms=0.8, tokens_per_s=800.0),
             dict(B=8, head="tpsample", wall_ms=9.5, gpu_ms=7.6, head_ms=0.4, tokens_per_s=842.0)]
     (tmp_path / "a.json").write_text(json.dumps(dict(config="qwen3-1.7b", world=2, rows=rows)))
+    (tmp_path / "c.json").write_text(json.dumps(dict(config="qwen3-1.7b", world=2, rows=rows,
+                                                     top_p=0.95)))
     cpu = [dict(r, gpu_ms=None, head_ms=None) for r in rows]
     (tmp_path / "b.json").write_text(json.dumps(dict(config="tiny", world=1, rows=cpu)))
     doc = tmp_path / "perf.md"
-    run([sys.executable, str(example), "--report", "a.json", "b.json", "--doc", str(doc),
-         "--label", "decode"], tmp_path)
+    run([sys.executable, str(example), "--report", "a.json", "b.json", "c.json", "--doc",
+         str(doc), "--label", "decode"], tmp_path)
     text = doc.read_text()
-    assert "| qwen3-1.7b | 2 | 8 | 8.000 | 7.600 | +5.0 % | 10.0 % | +5.0 % |" in text, text
-    assert "| tiny | 1 | 8 | – | – | – | – | – |" in text
+    assert "| qwen3-1.7b | – | 2 | 8 | 8.000 | 7.600 | +5.0 % | 10.0 % | +5.0 % |" in text, text
+    assert "| qwen3-1.7b | 0.95 | 2 | 8 | 8.000 |" in text, text
+    assert "| tiny | – | 1 | 8 | – | – | – | – | – |" in text
     assert (tmp_path / "img" / "decode.png").exists()
 
 

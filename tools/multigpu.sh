@@ -13,7 +13,8 @@
 #   tools/multigpu.sh decode OUT   # examples/fast_decode.py: --check at each TP degree (the
 #                                  # sampled sequences must match), then the TPOT runs per
 #                                  # config (CONFIG, default qwen3-1.7b) and degree (TP,
-#                                  # default "1 2 4" up to N), then the table in OUT/decode.md
+#                                  # default "1 2 4" up to N; TOP_P=0.95 adds the runs with
+#                                  # top_p), then the table in OUT/decode.md
 #
 # N = NPROC (default: every visible GPU). Writes JSON, logs and plots under OUT; the bench
 # parts print their tables last. Run from the repository root with tpsample importable
@@ -75,9 +76,12 @@ decode)
     echo "sampled sequences equal at every TP degree: $([ "$seqs" -eq 1 ] && echo True || echo False)"
     for c in ${config//,/ }; do
         for tp in $degrees; do
-            torchrun --standalone --nproc-per-node="$tp" examples/fast_decode.py --config "$c" \
-                --batches 1,8,32,128 --prompt 512 --steps 128 --out "$out/decode" 2>&1 \
-                | tee "$out/decode_${c}_tp$tp.log"
+            for p in "" ${TOP_P:-}; do  # TOP_P=0.95: the same runs with top_p too
+                torchrun --standalone --nproc-per-node="$tp" examples/fast_decode.py \
+                    --config "$c" --batches 1,8,32,128 --prompt 512 --steps 128 \
+                    ${p:+--top-p "$p"} --out "$out/decode" 2>&1 \
+                    | tee "$out/decode_${c}_tp$tp${p:+_p$p}.log"
+            done
         done
     done
     python examples/fast_decode.py --report "$out"/decode/fast_decode_*.json \

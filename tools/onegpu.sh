@@ -9,7 +9,8 @@
 #   tools/onegpu.sh verify OUT   # speculative verification against the plain call and a
 #                                # torch rejection sampler (SHAPES as above), OUT/verify.md
 #   tools/onegpu.sh decode OUT   # examples/fast_decode.py at TP1: --check, then the TPOT
-#                                # runs (CONFIG, default qwen3-1.7b) and OUT/decode.md
+#                                # runs (CONFIG, default qwen3-1.7b; TOP_P=0.95 adds the
+#                                # runs with top_p) and OUT/decode.md
 #   tools/onegpu.sh host OUT     # tools.host_cost: host µs per call kind, graphs off and on
 #
 # Run from the repository root with tpsample importable (PYTHONPATH or an install; the source
@@ -44,6 +45,11 @@ decode)
         | tee "$out/decode_check.log"
     python examples/fast_decode.py --config "$config" --batches 1,8,32,128 --prompt 512 \
         --steps 128 --out "$out/decode" 2>&1 | tee "$out/decode_${config}.log"
+    if [ -n "${TOP_P:-}" ]; then  # the same runs with top_p: the torch sort path against tpsample's
+        python examples/fast_decode.py --config "$config" --batches 1,8,32,128 --prompt 512 \
+            --steps 128 --top-p "$TOP_P" --out "$out/decode" 2>&1 \
+            | tee "$out/decode_${config}_p$TOP_P.log"
+    fi
     python examples/fast_decode.py --report "$out"/decode/fast_decode_*.json \
         --doc "$out/decode.md" --label "fast decode"
     ;;
