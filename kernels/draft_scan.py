@@ -16,8 +16,7 @@ that differs or the bonus token) and -1 after, num_accepted[b] = a, and the log-
 likewise with NaN after. The torch functions tpsample.verify.check_drafts, positions and scan
 are the same computation (tested equal).
 
-row_uniforms_kernel gives the draft-probs path its noise (tpsample/noise.py's uniforms, for
-per-row keys and per-column ids).
+The probs_* kernels below are the draft-probs path after its matmul.
 """
 import triton
 import triton.language as tl
@@ -61,26 +60,6 @@ def accept_scan_kernel(y_ptr, lp_ptr, draft_ptr, n_ptr, tokens_ptr, accepted_ptr
     if HAS_LP:
         lp = tl.load(lp_ptr + b * (S + 1) + i, mask=at, other=0.0)
         tl.store(out_lp_ptr + b * (S + 1) + i, tl.where(i <= a, lp, float("nan")), mask=at)
-
-
-@triton.jit
-def row_uniforms_kernel(seed_ptr, offset_ptr, index_ptr, out_ptr, C, BLOCKS, c1,
-                        BLOCK: tl.constexpr):
-    """out[r, j] = noise.uniform(seed[r], offset[r], c1, index[j]) for r < R, j < C (c1 =
-    sample | stream), bit for bit: program r · BLOCKS + k writes columns k·BLOCK .. of row r.
-    The torch path spends ~200 small ops per call on Philox's rounds."""
-    pid = tl.program_id(0).to(tl.int64)
-    r = pid // BLOCKS
-    j = (pid % BLOCKS) * BLOCK + tl.arange(0, BLOCK)
-    m = j < C
-    seed = tl.load(seed_ptr + r)
-    off = tl.load(offset_ptr + r)
-    off_lo = (off & 0xFFFFFFFF).to(tl.uint32)
-    off_hi = ((off >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    gid = tl.load(index_ptr + j, mask=m, other=0).to(tl.int64)
-    x = philox_word(seed, off_lo, off_hi, tl.cast(c1, tl.uint32), gid)
-    u = ((x >> 9).to(tl.float32) + 0.5) * (2.0 ** -23)
-    tl.store(out_ptr + r * C + j, u, mask=m)
 
 
 # ---- full draft distributions (tpsample/verify.py's draft-probs path on the kernels) ----

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 import tpsample
-from tpsample import noise
 from tpsample import verify as VF
 
 from dist_utils import run_world
@@ -162,23 +161,6 @@ def test_draft_scan_kernels_equal_the_torch_functions(S):
             else:
                 assert torch.equal(out[2].isnan(), ref[2].isnan())
                 assert torch.equal(out[2].nan_to_num(), ref[2].nan_to_num())
-
-
-def test_row_uniforms_kernel_equals_the_noise_spec():
-    """kernels/draft_scan.row_uniforms_kernel (interpreted; the draft-probs path's noise)
-    gives noise.py's uniforms bit for bit: per-row keys with both words of the seed and
-    offset in use (negative ones too), columns over two blocks, the token and acceptance
-    streams, no rows."""
-    from tpsample.records import ACCEPT_STREAM
-    seed = torch.tensor([0, 7, -3, (1 << 40) + 5])
-    offset = torch.tensor([2, (1 << 33) + 1, -9, 0])
-    ids = torch.tensor([0, 1, 2, 3, 5, 151935] + list(range(1000, 2100)))
-    for stream in (0, ACCEPT_STREAM):
-        want = noise.uniform(seed[:, None], offset[:, None], 0, ids[None, :], stream=stream)
-        got = VF.row_uniforms(seed, offset, ids, stream, kernels=True)
-        assert torch.equal(got, want), stream
-        assert torch.equal(VF.row_uniforms(seed, offset, ids, stream, kernels=False), want)
-    assert VF.row_uniforms(seed[:0], offset[:0], ids, 0, kernels=True).shape == (0, len(ids))
 
 
 @pytest.mark.parametrize("draft,match", [([[1, 50], [0, 0]], "ids in \\[0, 50\\)"),

@@ -177,6 +177,8 @@ def _launch(fn, B: int, scalars: tuple, named: dict, num_warps: int = 4, **args)
     """fn[(B,)](**named, **args). On CUDA a launch seen before (same scalars, constexprs and
     tensor layout: what Triton specialized on) is re-issued through its recorded launcher
     (tpsample/replay.py: ~8 µs of host time against ~30 for Triton's dispatch)."""
+    if B == 0:  # (an empty grid launches nothing)
+        return
     dev = next(iter(named.values())).device
     options = {"num_warps": num_warps}
     if dev.type != "cuda" or not replay.Replay.usable():
@@ -294,25 +296,6 @@ def target_logprobs(l: torch.Tensor, ids: torch.Tensor, inv_temp: torch.Tensor,
     return torch.where(torch.isfinite(logz)[:, None], lp, float("nan"))
 
 
-def row_uniforms(seed: torch.Tensor, offset: torch.Tensor, index: torch.Tensor, stream: int,
-                 kernels: bool) -> torch.Tensor:
-    """noise.uniform(seed[r], offset[r], 0, index[j], stream) as float32 [R, C] for seed /
-    offset int64 [R] and index int64 [C]: one launch with kernels (kernels/draft_scan.py),
-    else noise.py's torch ops (~200 small ops: Philox's rounds)."""
-    if not kernels:
-        return noise.uniform(seed[:, None], offset[:, None], 0, index[None, :], stream=stream)
-    R, C = seed.numel(), index.numel()
-    out = torch.empty(R, C, dtype=torch.float32, device=seed.device)
-    BLOCK = min(1024, triton.next_power_of_2(max(C, 1)))
-    blocks = triton.cdiv(C, BLOCK)
-    if R * blocks:
-        _launch(draft_scan.row_uniforms_kernel, R * blocks, (C, blocks, stream), dict(
-            seed_ptr=seed.contiguous(), offset_ptr=offset.contiguous(),
-            index_ptr=index.contiguous(), out_ptr=out), C=C, BLOCKS=blocks, c1=stream,
-            BLOCK=BLOCK)
-    return out
-
-
 def row_filter_values(filters: P.Filters, inv_temp: torch.Tensor):
     """(top_k int64, top_p fp32, min_p fp32) [R] with the 'off' values on rows that are not
     filtered (greedy rows included)."""
@@ -333,16 +316,15 @@ def sorted_kept(l, ids, x, k, p_, m, logz) -> torch.Tensor:
 
 
 def residual_pick(lp: torch.Tensor, ids: torch.Tensor, q: torch.Tensor, seed: torch.Tensor,
-                  offset: torch.Tensor, kernels: bool = False):
+                  offset: torch.Tensor):
     """A token from normalise(max(0, p - q)) per row by Gumbel-max with the sampler's token
     noise at (seed, offset): lp [R, C] float64 log p (target_logprobs), ids [C], q [R, C]
     the draft probabilities of those columns. Where p == q up to rounding (no residual
-    mass) the token is drawn from p. Returns (token [R] int64, log p(token) [R] float64).
-    kernels: the noise from one launch (row_uniforms)."""
+    mass) the token is drawn from p. Returns (token [R] int64, log p(token) [R] float64)."""
     R, C = lp.shape
     p = torch.exp(lp)
     r = residual_weights(p, q.double())
-    g = -torch.log(-torch.log(row_uniforms(seed, offset, ids, noise.TOKEN_STREAM, kernels)))
+    g = noise.gumbel(seed[:, None], offset[:, None], 0, ids[None, :])
     z = torch.where(r > 0, torch.log(r).float() + g, float("-inf"))
     none = ~(r > 0).any(1)
     z = torch.where(none[:, None], torch.where(p > 0, lp.float() + g, float("-inf")), z)
@@ -408,8 +390,9 @@ def _verify_draft_probs(rows, draft, draft_probs, n, seed_rows, offset_rows, kw,
                        float("-inf")).amax(-1).reshape(-1)
     q = draft_probs.reshape(B * S, vocab_size)
     q_x = q.gather(1, x.clamp(0, vocab_size - 1)[:, None])[:, 0].double()
-    u = row_uniforms(seed_rows[at], offset_rows[at], torch.zeros(1, dtype=torch.int64, device=dev),
-                     ACCEPT_STREAM, kernels)[:, 0].double()
+    u = noise.uniform(seed_rows[at], offset_rows[at], 0,
+                      torch.zeros(B * S, dtype=torch.int64, device=dev),
+                      stream=ACCEPT_STREAM).double()
     live = torch.arange(S, device=dev)[None, :] < n[:, None]
     accept = ((x >= 0) & (u * q_x < torch.exp(lp_x))).view(B, S) & live
     acc = torch.cumprod(accept.long(), dim=1).sum(1)
@@ -419,7 +402,7 @@ def _verify_draft_probs(rows, draft, draft_probs, n, seed_rows, offset_rows, kw,
     q_cols = q_row.gather(1, ids.clamp(max=vocab_size - 1)[None, :].expand(B, -1))
     q_cols = torch.where(rejected[:, None] & torch.isfinite(l[pick_row]), q_cols, 0.0)
     tok, lp_tok = residual_pick(lp_all[pick_row], ids, q_cols, seed_rows[pick_row],
-                                offset_rows[pick_row], kernels)
+                                offset_rows[pick_row])
     pos = torch.arange(S1, device=dev)[None, :]
     drafts = torch.cat([draft, draft[:, :1]], 1)  # (the extra column is never below acc)
     tokens = torch.where(pos < acc[:, None], drafts, -1)

@@ -222,8 +222,7 @@ DRAFT_SCAN = (
     "                          types=t)\n"
     "        print(draft, S, a['STG'], b['STG'], a['LDL'] + a['STL'] + b['LDL'] + b['STL'])\n"
     "t = dict(i64('ids_ptr', 'draft_ptr', 'ptop_ptr', 'cut_id_ptr', 'n_ptr', 'seed_rows_ptr',\n"
-    "             'offset_rows_ptr', 'accepted_ptr', 'pid_ptr', 'tokens_ptr', 'seed_ptr',\n"
-    "             'offset_ptr', 'index_ptr'),\n"
+    "             'offset_rows_ptr', 'accepted_ptr', 'pid_ptr', 'tokens_ptr'),\n"
     "         pnan_ptr='*i32', bad_ptr='*i32', pmass_ptr='*i32', pz_ptr='*fp64', lpx_ptr='*fp64',\n"
     "         plp_ptr='*fp64')\n"
     "big = dict(CHUNK=4096, BLOCK=1024)\n"
@@ -232,8 +231,7 @@ DRAFT_SCAN = (
     "                   ('pick', ds.probs_pick_kernel, dict(ACCEPT=1 << 29, S=4, HAS_CUT=True,\n"
     "                                                      BLOCK_G=64, **big)),\n"
     "                   ('finish', ds.probs_finish_kernel, dict(S=4, HAS_LP=True, BLOCK_G=64,\n"
-    "                                                          BLOCK_S=8)),\n"
-    "                   ('uniforms', ds.row_uniforms_kernel, dict(BLOCK=1024))):\n"
+    "                                                          BLOCK_S=8))):\n"
     "    o = sass.sass_ops(k, c, 4, types=t)\n"
     "    print(name, 'x', o['STG'], o['STG'], o['LDL'] + o['STL'])\n")
 
@@ -241,10 +239,10 @@ DRAFT_SCAN = (
 def test_draft_scan_kernels_compile(tmp_path):
     """The speculative-verification kernels (kernels/draft_scan.py) compile for sm_90 with
     this Triton at the launched argument types (int64 / int32 drafts; the draft-probs
-    kernels and the row uniforms), without spills."""
+    kernels), without spills."""
     out = subprocess.run([sys.executable, "-c", DRAFT_SCAN], env=subprocess_env(tmp_path),
                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line.split() for line in out.stdout.splitlines() if line.strip()]
-    assert len(rows) == 11, rows
+    assert len(rows) == 10, rows
     assert all(int(r[2]) > 0 and int(r[3]) > 0 and r[4] == "0" for r in rows), rows
