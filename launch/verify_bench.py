@@ -23,6 +23,14 @@ one host synchronisation per call, which the other variants do not pay). --warm 
 compiles the plain call at every B·(S + 1) in N processes (launch/sweep.py's warm-up). Writes
 OUT/verify.json after every cell; the summary line gives onehot / plain (worst) and torch /
 tpsample at B·(S + 1) >= 32. Without CUDA: D=64 V=1000, B=1,4, S=1,2 (indicative).
+
+Under torchrun (WORLD_SIZE set) each rank holds a vocabulary shard of W and times
+VocabParallelSampler.verify_drafts (onehot, probs) against its local matmul on the same rows
+(mm_local), eager with the ranks aligned by an all-reduce before each call and a host sync
+after it, the maximum over ranks; bound = 1.3 × mm_local + 30 µs. Writes OUT/verify_tp<N>.json
+(rank 0); `--report` renders either kind.
+
+    torchrun --nproc-per-node 4 -m tpsample.launch.verify_bench [--shapes ...] [--out DIR]
 """
 from __future__ import annotations
 
@@ -33,10 +41,12 @@ import shlex
 import sys
 
 import torch
+import torch.distributed as dist
 
 import tpsample
 from tpsample import knobs
 
+from . import bench
 from .bench import DTYPES, log, render_report, run_meta, save_beside_doc, time_fn
 from .sweep import warm
 
@@ -132,7 +142,84 @@ def run(args) -> dict:
     return meta
 
 
+def run_tp(args) -> dict | None:
+    """verify_drafts through VocabParallelSampler on this rank's shard against the local
+    matmul (module docstring); rank 0 returns the run's results, the others None."""
+    dev = bench.init_dist(args.cuda)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    meta = dict(run_meta(args, args.cuda), world=world, shapes=[])
+    meta["command"] = (f"torchrun --nproc-per-node {world} -m tpsample.launch.verify_bench "
+                       + " ".join(map(shlex.quote, args.argv)))
+    max_rows = max(B * (S + 1) for B in args.batches for S in args.drafts)
+    for D, V in args.shapes:
+        w = bench.make_shard(D, V, rank, world, dev).to(DTYPES[args.dtype])
+        sampler = tpsample.VocabParallelSampler(
+            w, vocab_size=V, max_batch=max_rows, check_inputs=False, logprobs=False,
+            backend="auto" if args.cuda else "torch")
+        rows: list = []
+        meta["shapes"].append({"D": D, "V": V, "rows": rows})
+        for B in args.batches:
+            for S in args.drafts:
+                g = torch.Generator(device=dev).manual_seed(B * 100 + S)  # the same on every rank
+                h = torch.randn(B, S + 1, D, device=dev, generator=g).to(w.dtype)
+                draft = torch.randint(0, V, (B, S), device=dev, generator=g)
+                q = torch.softmax(torch.randn(B, S, V, device=dev, generator=g), -1)
+                flat = h.reshape(-1, D)
+                step = iter(range(1 << 40))
+                fns = {"mm_local": lambda: flat @ w.T,
+                       "onehot": unchecked(lambda: sampler.verify_drafts(
+                           h, draft, seed=1, offset=next(step))),
+                       "probs": unchecked(lambda: sampler.verify_drafts(
+                           h, draft, draft_probs=q, seed=1, offset=next(step)))}
+                ms = {n: bench.time_calls(fn, dev, args.iters, align=args.cuda)
+                      for n, fn in fns.items()}
+                rows.append(dict(B=B, S=S, rows=B * (S + 1), ms=ms,
+                                 bound=1.3 * ms["mm_local"] + 0.030))
+                if rank == 0:
+                    log(f"[tp{world} D={D} V={V} B={B} S={S}] "
+                        + " ".join(f"{k}={v:.3f}" for k, v in ms.items()))
+                    os.makedirs(args.out, exist_ok=True)
+                    with open(os.path.join(args.out, f"verify_tp{world}.json"), "w") as f:
+                        json.dump(meta, f, indent=1)
+        w = sampler = None  # (freed before the next shape's shard)
+    dist.barrier()
+    dist.destroy_process_group()
+    return meta if rank == 0 else None
+
+
+def tp_summary(meta: dict) -> list[str]:
+    out = []
+    for res in meta["shapes"]:
+        rows = res["rows"]
+        if rows:
+            worst = {n: max(r["ms"][n] / r["bound"] for r in rows) for n in ("onehot", "probs")}
+            out.append(f"TP{meta['world']} D={res['D']} V={res['V']}: worst / (1.3 x mm_local + "
+                       f"30 us): onehot {worst['onehot']:.2f}, probs {worst['probs']:.2f}")
+    return out
+
+
+def tp_markdown(meta: dict, doc: str, label: str) -> str:
+    lines = [f"`{meta['command']}` — {meta['device']}, torch {meta['torch']}, Triton "
+             f"{meta['triton']}, {meta['date']}; median ms per eager call with a host sync, "
+             "the ranks aligned before each call, maximum over ranks; bound = 1.3 × mm_local "
+             "+ 30 µs; verify_drafts without its host-synchronising input checks.", ""]
+    lines += [f"- {s}" for s in tp_summary(meta)] + [""]
+    for res in meta["shapes"]:
+        lines += [f"**TP{meta['world']}, D={res['D']}, V={res['V']}**", "",
+                  "| B | S | rows | mm_local | onehot | probs | bound | onehot / bound "
+                  "| probs / bound |", "|---" * 9 + "|"]
+        for r in res["rows"]:
+            ms = r["ms"]
+            lines.append(f"| {r['B']} | {r['S']} | {r['rows']} | {ms['mm_local']:.3f} | "
+                         f"{ms['onehot']:.3f} | {ms['probs']:.3f} | {r['bound']:.3f} | "
+                         f"{ms['onehot'] / r['bound']:.2f} | {ms['probs'] / r['bound']:.2f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def summary(meta: dict) -> list[str]:
+    if "world" in meta:
+        return tp_summary(meta)
     out = []
     for res in meta["shapes"]:
         rows = res["rows"]
@@ -153,6 +240,8 @@ def summary(meta: dict) -> list[str]:
 
 
 def markdown(meta: dict, doc: str, label: str) -> str:
+    if "world" in meta:
+        return tp_markdown(meta, doc, label)
     lines = [f"`{meta['command']}` — {meta['device']}, torch {meta['torch']}, Triton "
              f"{meta['triton']}, {meta['date']}; median ms of tpsample.sample on the B·(S + 1) "
              "rows (plain), every other column as a ratio to it (same run); verify_drafts "
@@ -209,6 +298,7 @@ def parse_args(argv=None):
     p.add_argument("--label", default="verify")
     p.add_argument("--report", metavar="JSON", help="render a verify.json, no run")
     p.add_argument("--cpu", action="store_true", help="CPU tensors even where CUDA exists")
+    p.add_argument("--iters", type=int, default=50, help="timed calls per cell under torchrun")
     p.add_argument("--warm", type=int, default=None,
                    help="compile in this many processes first (default: 8 on CUDA, 0 on CPU)")
     a = p.parse_args(argv)
@@ -227,7 +317,14 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    meta = json.load(open(args.report)) if args.report else run(args)
+    if args.report:
+        meta = json.load(open(args.report))
+    elif "WORLD_SIZE" in os.environ:
+        meta = run_tp(args)
+        if meta is None:  # (not rank 0)
+            return
+    else:
+        meta = run(args)
     render_report(args, meta, markdown, summary)
 
 

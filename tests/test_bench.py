@@ -193,6 +193,26 @@ def test_verify_bench_writes_json_doc_and_summary(tmp_path):
     assert "| 2 | 3 | 8 |" in doc.read_text() and (tmp_path / "img" / "cpu_64x1000.png").exists()
 
 
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed next to python")
+@pytest.mark.slow
+def test_verify_bench_tp_mode_under_torchrun_and_report(tmp_path):
+    """torchrun -m tpsample.launch.verify_bench (gloo, two ranks): VocabParallelSampler's
+    verify_drafts and the local matmul per (B, S), the bound 1.3 x mm_local + 30 us, and the
+    report of its JSON."""
+    run([str(TORCHRUN), "--standalone", "--nproc-per-node=2", "-m", "tpsample.launch.verify_bench",
+         "--batches", "2", "--drafts", "1", "--iters", "2", "--out", str(tmp_path)], tmp_path)
+    meta = json.loads((tmp_path / "verify_tp2.json").read_text())
+    (row,) = meta["shapes"][0]["rows"]
+    assert meta["world"] == 2 and (row["B"], row["S"], row["rows"]) == (2, 1, 4)
+    assert set(row["ms"]) == {"mm_local", "onehot", "probs"}
+    assert abs(row["bound"] - (1.3 * row["ms"]["mm_local"] + 0.03)) < 1e-9
+    doc = tmp_path / "perf.md"
+    text = run([sys.executable, "-m", "tpsample.launch.verify_bench", "--report",
+                str(tmp_path / "verify_tp2.json"), "--doc", str(doc), "--label", "TP"], tmp_path)
+    assert "summary: TP2 D=64 V=1000: worst / (1.3 x mm_local + 30 us)" in text
+    assert "| 2 | 1 | 4 |" in doc.read_text()
+
+
 def test_verify_bench_torch_rejection_baseline_is_exact():
     """The benchmark's torch rejection sampler (its baseline) emits p_0 as the first token
     (chi-squared at ALPHA), one-hot drafts and draft distributions."""

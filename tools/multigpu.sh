@@ -5,6 +5,8 @@
 #                                  # (symm_mem and nccl), megatron-core decoding at TP N
 #   tools/multigpu.sh bench OUT    # bench TP N (merge max with filtered calls, merge cdf) and
 #                                  # tools.exchange_cost (device wait vs torch's barrier)
+#   tools/multigpu.sh verify OUT   # VocabParallelSampler.verify_drafts against the local
+#                                  # matmul at TP N (launch/verify_bench.py under torchrun)
 #   tools/multigpu.sh tpot OUT     # examples/mcore_decode.py --tpot for each config (CONFIG,
 #                                  # default qwen3-1.7b,qwen3-8b) at each TP degree (TP,
 #                                  # default "1 N"), then the table and plot of every
@@ -25,7 +27,7 @@
 # below): tpsample never uses it, and some shared hosts must not see it.
 set -euo pipefail
 
-part=${1:?part: tests, bench, tpot or decode}
+part=${1:?part: tests, bench, verify, tpot or decode}
 out=${2:?output directory}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -52,6 +54,11 @@ bench)
     run -m tpsample.launch.bench --filters --out "$out/max" 2>&1 | tee "$out/bench_max.log"
     run -m tpsample.launch.bench --merge cdf --out "$out/cdf" 2>&1 | tee "$out/bench_cdf.log"
     run -m tools.exchange_cost --out "$out/exchange" 2>&1 | tee "$out/exchange_cost.log"
+    ;;
+verify)
+    run -m tpsample.launch.verify_bench --shapes "${SHAPES:-4096x151936,8192x128256}" \
+        --out "$out/verify" --doc "$out/verify.md" --label "verify TP$n" 2>&1 \
+        | tee "$out/verify.log"
     ;;
 tpot)
     need_megatron
@@ -88,5 +95,5 @@ decode)
         --doc "$out/decode.md" --label "fast decode"
     ;;
 *)
-    echo "unknown part $part (tests, bench, tpot or decode)"; exit 2 ;;
+    echo "unknown part $part (tests, bench, verify, tpot or decode)"; exit 2 ;;
 esac
