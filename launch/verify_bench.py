@@ -17,6 +17,8 @@ same run times (median ms, do_bench on CUDA):
                   accept u < p(x), residual p without x renormalised, sampled as argmax(r / E)
                   with E ~ Exp(1), bonus likewise; no host synchronisation)
     torch_probs   the same with the draft distributions (u·q(x) < p(x), max(0, p - q))
+    fi_onehot, fi_probs  matmul, fp32 softmax, FlashInfer's chain_speculative_sampling (one-hot
+                  drafts as one-hot distributions), where `import flashinfer.sampling` works
 
 verify_drafts runs with its checks of tensor contents off (TPSAMPLE_CHECK_TENSORS=0: they cost
 one host synchronisation per call, which the other variants do not pay). --warm N first
@@ -97,6 +99,32 @@ def unchecked(fn):
     return call
 
 
+VARIANTS = ("plain", "onehot", "probs", "mm", "torch_onehot", "torch_probs", "fi_onehot",
+            "fi_probs")
+
+
+def flashinfer_variants(h, w, draft, q) -> dict:
+    """matmul + fp32 softmax + FlashInfer's chain_speculative_sampling (draft distributions;
+    one-hot drafts as materialised one-hot distributions), where `import flashinfer.sampling`
+    works (tools/flashinfer_carry.sh); {} otherwise."""
+    if not h.is_cuda:
+        return {}
+    try:
+        import flashinfer.sampling as fs
+    except Exception as e:  # noqa: BLE001 - the baseline is optional
+        log(f"no FlashInfer baseline: {type(e).__name__}: {e}")
+        return {}
+    B, S1, D = h.shape
+    rows = h.reshape(-1, D)
+    one_hot = torch.zeros_like(q).scatter_(-1, draft[..., None], 1.0)
+    ids = draft.int()
+
+    def run(qq):
+        p = torch.softmax((rows @ w.T).float(), -1).view(B, S1, -1)
+        return fs.chain_speculative_sampling(qq, ids, p)
+    return {"fi_onehot": lambda: run(one_hot), "fi_probs": lambda: run(q)}
+
+
 def variants(h, w, draft, q, gen) -> dict:
     B, S1, D = h.shape
     rows = h.reshape(-1, D)
@@ -110,6 +138,7 @@ def variants(h, w, draft, q, gen) -> dict:
         "mm": lambda: rows @ w.T,
         "torch_onehot": lambda: torch_verify(h, w, draft, None, gen),
         "torch_probs": lambda: torch_verify(h, w, draft, q, gen),
+        **flashinfer_variants(h, w, draft, q),
     }
 
 
@@ -247,8 +276,9 @@ def markdown(meta: dict, doc: str, label: str) -> str:
              "rows (plain), every other column as a ratio to it (same run); verify_drafts "
              "without its host-synchronising input checks (TPSAMPLE_CHECK_TENSORS=0).", ""]
     lines += [f"- {s}" for s in summary(meta)] + [""]
-    names = ["onehot", "probs", "mm", "torch_onehot", "torch_probs"]
     for res in meta["shapes"]:
+        names = [n for n in VARIANTS if n != "plain" and res["rows"]
+                 and all(n in r["ms"] for r in res["rows"])]
         lines += [f"**D={res['D']}, V={res['V']}**", "",
                   "| B | S | rows | plain | " + " | ".join(names) + " |",
                   "|---" * (4 + len(names)) + "|"]
@@ -275,7 +305,7 @@ def plot(res: dict, doc: str, label: str) -> str | None:
     if not rows:
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
-    for n in ("onehot", "probs", "mm", "torch_onehot", "torch_probs"):
+    for n in (n for n in VARIANTS if n != "plain" and all(n in r["ms"] for r in rows)):
         ax.plot([r["rows"] for r in rows], [r["ms"][n] / r["ms"]["plain"] for r in rows],
                 marker="o", label=n)
     ax.set_xscale("log", base=2)
