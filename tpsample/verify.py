@@ -425,8 +425,11 @@ def _draft_probs_kernels(l, ids, inv, filters, draft, q, n, seed_rows, offset_ro
     R, C = l.shape
     B, S = draft.shape
     dev = l.device
-    k, p_, m = row_filter_values(filters, inv)
     has_cut = filters.top_k is not None or filters.top_p is not None
+    if has_cut or filters.min_p is not None:
+        k, p_, m = row_filter_values(filters, inv)
+    else:  # (no filter: nothing but the kernels' min_p, 0)
+        k = m = torch.zeros(R, dtype=torch.float32, device=dev)
     if has_cut:
         x = l.double()
         kept = sorted_kept(l, ids, x, k, p_, m, torch.logsumexp(x, dim=1))
@@ -479,13 +482,13 @@ def local_logits(weight: torch.Tensor, bias, n_real: int, vocab_start: int = 0,
     width = V_rows if columns is None else columns
 
     def logits(rows: torch.Tensor, inv_temp: torch.Tensor):
-        l = torch.full((rows.shape[0], width), float("-inf"), dtype=torch.float32,
-                       device=rows.device)
         x = logits_fp32(rows, weight[:n_real])  # (fp32 accumulation, W never copied)
         if bias is not None:
-            x = x + bias[:n_real].float()
-        l[:, :n_real] = x * torch.where(inv_temp == 0, torch.ones_like(inv_temp), inv_temp)[:, None]
-        return l, vocab_start + torch.arange(width, device=rows.device)
+            x += bias[:n_real].float()
+        x *= torch.where(inv_temp == 0, 1.0, inv_temp)[:, None]
+        if width > n_real:  # (padding columns: -inf)
+            x = torch.nn.functional.pad(x, (0, width - n_real), value=float("-inf"))
+        return x, vocab_start + torch.arange(width, device=rows.device)
     return logits
 
 
