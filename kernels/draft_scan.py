@@ -101,6 +101,15 @@ def _row_filters(r, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr, HAS_CUT: tl.const
 
 
 @triton.jit
+def _chunk_block(l_ptr, ids_ptr, r, c, c0, C, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Columns c·CHUNK + c0 + [0, BLOCK) of row r: (logits, -inf past C; ids, -1 past C)."""
+    cols = c * CHUNK + c0 + tl.arange(0, BLOCK)
+    ok = cols < C
+    return (tl.load(l_ptr + r * C + cols, mask=ok, other=float("-inf")),
+            tl.load(ids_ptr + cols, mask=ok, other=-1))
+
+
+@triton.jit
 def probs_max_kernel(l_ptr, ids_ptr, C, draft_ptr, pmax_ptr, ptop_ptr, plx_ptr, pnan_ptr, G,
                      S: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     """Program r·G + c: chunk c of row r = b·(S + 1) + i of l [R, C] (ids [C] the columns'
@@ -112,16 +121,12 @@ def probs_max_kernel(l_ptr, ids_ptr, C, draft_ptr, pmax_ptr, ptop_ptr, plx_ptr, 
     b = r // (S + 1)
     i = r % (S + 1)
     x = tl.load(draft_ptr + b * S + i, mask=i < S, other=-1)
-    j = tl.arange(0, BLOCK)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_id = tl.full([BLOCK], NONE_ID, tl.int64)
     lx = tl.full([BLOCK], float("-inf"), tl.float32)
     nan = tl.zeros([BLOCK], tl.int32)
     for c0 in range(0, CHUNK, BLOCK):
-        cols = c * CHUNK + c0 + j
-        ok = cols < C
-        l = tl.load(l_ptr + r * C + cols, mask=ok, other=float("-inf"))
-        ids = tl.load(ids_ptr + cols, mask=ok, other=-1)
+        l, ids = _chunk_block(l_ptr, ids_ptr, r, c, c0, C, CHUNK, BLOCK)
         nan = nan | (l != l).to(tl.int32)
         better = (l > best) | ((l == best) & (ids < best_id))
         best_id = tl.where(better, ids, best_id)
@@ -162,13 +167,9 @@ def probs_mass_kernel(l_ptr, ids_ptr, C, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_p
     xmax, top, lx, bad = _row_stats(r, pmax_ptr, ptop_ptr, plx_ptr, pnan_ptr, G, BLOCK_G)
     greedy, m, cut_l, cut_id = _row_filters(r, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr,
                                             HAS_CUT)
-    j = tl.arange(0, BLOCK)
     z = tl.zeros([BLOCK], tl.float64)
     for c0 in range(0, CHUNK, BLOCK):
-        cols = c * CHUNK + c0 + j
-        ok = cols < C
-        l = tl.load(l_ptr + r * C + cols, mask=ok, other=float("-inf"))
-        ids = tl.load(ids_ptr + cols, mask=ok, other=-1)
+        l, ids = _chunk_block(l_ptr, ids_ptr, r, c, c0, C, CHUNK, BLOCK)
         k = _kept(l, ids, xmax, top, greedy, m, cut_l, cut_id, HAS_CUT)
         z += tl.where(k, tl.exp(l.to(tl.float64) - xmax.to(tl.float64)), 0.0)
     tl.store(pz_ptr + pid, tl.sum(z, axis=0))
@@ -245,7 +246,6 @@ def probs_pick_kernel(l_ptr, ids_ptr, C, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_p
     off_lo = (off & 0xFFFFFFFF).to(tl.uint32)
     off_hi = ((off >> 32) & 0xFFFFFFFF).to(tl.uint32)
     q_row = q_ptr + (b * S + tl.minimum(a, S - 1)) * V
-    j = tl.arange(0, BLOCK)
     zr = tl.full([BLOCK], float("-inf"), tl.float32)
     zr_id = tl.full([BLOCK], NONE_ID, tl.int64)
     zr_lp = tl.zeros([BLOCK], tl.float64)
@@ -254,15 +254,12 @@ def probs_pick_kernel(l_ptr, ids_ptr, C, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_p
     zp_lp = tl.zeros([BLOCK], tl.float64)
     mass = tl.zeros([BLOCK], tl.int32)
     for c0 in range(0, CHUNK, BLOCK):
-        cols = c * CHUNK + c0 + j
-        ok_c = cols < C
-        l = tl.load(l_ptr + r * C + cols, mask=ok_c, other=float("-inf"))
-        ids = tl.load(ids_ptr + cols, mask=ok_c, other=-1)
+        l, ids = _chunk_block(l_ptr, ids_ptr, r, c, c0, C, CHUNK, BLOCK)
         k = _kept(l, ids, xmax, top, greedy, m, cut_l, cut_id, HAS_CUT)
         lp = tl.where(k, tl.where(greedy, 0.0, l.to(tl.float64) - logz), float("-inf"))
         p = tl.exp(lp)
         q = tl.load(q_row + tl.minimum(tl.maximum(ids, 0), V - 1),
-                    mask=ok_c & (l > float("-inf")) & (l < float("inf")), other=0.0)
+                    mask=(l > float("-inf")) & (l < float("inf")), other=0.0)
         res = tl.maximum(p - tl.where(rejected, q.to(tl.float64), 0.0), 0.0)
         word = philox_word(seed, off_lo, off_hi, tl.cast(0, tl.uint32), ids)
         g = -tl.log(-tl.log(((word >> 9).to(tl.float32) + 0.5) * (2.0 ** -23)))

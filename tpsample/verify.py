@@ -429,14 +429,14 @@ def _draft_probs_kernels(l, ids, inv, filters, draft, q, n, seed_rows, offset_ro
     if has_cut or filters.min_p is not None:
         k, p_, m = row_filter_values(filters, inv)
     else:  # (no filter: nothing but the kernels' min_p, 0)
-        k = m = torch.zeros(R, dtype=torch.float32, device=dev)
+        m = torch.zeros(R, dtype=torch.float32, device=dev)
     if has_cut:
         x = l.double()
         kept = sorted_kept(l, ids, x, k, p_, m, torch.logsumexp(x, dim=1))
         cut_l = torch.where(kept, l, float("inf")).amin(1)
         cut_id = torch.where(kept & (l == cut_l[:, None]), ids[None, :], -1).amax(1)
     else:
-        cut_l, cut_id = m, k  # (not read)
+        cut_l, cut_id = m, seed_rows  # (not read; fp32 and int64 [R] as the cut's)
     G = triton.cdiv(C, PROBS_CHUNK)
     part = lambda dtype, *shape: torch.empty(*shape, dtype=dtype, device=dev)  # noqa: E731
     stats = dict(pmax_ptr=part(torch.float32, R, G), ptop_ptr=part(torch.int64, R, G),
