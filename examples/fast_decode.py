@@ -22,8 +22,11 @@ softmax and torch.multinomial; with --top-p the torch sort path) and "tpsample"
 under this world size for the same seed (run it at several --nproc-per-node), the graph's
 replays equal eager steps; the model runs in fp32 there, on GPUs too (bf16 all-reduces and
 bf16 logits move near-ties: bf16 tokens differ across TP degrees and from an exact argmax).
---out: per (batch, head) TPOT from graph replays and wall time per step, the head's own GPU
-time, tokens/s, to OUT/fast_decode_<config>_tp<N>[_p<top_p>].json; --report
+--compile [BACKEND]: the decode step's model forward through torch.compile (default inductor:
+its fused norms, RoPE and SwiGLU, as gpt-fast runs it; "eager" only traces, for the CPU test),
+captured with the head in the same CUDA graph; the heads stay eager. --out: per (batch, head)
+TPOT from graph replays and wall time per step, the head's own GPU time, tokens/s, to
+OUT/fast_decode_<config>_tp<N>[_p<top_p>][_compiled].json; --report
 renders such runs as the TPOT table (tools/multigpu.sh decode OUT runs them all).
 """
 from __future__ import annotations
@@ -125,6 +128,12 @@ class Model:
         ang = torch.outer(torch.arange(max_seq, dtype=torch.float32), inv)
         self.cos, self.sin = ang.cos().to(device), ang.sin().to(device)
         self.dtype = dtype
+        self.step_forward = self.forward  # the decode step's forward (compile() replaces it)
+
+    def compile(self, backend: str) -> None:
+        """The decode step's forward through torch.compile (static shapes: one graph per
+        batch size, compiled at its first step; prefill stays eager)."""
+        self.step_forward = torch.compile(self.forward, backend=backend, dynamic=False)
 
     def all_reduce(self, x):
         if self.world > 1:
@@ -235,7 +244,7 @@ def decode(model: Model, head, prompt: torch.Tensor, steps: int, temperature: fl
     pos = torch.tensor([P], device=dev)
 
     def one_step():
-        h = model.forward(static_tok[:, None], pos)
+        h = model.step_forward(static_tok[:, None], pos)
         return head(h, temperature, step_t)
     out = [tok]
     g = None
@@ -326,6 +335,8 @@ def check(cfg, rank, world, dev, dtype, args) -> dict:
     prompt = torch.randint(0, cfg.vocab, (B, P), generator=g).to(dev)
     res = {}
     model = Model(cfg, rank, world, dev, dtype, B, P + steps + 1)
+    if args.compile:
+        model.compile(args.compile)
     greedy = {}
     for name, head in (("stock", StockHead(model, None)), ("tpsample", TpsampleHead(model, None, 1))):
         greedy[name], _ = decode(model, head, prompt, steps, 0.0, False)
@@ -361,6 +372,8 @@ def tpot(cfg, rank, world, dev, dtype, args) -> list:
     """Per batch and head: wall and GPU time per decode step, the head's own GPU time."""
     rows = []
     model = Model(cfg, rank, world, dev, dtype, max(args.batches), args.prompt + args.steps + 1)
+    if args.compile:
+        model.compile(args.compile)
     for B in args.batches:
         g = torch.Generator().manual_seed(B)
         prompt = torch.randint(0, cfg.vocab, (B, args.prompt), generator=g).to(dev)
@@ -390,12 +403,14 @@ def report(paths: list[str], doc: str | None, label: str) -> str:
     the stock head's share of the step, the gain predicted from the heads' own GPU times
     ((stock head - tpsample head) / stock step), wall ms per step and tokens/s."""
     runs = [json.load(open(p)) for p in paths]
-    lines = ["| config | top_p | TP | B | stock GPU ms | tpsample GPU ms | measured gain "
+    lines = ["| config | step | top_p | TP | B | stock GPU ms | tpsample GPU ms | measured gain "
              "| head share | predicted gain | stock wall ms | tpsample wall ms "
-             "| tpsample tokens/s |", "|---" * 12 + "|"]
+             "| tpsample tokens/s |", "|---" * 13 + "|"]
     points = []
-    for run in sorted(runs, key=lambda r: (r["config"], r.get("top_p") or 0, r["world"])):
+    for run in sorted(runs, key=lambda r: (r["config"], bool(r.get("compiled")),
+                                           r.get("top_p") or 0, r["world"])):
         top_p = run.get("top_p")
+        step = "compiled" if run.get("compiled") else "eager ops"
         by = {(r["B"], r["head"]): r for r in run["rows"]}
         for B in sorted({r["B"] for r in run["rows"]}):
             st, tp = by.get((B, "stock")), by.get((B, "tpsample"))
@@ -409,14 +424,15 @@ def report(paths: list[str], doc: str | None, label: str) -> str:
 
             def f(x, pct=False):
                 return "–" if x is None else (f"{100 * x:+.1f} %" if pct else f"{x:.3f}")
-            lines.append(f"| {run['config']} | {top_p or '–'} | {run['world']} | {B} | "
+            lines.append(f"| {run['config']} | {step} | {top_p or '–'} | {run['world']} | {B} | "
                          f"{f(st.get('gpu_ms'))} | "
                          f"{f(tp.get('gpu_ms'))} | {f(gain, True)} | "
                          f"{'–' if share is None else f'{100 * share:.1f} %'} | {f(pred, True)} | "
                          f"{f(st['wall_ms'])} | {f(tp['wall_ms'])} | {tp['tokens_per_s']:.0f} |")
             if gain is not None and pred is not None:
-                points.append((f"{run['config']}{f' top_p {top_p}' if top_p else ''} "
-                               f"TP{run['world']}", B, gain, pred))
+                points.append((f"{run['config']}{' compiled' if run.get('compiled') else ''}"
+                               f"{f' top_p {top_p}' if top_p else ''} TP{run['world']}",
+                               B, gain, pred))
     text = "\n".join(lines)
     if doc and points:
         try:
@@ -450,6 +466,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--top-p", type=float, default=None)
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                    help="the decode step's forward through torch.compile (default inductor)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--report", nargs="+", metavar="JSON", help="render runs, no decoding")
@@ -487,9 +505,11 @@ def main(argv=None):
             os.makedirs(args.out, exist_ok=True)
             name = f"fast_decode_{args.config}_tp{world}"
             name += f"_p{args.top_p}" if args.top_p is not None else ""
+            name += "_compiled" if args.compile else ""
             with open(os.path.join(args.out, name + ".json"), "w") as f:
                 json.dump(dict(config=args.config, world=world, rows=rows,
                                prompt=args.prompt, steps=args.steps, top_p=args.top_p,
+                               compiled=args.compile,
                                device=(torch.cuda.get_device_name(dev) if dev.type == "cuda"
                                        else "cpu")), f, indent=1)
     if dist.is_initialized():

@@ -64,6 +64,21 @@ def test_fast_decode_tiny_model_tp1_and_tp2(tmp_path):
     assert seqs[0] == seqs[1]
 
 
+@pytest.mark.slow
+def test_fast_decode_compiled_step_samples_the_same_tokens(tmp_path):
+    """--compile: the decode step's forward through torch.compile (backend "eager": dynamo's
+    trace of the step, KV-cache writes included, without inductor's CPU compile) gives the
+    same greedy and sampled tokens as the uncompiled step."""
+    example = Path(__file__).resolve().parents[1] / "examples" / "fast_decode.py"
+    out = {}
+    for extra in ([], ["--compile", "eager"]):
+        text = run([sys.executable, str(example), "--check", "--steps", "5", "--top-p", "0.9",
+                    *extra], tmp_path)
+        assert "greedy tokens equal the stock head's: True" in text, text
+        out[bool(extra)] = text.split("sampled tokens (tp1): ")[1].splitlines()[0]
+    assert out[True] == out[False]
+
+
 def test_fast_decode_report_renders_gains_and_plot(tmp_path):
     """examples/fast_decode.py --report: per batch, the measured GPU-time gain of the
     tpsample head, the stock head's share and the gain predicted from the heads' own times,
@@ -75,15 +90,19 @@ def test_fast_decode_report_renders_gains_and_plot(tmp_path):
     (tmp_path / "a.json").write_text(json.dumps(dict(config="qwen3-1.7b", world=2, rows=rows)))
     (tmp_path / "c.json").write_text(json.dumps(dict(config="qwen3-1.7b", world=2, rows=rows,
                                                      top_p=0.95)))
+    (tmp_path / "d.json").write_text(json.dumps(dict(config="qwen3-1.7b", world=2, rows=rows,
+                                                     compiled="inductor")))
     cpu = [dict(r, gpu_ms=None, head_ms=None) for r in rows]
     (tmp_path / "b.json").write_text(json.dumps(dict(config="tiny", world=1, rows=cpu)))
     doc = tmp_path / "perf.md"
-    run([sys.executable, str(example), "--report", "a.json", "b.json", "c.json", "--doc",
+    run([sys.executable, str(example), "--report", "a.json", "b.json", "c.json", "d.json", "--doc",
          str(doc), "--label", "decode"], tmp_path)
     text = doc.read_text()
-    assert "| qwen3-1.7b | – | 2 | 8 | 8.000 | 7.600 | +5.0 % | 10.0 % | +5.0 % |" in text, text
-    assert "| qwen3-1.7b | 0.95 | 2 | 8 | 8.000 |" in text, text
-    assert "| tiny | – | 1 | 8 | – | – | – | – | – |" in text
+    assert ("| qwen3-1.7b | eager ops | – | 2 | 8 | 8.000 | 7.600 | +5.0 % | 10.0 % | +5.0 % |"
+            in text), text
+    assert "| qwen3-1.7b | eager ops | 0.95 | 2 | 8 | 8.000 |" in text, text
+    assert "| qwen3-1.7b | compiled | – | 2 | 8 | 8.000 |" in text, text
+    assert "| tiny | eager ops | – | 1 | 8 | – | – | – | – | – |" in text
     assert (tmp_path / "img" / "decode.png").exists()
 
 

@@ -20,6 +20,11 @@ against the default path:
     python -m tools.ab --arm max:AB_MASS=0 --arm cdf:AB_MERGE=cdf \
         --batches 64,128,256
 
+AB_BUCKETS=192:256 gives the shipped tables' bucket 192 the config of their bucket 256 (a
+plan-table change measured before it is shipped), e.g. the 129-192-row bucket:
+
+    python -m tools.ab --arm table: --arm 192as256:AB_BUCKETS=192:256 --batches 129,160,192
+
 AB_CALL=sample times the whole public call instead (tpsample.sample, eager, the median of
 triton.testing.do_bench) next to cuBLAS's matmul alone (column mm), e.g. two Tritons on
 one GPU (tools/triton_carry.sh unpacks the second into t39):
@@ -35,14 +40,29 @@ import sys
 import tempfile
 
 
+def override_buckets(text: str) -> None:
+    """AB_BUCKETS "DST:SRC[,DST:SRC...]": in every shipped table (tpsample/configs), bucket
+    DST takes bucket SRC's config (the base table, not the by-D overrides)."""
+    from tpsample import plan
+    for pair in filter(None, text.split(",")):
+        dst, _, src = pair.partition(":")
+        if not (dst.isdigit() and src.isdigit()):
+            sys.exit(f"AB_BUCKETS must be DST:SRC[,DST:SRC...], got {text!r}")
+        for name in ("h100", "h200"):
+            buckets = plan.load_table(name)[0]
+            buckets[int(dst)] = dict(buckets[int(src)])
+
+
 def worker(shapes, batches, reps_ms: int):
     import torch
+    override_buckets(os.environ.get("AB_BUCKETS", ""))
     call = os.environ.get("AB_CALL", "stages")
     if call not in ("stages", "sample"):
         sys.exit(f"AB_CALL must be stages or sample, got {call!r}")
     if call == "sample":
         return sample_worker(shapes, batches, reps_ms)
 
+    import tpsample
     from tools import calls
     from tpsample.params import row_params
     from tools.tune import device_ms
@@ -67,7 +87,8 @@ def worker(shapes, batches, reps_ms: int):
             rec, tokens = run()
             ms = device_ms(lambda: run(), reps_ms)
             print(json.dumps(dict(D=D, V=V, B=B, ms=ms, tokens=int(tokens.sum()),
-                                  records=float(rec.double().nan_to_num(0, 0, 0).sum()))),
+                                  records=float(rec.double().nan_to_num(0, 0, 0).sum()),
+                                  strategy=tpsample.explain(B, D, V).strategy)),
                   flush=True)
 
 
@@ -134,7 +155,7 @@ def main(argv=None):
             for line in out.stdout.splitlines():
                 row = dict(json.loads(line), arm=name, round=r)
                 rows.append(row)
-                extra = f", mm {row['mm']:.4f} ms, {row['strategy']}" if "mm" in row else ""
+                extra = (f", mm {row['mm']:.4f} ms" if "mm" in row else "") + f", {row['strategy']}"
                 print(f"round {r} {name:>10s} D={row['D']} B={row['B']}: {row['ms']:.4f} ms "
                       f"(tokens {row['tokens']}{extra})", flush=True)
     if a.out:

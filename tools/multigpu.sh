@@ -16,7 +16,8 @@
 #                                  # sampled sequences must match), then the TPOT runs per
 #                                  # config (CONFIG, default qwen3-1.7b) and degree (TP,
 #                                  # default "1 2 4" up to N; TOP_P=0.95 adds the runs with
-#                                  # top_p), then the table in OUT/decode.md
+#                                  # top_p; COMPILE=1 compiles the step's forward;
+#                                  # BATCHES, default 1,8,32,128), then OUT/decode.md
 #
 # N = NPROC (default: every visible GPU). Writes JSON, logs and plots under OUT; the bench
 # parts print their tables last. Run from the repository root with tpsample importable
@@ -76,7 +77,7 @@ decode)
     degrees=${TP:-$(for t in 1 2 4; do [ "$t" -le "$n" ] && echo "$t"; done)}
     for tp in $degrees; do
         torchrun --standalone --nproc-per-node="$tp" examples/fast_decode.py \
-            --config "${config%%,*}" --check --steps 8 --top-p 0.95 2>&1 \
+            --config "${config%%,*}" --check --steps 8 --top-p 0.95 ${COMPILE:+--compile} 2>&1 \
             | tee "$out/decode_check_tp$tp.log"
     done
     seqs=$(grep -h "sampled tokens" "$out"/decode_check_tp*.log | sed 's/.*: //' | sort -u | wc -l)
@@ -85,9 +86,9 @@ decode)
         for tp in $degrees; do
             for p in "" ${TOP_P:-}; do  # TOP_P=0.95: the same runs with top_p too
                 torchrun --standalone --nproc-per-node="$tp" examples/fast_decode.py \
-                    --config "$c" --batches 1,8,32,128 --prompt 512 --steps 128 \
-                    ${p:+--top-p "$p"} --out "$out/decode" 2>&1 \
-                    | tee "$out/decode_${c}_tp$tp${p:+_p$p}.log"
+                    --config "$c" --batches "${BATCHES:-1,8,32,128}" --prompt 512 \
+                    --steps 128 ${p:+--top-p "$p"} ${COMPILE:+--compile} --out "$out/decode" 2>&1 \
+                    | tee "$out/decode_${c}_tp$tp${p:+_p$p}${COMPILE:+_compiled}.log"
             done
         done
     done

@@ -10,7 +10,8 @@
 #                                # torch rejection sampler (SHAPES as above), OUT/verify.md
 #   tools/onegpu.sh decode OUT   # examples/fast_decode.py at TP1: --check, then the TPOT
 #                                # runs (CONFIG, default qwen3-1.7b; TOP_P=0.95 adds the
-#                                # runs with top_p) and OUT/decode.md
+#                                # runs with top_p; COMPILE=1 compiles the step's forward;
+#                                # BATCHES, default 1,8,32,128) and OUT/decode.md
 #   tools/onegpu.sh host OUT     # tools.host_cost: host µs per call kind, graphs off and on
 #
 # Run from the repository root with tpsample importable (PYTHONPATH or an install; the source
@@ -41,13 +42,16 @@ verify)
     ;;
 decode)
     config=${CONFIG:-qwen3-1.7b}
-    python examples/fast_decode.py --config "$config" --check --steps 8 --top-p 0.95 2>&1 \
+    python examples/fast_decode.py --config "$config" --check --steps 8 --top-p 0.95 \
+        ${COMPILE:+--compile} 2>&1 \
         | tee "$out/decode_check.log"
-    python examples/fast_decode.py --config "$config" --batches 1,8,32,128 --prompt 512 \
-        --steps 128 --out "$out/decode" 2>&1 | tee "$out/decode_${config}.log"
+    python examples/fast_decode.py --config "$config" --batches "${BATCHES:-1,8,32,128}" \
+        --prompt 512 --steps 128 ${COMPILE:+--compile} --out "$out/decode" 2>&1 \
+        | tee "$out/decode_${config}.log"
     if [ -n "${TOP_P:-}" ]; then  # the same runs with top_p: the torch sort path against tpsample's
-        python examples/fast_decode.py --config "$config" --batches 1,8,32,128 --prompt 512 \
-            --steps 128 --top-p "$TOP_P" --out "$out/decode" 2>&1 \
+        python examples/fast_decode.py --config "$config" --batches "${BATCHES:-1,8,32,128}" \
+            --prompt 512 --steps 128 --top-p "$TOP_P" ${COMPILE:+--compile} \
+            --out "$out/decode" 2>&1 \
             | tee "$out/decode_${config}_p$TOP_P.log"
     fi
     python examples/fast_decode.py --report "$out"/decode/fast_decode_*.json \

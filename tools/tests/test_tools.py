@@ -47,6 +47,24 @@ def test_ab_arm_specs_are_checked():
         assert e.value.code == 2  # argparse's usage error, before any arm runs
 
 
+def test_ab_bucket_override_changes_the_plan_and_checks_its_text():
+    """AB_BUCKETS 192:256: the tables' bucket 192 plans as their bucket 256 does (the
+    override mutates the cached tables, so the test drops them after)."""
+    import tpsample
+    from tpsample import plan
+    before = tpsample.explain(160, 4096, 151936, device="h100").config
+    try:
+        ab.override_buckets("192:256")
+        after = tpsample.explain(160, 4096, 151936, device="h100").config
+        assert after == tpsample.explain(256, 4096, 151936, device="h100").config
+        assert after != before
+        with pytest.raises(SystemExit, match="AB_BUCKETS"):
+            ab.override_buckets("192")
+    finally:
+        plan.load_table.cache_clear()
+    assert tpsample.explain(160, 4096, 151936, device="h100").config == before
+
+
 def test_probe_help_lists_its_modes(capsys):
     with pytest.raises(SystemExit) as e:
         probe.main(["--help"])
