@@ -4,7 +4,10 @@ gathered over symmetric memory), median ms per call, max over ranks, with the by
 receives per call against an all-gather of the fp32 logits.
 
     torchrun --nproc-per-node=N -m tools.tp_filtered [--D 4096 --V 151936]
-        [--heads zipf2.0,zipf1.3,gauss1] [--batches 1,16,64,256] [--out DIR]
+        [--heads zipf2.0,zipf1.3,gauss1] [--batches 1,16,64,256] [--out DIR] [--ab-graphs]
+
+--ab-graphs: each filter also timed with its calls re-issuing their launches (as
+TPSAMPLE_GRAPHS=plain), in the same run (<filter>_launches).
 
 Timing as the benchmark's TP cells (tpsample.launch.bench.time_calls: CUDA events around an
 eager call with a host sync, the ranks aligned by a one-element all-reduce before each).
@@ -17,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import tpsample
-from tpsample import records
+from tpsample import knobs, records
 from tpsample.launch.bench import time_calls
 from tpsample.launch.sweep import hidden, sweep_head
 
@@ -32,6 +35,7 @@ def main():
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--out", default=".")
+    ap.add_argument("--ab-graphs", action="store_true")
     a = ap.parse_args()
     rank = int(os.environ["RANK"])
     dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
@@ -55,6 +59,11 @@ def main():
                 torch.cuda.synchronize()
                 flagged = sampler.pipeline.fallback_rows - before
                 row[name] = time_calls(lambda kw=kw: sampler(h, seed=1, **kw), dev, a.iters)
+                if a.ab_graphs:
+                    knobs.GRAPHS_FILTERED = False
+                    row[name + "_launches"] = time_calls(lambda kw=kw: sampler(h, seed=1, **kw),
+                                                         dev, a.iters)
+                    knobs.GRAPHS_FILTERED = True
                 # received per rank: the peers' records (the sample and candidate planes) and
                 # the flagged rows' side-output shards
                 tiles = -(-per // records.TILE)
@@ -65,7 +74,10 @@ def main():
             res.append(row)
             if rank == 0:
                 print(f"TP{world} {head} B={B}: plain {row['plain']:.3f} ms | " + " | ".join(
-                    f"{n} {row[n] / row['plain']:.2f}x ({row[n + '_flagged']} rows, "
+                    f"{n} {row[n] / row['plain']:.2f}x"
+                    + (f" (launches {row[n + '_launches'] / row['plain']:.2f}x)"
+                       if a.ab_graphs else "")
+                    + f" ({row[n + '_flagged']} rows, "
                     f"{row[n + '_bytes'] / 1e6:.2f} MB)" for n in FILTERS)
                     + f" | all-gather of logits {row['allgather_logits_bytes'] / 1e6:.1f} MB",
                     flush=True)

@@ -111,6 +111,50 @@ def test_tp_filtered_equals_single_gpu(transport, B):
     assert torch.equal(outs[0].top_tokens, single.top_tokens.cpu())
 
 
+def filtered_graph_rank(rank, world, B, graphs):
+    """Eight repeated top-p calls over symmetric memory on near-flat rows (the gathered
+    device fallback's fast path), new hidden states and seeds each call; graphs: filtered
+    calls through their CUDA graph (the default) or re-issued launches."""
+    from tpsample import api, knobs
+    knobs.GRAPHS_FILTERED = graphs
+    h, w, temp, seeds = inputs(B)
+    dev = torch.device("cuda", rank)
+    sampler = tpsample.VocabParallelSampler(shard(w, rank, world, dev), vocab_size=VOCAB,
+                                            transport="symm_mem", check_inputs=False)
+    seed = seeds.to(dev)
+    outs = []
+    for i in range(8):
+        seed.add_(1)
+        out = sampler((h * 0.02 * (1 + i / 8)).to(dev), temperature=temp.to(dev), seed=seed,
+                      offset=3, top_p=0.95, return_logprobs=True)
+        outs.append((out.tokens.cpu(), out.logprobs.cpu(), out.logz.cpu()))
+    res = dict(outs=outs, captures=sum(sampler.pipeline.graphs.captures.values()),
+               fallback_rows=sampler.pipeline.fallback_rows)
+    sampler.check_exchange()
+    knobs.GRAPHS_FILTERED = True
+    api._PIPELINES.clear()
+    return res
+
+
+def test_tp_filtered_calls_through_their_graph_equal_reissued_launches():
+    """Under TP (symmetric memory, the fallback's rows gathered on the device), repeated
+    top-p calls replay one CUDA graph from their third call: tokens, log-probs and log Z equal
+    re-issued launches on every call, flagged rows included."""
+    world = min(torch.cuda.device_count(), 4)
+    if world < 2:
+        pytest.skip("needs 2 GPUs")
+    B = 16
+    got = run_world(world, filtered_graph_rank, B, True, backend="nccl")
+    want = run_world(world, filtered_graph_rank, B, False, backend="nccl")
+    for g, w_ in zip(got, want):
+        assert "error" not in g and "error" not in w_, (g, w_)
+        assert g["captures"] == 1 and w_["captures"] == 0
+        assert g["fallback_rows"] > 0
+        for i, (a, b) in enumerate(zip(g["outs"], w_["outs"])):
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), i
+            assert torch.equal(a[2], b[2]), i
+
+
 def fallback_rank(rank, world, B):
     """Near-flat rows (top-p reaching below the candidates) over symmetric memory: the first
     calls take the gathered device fallback (also captured in a CUDA graph); rows that keep
