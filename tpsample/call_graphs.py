@@ -70,7 +70,7 @@ class CallGraphs:
     @staticmethod
     def usable(in_capture, filtered: bool = False) -> bool:
         """Graphs for eager calls only (a call inside the caller's own capture is part of
-        that graph already); filtered calls unless TPSAMPLE_GRAPHS=plain."""
+        that graph already); filtered calls with TPSAMPLE_GRAPHS=filtered."""
         return (knobs.GRAPHS_FILTERED if filtered else knobs.GRAPHS) and in_capture is False
 
     def get(self, key) -> CallGraph | None:

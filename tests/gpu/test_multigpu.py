@@ -114,9 +114,9 @@ def test_tp_filtered_equals_single_gpu(transport, B):
 def filtered_graph_rank(rank, world, B, graphs):
     """Eight repeated top-p calls over symmetric memory on near-flat rows (the gathered
     device fallback's fast path), new hidden states and seeds each call; graphs: filtered
-    calls through their CUDA graph (the default) or re-issued launches."""
+    calls through their CUDA graph (TPSAMPLE_GRAPHS=filtered) or re-issued launches."""
     from tpsample import api, knobs
-    knobs.GRAPHS_FILTERED = graphs
+    setting, knobs.GRAPHS_FILTERED = knobs.GRAPHS_FILTERED, graphs
     h, w, temp, seeds = inputs(B)
     dev = torch.device("cuda", rank)
     sampler = tpsample.VocabParallelSampler(shard(w, rank, world, dev), vocab_size=VOCAB,
@@ -131,14 +131,15 @@ def filtered_graph_rank(rank, world, B, graphs):
     res = dict(outs=outs, captures=sum(sampler.pipeline.graphs.captures.values()),
                fallback_rows=sampler.pipeline.fallback_rows)
     sampler.check_exchange()
-    knobs.GRAPHS_FILTERED = True
+    knobs.GRAPHS_FILTERED = setting
     api._PIPELINES.clear()
     return res
 
 
 def test_tp_filtered_calls_through_their_graph_equal_reissued_launches():
     """Under TP (symmetric memory, the fallback's rows gathered on the device), repeated
-    top-p calls replay one CUDA graph from their third call: tokens, log-probs and log Z equal
+    top-p calls with TPSAMPLE_GRAPHS=filtered replay one CUDA graph from their third call
+    (the gate before such graphs become the default under TP): tokens, log-probs and log Z equal
     re-issued launches on every call, flagged rows included."""
     world = min(torch.cuda.device_count(), 4)
     if world < 2:
