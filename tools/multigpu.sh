@@ -5,6 +5,8 @@
 #                                  # (symm_mem and nccl), megatron-core decoding at TP N
 #   tools/multigpu.sh bench OUT    # bench TP N (merge max with filtered calls, merge cdf) and
 #                                  # tools.exchange_cost (device wait vs torch's barrier)
+#   tools/multigpu.sh filtered OUT # tools.tp_filtered on the sweep's heads (HEADS, BATCHES),
+#                                  # each filter eager and through its graph (--ab-graphs)
 #   tools/multigpu.sh verify OUT   # VocabParallelSampler.verify_drafts against the local
 #                                  # matmul at TP N (launch/verify_bench.py under torchrun)
 #   tools/multigpu.sh tpot OUT     # examples/mcore_decode.py --tpot for each config (CONFIG,
@@ -28,7 +30,7 @@
 # below): tpsample never uses it, and some shared hosts must not see it.
 set -euo pipefail
 
-part=${1:?part: tests, bench, verify, tpot or decode}
+part=${1:?part: tests, bench, filtered, verify, tpot or decode}
 out=${2:?output directory}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -55,6 +57,11 @@ bench)
     run -m tpsample.launch.bench --filters --out "$out/max" 2>&1 | tee "$out/bench_max.log"
     run -m tpsample.launch.bench --merge cdf --out "$out/cdf" 2>&1 | tee "$out/bench_cdf.log"
     run -m tools.exchange_cost --out "$out/exchange" 2>&1 | tee "$out/exchange_cost.log"
+    ;;
+filtered)
+    run -m tools.tp_filtered --heads "${HEADS:-zipf2.0,zipf1.3,gauss1}" \
+        --batches "${BATCHES:-1,16,64,256}" --ab-graphs --out "$out" 2>&1 \
+        | tee "$out/tp_filtered.log"
     ;;
 verify)
     run -m tpsample.launch.verify_bench --shapes "${SHAPES:-4096x151936,8192x128256}" \
@@ -96,5 +103,5 @@ decode)
         --doc "$out/decode.md" --label "fast decode"
     ;;
 *)
-    echo "unknown part $part (tests, bench, verify, tpot or decode)"; exit 2 ;;
+    echo "unknown part $part (tests, bench, filtered, verify, tpot or decode)"; exit 2 ;;
 esac
