@@ -1,5 +1,8 @@
 """Transports: the local one, gloo, and how "auto" chooses (symmetric memory needs no
 environment variable: tpsample never uses NVLink multicast)."""
+import datetime
+import time
+
 import pytest
 import torch
 
@@ -109,6 +112,9 @@ class FakeWork:
         self.waited.append(timeout)
         if timeout is not None and not self.finishes:
             raise RuntimeError("Work ran time out")
+
+    def is_completed(self):
+        return self.finishes
 
     def get_future_result(self):
         return self.result
@@ -221,11 +227,44 @@ def test_nccl_check_synchronize_waits_for_the_newest_all_gather_bounded(monkeypa
     mine, full = t.slots(4)
     t.exchange(mine, full)
     t.check(synchronize=True)
-    assert done.waited[-1] == t.timeout
+    assert done.waited[-1] is None  # polled to completion, then the stream-ordered wait
     t.exchange(mine, full)
     with pytest.raises(transport.ExchangeTimeout, match=r"record all-gather #2 did not complete within 2 s") as e:
         t.check(synchronize=True)
     assert e.value.call == 2
+
+
+class PolledWork:
+    """A collective that completes at its `polls`-th is_completed() (or fails in wait())."""
+    def __init__(self, polls: int, error: bool = False):
+        self.polls, self.error, self.seen, self.waited = polls, error, 0, []
+
+    def is_completed(self):
+        self.seen += 1
+        return self.seen >= self.polls
+
+    def wait(self, timeout=None):
+        self.waited.append(timeout)
+        if self.error:
+            raise RuntimeError("NCCL error: remote process exited")
+
+
+def test_wait_polls_completion_without_the_backends_timed_wait(monkeypatch):
+    """Transport.wait polls is_completed() (NCCL's timed wait sleeps milliseconds per poll), then
+    waits without a timeout (the collective's own error; stream order); a collective that
+    never completes raises ExchangeTimeout after timeout_s, one that failed raises it too."""
+    t = _nccl_without_a_group(monkeypatch, [])
+    work = PolledWork(polls=50)
+    t.wait(work, "the fallback all-gather")
+    assert work.seen == 50 and work.waited == [None]
+    t.timeout = datetime.timedelta(seconds=0.05)
+    hung = PolledWork(polls=1 << 40)
+    start = time.monotonic()
+    with pytest.raises(transport.ExchangeTimeout, match="the fallback all-gather did not complete"):
+        t.wait(hung, "the fallback all-gather")
+    assert 0.05 <= time.monotonic() - start < 1.0 and hung.waited == []
+    with pytest.raises(transport.ExchangeTimeout, match="remote process exited"):
+        t.wait(PolledWork(polls=1, error=True), "the per-call input check")
 
 
 def test_nccl_unread_results_stay_bounded(monkeypatch):

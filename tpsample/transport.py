@@ -54,6 +54,7 @@ import datetime
 import logging
 import os
 import socket
+import time
 import weakref
 
 import torch
@@ -62,6 +63,8 @@ import triton
 
 from . import records, replay
 
+POLL_SPIN_S = 0.005   # Transport.wait: polls that only yield, then
+POLL_SLEEP_S = 0.0005  # a sleep between polls
 log = logging.getLogger("tpsample")
 
 
@@ -171,9 +174,24 @@ class Transport:
         return out
 
     def wait(self, work, what: str, call: int | None = None) -> None:
-        """Wait for an async collective; a peer that never joins raises ExchangeTimeout."""
+        """Wait for an async collective; a peer that never joins raises ExchangeTimeout.
+
+        The host polls work.is_completed() itself, yielding between polls, for up to
+        timeout_s: NCCL's own timed wait (work.wait(timeout)) sleeps a fixed interval of
+        milliseconds between its polls (c10d's kSynchronizeBusyWaitMillis), which a
+        collective of a few microseconds pays in full. Polls after the
+        first POLL_SPIN_S sleep POLL_SLEEP_S each (a late peer does not cost a busy core).
+        work.wait() after completion raises the collective's own error and orders the
+        current stream after it."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        spin_until = time.monotonic() + POLL_SPIN_S
         try:
-            work.wait(self.timeout)
+            while not work.is_completed():
+                now = time.monotonic()
+                if now > deadline:
+                    raise RuntimeError(f"not completed after {self.timeout.total_seconds():g} s")
+                time.sleep(0 if now < spin_until else POLL_SLEEP_S)
+            work.wait()
         except RuntimeError as e:
             raise self._fail(
                 f"{self._who()}: {what} did not complete within "
