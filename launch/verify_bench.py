@@ -29,7 +29,8 @@ tpsample at B·(S + 1) >= 32. Without CUDA: D=64 V=1000, B=1,4, S=1,2 (indicativ
 Under torchrun (WORLD_SIZE set) each rank holds a vocabulary shard of W and times
 VocabParallelSampler.verify_drafts (onehot, probs) against its local matmul on the same rows
 (mm_local), eager with the ranks aligned by an all-reduce before each call and a host sync
-after it, the maximum over ranks; bound = 1.3 × mm_local + 30 µs. Writes OUT/verify_tp<N>.json
+after it, the maximum over ranks; bound = 1.3 × mm_local + 30 µs. On GPUs also onehot_graph:
+the one-hot call captured in a CUDA graph, its replay timed the same way. Writes OUT/verify_tp<N>.json
 (rank 0); `--report` renders either kind.
 
     torchrun --nproc-per-node 4 -m tpsample.launch.verify_bench [--shapes ...] [--out DIR]
@@ -202,6 +203,14 @@ def run_tp(args) -> dict | None:
                            h, draft, draft_probs=q, seed=1, offset=next(step)))}
                 ms = {n: bench.time_calls(fn, dev, args.iters, align=args.cuda)
                       for n, fn in fns.items()}
+                if args.cuda:  # one-hot verification captured as a decode step would be
+                    offsets = torch.zeros(B, dtype=torch.int64, device=dev)
+                    graph, _ = bench.capture(lambda: sampler.verify_drafts(
+                        h, draft, seed=1, offset=offsets), dev)
+                    if graph is not None:
+                        ms["onehot_graph"] = bench.time_calls(graph.replay, dev, args.iters,
+                                                              align=True)
+                    del graph
                 rows.append(dict(B=B, S=S, rows=B * (S + 1), ms=ms,
                                  bound=1.3 * ms["mm_local"] + 0.030))
                 if rank == 0:
@@ -222,8 +231,11 @@ def tp_summary(meta: dict) -> list[str]:
         rows = res["rows"]
         if rows:
             worst = {n: max(r["ms"][n] / r["bound"] for r in rows) for n in ("onehot", "probs")}
+            graphs = [r["ms"]["onehot_graph"] / r["bound"] for r in rows
+                      if "onehot_graph" in r["ms"]]
             out.append(f"TP{meta['world']} D={res['D']} V={res['V']}: worst / (1.3 x mm_local + "
-                       f"30 us): onehot {worst['onehot']:.2f}, probs {worst['probs']:.2f}")
+                       f"30 us): onehot {worst['onehot']:.2f}, probs {worst['probs']:.2f}"
+                       + (f", onehot graph replay {max(graphs):.2f}" if graphs else ""))
     return out
 
 
@@ -231,17 +243,21 @@ def tp_markdown(meta: dict, doc: str, label: str) -> str:
     lines = [f"`{meta['command']}` — {meta['device']}, torch {meta['torch']}, Triton "
              f"{meta['triton']}, {meta['date']}; median ms per eager call with a host sync, "
              "the ranks aligned before each call, maximum over ranks; bound = 1.3 × mm_local "
-             "+ 30 µs; verify_drafts without its host-synchronising input checks.", ""]
+             "+ 30 µs; verify_drafts without its host-synchronising input checks; onehot graph: "
+             "one-hot verification captured in a CUDA graph, its replay.", ""]
     lines += [f"- {s}" for s in tp_summary(meta)] + [""]
     for res in meta["shapes"]:
         lines += [f"**TP{meta['world']}, D={res['D']}, V={res['V']}**", "",
                   "| B | S | rows | mm_local | onehot | probs | bound | onehot / bound "
-                  "| probs / bound |", "|---" * 9 + "|"]
+                  "| probs / bound | onehot graph | onehot graph / bound |", "|---" * 11 + "|"]
         for r in res["rows"]:
             ms = r["ms"]
+            g = ms.get("onehot_graph")
+            cells = [f"{g:.3f}", f"{g / r['bound']:.2f}"] if g is not None else ["–", "–"]
             lines.append(f"| {r['B']} | {r['S']} | {r['rows']} | {ms['mm_local']:.3f} | "
                          f"{ms['onehot']:.3f} | {ms['probs']:.3f} | {r['bound']:.3f} | "
-                         f"{ms['onehot'] / r['bound']:.2f} | {ms['probs'] / r['bound']:.2f} |")
+                         f"{ms['onehot'] / r['bound']:.2f} | {ms['probs'] / r['bound']:.2f} | "
+                         + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
 
