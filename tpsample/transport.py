@@ -65,6 +65,7 @@ from . import records, replay
 
 POLL_SPIN_S = 0.005   # Transport.wait: polls that only yield, then
 POLL_SLEEP_S = 0.0005  # a sleep between polls
+
 log = logging.getLogger("tpsample")
 
 
@@ -176,13 +177,12 @@ class Transport:
     def wait(self, work, what: str, call: int | None = None) -> None:
         """Wait for an async collective; a peer that never joins raises ExchangeTimeout.
 
-        The host polls work.is_completed() itself, yielding between polls, for up to
-        timeout_s: NCCL's own timed wait (work.wait(timeout)) sleeps a fixed interval of
-        milliseconds between its polls (c10d's kSynchronizeBusyWaitMillis), which a
-        collective of a few microseconds pays in full. Polls after the
-        first POLL_SPIN_S sleep POLL_SLEEP_S each (a late peer does not cost a busy core).
-        work.wait() after completion raises the collective's own error and orders the
-        current stream after it."""
+        The host polls work.is_completed() itself for up to timeout_s: NCCL's own timed
+        wait (work.wait(timeout)) sleeps a fixed interval of milliseconds between its polls
+        (c10d's kSynchronizeBusyWaitMillis), which a collective of a few microseconds pays
+        in full. Polls only yield for POLL_SPIN_S, then sleep POLL_SLEEP_S each (a late peer
+        does not cost a busy core). work.wait() after completion raises the collective's
+        own error and orders the current stream after it."""
         deadline = time.monotonic() + self.timeout.total_seconds()
         spin_until = time.monotonic() + POLL_SPIN_S
         try:
