@@ -30,8 +30,8 @@ Under torchrun (WORLD_SIZE set) each rank holds a vocabulary shard of W and time
 VocabParallelSampler.verify_drafts (onehot, probs) against its local matmul on the same rows
 (mm_local), eager with the ranks aligned by an all-reduce before each call and a host sync
 after it, the maximum over ranks; bound = 1.3 × mm_local + 30 µs. On GPUs also onehot_graph:
-the one-hot call captured in a CUDA graph, its replay timed the same way. Writes OUT/verify_tp<N>.json
-(rank 0); `--report` renders either kind.
+the one-hot call captured in a CUDA graph, its replay timed the same way. Writes
+OUT/verify_tp<N>.json (rank 0); `--report` renders either kind.
 
     torchrun --nproc-per-node 4 -m tpsample.launch.verify_bench [--shapes ...] [--out DIR]
 """

@@ -127,6 +127,7 @@ class VocabParallelSampler:
         self.tiles = max(num_tiles(v) for (v, _, _, _) in layouts)
         self.rows_total = sum(v for (v, _, _, _) in layouts)
         self.shard_width = max(v for (v, _, _, _) in layouts)  # (verify_drafts' all-gather)
+        self._gathered_ids = None  # verify_drafts: the all-gathered columns' ids, built once
         self.transport.reserve(max_batch * self.tiles * 4)
 
         base = torch.randint(0, P.SEED_HIGH, (1,), dtype=torch.int64)
@@ -275,9 +276,10 @@ class VocabParallelSampler:
         def draft_logits(rows, inv_temp):
             l, _ = local(rows, inv_temp)
             full = self.transport.all_gather(l)  # [world, R, width]
-            ids = torch.cat([s + torch.arange(self.shard_width, device=l.device)
-                             for s in self.shard_starts])
-            return full.permute(1, 0, 2).reshape(l.shape[0], -1), ids
+            if self._gathered_ids is None:  # each gathered column's global id (fixed)
+                self._gathered_ids = torch.cat([s + torch.arange(self.shard_width, device=l.device)
+                                                for s in self.shard_starts])
+            return full.permute(1, 0, 2).reshape(l.shape[0], -1), self._gathered_ids
 
         def draw_seed(B):
             return torch.randint(0, P.SEED_HIGH, (B,), dtype=torch.int64, device=self.device,
