@@ -229,7 +229,8 @@ def test_nccl_check_synchronize_waits_for_the_newest_all_gather_bounded(monkeypa
     t.check(synchronize=True)
     assert done.waited[-1] is None  # polled to completion, then the stream-ordered wait
     t.exchange(mine, full)
-    with pytest.raises(transport.ExchangeTimeout, match=r"record all-gather #2 did not complete within 2 s") as e:
+    t.timeout = datetime.timedelta(seconds=0.2)  # (the wait polls for the whole bound)
+    with pytest.raises(transport.ExchangeTimeout, match=r"record all-gather #2 did not complete within 0.2 s") as e:
         t.check(synchronize=True)
     assert e.value.call == 2
 
