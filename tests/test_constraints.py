@@ -235,6 +235,7 @@ def test_matches_reference_pathwise(backend, extra):
     assert_same(out, ref, "top_logprobs" in extra)
 
 
+@pytest.mark.slow
 def test_device_fallback_with_constraints():
     """Near-flat rows with top-p: the interpreted device fallback recomputes them with the
     mask and the listed tokens (listed_fallback_kernel), equal to the reference."""

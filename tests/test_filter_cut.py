@@ -79,6 +79,7 @@ def test_fast_path_matches_reference(extra, sizes, tier, monkeypatch):
             "long": ((n > mid) & (n <= cap)).all(), "bisection": (n > cap).all()}[tier], n
 
 
+@pytest.mark.slow
 def test_fast_path_leaves_other_rows_to_the_bisection_kernel(monkeypatch):
     """A call with top-k on some rows: the rows without it take the fast path, the others
     the one-program kernel; all equal the reference."""
@@ -116,6 +117,7 @@ def _winner_call(monkeypatch, **patches):
     return h, w, kw, tok.view(-1)
 
 
+@pytest.mark.slow
 def test_winner_check_gives_the_cut_paths_tokens(monkeypatch):
     """A tokens-only call checks each row's winner instead of finding its cut, and redraws
     noise only near tile winners that beat the best kept one: every row's token equals the
@@ -250,6 +252,7 @@ def _tp_flat(rank, world, backend):
     return s(h, return_logprobs=True, **FLAT_TP)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_tp_flat_rows_equal_one_device(backend):
     """Two gloo ranks, top-p / min-p only on flat rows (every row falls back: its logit shards

@@ -219,6 +219,7 @@ def test_matches_reference_pathwise(backend, extra):
     assert_matches_reference(out, ref)
 
 
+@pytest.mark.slow
 @CALL_KINDS
 def test_device_fallback_matches_reference(extra, monkeypatch):
     """Near-flat rows on the Triton path: their kept sets reach below the candidates, so

@@ -89,6 +89,7 @@ def tp_seed_none(rank, world):
     return torch.stack([sampler(h, num_samples=3) for _ in range(2)])
 
 
+@pytest.mark.slow
 def test_tp_seed_none_agrees_across_ranks_and_follows_rank0_manual_seed():
     a = run_world(2, tp_seed_none)
     b = run_world(2, tp_seed_none)
@@ -105,6 +106,7 @@ def tp_tokens_without_logprobs(rank, world):
     return out
 
 
+@pytest.mark.slow
 def test_tp_logprobs_false_keeps_tokens():
     """logprobs=False skips the tile log-masses and logits in stage 1: same tokens."""
     for with_lp, without in run_world(2, tp_tokens_without_logprobs):

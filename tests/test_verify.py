@@ -81,7 +81,9 @@ def test_interpreted_kernels_equal_the_torch_path(probs):
     assert torch.allclose(a.logprobs[fin], b.logprobs[fin], atol=1e-4)
 
 
-@pytest.mark.parametrize("filt", [dict(), dict(min_p=0.05), dict(top_k=7),
+@pytest.mark.parametrize("filt", [pytest.param(dict(), marks=pytest.mark.slow),
+                                  pytest.param(dict(min_p=0.05), marks=pytest.mark.slow),
+                                  pytest.param(dict(top_k=7), marks=pytest.mark.slow),
                                   dict(top_p=torch.tensor([0.9, 1.0, 0.6, 0.8, 0.95, 0.7]),
                                        min_p=0.02)],
                          ids=["plain", "min_p", "top_k", "top_p+min_p"])
