@@ -277,8 +277,8 @@ class VocabParallelSampler:
             l, _ = local(rows, inv_temp)
             full = self.transport.all_gather(l)  # [world, R, width]
             if self._gathered_ids is None:  # each gathered column's global id (fixed)
-                self._gathered_ids = torch.cat([s + torch.arange(self.shard_width, device=l.device)
-                                                for s in self.shard_starts])
+                width = torch.arange(self.shard_width, device=l.device)
+                self._gathered_ids = torch.cat([s + width for s in self.shard_starts])
             return full.permute(1, 0, 2).reshape(l.shape[0], -1), self._gathered_ids
 
         def draw_seed(B):
