@@ -160,6 +160,18 @@ def test_call_graphs_bind_what_comes_again_and_copy_the_rest():
     assert all(graphs.due("k3", c) is None for c in calls * 2)
 
 
+def test_call_graphs_never_bind_a_tensor_freed_after_its_call():
+    """Seeds drawn per call are new tensors, each freed after its call: the next one may
+    take the freed one's id, but it is another object and must be copied, not bound."""
+    from tpsample import call_graphs as CG
+    graphs = CG.CallGraphs(torch.device("cpu"))
+    w = torch.zeros(4, 2)
+    bound = None
+    for _ in range(CG.CAPTURE_AT):
+        bound = graphs.due("k", dict(seed=torch.zeros(3, dtype=torch.int64), weight=w))
+    assert bound == frozenset({"weight"})
+
+
 def test_call_graph_replays_with_copies_and_returns_fresh_outputs():
     """CallGraph.__call__: a bound tensor at another address → None (no replay); else
     the copied inputs take this call's values before the replay, and the outputs come back

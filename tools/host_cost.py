@@ -2,7 +2,7 @@
 with the device drained (median), eager and CUDA-graph device-inclusive ms, and cProfile's
 most expensive Python functions (µs per call, self time).
 
-    python -m tools.host_cost [--batches 1,64] [--out DIR]                  # one GPU
+    python -m tools.host_cost [--batches 1,64] [--out DIR] [--ab-memo]      # one GPU
     torchrun --nproc-per-node=N -m tools.host_cost [--batches 1,64]          # + TP N
     python -m tools.host_cost --report LABEL=DIR/host_cost.json ...         # markdown table
 
@@ -90,8 +90,13 @@ def kinds(call, B: int, dev, world: int) -> dict:
     def fresh_h():  # a decode loop's hidden states: another tensor than the call before
         turn[0] ^= 1
         return hs[turn[0]]
+    def next_step():  # a decode loop's int offset: the step
+        turn[1] += 1
+        return turn[1]
+    turn.append(0)
     return {
         "plain": lambda: call(h, seed=seed, offset=step),
+        "loop": lambda: call(fresh_h(), offset=next_step()),  # seed=None: drawn per call
         "plain_fresh_h": lambda: call(fresh_h(), seed=seed, offset=step),
         "plain_scalar_seed": lambda: call(h, seed=1234, offset=7),
         "logprobs": lambda: call(h, seed=seed, offset=step, return_logprobs=True),
@@ -106,7 +111,7 @@ def measure(fns: dict, world: int, rank: int, tag: str, B: int, graphs: bool,
             profiled: bool = True, only=None) -> list:
     out = []
     for name, fn in fns.items():
-        if only and name not in only:
+        if only and name.removesuffix("_nomemo") not in only:
             continue
         for _ in range(5):
             fn()
@@ -132,6 +137,26 @@ def measure(fns: dict, world: int, rank: int, tag: str, B: int, graphs: bool,
             for f, us, n in r["profile"][:12]:
                 print(f"      {us:7.2f} us x{n:<3} {f}")
         out.append(r)
+    return out
+
+
+def memo_arms(fns: dict) -> dict:
+    """Each call kind also with TPSAMPLE_MEMO off (<kind>_nomemo, measured first): the
+    memo's A/B in the same run."""
+    from tpsample import knobs
+
+    def off(fn):
+        def call():
+            setting, knobs.MEMO = knobs.MEMO, False
+            try:
+                return fn()
+            finally:
+                knobs.MEMO = setting
+        return call
+    out = {}
+    for name, fn in fns.items():
+        out[name + "_nomemo"] = off(fn)
+        out[name] = fn
     return out
 
 
@@ -194,6 +219,10 @@ def main():
     ap.add_argument("--no-graph", action="store_true")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--kinds", default="", help="comma-separated call kinds (default: all)")
+    ap.add_argument("--tp-only", action="store_true",
+                    help="under torchrun, only the VocabParallelSampler calls")
+    ap.add_argument("--ab-memo", action="store_true",
+                    help="each kind also with TPSAMPLE_MEMO off (<kind>_nomemo), same run")
     ap.add_argument("--dims", default="4096", help="hidden sizes D, comma-separated")
     args = ap.parse_args()
     if args.report:
@@ -217,10 +246,11 @@ def main():
     for D in (int(d) for d in args.dims.split(",")):
         g = torch.Generator(device=dev).manual_seed(1)
         W = torch.randn(V, D, generator=g, device=dev, dtype=torch.bfloat16).mul_(D ** -0.5)
-        if rank == 0:
+        if rank == 0 and not (args.tp_only and world > 1):
             for B in batches:
+                fns = kinds(lambda h, **kw: tpsample.sample(h, W, **kw), B, dev, 1)
                 res += [dict(r, D=D) for r in measure(
-                    kinds(lambda h, **kw: tpsample.sample(h, W, **kw), B, dev, 1), 1, 0, "tp1",
+                    memo_arms(fns) if args.ab_memo else fns, 1, 0, "tp1",
                     B, not args.no_graph, not args.no_profile, only)]
         if world > 1:
             dist.barrier()
@@ -235,9 +265,10 @@ def main():
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
                 res.append({"call": f"tp{world}_mm_local", "B": B, "D": D, "host_us": 0.0,
                             "eager_ms": t.item(), "tokens": 0})
+                fns = kinds(s, B, dev, world)
                 res += [dict(r, D=D) for r in measure(
-                    kinds(s, B, dev, world), world, rank, f"tp{world}", B, not args.no_graph,
-                    not args.no_profile, only)]
+                    memo_arms(fns) if args.ab_memo else fns, world, rank, f"tp{world}", B,
+                    not args.no_graph, not args.no_profile, only)]
             del s, shard
     if rank == 0 and args.out:
         os.makedirs(args.out, exist_ok=True)

@@ -6,7 +6,7 @@
 #   tools/multigpu.sh bench OUT    # bench TP N (merge max with filtered calls, merge cdf) and
 #                                  # tools.exchange_cost (device wait vs torch's barrier)
 #   tools/multigpu.sh filtered OUT # tools.tp_filtered on the sweep's heads (HEADS, BATCHES),
-#                                  # each filter eager and through its graph (--ab-graphs)
+#                                  # each filter through its graph and re-issued (--ab-graphs)
 #   tools/multigpu.sh verify OUT   # VocabParallelSampler.verify_drafts against the local
 #                                  # matmul at TP N (launch/verify_bench.py under torchrun)
 #   tools/multigpu.sh tpot OUT     # examples/mcore_decode.py --tpot for each config (CONFIG,

@@ -3,12 +3,26 @@ from __future__ import annotations
 
 import torch
 
+from . import knobs
 from . import params as P
 from . import verify as VF
+from .call_memo import CallMemo, signature
 from .pipeline import Pipeline
 from .spec import sampling_spec
 
-_PIPELINES: dict = {}  # (backend, device) -> the process's local Pipeline
+_MEMO = CallMemo()  # repeated calls straight to their graph (tpsample/call_memo.py)
+
+
+class _Pipelines(dict):
+    """(backend, device) -> the process's local Pipeline; clear() also drops the memo's
+    entries, which hold pipelines."""
+
+    def clear(self) -> None:
+        super().clear()
+        _MEMO.clear()
+
+
+_PIPELINES = _Pipelines()
 
 
 def _pipeline(backend: str, device: torch.device) -> Pipeline:
@@ -95,12 +109,25 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, *, temperature: float | t
     `tpsample.explain(B, D, V, ...)` shows which kernels run for a shape. On CUDA a call
     like an earlier one re-issues its compiled launches (tpsample/pipeline.py), and from the
     third such eager call replays them as one CUDA graph (tpsample/call_graphs.py;
-    TPSAMPLE_GRAPHS=0 turns that off); outputs are fresh tensors per call.
+    TPSAMPLE_GRAPHS=0 turns that off), and a later call with the same arguments (new
+    hidden states, an int offset and seed=None aside) goes straight to that graph
+    (tpsample/call_memo.py); outputs are fresh tensors per call.
     """
+    sig = None
+    if knobs.MEMO and type(hidden) is torch.Tensor and hidden.is_cuda:
+        sig = signature(hidden, weight, bias, seed, offset, (
+            temperature, vocab_size, num_samples, merge, return_logprobs, top_k, top_p, min_p,
+            top_logprobs, replacement, logprobs_mode, allowed_mask, logit_adjust,
+            repetition_penalty, backend))
+        if sig is not None:
+            out = _MEMO.call(sig, hidden, seed, offset)
+            if out is not None:
+                return out
     P.check_hidden_weight(hidden, weight)
     V = weight.shape[0]
     vocab_size = P.check_vocab_size(V if vocab_size is None else vocab_size, V)
     P.check_options(1, merge, backend)
+    given_bias = bias
     bias = P.check_bias(bias, V, hidden.device)
     in_capture = P.capturing(hidden.device)
     spec = sampling_spec(hidden, vocab_size=vocab_size, rows=V, merge=merge,
@@ -116,7 +143,15 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, *, temperature: float | t
     tokens, logprobs, logz, top = pipe.run(
         hidden.contiguous(), weight, bias, spec, n_real=vocab_size,
         need_mass=return_logprobs or merge != "max", in_capture=in_capture)
+    if sig is not None and pipe.last_graph is not None:
+        _MEMO.store(sig, pipe, spec, seed, offset, given_bias, bias, _draw_seed)
     return P.package(tokens, logprobs, logz, num_samples, return_logprobs, top)
+
+
+def _draw_seed(B: int, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The row seeds of a call with seed=None, as params.row_params draws them (into out,
+    int64 [B] on device, where given: the same values)."""
+    return torch.randint(0, P.SEED_HIGH, (B,), dtype=torch.int64, device=device, out=out)
 
 
 def verify_drafts(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torch.Tensor, *,

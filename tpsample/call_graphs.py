@@ -15,13 +15,19 @@ A graph reads fixed addresses, so every per-call tensor is either
 A call whose bound tensor lies elsewhere re-issues the launches instead, and the graph is
 dropped (captured again once, from what the next calls bind). The graph's outputs are its
 own; the call returns clones of those it returns (a fresh tensor per call, as without the
-graph). Its intermediates (records) live in
-the graph's memory pool. TPSAMPLE_GRAPHS=0 turns this off.
+graph). Its intermediates (records) live in the graph's memory pool.
+
+Plain calls take graphs, and filtered calls whose exact fallback always runs on the
+device (top-p / min-p without top-k, top log-probs or samples without replacement: no
+host decision per call); TPSAMPLE_GRAPHS=plain keeps filtered calls on re-issued
+launches, TPSAMPLE_GRAPHS=0 turns graphs off. tpsample/call_memo.py sends a call that
+repeats a graphed call's arguments straight to its graph.
 """
 from __future__ import annotations
 
 import threading
 import warnings
+import weakref
 
 import torch
 
@@ -37,19 +43,34 @@ MAX_GRAPHS = 16  # per pipeline; all are dropped when full (keys change only wit
 class CallGraph:
     """One captured call. inputs: {name: tensor the graph reads}; bound: names whose
     tensor must lie at the address in bound_ptrs per call; outputs: {name: tensor the graph
-    writes}."""
-    __slots__ = ("graph", "inputs", "bound", "bound_ptrs", "copied", "outputs", "lock")
+    writes}; live: False once its CallGraphs dropped it."""
+    __slots__ = ("graph", "inputs", "bound", "bound_ptrs", "copied", "outputs", "lock", "live")
 
     def __call__(self, tensors: dict, returned: tuple[str, ...]) -> dict | None:
         """Replay with this call's tensors; {name: fresh clone} of the `returned` outputs,
         or None (a bound tensor lies elsewhere: not this graph's call). The lock keeps
         another thread's copies out from between this call's copies and replay."""
-        inputs = self.inputs
+        if not self.binds(tensors):
+            return None
+        return self.run(tensors, returned)
+
+    def binds(self, tensors: dict) -> bool:
+        """Whether every bound tensor of this call lies where the graph reads it."""
         for name, ptr in zip(self.bound, self.bound_ptrs):
             if tensors[name].data_ptr() != ptr:  # (the address is what the graph reads)
-                return None
+                return False
+        return True
+
+    def run(self, tensors: dict, returned: tuple[str, ...], fills: dict | None = None) -> dict:
+        """The replay of a call that binds (see binds). fills: {name: fill(input)} for
+        copied inputs written in place instead (one launch where a copy would follow the
+        launch that made the tensor: tpsample/call_memo.py's offsets and drawn seeds)."""
+        inputs = self.inputs
         with self.lock:
             for name in self.copied:
+                if fills is not None and name in fills:
+                    fills[name](inputs[name])
+                    continue
                 inputs[name].copy_(tensors[name])
             self.graph.replay()
             return {name: self.outputs[name].clone() for name in returned}
@@ -61,7 +82,8 @@ class CallGraphs:
     def __init__(self, device: torch.device):
         self.device = device
         self.graphs: dict = {}
-        self.seen: dict = {}  # key -> (calls so far, the previous call's tensors' ids)
+        self.seen: dict = {}  # key -> (calls so far, weak references to the previous
+        # call's tensors)
         self.captures: dict = {}  # key -> graphs captured for it
 
     def __len__(self) -> int:
@@ -70,7 +92,7 @@ class CallGraphs:
     @staticmethod
     def usable(in_capture, filtered: bool = False) -> bool:
         """Graphs for eager calls only (a call inside the caller's own capture is part of
-        that graph already); filtered calls with TPSAMPLE_GRAPHS=filtered."""
+        that graph already); filtered calls unless TPSAMPLE_GRAPHS=plain."""
         return (knobs.GRAPHS_FILTERED if filtered else knobs.GRAPHS) and in_capture is False
 
     def get(self, key) -> CallGraph | None:
@@ -83,17 +105,21 @@ class CallGraphs:
         like a capture)."""
         if self.captures.get(key, 0) >= MAX_CAPTURES:
             return None
-        ids = tuple(id(t) for t in tensors.values())
         calls, before = self.seen.get(key, (0, None))
         calls += 1
         if calls < CAPTURE_AT:
             if len(self.seen) >= 4 * MAX_GRAPHS:
                 self.seen.clear()
-            self.seen[key] = (calls, ids)
+            # weak references, not ids: a tensor freed after its call (seeds drawn per
+            # call) may leave its id to the next call's, which is not the same object
+            # (bound by mistake, its graph would be dropped at the first call whose address
+            # differs, and the key would soon stop capturing)
+            self.seen[key] = (calls, tuple(None if t is None else weakref.ref(t)
+                                           for t in tensors.values()))
             return None
         self.seen.pop(key, None)
         bound = frozenset(n for (n, t), old in zip(tensors.items(), before or ())
-                          if t is not None and id(t) == old)
+                          if t is not None and old is not None and old() is t)
         if any(n in tensors and tensors[n] is not None and n not in bound for n in NEVER_COPIED):
             self.captures[key] = self.captures.get(key, 0) + 1
             return None
@@ -112,7 +138,7 @@ class CallGraphs:
                           "launches are re-issued per call instead", RuntimeWarning, stacklevel=4)
             return None
         if len(self.graphs) >= MAX_GRAPHS:
-            self.graphs.clear()
+            self._drop_all()
         if len(self.captures) >= 4 * MAX_GRAPHS:
             self.captures.clear()
         self.graphs[key] = g
@@ -124,12 +150,23 @@ class CallGraphs:
         is dropped."""
         out = graph(tensors, returned)
         if out is None:
-            self.graphs.pop(key, None)
+            self.drop(key, graph)
         return out
+
+    def drop(self, key, graph: CallGraph) -> None:
+        graph.live = False
+        if self.graphs.get(key) is graph:
+            del self.graphs[key]
+
+    def _drop_all(self) -> None:
+        for g in self.graphs.values():
+            g.live = False  # (tpsample/call_memo.py keeps using a graph only while live)
+        self.graphs.clear()
 
     def _capture(self, tensors: dict, bound: frozenset, launch) -> CallGraph:
         g = CallGraph()
         g.lock = threading.Lock()
+        g.live = True
         g.inputs = {n: (t if t is None or n in bound else torch.empty_like(t))
                     for n, t in tensors.items()}
         g.bound = tuple(n for n, t in tensors.items() if t is not None and n in bound)

@@ -29,11 +29,16 @@ KNOBS = (
          "1: on Triton 3.6 replayed launches call the launcher's C function with their "
          "arguments expanded once (host TMA descriptors re-encoded only where per call); "
          "0: through Triton's launcher (debugging; the same launches)"),
-    Knob("TPSAMPLE_GRAPHS", "1", ("0", "1", "filtered"),
-         "1: from the third eager call with the same replay key, a plain call replays its "
-         "launches as one CUDA graph (tpsample/call_graphs.py); filtered: also filtered "
+    Knob("TPSAMPLE_GRAPHS", "1", ("0", "plain", "1"),
+         "1: from the third eager call with the same replay key, a call replays its "
+         "launches as one CUDA graph (tpsample/call_graphs.py): plain calls, and filtered "
          "calls with top-p / min-p and no top-k or top log-probs (their exact fallback always "
-         "runs on the device; not yet the default); 0: the launches one by one"),
+         "runs on the device); plain: plain calls only; 0: the launches one by one"),
+    Knob("TPSAMPLE_MEMO", "1", ("0", "1"),
+         "1: a call that repeats an earlier graphed call's arguments (new hidden states, an "
+         "int offset and drawn seeds aside) goes straight to that call's CUDA graph, "
+         "without re-validating them (tpsample/call_memo.py); 0: every call takes the full "
+         "path"),
     Knob("TPSAMPLE_GLUON", "1", ("0", "1"),
          "0: never the Hopper Gluon kernels (ws, pp); the cuBLAS + records-pass path runs "
          "where the plan would take them"),
@@ -78,7 +83,8 @@ _warn_unknown()
 REPLAY = VALUES["TPSAMPLE_REPLAY"] == "1"
 DIRECT_LAUNCH = VALUES["TPSAMPLE_DIRECT_LAUNCH"] == "1"
 GRAPHS = VALUES["TPSAMPLE_GRAPHS"] != "0"
-GRAPHS_FILTERED = VALUES["TPSAMPLE_GRAPHS"] == "filtered"
+GRAPHS_FILTERED = VALUES["TPSAMPLE_GRAPHS"] == "1"
+MEMO = VALUES["TPSAMPLE_MEMO"] == "1"
 GLUON = VALUES["TPSAMPLE_GLUON"] == "1"
 CHECK_TENSORS = VALUES["TPSAMPLE_CHECK_TENSORS"] == "1"
 

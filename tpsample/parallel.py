@@ -11,8 +11,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from . import constraints as C
+from . import knobs
 from . import params as P
 from . import verify as VF
+from .call_memo import CallMemo, signature
 from .pipeline import Pipeline
 from .records import num_tiles
 from .spec import sampling_spec
@@ -136,6 +139,7 @@ class VocabParallelSampler:
         self.generator.manual_seed(int(base))
         self.pipeline = Pipeline(self.backend, self.device, self.transport, fixed_weight=weight_shard,
                                  shard_starts=starts)
+        self.memo = CallMemo()  # repeated calls straight to their graph (call_memo.py)
 
     # -- construction helpers ------------------------------------------------------------
     @property
@@ -220,17 +224,29 @@ class VocabParallelSampler:
                  logprobs_mode: str = "processed", allowed_mask: torch.Tensor | None = None,
                  logit_adjust=None, repetition_penalty=None) -> torch.Tensor | P.SampleOutput:
         self.transport.check()  # an earlier exchange that failed on the device raises here
+        sig, checked = None, False
+        if knobs.MEMO and type(hidden) is torch.Tensor and hidden.is_cuda:
+            sig = signature(hidden, self.weight, bias, seed, offset, (
+                temperature, num_samples, return_logprobs, top_k, top_p, min_p, top_logprobs,
+                replacement, logprobs_mode, allowed_mask, logit_adjust, repetition_penalty))
+            if sig is not None and sig in self.memo.entries:  # (a call validated before)
+                checked = self.check_inputs and not P.capturing(hidden.device)
+                if checked:
+                    self._check_call(hidden, num_samples, C.NO_CONSTRAINTS)
+                out = self.memo.call(sig, hidden, seed, offset)
+                if out is not None:
+                    return out
         P.check_hidden_weight(hidden, self.weight, "weight_shard")
         if return_logprobs is True and not self.logprobs:
             raise ValueError("return_logprobs=True, but this sampler was built with logprobs=False")
         if replacement is False and self.merge != "max":
             raise ValueError(f"replacement=False needs merge='max' (Gumbel-top-S); this sampler "
                              f"was built with merge={self.merge!r}")
+        given_bias, given_seed = bias, seed
         bias = P.check_bias(bias, self.weight.shape[0], hidden.device)
         B = hidden.shape[0]
         if seed is None:
-            seed = torch.randint(0, P.SEED_HIGH, (B,), dtype=torch.int64, device=self.device,
-                                 generator=self.generator)
+            seed = self._draw_seed(B, self.device)
         capturing = P.capturing(hidden.device)
         spec = sampling_spec(hidden, vocab_size=self.vocab_size, rows=self.rows_total,
                              merge=self.merge, temperature=temperature, seed=seed,
@@ -243,15 +259,25 @@ class VocabParallelSampler:
         if spec.candidates and not self.logprobs:
             raise ValueError("filters, top_logprobs, replacement=False and logprobs_mode='raw' "
                              "need the tile log-masses; this sampler was built with logprobs=False")
-        if self.check_inputs and not capturing:  # a host sync cannot be captured
-            self._check_call(hidden, num_samples, spec.constraints)
+        if self.check_inputs and not capturing and not checked:  # (a host sync cannot be
+            self._check_call(hidden, num_samples, spec.constraints)  # captured)
         if B == 0:
             return P.empty_result(hidden.device, num_samples, return_logprobs, spec.filters.top_n)
         tokens, logprobs, logz, top = self.pipeline.run(
             hidden.contiguous(), self.weight, bias, spec, n_real=self.n_real,
             need_mass=self.logprobs, vocab_start=self.vocab_start, tiles=self.tiles,
             in_capture=capturing)
+        if sig is not None and self.pipeline.last_graph is not None:
+            self.memo.store(sig, self.pipeline, spec, given_seed, offset, given_bias, bias,
+                            self._draw_seed)
         return P.package(tokens, logprobs, logz, num_samples, return_logprobs, top)
+
+    def _draw_seed(self, B: int, device: torch.device,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """The row seeds of a call with seed=None, from the generator every rank shares
+        (into out, int64 [B], where given: the same values)."""
+        return torch.randint(0, P.SEED_HIGH, (B,), dtype=torch.int64, device=device,
+                             generator=self.generator, out=out)
 
     def verify_drafts(self, hidden: torch.Tensor, draft_tokens: torch.Tensor, *,
                       draft_probs: torch.Tensor | None = None,

@@ -83,6 +83,9 @@ class Pipeline:
             self.shard_starts = torch.tensor(shard_starts if shard_starts is not None else [0],
                                              dtype=torch.int64, device=device)
         self.fallback = FallbackChoice(device, deterministic=self.gather_fallback)
+        # (graph key, graph, the tensors it read, returned names, filtered) of the last
+        # run() that went through a graph, else None: what tpsample/call_memo.py keeps
+        self.last_graph = None
 
     @property
     def fallback_rows(self) -> int:
@@ -114,7 +117,10 @@ class Pipeline:
             graph = self.graphs.capture(key, per_call, bound, launch)
             if graph is None:
                 return None
-        return self.graphs.replay(key, graph, per_call, returned)
+        out = self.graphs.replay(key, graph, per_call, returned)
+        if out is not None:
+            self.last_graph = (key, graph, per_call, returned, False)
+        return out
 
     def _outputs(self, B: int, S: int, device, stream: int, logprobs: bool) -> dict:
         """Fresh stage-2 outputs for a replayed call; logprobs False (a tokens-only eager
@@ -190,6 +196,7 @@ class Pipeline:
         With S = 1 a filtered call's tokens and logprobs may come back [B] or [B, 1]; a
         tokens-only call (spec.return_logprobs False, merge "max", no candidates) may return
         logprobs and logz that a later call overwrites."""
+        self.last_graph = None
         params, filters, constraints = spec.row, spec.filters, spec.constraints
         merge, num_samples = spec.merge, spec.num_samples
         if special(filters):
@@ -516,9 +523,12 @@ class Pipeline:
             graph = self.graphs.capture(gkey, named, bound, launch)
             if graph is None:
                 return None
-        out = self.graphs.replay(gkey, graph, named,
-                                 _RETURNED[logprobs] + (_TOP if filters.top_n else ()))
-        return None if out is None else F.FilteredOutput(*(out.get(f) for f in _OUT_NAMES))
+        returned = _RETURNED[logprobs] + (_TOP if filters.top_n else ())
+        out = self.graphs.replay(gkey, graph, named, returned)
+        if out is None:
+            return None
+        self.last_graph = (gkey, graph, named, returned, True)
+        return F.FilteredOutput(*(out.get(f) for f in _OUT_NAMES))
 
 
 _OUT_NAMES = F.FilteredOutput._fields

@@ -211,6 +211,44 @@ def test_repeated_filtered_calls_through_their_graph_equal_reissued_launches(kw,
             assert (x is None and y is None) or torch.equal(x, y), (i, f)
 
 
+@pytest.mark.parametrize("kw", [dict(), dict(return_logprobs=True), dict(top_p=0.9),
+                                dict(min_p=0.1, flat=True)])
+def test_memoised_calls_equal_the_full_path(kw, monkeypatch):
+    """A decode loop (new hidden states, the step as an int offset, seed=None drawn per
+    call) through tpsample/call_memo.py: every call's tokens (and log-probs, log Z) equal
+    the same loop with TPSAMPLE_MEMO=0, a call with another temperature in the middle takes
+    the full path, and the memo serves the calls after the capture."""
+    from tpsample import api, knobs
+    kw = dict(kw)
+    flat = kw.pop("flat", False)
+    B, D, V = 24, 512, 5000
+    g = torch.Generator(device="cuda").manual_seed(3)
+    w = (torch.randn(V, D, device="cuda", generator=g) * (0.01 if flat else 0.1)).bfloat16()
+    hs = [torch.randn(B, D, device="cuda", generator=g).bfloat16() for _ in range(12)]
+
+    def run(memo: bool):
+        monkeypatch.setattr(knobs, "MEMO", memo)
+        api._PIPELINES.clear()
+        torch.manual_seed(0)  # the drawn seeds
+        hits = api._MEMO.hits
+        outs = []
+        for step, h in enumerate(hs):
+            temp = 0.5 if step == 7 else 0.8
+            outs.append(tpsample.sample(h, w, temperature=temp, offset=step, **kw))
+        torch.cuda.synchronize()
+        return outs, api._MEMO.hits - hits
+
+    want, none = run(False)
+    got, hits = run(True)
+    assert none == 0 and hits >= 3
+    for i, (a, b) in enumerate(zip(want, got)):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b), i
+        else:
+            for x, y in zip(a, b):
+                assert (x is None and y is None) or torch.equal(x, y), i
+
+
 def test_verify_drafts_kernels_and_their_replays_equal_the_torch_scan():
     """verify_drafts on CUDA (kernels/draft_scan.py around the sampler call; from the second
     call the two launches are re-issued through their recorded launchers) against the

@@ -156,6 +156,44 @@ def test_tp_filtered_calls_through_their_graph_equal_reissued_launches():
             assert torch.equal(a[2], b[2]), i
 
 
+def memo_rank(rank, world, B, memo, kw):
+    """A decode loop over symmetric memory: new hidden states, the step as an int offset,
+    seed=None (the sampler's generator), with TPSAMPLE_MEMO on or off."""
+    from tpsample import knobs
+    knobs.MEMO = memo
+    h, w, _, _ = inputs(B)
+    dev = torch.device("cuda", rank)
+    torch.manual_seed(0)  # (rank 0's draw of the sampler's base seed)
+    sampler = tpsample.VocabParallelSampler(shard(w, rank, world, dev), vocab_size=VOCAB,
+                                            transport="symm_mem")
+    outs = []
+    for step in range(10):
+        out = sampler((h * 0.05 * (1 + step / 10)).to(dev), temperature=0.9, offset=step,
+                      return_logprobs=True, **kw)
+        outs.append((out.tokens.cpu(), out.logprobs.cpu(), out.logz.cpu()))
+    sampler.check_exchange()
+    return dict(outs=outs, hits=sampler.memo.hits)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(top_p=0.95)])
+def test_tp_memoised_calls_equal_the_full_path(kw):
+    """Under TP (symmetric memory, the per-call input check on) a decode loop through
+    tpsample/call_memo.py gives every call the tokens, log-probs and log Z of the same loop
+    with the memo off, on every rank."""
+    world = min(torch.cuda.device_count(), 4)
+    if world < 2:
+        pytest.skip("needs 2 GPUs")
+    got = run_world(world, memo_rank, 8, True, kw, backend="nccl")
+    want = run_world(world, memo_rank, 8, False, kw, backend="nccl")
+    for g, w_ in zip(got, want):
+        assert "error" not in g and "error" not in w_, (g, w_)
+        assert g["hits"] >= 4 and w_["hits"] == 0
+        for i, (a, b) in enumerate(zip(g["outs"], w_["outs"])):
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), i
+    assert all(torch.equal(g["outs"][i][0], got[0]["outs"][i][0])
+               for g in got for i in range(10))
+
+
 def fallback_rank(rank, world, B):
     """Near-flat rows (top-p reaching below the candidates) over symmetric memory: the first
     calls take the gathered device fallback (also captured in a CUDA graph); rows that keep

@@ -1,0 +1,158 @@
+"""A decode loop's repeated call, straight to its CUDA graph.
+
+A decode loop calls the sampler with the same arguments at every step except three: new
+hidden states, the step as an int offset, and seeds drawn per call (seed=None). Once such a
+call has gone through its CUDA graph (tpsample/call_graphs.py), the memo maps the call's
+signature to that graph and the tensors the graph read:
+
+    signature   the hidden states' shape / dtype / device, the weight, bias, seed and offset
+                tensors by identity (the memo holds them, so no other object can take their
+                id), every other argument by value and type, and whether seed / offset are
+                None / int / tensors (an int seed by value; an int offset per call)
+
+A call with a known signature skips validation, the SamplingSpec, the plan and replay keys
+and the graph lookup: it normalises its offset (the cached tensor of that value,
+params._filled) and draws its seeds as the full path would, then replays the graph (which
+copies what it does not bind, e.g. the hidden states). The tokens are the full path's: the
+same graph, the same tensors.
+
+What is memoised is what the full path would validate the same way every call: tensor
+arguments whose contents the full path range-checks per call (temperature, top_k / top_p /
+min_p, the constraints) keep the full path, as do calls whose bias is converted (not fp32)
+and non-contiguous hidden states. An entry is used only while its graph is live and
+enabled (TPSAMPLE_GRAPHS), outside any CUDA-graph capture, on the stream it was captured
+on, with the transport's buffers unmoved; otherwise, or when the graph finds a bound
+tensor elsewhere, the call takes the full path, which decides as it always does.
+TPSAMPLE_MEMO=0 turns the memo off.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import knobs
+from . import params as P
+from .replay import current_stream
+
+_SCALARS = frozenset({int, float, bool, str, type(None)})
+MAX_ENTRIES = 8  # per memo; all are dropped when full (a loop has one or two signatures)
+
+
+def signature(hidden: torch.Tensor, weight, bias, seed, offset, scalars: tuple):
+    """The memo key of a call (see the module docstring), or None where the call is not
+    memoised (a tensor or container among `scalars`, non-contiguous hidden states, a seed
+    or offset that is neither None / int nor a tensor). scalars: every other argument."""
+    types = tuple(map(type, scalars))
+    if not _SCALARS.issuperset(types) or not hidden.is_contiguous():
+        return None
+    ts, to = type(seed), type(offset)
+    if ts is int or seed is None:
+        s = seed
+    elif isinstance(seed, torch.Tensor):
+        s = id(seed)
+    else:
+        return None
+    if to is int:
+        o = None
+    elif isinstance(offset, torch.Tensor):
+        o = id(offset)
+    else:
+        return None
+    return (hidden.shape, hidden.dtype, hidden.get_device(), id(weight),
+            None if bias is None else id(bias), ts, s, to, o, scalars, types)
+
+
+class Entry:
+    """What a memoised call replays: the pipeline's graph under its key, the tensors it read
+    (the template a call fills with its hidden states, offset and seeds), the outputs it
+    returns, and the conditions it was captured under."""
+    __slots__ = ("pipeline", "gkey", "graph", "tensors", "returned", "filtered", "stream",
+                 "transport_key", "device", "draw", "int_offset", "num_samples",
+                 "return_logprobs", "refs")
+
+
+class CallMemo:
+    """Signature → Entry for one entry point (tpsample.sample's process-wide pipelines, or
+    one VocabParallelSampler)."""
+
+    def __init__(self):
+        self.entries: dict = {}
+        self.hits = 0  # calls served from the memo (tests and tools)
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+    def call(self, sig, hidden: torch.Tensor, seed, offset):
+        """The call's result through its memoised graph, or None (no entry, or the entry no
+        longer applies: the caller takes the full path)."""
+        e = self.entries.get(sig)
+        if e is None:
+            return None
+        pipe = e.pipeline
+        if (not knobs.MEMO or not e.graph.live
+                or not pipe.graphs.usable(False, filtered=e.filtered)
+                or torch.cuda.is_current_stream_capturing()
+                or current_stream(e.device.index) != e.stream
+                or pipe.transport.key() != e.transport_key):
+            self.entries.pop(sig, None)
+            return None
+        tensors = dict(e.tensors)
+        tensors["hidden"] = hidden
+        B = hidden.shape[0]
+        graph = e.graph
+        fills = None
+        if e.int_offset:
+            if not -(1 << 63) <= offset < (1 << 63):
+                return None  # (the full path raises, naming it)
+            if "offset" in graph.copied:  # into the graph's input: a fill, not full + copy
+                fills = {"offset": lambda t: t.fill_(offset)}
+            else:  # (bound: the cached tensor of this value, as the full path passes)
+                tensors["offset"] = P._filled(B, offset, torch.int64, e.device, False)
+        if not graph.binds(tensors):  # a bound tensor lies elsewhere: as the full path
+            pipe.graphs.drop(e.gkey, graph)  # would, drop the graph (before any seed is
+            self.entries.pop(sig, None)  # drawn: the full path draws them then)
+            return None
+        if e.draw is not None:  # drawn into the graph's input (never bound: see store),
+            fills = dict(fills or {}, seed=lambda t: e.draw(B, e.device, t))  # the same
+            # values as the full path's draw into a new tensor
+        out = graph.run(tensors, e.returned, fills)
+        self.hits += 1
+        top = None
+        if e.filtered:  # as the full path's filtered graph call counts and watches
+            pipe.candidate_rows += B
+            pipe.fallback.watch()
+            top = (out["top_tokens"], out["top_logprobs"]) if "top_tokens" in out else None
+        return P.package(out["tokens"], out.get("logprobs"), out.get("logz"), e.num_samples,
+                         e.return_logprobs, top)
+
+    def store(self, sig, pipeline, spec, seed, offset, bias, checked_bias, draw) -> None:
+        """After a full call with signature `sig` (not None) whose launches went through
+        the pipeline's graph (pipeline.last_graph): keep it where a repeat can skip to the
+        graph. seed / offset / bias: the call's arguments; checked_bias: params.check_bias's
+        result; draw(B, device, out=None): the seeds the full path draws for seed=None
+        (into `out` where given)."""
+        last = pipeline.last_graph
+        if last is None or not knobs.MEMO or spec.constrained:
+            return
+        if checked_bias is not bias:  # converted per call (not fp32 / contiguous)
+            return
+        if isinstance(seed, torch.Tensor) and spec.row.seed is not seed:
+            return
+        if isinstance(offset, torch.Tensor) and spec.row.offset is not offset:
+            return
+        gkey, graph, tensors, returned, filtered = last
+        if seed is None and "seed" in graph.bound:  # (drawn seeds are new tensors per call)
+            return
+        e = Entry()
+        e.pipeline, e.gkey, e.graph, e.returned, e.filtered = pipeline, gkey, graph, returned, filtered
+        e.tensors = {n: t for n, t in tensors.items() if n != "hidden"}
+        e.device = pipeline.device
+        e.stream = current_stream(e.device.index)
+        e.transport_key = pipeline.transport.key()
+        e.draw = draw if seed is None else None
+        e.int_offset = type(offset) is int
+        e.num_samples, e.return_logprobs = spec.num_samples, spec.return_logprobs
+        e.refs = (seed, offset, bias)  # (their ids are in sig; the weight is in tensors or
+        # is the pipeline's fixed weight)
+        if len(self.entries) >= MAX_ENTRIES:
+            self.entries.clear()
+        self.entries[sig] = e
