@@ -172,6 +172,26 @@ def test_call_graphs_never_bind_a_tensor_freed_after_its_call():
     assert bound == frozenset({"weight"})
 
 
+def test_call_graphs_copy_a_name_whose_bound_tensor_moved():
+    """A graph dropped because its bound seed moved: the key's next capture copies the
+    seed, whatever the calls before it pass."""
+    from tpsample import call_graphs as CG
+    graphs = CG.CallGraphs(torch.device("cpu"))
+    w, seed = torch.zeros(4, 2), torch.zeros(3, dtype=torch.int64)
+    call = dict(seed=seed, weight=w)
+    for _ in range(CG.CAPTURE_AT):
+        bound = graphs.due("k", call)
+    assert bound == frozenset({"seed", "weight"})
+    g = CG.CallGraph()
+    g.bound, g.bound_ptrs, g.live = ("seed", "weight"), (seed.data_ptr(), w.data_ptr()), True
+    graphs.graphs["k"] = g
+    graphs.drop("k", g, dict(seed=seed.clone(), weight=w))
+    assert not g.live and "k" not in graphs.graphs and graphs.moved["k"] == {"seed"}
+    for _ in range(CG.CAPTURE_AT):
+        bound = graphs.due("k", call)
+    assert bound == frozenset({"weight"})
+
+
 def test_call_graph_replays_with_copies_and_returns_fresh_outputs():
     """CallGraph.__call__: a bound tensor at another address → None (no replay); else
     the copied inputs take this call's values before the replay, and the outputs come back

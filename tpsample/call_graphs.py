@@ -13,7 +13,8 @@ A graph reads fixed addresses, so every per-call tensor is either
   copied  into a tensor the graph owns, before the replay (one copy launch each): tensors
           that were new at the call before the capture, e.g. the hidden states.
 A call whose bound tensor lies elsewhere re-issues the launches instead, and the graph is
-dropped (captured again once, from what the next calls bind). The graph's outputs are its
+dropped; the key's next capture copies that tensor (a loop that passes the same seed tensor
+for a while, then new ones, ends up with it copied). The graph's outputs are its
 own; the call returns clones of those it returns (a fresh tensor per call, as without the
 graph). Its intermediates (records) live in the graph's memory pool.
 
@@ -34,8 +35,9 @@ import torch
 from . import knobs
 
 CAPTURE_AT = 3  # the call of a key that captures its graph (earlier ones re-issue launches)
-MAX_CAPTURES = 2  # per key: a graph whose bound tensors stop coming is dropped and
-                  # captured again once, then the key keeps re-issuing its launches
+MAX_CAPTURES = 4  # per key: a graph whose bound tensor moves is dropped and captured
+                  # again with that name copied from then on (moving names only add up),
+                  # at most this many times; then the key keeps re-issuing its launches
 NEVER_COPIED = ("weight",)  # per-call tensors a graph must find bound (an LM head's size)
 MAX_GRAPHS = 16  # per pipeline; all are dropped when full (keys change only with shapes)
 
@@ -85,6 +87,7 @@ class CallGraphs:
         self.seen: dict = {}  # key -> (calls so far, weak references to the previous
         # call's tensors)
         self.captures: dict = {}  # key -> graphs captured for it
+        self.moved: dict = {}  # key -> names whose bound tensor moved once: copied since
 
     def __len__(self) -> int:
         return len(self.graphs)
@@ -118,8 +121,10 @@ class CallGraphs:
                                            for t in tensors.values()))
             return None
         self.seen.pop(key, None)
+        moved = self.moved.get(key, ())
         bound = frozenset(n for (n, t), old in zip(tensors.items(), before or ())
-                          if t is not None and old is not None and old() is t)
+                          if t is not None and old is not None and old() is t
+                          and n not in moved)
         if any(n in tensors and tensors[n] is not None and n not in bound for n in NEVER_COPIED):
             self.captures[key] = self.captures.get(key, 0) + 1
             return None
@@ -150,10 +155,16 @@ class CallGraphs:
         is dropped."""
         out = graph(tensors, returned)
         if out is None:
-            self.drop(key, graph)
+            self.drop(key, graph, tensors)
         return out
 
-    def drop(self, key, graph: CallGraph) -> None:
+    def drop(self, key, graph: CallGraph, tensors: dict) -> None:
+        """Drop the graph of a call whose bound tensor lies elsewhere: the next capture of
+        `key` copies the names that moved."""
+        moved = {n for n, p in zip(graph.bound, graph.bound_ptrs) if tensors[n].data_ptr() != p}
+        if len(self.moved) >= 4 * MAX_GRAPHS:
+            self.moved.clear()
+        self.moved[key] = self.moved.get(key, frozenset()) | moved
         graph.live = False
         if self.graphs.get(key) is graph:
             del self.graphs[key]

@@ -108,8 +108,8 @@ class CallMemo:
             else:  # (bound: the cached tensor of this value, as the full path passes)
                 tensors["offset"] = P._filled(B, offset, torch.int64, e.device, False)
         if not graph.binds(tensors):  # a bound tensor lies elsewhere: as the full path
-            pipe.graphs.drop(e.gkey, graph)  # would, drop the graph (before any seed is
-            self.entries.pop(sig, None)  # drawn: the full path draws them then)
+            pipe.graphs.drop(e.gkey, graph, tensors)  # would, drop the graph (before any
+            self.entries.pop(sig, None)  # seed is drawn: the full path draws them then)
             return None
         if e.draw is not None:  # drawn into the graph's input (never bound: see store),
             fills = dict(fills or {}, seed=lambda t: e.draw(B, e.device, t))  # the same
