@@ -183,7 +183,9 @@ def floor_ops(B: int, dev) -> dict:
 
 def report(arms: list[str]) -> str:
     """A markdown table of saved runs (LABEL=PATH each, e.g. the same command with
-    TPSAMPLE_GRAPHS=0 and =1): host µs and eager / graph ms per call kind and B."""
+    TPSAMPLE_GRAPHS=0 and =1; one run with --ab-memo gives the arms "memo off" and "memo
+    on"): host µs and eager / graph ms per call kind and B, and under TP the bound
+    1.2 × mm_local + 20 µs beside the eager ms."""
     runs = []
     for arm in arms:
         label, path = arm.split("=", 1)
@@ -191,23 +193,40 @@ def report(arms: list[str]) -> str:
             runs.append((label, json.load(f)))
     floor = [r for r in runs[0][1] if r["call"] == "floor"]
     rows: dict = {}
+    mm: dict = {}
+    labels: list = []
     for label, res in runs:
+        ab = any(r["call"].endswith("_nomemo") for r in res)
         for r in res:
-            if r["call"] != "floor":
-                rows.setdefault((r.get("D", 4096), r["call"], r["B"]), {})[label] = r
-    labels = [lab for lab, _ in runs]
+            if r["call"] == "floor":
+                continue
+            if r["call"].endswith("mm_local"):
+                mm[(r.get("D", 4096), r["B"])] = r["eager_ms"]
+                continue
+            call, lab = r["call"], label
+            if ab:
+                off = call.endswith("_nomemo")
+                call = call.removesuffix("_nomemo")
+                lab = f"{label} memo {'off' if off else 'on'}".strip()
+            if lab not in labels:
+                labels.append(lab)
+            rows.setdefault((r.get("D", 4096), call, r["B"]), {})[lab] = r
+    labels.sort(key=lambda lab: (lab.split(" memo ")[0], not lab.endswith("off")))
     head = ["D", "call", "B"] + [f"host µs {lab}" for lab in labels] + \
-        [f"eager / graph ms {lab}" for lab in labels]
+        [f"eager / graph ms {lab}" for lab in labels] + (["TP bound ms"] if mm else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (d, call, b), by in rows.items():
         cells = [str(d), call, str(b)]
         cells += [f"{by[lab]['host_us']:.1f}" if lab in by else "" for lab in labels]
-        cells += [f"{by[lab]['eager_ms']:.3f} / {by[lab].get('graph_ms', float('nan')):.3f}"
-                  if lab in by else "" for lab in labels]
+        cells += [f"{by[lab]['eager_ms']:.3f} / " + (f"{by[lab]['graph_ms']:.3f}" if by[lab].get(
+            "graph_ms") else "–") if lab in by else "" for lab in labels]
+        if mm:
+            bound = mm.get((d, b)) if not call.startswith("tp1_") else None
+            cells.append("" if bound is None else f"{1.2 * bound + 0.020:.3f}")
         lines.append("| " + " | ".join(cells) + " |")
     if floor:
         lines.append("")
-        lines.append("Floor (host µs, " + runs[0][0] + "): " + ", ".join(
+        lines.append("Floor (host µs): " + ", ".join(
             f"{k} {floor[0][k]:.1f}" for k in ("empty", "add_", "copy_h", "graph_replay",
                                                "clone")) + ".")
     return "\n".join(lines)

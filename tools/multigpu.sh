@@ -14,6 +14,8 @@
 #                                  # default "1 N"), then the table and plot of every
 #                                  # OUT/tpot/tpot_*.json in OUT/tpot.md (3-4 min per config
 #                                  # and degree on H100s; CONFIG=.. TP=.. picks one)
+#   tools/multigpu.sh host OUT     # tools.host_cost at TP N: host µs per call kind, the call
+#                                  # memo off and on, eager against 1.2 x the local matmul + 20 us
 #   tools/multigpu.sh decode OUT   # examples/fast_decode.py: --check at each TP degree (the
 #                                  # sampled sequences must match), then the TPOT runs per
 #                                  # config (CONFIG, default qwen3-1.7b) and degree (TP,
@@ -30,7 +32,7 @@
 # below): tpsample never uses it, and some shared hosts must not see it.
 set -euo pipefail
 
-part=${1:?part: tests, bench, filtered, verify, tpot or decode}
+part=${1:?part: tests, bench, filtered, verify, tpot, host or decode}
 out=${2:?output directory}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -79,6 +81,11 @@ tpot)
     python examples/mcore_decode.py --report "$out"/tpot/tpot_*.json --doc "$out/tpot.md" \
         --label "megatron-core decode"
     ;;
+host)
+    run -m tools.host_cost --batches 1,64 --no-profile --ab-memo \
+        --kinds plain,plain_fresh_h,top_p0.9,loop --out "$out/host" 2>&1 | tee "$out/host.log"
+    python -m tools.host_cost --report ="$out/host/host_cost.json" | tee "$out/host.md"
+    ;;
 decode)
     config=${CONFIG:-qwen3-1.7b}
     degrees=${TP:-$(for t in 1 2 4; do [ "$t" -le "$n" ] && echo "$t"; done)}
@@ -103,5 +110,5 @@ decode)
         --doc "$out/decode.md" --label "fast decode"
     ;;
 *)
-    echo "unknown part $part (tests, bench, filtered, verify, tpot or decode)"; exit 2 ;;
+    echo "unknown part $part (tests, bench, filtered, verify, tpot, host or decode)"; exit 2 ;;
 esac

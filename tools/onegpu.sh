@@ -12,7 +12,7 @@
 #                                # runs (CONFIG, default qwen3-1.7b; TOP_P=0.95 adds the
 #                                # runs with top_p; COMPILE=1 compiles the step's forward;
 #                                # BATCHES, default 1,8,32,128) and OUT/decode.md
-#   tools/onegpu.sh host OUT     # tools.host_cost: host µs per call kind, graphs off and on
+#   tools/onegpu.sh host OUT     # tools.host_cost: host µs per call kind, the call memo off and on
 #
 # Run from the repository root with tpsample importable (PYTHONPATH or an install; the source
 # tree's tpsample/ has no kernels, so it is kept off sys.path: PYTHONSAFEPATH, and the
@@ -58,11 +58,9 @@ decode)
         --doc "$out/decode.md" --label "fast decode"
     ;;
 host)
-    TPSAMPLE_GRAPHS=0 python -m tools.host_cost --batches 1,64 --no-profile \
-        --kinds plain,plain_fresh_h,logprobs,top_p0.9 --out "$out/off" 2>&1 | tee "$out/off.log"
-    python -m tools.host_cost --batches 1,64 --no-profile \
-        --kinds plain,plain_fresh_h,logprobs,top_p0.9 --out "$out/on" 2>&1 | tee "$out/on.log"
-    python -m tools.host_cost --report off="$out/off/host_cost.json" on="$out/on/host_cost.json"
+    python -m tools.host_cost --batches 1,64 --no-profile --ab-memo \
+        --kinds plain,plain_fresh_h,top_p0.9,loop --out "$out/host" 2>&1 | tee "$out/host.log"
+    python -m tools.host_cost --report ="$out/host/host_cost.json" | tee "$out/host.md"
     ;;
 *)
     echo "unknown part $part (tests, sweep, verify, decode or host)"; exit 2 ;;

@@ -46,7 +46,8 @@ class CallGraph:
     """One captured call. inputs: {name: tensor the graph reads}; bound: names whose
     tensor must lie at the address in bound_ptrs per call; outputs: {name: tensor the graph
     writes}; live: False once its CallGraphs dropped it."""
-    __slots__ = ("graph", "inputs", "bound", "bound_ptrs", "copied", "outputs", "lock", "live")
+    __slots__ = ("graph", "inputs", "bound", "bound_ptrs", "copied", "outputs", "lock", "live",
+                 "__weakref__")
 
     def __call__(self, tensors: dict, returned: tuple[str, ...]) -> dict | None:
         """Replay with this call's tensors; {name: fresh clone} of the `returned` outputs,

@@ -27,6 +27,8 @@ TPSAMPLE_MEMO=0 turns the memo off.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from . import knobs
@@ -62,9 +64,10 @@ def signature(hidden: torch.Tensor, weight, bias, seed, offset, scalars: tuple):
 
 
 class Entry:
-    """What a memoised call replays: the pipeline's graph under its key, the tensors it read
-    (the template a call fills with its hidden states, offset and seeds), the outputs it
-    returns, and the conditions it was captured under."""
+    """What a memoised call replays: the pipeline's graph under its key (a weak reference:
+    the pipeline's CallGraphs owns it), the tensors it read (the template a call fills with
+    its hidden states, offset and seeds), the outputs it returns, and the conditions it was
+    captured under."""
     __slots__ = ("pipeline", "gkey", "graph", "tensors", "returned", "filtered", "stream",
                  "transport_key", "device", "draw", "int_offset", "num_samples",
                  "return_logprobs", "refs")
@@ -87,8 +90,8 @@ class CallMemo:
         e = self.entries.get(sig)
         if e is None:
             return None
-        pipe = e.pipeline
-        if (not knobs.MEMO or not e.graph.live
+        pipe, graph = e.pipeline, e.graph()
+        if (not knobs.MEMO or graph is None or not graph.live
                 or not pipe.graphs.usable(False, filtered=e.filtered)
                 or torch.cuda.is_current_stream_capturing()
                 or current_stream(e.device.index) != e.stream
@@ -98,7 +101,6 @@ class CallMemo:
         tensors = dict(e.tensors)
         tensors["hidden"] = hidden
         B = hidden.shape[0]
-        graph = e.graph
         fills = None
         if e.int_offset:
             if not -(1 << 63) <= offset < (1 << 63):
@@ -143,7 +145,8 @@ class CallMemo:
         if seed is None and "seed" in graph.bound:  # (drawn seeds are new tensors per call)
             return
         e = Entry()
-        e.pipeline, e.gkey, e.graph, e.returned, e.filtered = pipeline, gkey, graph, returned, filtered
+        e.pipeline, e.gkey, e.returned, e.filtered = pipeline, gkey, returned, filtered
+        e.graph = weakref.ref(graph)
         e.tensors = {n: t for n, t in tensors.items() if n != "hidden"}
         e.device = pipeline.device
         e.stream = current_stream(e.device.index)

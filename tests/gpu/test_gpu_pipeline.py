@@ -168,7 +168,7 @@ def test_repeated_calls_through_their_graph_equal_reissued_launches(B, S, logpro
                                 dict(min_p=0.05, top_logprobs=3), dict(top_p=0.95, flat=True)])
 def test_repeated_filtered_calls_through_their_graph_equal_reissued_launches(kw, monkeypatch):
     """Filtered calls whose exact fallback always runs on the device (top-p / min-p, no
-    top-k or top log-probs) replay one graph too (TPSAMPLE_GRAPHS=filtered): the same
+    top-k or top log-probs) replay one graph too (the default; TPSAMPLE_GRAPHS=plain not): the same
     tokens, log-probs, log Z and top tokens per call as re-issued launches, the fallback
     included (flat: near-uniform rows, whose nucleus no candidate certifies). Other filtered
     calls (whose fallback may move to the host) keep re-issuing their launches. The

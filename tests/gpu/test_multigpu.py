@@ -114,7 +114,7 @@ def test_tp_filtered_equals_single_gpu(transport, B):
 def filtered_graph_rank(rank, world, B, graphs):
     """Eight repeated top-p calls over symmetric memory on near-flat rows (the gathered
     device fallback's fast path), new hidden states and seeds each call; graphs: filtered
-    calls through their CUDA graph (TPSAMPLE_GRAPHS=filtered) or re-issued launches."""
+    calls through their CUDA graph (the default) or re-issued launches (TPSAMPLE_GRAPHS=plain)."""
     from tpsample import api, knobs
     setting, knobs.GRAPHS_FILTERED = knobs.GRAPHS_FILTERED, graphs
     h, w, temp, seeds = inputs(B)
@@ -138,9 +138,8 @@ def filtered_graph_rank(rank, world, B, graphs):
 
 def test_tp_filtered_calls_through_their_graph_equal_reissued_launches():
     """Under TP (symmetric memory, the fallback's rows gathered on the device), repeated
-    top-p calls with TPSAMPLE_GRAPHS=filtered replay one CUDA graph from their third call
-    (the gate before such graphs become the default under TP): tokens, log-probs and log Z equal
-    re-issued launches on every call, flagged rows included."""
+    top-p calls replay one CUDA graph from their third call (the default): tokens, log-probs
+    and log Z equal re-issued launches on every call, flagged rows included."""
     world = min(torch.cuda.device_count(), 4)
     if world < 2:
         pytest.skip("needs 2 GPUs")
