@@ -11,10 +11,10 @@ signature to that graph and the tensors the graph read:
                 None / int / tensors (an int seed by value; an int offset per call)
 
 A call with a known signature skips validation, the SamplingSpec, the plan and replay keys
-and the graph lookup: it normalises its offset (the cached tensor of that value,
-params._filled) and draws its seeds as the full path would, then replays the graph (which
-copies what it does not bind, e.g. the hidden states). The tokens are the full path's: the
-same graph, the same tensors.
+and the graph lookup: it writes an int offset and the seeds it draws for seed=None straight
+into the graph's inputs (one launch each, where the full path makes a tensor and the graph
+copies it; the same values), copies the hidden states and replays. The tokens are the full
+path's: the same graph, the same values in its inputs.
 
 What is memoised is what the full path would validate the same way every call: tensor
 arguments whose contents the full path range-checks per call (temperature, top_k / top_p /
