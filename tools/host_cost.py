@@ -103,7 +103,7 @@ def kinds(call, B: int, dev, world: int) -> dict:
         "top_p0.9": lambda: call(h, seed=seed, offset=step, top_p=0.9),
         "kpm": lambda: call(h, seed=seed, offset=step, top_k=50, top_p=0.9, min_p=0.05),
         "mask": lambda: call(h, seed=seed, offset=step, allowed_mask=mask),
-        # a decode loop as Megatron runs it: new states, the step as an int offset, seeds
+        # a decode loop: new states, the step as an int offset, seeds
         # drawn per call (seed=None: not capturable by the caller, so no graph column)
         "loop": lambda: call(fresh_h(), offset=next_step()),
     }
