@@ -26,7 +26,10 @@ import tpsample
 D, V = 4096, 151936  # D: --dims sets it per pass
 
 
-def host_us(fn, iters: int = 200) -> float:
+HOST_ITERS = 200
+
+
+def host_us(fn, iters: int = HOST_ITERS) -> float:
     us = []
     for _ in range(iters + 10):
         torch.cuda.synchronize()
@@ -110,7 +113,9 @@ def kinds(call, B: int, dev, world: int) -> dict:
 
 
 def measure(fns: dict, world: int, rank: int, tag: str, B: int, graphs: bool,
-            profiled: bool = True, only=None) -> list:
+            profiled: bool = True, only=None, memo=None) -> list:
+    """memo: the CallMemo the calls go through; each row then has memo_share, the share of
+    its host-timed calls the memo served (0 where they took the full path)."""
     out = []
     for name, fn in fns.items():
         if only and name.removesuffix("_nomemo") not in only:
@@ -119,9 +124,13 @@ def measure(fns: dict, world: int, rank: int, tag: str, B: int, graphs: bool,
             fn()
         out0 = fn()
         tok = out0 if isinstance(out0, torch.Tensor) else out0[0]
-        r = {"call": f"{tag}_{name}", "B": B, "host_us": host_us(fn), "eager_ms": device_ms(fn),
-             "tokens": int((tok.double() * torch.arange(1, tok.numel() + 1, device=tok.device)
-                            .view(tok.shape)).sum())}
+        hits = None if memo is None else memo.hits
+        r = {"call": f"{tag}_{name}", "B": B, "host_us": host_us(fn)}
+        if memo is not None:
+            r["memo_share"] = (memo.hits - hits) / (HOST_ITERS + 10)
+        r.update(eager_ms=device_ms(fn),
+                 tokens=int((tok.double() * torch.arange(1, tok.numel() + 1, device=tok.device)
+                             .view(tok.shape)).sum()))
         if graphs and not name.startswith("loop"):
             try:
                 g = graph_of(fn)
@@ -135,7 +144,8 @@ def measure(fns: dict, world: int, rank: int, tag: str, B: int, graphs: bool,
             r["host_us"], r["eager_ms"], r["graph_ms"] = t.tolist()
         if rank == 0:
             print(f"{r['call']:>28} B={B:<4} host {r['host_us']:6.1f} us  eager {r['eager_ms']:.4f} "
-                  f"graph {r.get('graph_ms', float('nan')):.4f} ms", flush=True)
+                  f"graph {r.get('graph_ms', float('nan')):.4f} ms"
+                  + (f"  memo {r['memo_share']:.0%}" if "memo_share" in r else ""), flush=True)
             for f, us, n in r["profile"][:12]:
                 print(f"      {us:7.2f} us x{n:<3} {f}")
         out.append(r)
@@ -181,6 +191,13 @@ def floor_ops(B: int, dev) -> dict:
             "graph_replay": host_us(g.replay), "clone": host_us(lambda: x.clone())}
 
 
+def host_cell(r: dict, label: str) -> str:
+    """Host µs; with the memo on, and the share of the timed calls it served."""
+    share = r.get("memo_share")
+    tail = f" ({share:.0%} memo)" if share is not None and label.endswith("memo on") else ""
+    return f"{r['host_us']:.1f}{tail}"
+
+
 def report(arms: list[str]) -> str:
     """A markdown table of saved runs (LABEL=PATH each, e.g. the same command with
     TPSAMPLE_GRAPHS=0 and =1; one run with --ab-memo gives the arms "memo off" and "memo
@@ -217,7 +234,7 @@ def report(arms: list[str]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (d, call, b), by in rows.items():
         cells = [str(d), call, str(b)]
-        cells += [f"{by[lab]['host_us']:.1f}" if lab in by else "" for lab in labels]
+        cells += [host_cell(by[lab], lab) if lab in by else "" for lab in labels]
         cells += [f"{by[lab]['eager_ms']:.3f} / " + (f"{by[lab]['graph_ms']:.3f}" if by[lab].get(
             "graph_ms") else "–") if lab in by else "" for lab in labels]
         if mm:
@@ -272,7 +289,7 @@ def main():
                 fns = kinds(lambda h, **kw: tpsample.sample(h, W, **kw), B, dev, 1)
                 res += [dict(r, D=D) for r in measure(
                     memo_arms(fns) if args.ab_memo else fns, 1, 0, "tp1",
-                    B, not args.no_graph, not args.no_profile, only)]
+                    B, not args.no_graph, not args.no_profile, only, tpsample.api._MEMO)]
         if world > 1:
             dist.barrier()
             rows = V // world
@@ -289,7 +306,7 @@ def main():
                 fns = kinds(s, B, dev, world)
                 res += [dict(r, D=D) for r in measure(
                     memo_arms(fns) if args.ab_memo else fns, world, rank, f"tp{world}", B,
-                    not args.no_graph, not args.no_profile, only)]
+                    not args.no_graph, not args.no_profile, only, s.memo)]
             del s, shard
     if rank == 0 and args.out:
         os.makedirs(args.out, exist_ok=True)

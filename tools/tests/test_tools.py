@@ -121,3 +121,28 @@ def test_timeline_summary_matches_ops_by_position_and_renders_gaps(tmp_path, cap
     text = capsys.readouterr().out
     assert "D=8 B=1 rank 1 tp_symm_mem: host 52.0, GPU end 226.0 (3 calls)" in text
     assert "(gap     2.0)  wait" in text and "cuLaunchKernelEx @7.0+4.0" in text
+
+
+def test_host_cost_report_pairs_the_memo_arms_with_the_tp_bound(tmp_path):
+    """One --ab-memo run: <kind>_nomemo and <kind> become the "memo off" / "memo on"
+    columns of one row; TP rows get 1.2 x mm_local + 20 us, TP1 rows none; the memo's share
+    of the timed calls shows beside "memo on"."""
+    import json
+    from tools import host_cost
+    rows = [dict(call="floor", B=64, D=4096, host_us=0.0, eager_ms=0.0, tokens=0, empty=3.0,
+                 add_=8.0, copy_h=8.0, graph_replay=4.0, clone=10.0),
+            dict(call="tp1_plain_nomemo", B=1, D=4096, host_us=50.0, eager_ms=0.30,
+                 graph_ms=0.28, tokens=7, memo_share=0.0),
+            dict(call="tp1_plain", B=1, D=4096, host_us=20.0, eager_ms=0.29, graph_ms=0.28,
+                 tokens=7, memo_share=0.95),
+            dict(call="tp2_mm_local", B=1, D=4096, host_us=0.0, eager_ms=0.1, tokens=0),
+            dict(call="tp2_loop_nomemo", B=1, D=4096, host_us=90.0, eager_ms=0.2, tokens=1),
+            dict(call="tp2_loop", B=1, D=4096, host_us=40.0, eager_ms=0.15, tokens=2)]
+    path = tmp_path / "host_cost.json"
+    path.write_text(json.dumps(rows))
+    lines = host_cost.report([f"={path}"]).splitlines()
+    assert "host µs memo off | host µs memo on" in lines[0] and "TP bound ms" in lines[0]
+    assert lines[2] == "| 4096 | tp1_plain | 1 | 50.0 | 20.0 (95% memo) | 0.300 / 0.280 | " \
+                       "0.290 / 0.280 |  |"
+    assert lines[3] == "| 4096 | tp2_loop | 1 | 90.0 | 40.0 | 0.200 / – | 0.150 / – | 0.140 |"
+    assert lines[-1].startswith("Floor (host µs): empty 3.0")
