@@ -477,12 +477,9 @@ def constraint_variants(h, w) -> dict:
     step = itertools.count()
 
     def call(check=True, **kw):
-        def run():
-            tpsample.knobs.CHECK_TENSORS = check  # (TPSAMPLE_CHECK_TENSORS, per variant)
-            try:
+        def run():  # (TPSAMPLE_CHECK_TENSORS per variant)
+            with tpsample.knobs.overridden(CHECK_TENSORS=check):
                 return tpsample.sample(h, w, seed=1234, offset=next(step), **kw)
-            finally:
-                tpsample.knobs.CHECK_TENSORS = True
         return run
 
     def masked_logits():

@@ -92,11 +92,8 @@ def unchecked(fn):
     verify_drafts checks the drafts with one host synchronisation per call, which do_bench
     would time as an idle GPU beside the plain call and the baselines, which check nothing."""
     def call():
-        before, knobs.CHECK_TENSORS = knobs.CHECK_TENSORS, False
-        try:
+        with knobs.overridden(CHECK_TENSORS=False):
             return fn()
-        finally:
-            knobs.CHECK_TENSORS = before
     return call
 
 

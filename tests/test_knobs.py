@@ -3,6 +3,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 def run(env: dict, code: str, tmp_path):
     """A fresh interpreter outside the checkout (so the installed package is imported)."""
@@ -32,3 +34,16 @@ def test_retired_and_unknown_knobs_are_warned_about(tmp_path):
 def test_replay_knob_turns_the_replay_off(tmp_path):
     out = run({"TPSAMPLE_REPLAY": "0"}, "from tpsample import replay; print(replay.ENABLED)", tmp_path)
     assert out.stdout.strip() == "False"
+
+
+def test_overridden_sets_and_restores_switches_and_names_unknown_ones():
+    from tpsample import knobs
+    before = knobs.MEMO
+    with pytest.raises(RuntimeError):
+        with knobs.overridden(MEMO=not before, GRAPHS_FILTERED=False):
+            assert knobs.MEMO is (not before) and knobs.GRAPHS_FILTERED is False
+            raise RuntimeError  # restored on the way out too
+    assert knobs.MEMO is before
+    with pytest.raises(ValueError, match="MEMOS"):
+        with knobs.overridden(MEMOS=False):
+            pass

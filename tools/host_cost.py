@@ -159,11 +159,8 @@ def memo_arms(fns: dict) -> dict:
 
     def off(fn):
         def call():
-            setting, knobs.MEMO = knobs.MEMO, False
-            try:
+            with knobs.overridden(MEMO=False):
                 return fn()
-            finally:
-                knobs.MEMO = setting
         return call
     out = {}
     for name, fn in fns.items():

@@ -61,10 +61,9 @@ def main():
                 flagged = sampler.pipeline.fallback_rows - before
                 row[name] = time_calls(lambda kw=kw: sampler(h, seed=1, **kw), dev, a.iters)
                 if a.ab_graphs:
-                    setting, knobs.GRAPHS_FILTERED = knobs.GRAPHS_FILTERED, False
-                    row[name + "_reissued"] = time_calls(
-                        lambda kw=kw: sampler(h, seed=1, **kw), dev, a.iters)
-                    knobs.GRAPHS_FILTERED = setting
+                    with knobs.overridden(GRAPHS_FILTERED=False):
+                        row[name + "_reissued"] = time_calls(
+                            lambda kw=kw: sampler(h, seed=1, **kw), dev, a.iters)
                 # received per rank: the peers' records (the sample and candidate planes) and
                 # the flagged rows' side-output shards
                 tiles = -(-per // records.TILE)

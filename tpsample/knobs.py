@@ -7,7 +7,9 @@ not a knob (a misspelling, or a switch that no longer exists) gets one warning.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 
@@ -87,6 +89,27 @@ GRAPHS_FILTERED = VALUES["TPSAMPLE_GRAPHS"] == "1"
 MEMO = VALUES["TPSAMPLE_MEMO"] == "1"
 GLUON = VALUES["TPSAMPLE_GLUON"] == "1"
 CHECK_TENSORS = VALUES["TPSAMPLE_CHECK_TENSORS"] == "1"
+SWITCHES = ("REPLAY", "DIRECT_LAUNCH", "GRAPHS", "GRAPHS_FILTERED", "MEMO", "GLUON",
+            "CHECK_TENSORS")
+
+
+@contextlib.contextmanager
+def overridden(**values):
+    """Within the block, the module's switches take these values (names as above, e.g.
+    overridden(MEMO=False)); restored after. For tools and tests that compare two settings in
+    one process: knobs are read per call, so the next call sees the change."""
+    module = sys.modules[__name__]
+    for name in values:
+        if name not in SWITCHES:
+            raise ValueError(f"unknown knob switch {name!r}; one of {', '.join(SWITCHES)}")
+    before = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            setattr(module, name, value)
 
 
 def describe() -> str:

@@ -164,6 +164,14 @@ def test_repeated_calls_through_their_graph_equal_reissued_launches(B, S, logpro
     assert len({t.data_ptr() for t in toks}) == len(toks)  # fresh outputs, none aliased
 
 
+def head_and_states(seed: int, B: int, calls: int, flat: bool, D: int = 512, V: int = 5000):
+    """A bf16 head [V, D] (flat: near-uniform rows, whose nucleus no candidate certifies)
+    and `calls` hidden-state tensors [B, D], from a seeded generator."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = (torch.randn(V, D, device="cuda", generator=g) * (0.01 if flat else 0.1)).bfloat16()
+    return w, [torch.randn(B, D, device="cuda", generator=g).bfloat16() for _ in range(calls)]
+
+
 @pytest.mark.parametrize("kw", [dict(top_p=0.9), dict(top_k=50, top_p=0.9),
                                 dict(min_p=0.05, top_logprobs=3), dict(top_p=0.95, flat=True)])
 def test_repeated_filtered_calls_through_their_graph_equal_reissued_launches(kw, monkeypatch):
@@ -180,10 +188,8 @@ def test_repeated_filtered_calls_through_their_graph_equal_reissued_launches(kw,
     monkeypatch.setattr(FallbackChoice, "device_now", lambda self, hidden, in_capture: True)
     kw = dict(kw)
     flat = kw.pop("flat", False)
-    B, D, V = 48, 512, 5000
-    g = torch.Generator(device="cuda").manual_seed(5)
-    w = (torch.randn(V, D, device="cuda", generator=g) * (0.01 if flat else 0.1)).bfloat16()
-    hs = [torch.randn(B, D, device="cuda", generator=g).bfloat16() for _ in range(8)]
+    B = 48
+    w, hs = head_and_states(5, B, 8, flat)
 
     def run(graphs: bool):
         monkeypatch.setattr(knobs, "GRAPHS", graphs)
@@ -221,10 +227,8 @@ def test_memoised_calls_equal_the_full_path(kw, monkeypatch):
     from tpsample import api, knobs
     kw = dict(kw)
     flat = kw.pop("flat", False)
-    B, D, V = 24, 512, 5000
-    g = torch.Generator(device="cuda").manual_seed(3)
-    w = (torch.randn(V, D, device="cuda", generator=g) * (0.01 if flat else 0.1)).bfloat16()
-    hs = [torch.randn(B, D, device="cuda", generator=g).bfloat16() for _ in range(12)]
+    B = 24
+    w, hs = head_and_states(3, B, 12, flat)
 
     def run(memo: bool):
         monkeypatch.setattr(knobs, "MEMO", memo)

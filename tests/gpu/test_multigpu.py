@@ -116,7 +116,13 @@ def filtered_graph_rank(rank, world, B, graphs):
     device fallback's fast path), new hidden states and seeds each call; graphs: filtered
     calls through their CUDA graph (the default) or re-issued launches (TPSAMPLE_GRAPHS=plain)."""
     from tpsample import api, knobs
-    setting, knobs.GRAPHS_FILTERED = knobs.GRAPHS_FILTERED, graphs
+    with knobs.overridden(GRAPHS_FILTERED=graphs):
+        res = _filtered_graph_calls(rank, world, B)
+    api._PIPELINES.clear()
+    return res
+
+
+def _filtered_graph_calls(rank, world, B):
     h, w, temp, seeds = inputs(B)
     dev = torch.device("cuda", rank)
     sampler = tpsample.VocabParallelSampler(shard(w, rank, world, dev), vocab_size=VOCAB,
@@ -131,8 +137,6 @@ def filtered_graph_rank(rank, world, B, graphs):
     res = dict(outs=outs, captures=sum(sampler.pipeline.graphs.captures.values()),
                fallback_rows=sampler.pipeline.fallback_rows)
     sampler.check_exchange()
-    knobs.GRAPHS_FILTERED = setting
-    api._PIPELINES.clear()
     return res
 
 
