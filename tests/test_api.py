@@ -62,6 +62,12 @@ BAD = [
     (lambda h, w: dict(num_samples=1 << 29), ValueError, "num_samples"),
     (lambda h, w: dict(merge="sum"), ValueError, "merge"),
     (lambda h, w: dict(backend="cuda"), ValueError, "backend"),
+    (lambda h, w: dict(out=torch.empty(3, dtype=torch.int64, device=h.device)), ValueError, "out"),
+    (lambda h, w: dict(out=torch.empty(4, 1, dtype=torch.int64, device=h.device)), ValueError, "out"),
+    (lambda h, w: dict(out=torch.empty(4, dtype=torch.int32, device=h.device)), TypeError, "out"),
+    (lambda h, w: dict(out=torch.empty(4, 2, dtype=torch.int64, device=h.device)[:, 0]), ValueError,
+     "out"),
+    (lambda h, w: dict(out=[0, 0, 0, 0]), TypeError, "out"),
 ]
 
 
@@ -125,6 +131,31 @@ def test_greedy_rows_mixed_with_sampled_rows(device):
     assert not (out.tokens.cpu()[~greedy] == l[~greedy].argmax(-1, keepdim=True)).all()
 
 
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("num_samples,logprobs", [(1, False), (2, True), (1, True)])
+def test_out_receives_the_tokens_and_is_returned(hw, backend, num_samples, logprobs):
+    """out=: the call's tokens written into the given tensor, which is returned in their
+    place (the SampleOutput's tokens with log-probs); the tokens, log-probs and log Z are
+    those of the call without out. An out that is not 16-byte aligned (a view one element
+    in) gets them too."""
+    h, w = hw
+    kw = dict(seed=torch.arange(4) * 7 + 1, offset=3, backend=backend, top_k=20,
+              num_samples=num_samples, return_logprobs=logprobs)
+    ref = tpsample.sample(h, w, **kw)
+    shape = (4,) if num_samples == 1 else (4, num_samples)
+    for out in (torch.full(shape, -7, dtype=torch.int64, device=h.device),
+                torch.full((1 + 4 * num_samples,), -7, dtype=torch.int64,
+                           device=h.device)[1:].view(shape)):
+        got = tpsample.sample(h, w, out=out, **kw)
+        if logprobs:
+            assert got.tokens is out and torch.equal(out, ref.tokens)
+            assert torch.equal(got.logprobs, ref.logprobs) and torch.equal(got.logz, ref.logz)
+        else:
+            assert got is out and torch.equal(out, ref)
+    empty = torch.empty(shape[:1] and (0,) + shape[1:], dtype=torch.int64, device=h.device)
+    assert tpsample.sample(h[:0], w, out=empty, num_samples=num_samples) is empty
 
 
 def test_sample_and_the_tp_sampler_take_the_same_arguments():

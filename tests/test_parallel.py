@@ -38,8 +38,11 @@ def tp_sample(rank, world, merge, backend, explicit_start):
     sampler = VocabParallelSampler(w[lo:hi].contiguous(), vocab_size=VOCAB,
                                    vocab_start=lo if explicit_start else None, merge=merge,
                                    backend=backend)
-    return sampler(h, temperature=temp, seed=seeds, offset=offsets, bias=bias[lo:hi],
-                   num_samples=2, return_logprobs=True)
+    out = torch.empty(B, 2, dtype=torch.int64)  # (out=: the tokens written there)
+    res = sampler(h, temperature=temp, seed=seeds, offset=offsets, bias=bias[lo:hi],
+                  num_samples=2, return_logprobs=True, out=out)
+    assert res.tokens is out
+    return res
 
 
 @pytest.mark.parametrize("world,backend,explicit", [
@@ -101,16 +104,19 @@ def tp_tokens_without_logprobs(rank, world):
     h, w, bias, temp, seeds, offsets = common_inputs()
     lo, hi = shard_bounds(rank, world, V)
     kw = dict(temperature=temp, seed=seeds, offset=offsets, bias=bias[lo:hi], num_samples=2)
-    out = [VocabParallelSampler(w[lo:hi].contiguous(), vocab_size=VOCAB, logprobs=flag,
-                                backend="triton")(h, **kw) for flag in (True, False)]
-    return out
+    samplers = [VocabParallelSampler(w[lo:hi].contiguous(), vocab_size=VOCAB, logprobs=flag,
+                                     backend="triton") for flag in (True, False)]
+    out = [s(h, **kw) for s in samplers]
+    given = torch.empty(B, 2, dtype=torch.int64)
+    assert samplers[1](h, out=given, **kw) is given  # (out=: the tokens written there)
+    return out + [given]
 
 
 @pytest.mark.slow
 def test_tp_logprobs_false_keeps_tokens():
     """logprobs=False skips the tile log-masses and logits in stage 1: same tokens."""
-    for with_lp, without in run_world(2, tp_tokens_without_logprobs):
-        assert torch.equal(with_lp, without)
+    for with_lp, without, given in run_world(2, tp_tokens_without_logprobs):
+        assert torch.equal(with_lp, without) and torch.equal(given, without)
 
 
 def tp_bad(rank, world, case):

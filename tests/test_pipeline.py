@@ -218,6 +218,34 @@ def test_call_graph_replays_with_copies_and_returns_fresh_outputs():
     assert a.tolist() == [13, 13] and b.tolist() == [16, 16] and len(replays) == 2
 
 
+@pytest.mark.parametrize("copied", [False, True])
+def test_call_graph_writes_the_tokens_into_the_callers_out(copied):
+    """A graph captured with the caller's out (call_graphs.SINKS): bound, the graph's tokens
+    output is that tensor and the call returns it, no clone, no copy; copied (captured with
+    another out), the graph writes its own tensor and the call copies it into this call's
+    out after the replay, never before."""
+    from tpsample.call_graphs import CallGraph
+    given, h = torch.full((2,), -1, dtype=torch.int64), torch.zeros(2, 3)
+    g = CallGraph()
+    own = torch.zeros(2, dtype=torch.int64)
+    g.inputs = dict(hidden=h, out=own if copied else given)
+    g.bound = ("hidden",) if copied else ("hidden", "out")
+    g.bound_ptrs = tuple(g.inputs[n].data_ptr() for n in g.bound)
+    g.copied = ("out",) if copied else ()
+    g.outputs = dict(tokens=g.inputs["out"])
+    g.sinks = {"tokens": ("out", copied)}
+    seen = []
+
+    class Graph:
+        def replay(self):  # the "kernel": tokens = 5; what out held before is recorded
+            seen.append(g.outputs["tokens"].tolist())
+            g.outputs["tokens"].fill_(5)
+    g.graph = Graph()
+    res = g(dict(hidden=h, out=given), ("tokens",))
+    assert res["tokens"] is given and given.tolist() == [5, 5]
+    assert seen == [[0, 0] if copied else [-1, -1]]  # (a copied out is not read in)
+
+
 @pytest.mark.parametrize("kw", [dict(), dict(top_p=0.9)])
 def test_stage1_gets_the_peers_of_the_grown_buffer(kw, monkeypatch):
     """A call larger than the exchange buffer grows it (new peer addresses): stage 1 must

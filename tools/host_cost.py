@@ -89,6 +89,7 @@ def kinds(call, B: int, dev, world: int) -> dict:
     mask = torch.full((B, (V + 31) // 32), -1, dtype=torch.int32, device=dev)
     hs = [h, h.clone()]
     turn = [0]
+    out = torch.empty(B, dtype=torch.int64, device=dev)  # (out=: the loop's tokens buffer)
 
     def fresh_h():  # a decode loop's hidden states: another tensor than the call before
         turn[0] ^= 1
@@ -100,15 +101,18 @@ def kinds(call, B: int, dev, world: int) -> dict:
     return {
         "plain": lambda: call(h, seed=seed, offset=step),
         "plain_fresh_h": lambda: call(fresh_h(), seed=seed, offset=step),
+        "plain_out": lambda: call(h, seed=seed, offset=step, out=out),
         "plain_scalar_seed": lambda: call(h, seed=1234, offset=7),
         "logprobs": lambda: call(h, seed=seed, offset=step, return_logprobs=True),
         "top_k50": lambda: call(h, seed=seed, offset=step, top_k=50),
         "top_p0.9": lambda: call(h, seed=seed, offset=step, top_p=0.9),
+        "top_p0.9_out": lambda: call(h, seed=seed, offset=step, top_p=0.9, out=out),
         "kpm": lambda: call(h, seed=seed, offset=step, top_k=50, top_p=0.9, min_p=0.05),
         "mask": lambda: call(h, seed=seed, offset=step, allowed_mask=mask),
         # a decode loop: new states, the step as an int offset, seeds
         # drawn per call (seed=None: not capturable by the caller, so no graph column)
         "loop": lambda: call(fresh_h(), offset=next_step()),
+        "loop_out": lambda: call(fresh_h(), offset=next_step(), out=out),
     }
 
 

@@ -83,7 +83,8 @@ tpot)
     ;;
 host)
     run -m tools.host_cost --batches 1,64 --no-profile --ab-memo \
-        --kinds plain,plain_fresh_h,top_p0.9,loop --out "$out/host" 2>&1 | tee "$out/host.log"
+        --kinds plain,plain_out,plain_fresh_h,top_p0.9,top_p0.9_out,loop,loop_out \
+        --out "$out/host" 2>&1 | tee "$out/host.log"
     python -m tools.host_cost --report ="$out/host/host_cost.json" | tee "$out/host.md"
     ;;
 decode)

@@ -42,7 +42,7 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, *, temperature: float | t
            allowed_mask: torch.Tensor | None = None,
            logit_adjust: tuple[torch.Tensor, torch.Tensor] | None = None,
            repetition_penalty: float | torch.Tensor | None = None,
-           backend: str = "auto") -> torch.Tensor | P.SampleOutput:
+           backend: str = "auto", out: torch.Tensor | None = None) -> torch.Tensor | P.SampleOutput:
     """Exact samples from softmax((hidden @ weight.T + bias) / T) without materialising logits.
 
     Args:
@@ -93,6 +93,11 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, *, temperature: float | t
             Tensor contents are checked with one host synchronisation (not during capture).
         backend: "auto" (Triton on CUDA or under TRITON_INTERPRET=1, else the chunked torch
             path), "triton" or "torch". All give the same tokens for the same seed.
+        out: None, or an int64 tensor of the tokens' shape on hidden's device, contiguous:
+            the tokens are written there and `out` is returned in their place (as torch's
+            out= arguments). A decode loop that passes the same `out` each step saves the
+            per-call output allocation and copy of a replayed call (its CUDA graph writes the
+            tokens there itself).
 
     Returns:
         int64 [B] (num_samples == 1) or [B, num_samples]; with return_logprobs or
@@ -118,15 +123,16 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, *, temperature: float | t
         sig = signature(hidden, weight, bias, seed, offset, (
             temperature, vocab_size, num_samples, merge, return_logprobs, top_k, top_p, min_p,
             top_logprobs, replacement, logprobs_mode, allowed_mask, logit_adjust,
-            repetition_penalty, backend))
+            repetition_penalty, backend), out)
         if sig is not None:
-            out = _MEMO.call(sig, hidden, seed, offset)
-            if out is not None:
-                return out
+            res = _MEMO.call(sig, hidden, seed, offset)
+            if res is not None:
+                return res if out is None else P.write_out(res, out)
     P.check_hidden_weight(hidden, weight)
     V = weight.shape[0]
     vocab_size = P.check_vocab_size(V if vocab_size is None else vocab_size, V)
     P.check_options(1, merge, backend)
+    P.check_out(out, hidden, num_samples)
     given_bias = bias
     bias = P.check_bias(bias, V, hidden.device)
     in_capture = P.capturing(hidden.device)
@@ -138,14 +144,16 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, *, temperature: float | t
                          allowed_mask=allowed_mask, logit_adjust=logit_adjust,
                          repetition_penalty=repetition_penalty, in_capture=in_capture)
     if hidden.shape[0] == 0:
-        return P.empty_result(hidden.device, num_samples, return_logprobs, spec.filters.top_n)
+        return P.write_out(P.empty_result(hidden.device, num_samples, return_logprobs,
+                                          spec.filters.top_n), out)
     pipe = _pipeline(P.resolve_backend(backend, hidden.device), hidden.device)
     tokens, logprobs, logz, top = pipe.run(
         hidden.contiguous(), weight, bias, spec, n_real=vocab_size,
-        need_mass=return_logprobs or merge != "max", in_capture=in_capture)
+        need_mass=return_logprobs or merge != "max", in_capture=in_capture,
+        tokens_out=P.sink(out))
     if sig is not None and pipe.last_graph is not None:
-        _MEMO.store(sig, pipe, spec, seed, offset, given_bias, bias, _draw_seed)
-    return P.package(tokens, logprobs, logz, num_samples, return_logprobs, top)
+        _MEMO.store(sig, pipe, spec, seed, offset, given_bias, bias, _draw_seed, out)
+    return P.write_out(P.package(tokens, logprobs, logz, num_samples, return_logprobs, top), out)
 
 
 def _draw_seed(B: int, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:

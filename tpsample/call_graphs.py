@@ -16,7 +16,9 @@ A call whose bound tensor lies elsewhere re-issues the launches instead, and the
 dropped; the key's next capture copies that tensor (a loop that passes the same seed tensor
 for a while, then new ones, ends up with it copied). The graph's outputs are its
 own; the call returns clones of those it returns (a fresh tensor per call, as without the
-graph). Its intermediates (records) live in the graph's memory pool.
+graph), except where the caller gave a tensor for an output (SINKS: `out=` for the
+tokens): a bound one the graph writes itself (no launch after the replay), a copied one
+it fills after the replay. Its intermediates (records) live in the graph's memory pool.
 
 Plain calls take graphs, and filtered calls whose exact fallback always runs on the
 device (top-p / min-p without top-k, top log-probs or samples without replacement: no
@@ -39,19 +41,25 @@ MAX_CAPTURES = 4  # per key: a graph whose bound tensor moves is dropped and cap
                   # again with that name copied from then on (moving names only add up),
                   # at most this many times; then the key keeps re-issuing its launches
 NEVER_COPIED = ("weight",)  # per-call tensors a graph must find bound (an LM head's size)
+SINKS = {"out": "tokens"}  # per-call tensors the graph's output of that name goes into
 MAX_GRAPHS = 16  # per pipeline; all are dropped when full (keys change only with shapes)
 
 
 class CallGraph:
     """One captured call. inputs: {name: tensor the graph reads}; bound: names whose
-    tensor must lie at the address in bound_ptrs per call; outputs: {name: tensor the graph
-    writes}; live: False once its CallGraphs dropped it."""
-    __slots__ = ("graph", "inputs", "bound", "bound_ptrs", "copied", "outputs", "lock", "live",
-                 "__weakref__")
+    tensor must lie at the address in bound_ptrs per call; copied: the other names (filled
+    before the replay); outputs: {name: tensor the graph writes}; sinks: {output name:
+    (the per-call name it goes into, whether copied there after the replay)}; live: False
+    once its CallGraphs dropped it."""
+    __slots__ = ("graph", "inputs", "bound", "bound_ptrs", "copied", "outputs", "sinks", "lock",
+                 "live", "__weakref__")
+
+    def __init__(self):
+        self.lock, self.live, self.sinks = threading.Lock(), True, {}
 
     def __call__(self, tensors: dict, returned: tuple[str, ...]) -> dict | None:
-        """Replay with this call's tensors; {name: fresh clone} of the `returned` outputs,
-        or None (a bound tensor lies elsewhere: not this graph's call). The lock keeps
+        """Replay with this call's tensors; {name: fresh clone, or the call's sink tensor}
+        of the `returned` outputs, or None (a bound tensor lies elsewhere: not this graph's call). The lock keeps
         another thread's copies out from between this call's copies and replay."""
         if not self.binds(tensors):
             return None
@@ -68,15 +76,25 @@ class CallGraph:
         """The replay of a call that binds (see binds). fills: {name: fill(input)} for
         copied inputs written in place instead (one launch where a copy would follow the
         launch that made the tensor: tpsample/call_memo.py's offsets and drawn seeds)."""
-        inputs = self.inputs
+        inputs, sinks = self.inputs, self.sinks
         with self.lock:
             for name in self.copied:
                 if fills is not None and name in fills:
                     fills[name](inputs[name])
-                    continue
-                inputs[name].copy_(tensors[name])
+                elif name not in SINKS:
+                    inputs[name].copy_(tensors[name])
             self.graph.replay()
-            return {name: self.outputs[name].clone() for name in returned}
+            out = {}
+            for name in returned:
+                sink = sinks.get(name)
+                if sink is None:
+                    out[name] = self.outputs[name].clone()
+                    continue
+                t = tensors[sink[0]]
+                if sink[1]:  # (captured with another tensor there: the graph's own)
+                    t.copy_(self.outputs[name])
+                out[name] = t
+            return out
 
 
 class CallGraphs:
@@ -177,8 +195,6 @@ class CallGraphs:
 
     def _capture(self, tensors: dict, bound: frozenset, launch) -> CallGraph:
         g = CallGraph()
-        g.lock = threading.Lock()
-        g.live = True
         g.inputs = {n: (t if t is None or n in bound else torch.empty_like(t))
                     for n, t in tensors.items()}
         g.bound = tuple(n for n, t in tensors.items() if t is not None and n in bound)
@@ -195,4 +211,5 @@ class CallGraphs:
             finally:
                 g.graph.capture_end()
         current.wait_stream(side)
+        g.sinks = {SINKS[n]: (n, n in g.copied) for n in SINKS if tensors.get(n) is not None}
         return g

@@ -5,8 +5,8 @@ hidden states, the step as an int offset, and seeds drawn per call (seed=None). 
 call has gone through its CUDA graph (tpsample/call_graphs.py), the memo maps the call's
 signature to that graph and the tensors the graph read:
 
-    signature   the hidden states' shape / dtype / device, the weight, bias, seed and offset
-                tensors by identity (the memo holds them, so no other object can take their
+    signature   the hidden states' shape / dtype / device, the weight, bias, seed, offset
+                and out tensors by identity (the memo holds them, so no other object can take their
                 id), every other argument by value and type, and whether seed / offset are
                 None / int / tensors (an int seed by value; an int offset per call)
 
@@ -39,10 +39,11 @@ _SCALARS = frozenset({int, float, bool, str, type(None)})
 MAX_ENTRIES = 8  # per memo; all are dropped when full (a loop has one or two signatures)
 
 
-def signature(hidden: torch.Tensor, weight, bias, seed, offset, scalars: tuple):
+def signature(hidden: torch.Tensor, weight, bias, seed, offset, scalars: tuple, out=None):
     """The memo key of a call (see the module docstring), or None where the call is not
     memoised (a tensor or container among `scalars`, non-contiguous hidden states, a seed
-    or offset that is neither None / int nor a tensor). scalars: every other argument."""
+    or offset that is neither None / int nor a tensor). scalars: every other argument;
+    out: the call's tokens tensor (by identity) or None."""
     types = tuple(map(type, scalars))
     if not _SCALARS.issuperset(types) or not hidden.is_contiguous():
         return None
@@ -60,7 +61,8 @@ def signature(hidden: torch.Tensor, weight, bias, seed, offset, scalars: tuple):
     else:
         return None
     return (hidden.shape, hidden.dtype, hidden.get_device(), id(weight),
-            None if bias is None else id(bias), ts, s, to, o, scalars, types)
+            None if bias is None else id(bias), ts, s, to, o, scalars, types,
+            None if out is None else id(out))
 
 
 class Entry:
@@ -126,10 +128,11 @@ class CallMemo:
         return P.package(out["tokens"], out.get("logprobs"), out.get("logz"), e.num_samples,
                          e.return_logprobs, top)
 
-    def store(self, sig, pipeline, spec, seed, offset, bias, checked_bias, draw) -> None:
+    def store(self, sig, pipeline, spec, seed, offset, bias, checked_bias, draw,
+              out=None) -> None:
         """After a full call with signature `sig` (not None) whose launches went through
         the pipeline's graph (pipeline.last_graph): keep it where a repeat can skip to the
-        graph. seed / offset / bias: the call's arguments; checked_bias: params.check_bias's
+        graph. seed / offset / bias / out: the call's arguments; checked_bias: params.check_bias's
         result; draw(B, device, out=None): the seeds the full path draws for seed=None
         (into `out` where given)."""
         last = pipeline.last_graph
@@ -154,7 +157,7 @@ class CallMemo:
         e.draw = draw if seed is None else None
         e.int_offset = type(offset) is int
         e.num_samples, e.return_logprobs = spec.num_samples, spec.return_logprobs
-        e.refs = (seed, offset, bias)  # (their ids are in sig; the weight is in tensors or
+        e.refs = (seed, offset, bias, out)  # (their ids are in sig; the weight is in tensors or
         # is the pipeline's fixed weight)
         if len(self.entries) >= MAX_ENTRIES:
             self.entries.clear()

@@ -58,7 +58,7 @@ class VocabParallelSampler:
     Call: sampler(hidden [B, D], temperature=1.0, seed=None, offset=0, bias=None,
     num_samples=1, return_logprobs=False, top_k=None, top_p=None, min_p=None,
     top_logprobs=0, replacement=True, logprobs_mode="processed", allowed_mask=None,
-    logit_adjust=None, repetition_penalty=None) → exactly what tpsample.sample returns, with
+    logit_adjust=None, repetition_penalty=None, out=None) → exactly what tpsample.sample returns, with
     global token ids, identical on every rank (filtered rows: the same tokens as
     tpsample.sample on the full weight, whatever the merge). hidden, temperature, seed,
     offset, the filters and the constraints must be equal on all ranks (allowed_mask the
@@ -222,26 +222,28 @@ class VocabParallelSampler:
                  return_logprobs: bool = False, top_k=None, top_p=None, min_p=None,
                  top_logprobs: int = 0, replacement: bool = True,
                  logprobs_mode: str = "processed", allowed_mask: torch.Tensor | None = None,
-                 logit_adjust=None, repetition_penalty=None) -> torch.Tensor | P.SampleOutput:
+                 logit_adjust=None, repetition_penalty=None,
+                 out: torch.Tensor | None = None) -> torch.Tensor | P.SampleOutput:
         self.transport.check()  # an earlier exchange that failed on the device raises here
         sig, checked = None, False
         if knobs.MEMO and type(hidden) is torch.Tensor and hidden.is_cuda:
             sig = signature(hidden, self.weight, bias, seed, offset, (
                 temperature, num_samples, return_logprobs, top_k, top_p, min_p, top_logprobs,
-                replacement, logprobs_mode, allowed_mask, logit_adjust, repetition_penalty))
+                replacement, logprobs_mode, allowed_mask, logit_adjust, repetition_penalty), out)
             if sig is not None and sig in self.memo.entries:  # (a call validated before)
                 checked = self.check_inputs and not P.capturing(hidden.device)
                 if checked:
                     self._check_call(hidden, num_samples, C.NO_CONSTRAINTS)
-                out = self.memo.call(sig, hidden, seed, offset)
-                if out is not None:
-                    return out
+                res = self.memo.call(sig, hidden, seed, offset)
+                if res is not None:
+                    return res if out is None else P.write_out(res, out)
         P.check_hidden_weight(hidden, self.weight, "weight_shard")
         if return_logprobs is True and not self.logprobs:
             raise ValueError("return_logprobs=True, but this sampler was built with logprobs=False")
         if replacement is False and self.merge != "max":
             raise ValueError(f"replacement=False needs merge='max' (Gumbel-top-S); this sampler "
                              f"was built with merge={self.merge!r}")
+        P.check_out(out, hidden, num_samples)
         given_bias, given_seed = bias, seed
         bias = P.check_bias(bias, self.weight.shape[0], hidden.device)
         B = hidden.shape[0]
@@ -262,15 +264,17 @@ class VocabParallelSampler:
         if self.check_inputs and not capturing and not checked:  # (a host sync cannot be
             self._check_call(hidden, num_samples, spec.constraints)  # captured)
         if B == 0:
-            return P.empty_result(hidden.device, num_samples, return_logprobs, spec.filters.top_n)
+            return P.write_out(P.empty_result(hidden.device, num_samples, return_logprobs,
+                                              spec.filters.top_n), out)
         tokens, logprobs, logz, top = self.pipeline.run(
             hidden.contiguous(), self.weight, bias, spec, n_real=self.n_real,
             need_mass=self.logprobs, vocab_start=self.vocab_start, tiles=self.tiles,
-            in_capture=capturing)
+            in_capture=capturing, tokens_out=P.sink(out))
         if sig is not None and self.pipeline.last_graph is not None:
             self.memo.store(sig, self.pipeline, spec, given_seed, offset, given_bias, bias,
-                            self._draw_seed)
-        return P.package(tokens, logprobs, logz, num_samples, return_logprobs, top)
+                            self._draw_seed, out)
+        return P.write_out(P.package(tokens, logprobs, logz, num_samples, return_logprobs, top),
+                           out)
 
     def _draw_seed(self, B: int, device: torch.device,
                    out: torch.Tensor | None = None) -> torch.Tensor:

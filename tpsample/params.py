@@ -338,6 +338,46 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+def check_out(out, hidden: torch.Tensor, num_samples: int):
+    """out: None, or the int64 tensor a call writes its tokens into ([B] when num_samples
+    is 1, else [B, num_samples], contiguous, on hidden's device)."""
+    if out is None:
+        return
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
+    B = hidden.shape[0]
+    shape = (B,) if num_samples == 1 else (B, num_samples)
+    if tuple(out.shape) != shape:
+        raise ValueError(f"out must have shape {list(shape)} (B = {B}, num_samples = "
+                         f"{num_samples}), got {list(out.shape)}")
+    if out.dtype != torch.int64:
+        raise TypeError(f"out must be int64, got {out.dtype}")
+    if out.device != hidden.device:
+        raise ValueError(f"out is on {out.device} but hidden is on {hidden.device}")
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous")
+    if out.requires_grad:
+        raise ValueError("out must not require grad")
+
+
+def sink(out):
+    """The tensor a call's kernels may write their tokens into directly: out where its
+    address is 16-byte aligned (the kernels were compiled for fresh allocations, and Triton
+    specialises pointers on that alignment), else None (the tokens are copied into out)."""
+    return out if out is not None and out.data_ptr() % 16 == 0 else None
+
+
+def write_out(result, out):
+    """result (package's) with its tokens in `out` (copied unless the kernels wrote them
+    there) and `out` in their place; result as it is where out is None."""
+    if out is None:
+        return result
+    tokens = result if isinstance(result, torch.Tensor) else result.tokens
+    if tokens.data_ptr() != out.data_ptr():  # (a fresh tensor never shares out's address)
+        out.copy_(tokens.reshape(out.shape))
+    return out if isinstance(result, torch.Tensor) else result._replace(tokens=out)
+
+
 def package(tokens, logprobs, logz, num_samples: int, return_logprobs: bool, top=None):
     """tokens / logprobs [B, S] (or already [B] when S == 1) → the public result; top:
     (top_tokens, top_logprobs) when top_logprobs > 0 was asked (the result is then a

@@ -112,6 +112,8 @@ class Pipeline:
                 stage1(stream, records=mine, **named)
                 self.transport.exchange(mine, full)
                 out = replay.reduce_outputs(B, S, self.device)
+                if named.get("out") is not None:  # (the caller's out: tokens straight there)
+                    out["tokens"] = named["out"]
                 stage2(stream, records=full, **out, **named)
                 return out
             graph = self.graphs.capture(key, per_call, bound, launch)
@@ -180,7 +182,8 @@ class Pipeline:
     def run(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             spec: SamplingSpec, *, n_real: int, need_mass: bool, vocab_start: int = 0,
             tiles: int | None = None, plan: Plan | None = None,
-            trace: torch.Tensor | None = None, in_capture: bool | None = None):
+            trace: torch.Tensor | None = None, in_capture: bool | None = None,
+            tokens_out: torch.Tensor | None = None):
         """tokens int64 [B, S], logprobs fp32 [B, S], logz fp32 [B] and top (None, or
         (top_tokens int64 [B, n], top_logprobs fp32 [B, n])) of one call.
 
@@ -191,7 +194,10 @@ class Pipeline:
         slot); rows [n_real, V_rows) are padding; tiles: tiles per slot (default: this
         weight's); plan: an explicit plan (tools) instead of make_plan's; trace: see
         launchers.stage1; in_capture: whether the current stream captures a CUDA graph, when
-        the caller knows (params.capturing).
+        the caller knows (params.capturing); tokens_out: the caller's int64 tokens tensor
+        (params.sink: aligned, the public shape) that replayed launches and graphs write the
+        tokens into, else None; the returned tokens may then be it (or not: the caller
+        copies them, params.write_out).
 
         With S = 1 a filtered call's tokens and logprobs may come back [B] or [B, 1]; a
         tokens-only call (spec.return_logprobs False, merge "max", no candidates) may return
@@ -203,7 +209,7 @@ class Pipeline:
             return self._run_filtered(hidden, weight, bias, params, n_real=n_real, merge=merge,
                                       num_samples=num_samples, vocab_start=vocab_start,
                                       tiles=tiles, filters=filters, constraints=constraints,
-                                      in_capture=in_capture,
+                                      in_capture=in_capture, tokens_out=tokens_out,
                                       logprobs=spec.return_logprobs or bool(filters.top_n))
         B = hidden.shape[0]
         T = tiles if tiles is not None else records.num_tiles(weight.shape[0])
@@ -247,7 +253,8 @@ class Pipeline:
                 stream = replay.current_stream(hidden.device.index)
                 if (self.graphs is not None and self.graphs.usable(in_capture)
                         and not constraints.listed):  # (its scratch is per call)
-                    out = self._graph_call((key, stream), per_call,
+                    out = self._graph_call((key, stream, tokens_out is not None),
+                                           with_sink(per_call, tokens_out),
                                            _RETURNED[spec.return_logprobs], stage1, stage2,
                                            (numel, B, num_samples))
                     if out is not None:
@@ -257,6 +264,8 @@ class Pipeline:
                 self.transport.exchange(mine, full)
                 out = self._outputs(B, num_samples, hidden.device, stream,
                                     spec.return_logprobs or in_capture is not False)
+                if tokens_out is not None:
+                    out["tokens"] = tokens_out
                 stage2(stream, records=full, **out, **per_call)
                 return out["tokens"], out["logprobs"], out["logz"], None
 
@@ -283,7 +292,8 @@ class Pipeline:
     def _run_filtered(self, hidden, weight, bias, params: RowParams, *, n_real: int, merge: str,
                       num_samples: int, vocab_start: int, tiles: int | None, filters: Filters,
                       constraints: C.Constraints = C.NO_CONSTRAINTS,
-                      in_capture: bool | None = None, logprobs: bool = True):
+                      in_capture: bool | None = None, logprobs: bool = True,
+                      tokens_out: torch.Tensor | None = None):
         """A call with candidate planes (tpsample/filters.py): stage 1 with candidates, the
         exchange, the candidate reduce (which, with merge "max", also takes the unfiltered
         rows' winners; other merges run over the sample planes first), and the exact
@@ -315,7 +325,7 @@ class Pipeline:
                 in_capture = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
             out, on_device, side = self._filtered_launches(
                 hidden, weight, bias, params, merge, S, n_real, vocab_start, T, filters,
-                constraints, in_capture, logprobs)
+                constraints, in_capture, logprobs, tokens_out)
             if on_device:
                 self.candidate_rows += B
                 if hidden.is_cuda and not in_capture:
@@ -333,7 +343,8 @@ class Pipeline:
 
     def _filtered_launches(self, hidden, weight, bias, params, merge, S, n_real, vocab_start,
                            T, filters, constraints: C.Constraints,
-                           in_capture: bool, logprobs: bool = True
+                           in_capture: bool, logprobs: bool = True,
+                           tokens_out: torch.Tensor | None = None
                            ) -> tuple[F.FilteredOutput, bool]:
         """Stage 1, exchange and launchers.stage2_filtered, replayed like run()'s launches;
         returns (outputs, whether the exact fallback ran on the device).
@@ -382,7 +393,7 @@ class Pipeline:
                     if on_device:
                         out = self._filtered_graph_call(key, stage1, stage2s, per_call, filters,
                                                         side_out, B, S, T, numel, stream,
-                                                        logprobs)
+                                                        logprobs, tokens_out)
                         if out is not None:
                             return out, True, None
         per_call["side"] = (torch.empty(B, T * records.TILE, dtype=torch.float32,
@@ -478,7 +489,7 @@ class Pipeline:
 
     def _filtered_graph_call(self, key, stage1, stage2s: dict, per_call: dict, filters,
                              side_out: bool, B: int, S: int, T: int, numel: int, stream: int,
-                             logprobs: bool):
+                             logprobs: bool, tokens_out: torch.Tensor | None = None):
         """A filtered call whose fallback runs on the device, through its CUDA graph
         (tpsample/call_graphs.py; _graph_call for the plain path): a FilteredOutput with
         the returned outputs (tokens; log-probs and log Z with `logprobs`; the top tokens
@@ -490,8 +501,8 @@ class Pipeline:
         if self.gather_fallback:  # (a grown buffer changes the transport's key)
             self.transport.rows_gather(B, n)
         gkey = (key, filters.top_n, logprobs, self.transport.key(),
-                replay.tensor_key(tuple(later.values())), stream)
-        named = dict(per_call, **later)
+                replay.tensor_key(tuple(later.values())), stream, tokens_out is not None)
+        named = with_sink(dict(per_call, **later), tokens_out)
         graph = self.graphs.get(gkey)
         if graph is None:
             bound = self.graphs.due(gkey, named)
@@ -516,10 +527,12 @@ class Pipeline:
                 mine, full = self.transport.slots(numel)
                 stage1(stream, records=mine, side=side, **named)
                 self.transport.exchange(mine, full)
-                out = launchers.filtered_outputs(B, S, filters.top_n, dev, flat=True)
-                stage2(stream, records=full, sample_records=full, **out._asdict(), **named,
+                out = launchers.filtered_outputs(B, S, filters.top_n, dev, flat=True)._asdict()
+                if named.get("out") is not None:  # (the caller's out: tokens straight there)
+                    out["tokens"] = named["out"]
+                stage2(stream, records=full, sample_records=full, **out, **named,
                        side=side, **extra)
-                return out._asdict()
+                return out
             graph = self.graphs.capture(gkey, named, bound, launch)
             if graph is None:
                 return None
@@ -534,6 +547,13 @@ class Pipeline:
 _OUT_NAMES = F.FilteredOutput._fields
 _TOP = ("top_tokens", "top_logprobs")
 _RETURNED = {False: ("tokens",), True: ("tokens", "logprobs", "logz")}
+
+def with_sink(per_call: dict, tokens_out) -> dict:
+    """A graph call's named tensors: with the caller's tokens tensor as "out" where given
+    (call_graphs.SINKS: the graph writes the tokens there, or copies them there when it
+    was captured with another)."""
+    return per_call if tokens_out is None else dict(per_call, out=tokens_out)
+
 
 def fast_fallback(filters: Filters) -> bool:
     """Whether every row such a call flags takes kernels/filter_cut.py's fast path (top-p /

@@ -253,6 +253,53 @@ def test_memoised_calls_equal_the_full_path(kw, monkeypatch):
                 assert (x is None and y is None) or torch.equal(x, y), i
 
 
+@pytest.mark.parametrize("kw", [dict(), dict(return_logprobs=True), dict(top_p=0.9),
+                                dict(num_samples=2)])
+def test_calls_with_out_equal_calls_without(kw, monkeypatch):
+    """out= through every path a decode loop takes (recorded, re-issued, the graph's
+    capture, the memo), with the same out each step, then two outs taking turns (the graph
+    recaptured with out copied after the replay), then an out one element into its buffer
+    (not 16-byte aligned: copied): each call returns its out holding the tokens of the same
+    loop without out, and log-probs / log Z equal; a graph captured with the loop's out
+    writes it itself."""
+    from tpsample import api, call_graphs
+    B = 24
+    w, hs = head_and_states(4, B, 16, False)
+    S = kw.get("num_samples", 1)
+    shape = (B,) if S == 1 else (B, S)
+    same = torch.empty(shape, dtype=torch.int64, device="cuda")
+    turns = [torch.empty(shape, dtype=torch.int64, device="cuda") for _ in range(2)]
+    odd = torch.empty(B * S + 1, dtype=torch.int64, device="cuda")[1:].view(shape)
+    outs = [same] * 6 + [turns[i % 2] for i in range(6)] + [odd] * 4
+
+    def run(with_out: bool):
+        api._PIPELINES.clear()
+        seed = torch.zeros(B, dtype=torch.int64, device="cuda")
+        res = []
+        for step, out in enumerate(outs):
+            seed.fill_(step)
+            r = tpsample.sample(hs[step % len(hs)], w, seed=seed, offset=step,
+                                out=out if with_out else None, **kw)
+            t = r if isinstance(r, torch.Tensor) else r.tokens
+            if with_out:
+                assert t is out, step
+            res.append((t.clone(), None if isinstance(r, torch.Tensor) else r[1:3]))
+            if with_out and step == 5:
+                (pipe,) = api._PIPELINES.values()
+                graph = pipe.last_graph[1]
+                assert graph.sinks == {"tokens": ("out", False)}
+                assert graph.outputs["tokens"] is same
+        torch.cuda.synchronize()
+        return res
+
+    want, got = run(False), run(True)
+    for step, ((a, al), (b, bl)) in enumerate(zip(want, got)):
+        assert torch.equal(a, b), step
+        if al is not None:
+            assert torch.equal(al[0], bl[0]) and torch.equal(al[1], bl[1]), step
+    assert call_graphs.SINKS == {"out": "tokens"}
+
+
 def test_verify_drafts_kernels_and_their_replays_equal_the_torch_scan():
     """verify_drafts on CUDA (kernels/draft_scan.py around the sampler call; from the second
     call the two launches are re-issued through their recorded launchers) against the

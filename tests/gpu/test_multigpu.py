@@ -161,7 +161,8 @@ def test_tp_filtered_calls_through_their_graph_equal_reissued_launches():
 
 def memo_rank(rank, world, B, memo, kw):
     """A decode loop over symmetric memory: new hidden states, the step as an int offset,
-    seed=None (the sampler's generator), with TPSAMPLE_MEMO on or off."""
+    seed=None (the sampler's generator), with TPSAMPLE_MEMO on (and the tokens into one
+    out= tensor) or off."""
     from tpsample import knobs
     knobs.MEMO = memo
     h, w, _, _ = inputs(B)
@@ -170,9 +171,11 @@ def memo_rank(rank, world, B, memo, kw):
     sampler = tpsample.VocabParallelSampler(shard(w, rank, world, dev), vocab_size=VOCAB,
                                             transport="symm_mem")
     outs = []
+    given = torch.empty(B, dtype=torch.int64, device=dev) if memo else None
     for step in range(10):
         out = sampler((h * 0.05 * (1 + step / 10)).to(dev), temperature=0.9, offset=step,
-                      return_logprobs=True, **kw)
+                      return_logprobs=True, out=given, **kw)
+        assert given is None or out.tokens is given
         outs.append((out.tokens.cpu(), out.logprobs.cpu(), out.logz.cpu()))
     sampler.check_exchange()
     return dict(outs=outs, hits=sampler.memo.hits)
@@ -181,8 +184,8 @@ def memo_rank(rank, world, B, memo, kw):
 @pytest.mark.parametrize("kw", [dict(), dict(top_p=0.95)])
 def test_tp_memoised_calls_equal_the_full_path(kw):
     """Under TP (symmetric memory, the per-call input check on) a decode loop through
-    tpsample/call_memo.py gives every call the tokens, log-probs and log Z of the same loop
-    with the memo off, on every rank."""
+    tpsample/call_memo.py, its tokens into one out= tensor, gives every call the tokens,
+    log-probs and log Z of the same loop with the memo off and no out, on every rank."""
     world = min(torch.cuda.device_count(), 4)
     if world < 2:
         pytest.skip("needs 2 GPUs")
