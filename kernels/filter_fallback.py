@@ -48,7 +48,8 @@ def fallback_logits_kernel(h_ptr, w_ptr, bias_ptr, inv_temp_ptr, flag_ptr, out_p
                            stride_side, HAS_BIAS: tl.constexpr, BLOCK_V: tl.constexpr,
                            BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
                            HAS_MASK: tl.constexpr = False, PDL: tl.constexpr = False,
-                           FANOUT: tl.constexpr = False, FROM_SIDE: tl.constexpr = False):
+                           FANOUT: tl.constexpr = False, FROM_SIDE: tl.constexpr = False,
+                           BLOCK_R: tl.constexpr = 32):
     """out[b, tile] = (h[b] . W[tile] + bias) * (1/T_b), -inf from n_real on, for the rows
     b with flag[b] != 0 (out: fp32 [B, n_tiles * BLOCK_V]; other rows are not written); the
     programs take the tiles in turn (a grid of about two per SM: a call without a flagged row
@@ -62,7 +63,7 @@ def fallback_logits_kernel(h_ptr, w_ptr, bias_ptr, inv_temp_ptr, flag_ptr, out_p
     [world], the slot's address in each rank's buffer, symmetric memory); a rank whose
     exchange has failed (calls[0] < 0) stores nothing. FROM_SIDE: the rows are read from
     side_ptr (fp32 [B, n_tiles * BLOCK_V], row stride stride_side: the transformed logits
-    stage 1 wrote, mask applied) instead of recomputed."""
+    stage 1 wrote, mask applied) instead of recomputed, BLOCK_R rows per step."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -72,19 +73,29 @@ def fallback_logits_kernel(h_ptr, w_ptr, bias_ptr, inv_temp_ptr, flag_ptr, out_p
     for tile in range(tl.program_id(0), tl.where(flagged > 0, n_tiles, 0), tl.num_programs(0)):
         offs_v = tile * BLOCK_V + tl.arange(0, BLOCK_V)
         mask_v = offs_v < V_rows
-        for b in range(B):
-            if tl.load(flag_ptr + b) != 0:
-                if FROM_SIDE:
-                    l = tl.load(side_ptr + tl.cast(b, tl.int64) * stride_side + offs_v)
+        if FROM_SIDE:  # a copy, BLOCK_R rows per step (a row per step leaves each program
+            for b0 in range(0, B, BLOCK_R):  # waiting on one 512-byte load at a time)
+                rows = b0 + tl.arange(0, BLOCK_R)
+                keep = tl.load(flag_ptr + rows, mask=rows < B, other=0) != 0
+                keep2 = keep[:, None] & (offs_v[None, :] >= 0)
+                rows64 = rows.to(tl.int64)[:, None]
+                l = tl.load(side_ptr + rows64 * stride_side + offs_v[None, :], mask=keep2)
+                at = rows64 * stride_ob + offs_v[None, :]
+                if FANOUT:
+                    store_to_every_rank(out_ptr, at, l, peer_ptrs_ptr, world, keep2)
                 else:
+                    tl.store(out_ptr + at, l, mask=keep2)
+        else:
+            for b in range(B):
+                if tl.load(flag_ptr + b) != 0:
                     l = _recomputed_logits(h_ptr, w_ptr, bias_ptr, inv_temp_ptr, b, offs_v,
                                            mask_v, n_real, D, stride_hb, stride_wv, mask_ptr,
                                            stride_mask, vocab_start, HAS_BIAS, BLOCK_D, HAS_MASK)
-                at = tl.cast(b, tl.int64) * stride_ob + offs_v
-                if FANOUT:
-                    store_to_every_rank(out_ptr, at, l, peer_ptrs_ptr, world)
-                else:
-                    tl.store(out_ptr + at, l)
+                    at = tl.cast(b, tl.int64) * stride_ob + offs_v
+                    if FANOUT:
+                        store_to_every_rank(out_ptr, at, l, peer_ptrs_ptr, world)
+                    else:
+                        tl.store(out_ptr + at, l)
 
 
 @triton.jit

@@ -226,3 +226,29 @@ def test_one_rank_symm_mem_call_with_constraints_gathers_the_listed_tokens_too()
     assert_same(res["outs"][0], reference_sample(h, w, **kw), True)
     local = tpsample.sample(h, w, backend="triton", return_logprobs=True, **kw)
     assert torch.equal(res["outs"][0].tokens, local.tokens)
+
+
+def test_side_rows_are_gathered_into_every_ranks_buffer():
+    """FROM_SIDE with FANOUT (a tokens-only top-p call under TP): each flagged row of the
+    side output (more rows than one step's block, not a multiple of it) lands in this rank's
+    slot of every rank's buffer, bit for bit; unflagged rows and the other rank's slots are
+    not written."""
+    B, n, world, me = 45, 3 * records.TILE, 2, 1
+    side = torch.randn(B, n, generator=torch.Generator().manual_seed(3))
+    flags = (torch.arange(B) % 3 != 1).to(torch.int32)
+    flags[42:] = 0  # (rows 32-41 in the second block, some flagged)
+    bufs = [torch.full((world, B, n), 7.0) for _ in range(world)]
+    peers = torch.tensor([b[me].data_ptr() for b in bufs], dtype=torch.int64)
+    gather = launchers.FallbackGather(bufs[me], bufs[me][me], peers, torch.zeros(1, dtype=torch.int64),
+                                      torch.tensor([0, n], dtype=torch.int64), stop)
+    h = torch.zeros(B, 8)
+    row = P.row_params(h, 1.0, 1, 0)
+    filters = P.filter_params(h, None, 0.9, None, 0, 1, True, "processed", 2 * n)
+    with pytest.raises(Stop):  # (stopped at the exchange, after the stores)
+        launchers.fallback_on_device(h, torch.zeros(n, 8), None, row, filters,
+                                     fresh_out(B, 1, 0, flags), None,
+                                     torch.zeros(1, dtype=torch.int32), n_real=n,
+                                     vocab_start=n, gather=gather, side=side)
+    for b in bufs:
+        assert torch.equal(b[me][flags == 1], side[flags == 1])
+        assert (b[me][flags == 0] == 7.0).all() and (b[1 - me] == 7.0).all()
