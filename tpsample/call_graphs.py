@@ -58,9 +58,10 @@ class CallGraph:
         self.lock, self.live, self.sinks = threading.Lock(), True, {}
 
     def __call__(self, tensors: dict, returned: tuple[str, ...]) -> dict | None:
-        """Replay with this call's tensors; {name: fresh clone, or the call's sink tensor}
-        of the `returned` outputs, or None (a bound tensor lies elsewhere: not this graph's call). The lock keeps
-        another thread's copies out from between this call's copies and replay."""
+        """Replay with this call's tensors; {name: a fresh clone, or the call's sink
+        tensor} of the `returned` outputs, or None (a bound tensor lies elsewhere: not this
+        graph's call). The lock keeps another thread's copies out from between this call's
+        copies and replay."""
         if not self.binds(tensors):
             return None
         return self.run(tensors, returned)

@@ -6,9 +6,10 @@ call has gone through its CUDA graph (tpsample/call_graphs.py), the memo maps th
 signature to that graph and the tensors the graph read:
 
     signature   the hidden states' shape / dtype / device, the weight, bias, seed, offset
-                and out tensors by identity (the memo holds them, so no other object can take their
-                id), every other argument by value and type, and whether seed / offset are
-                None / int / tensors (an int seed by value; an int offset per call)
+                and out tensors by identity (the memo holds them, so no other object can
+                take their id), every other argument by value and type, and whether seed /
+                offset are None / int / tensors (an int seed by value; an int offset per
+                call)
 
 A call with a known signature skips validation, the SamplingSpec, the plan and replay keys
 and the graph lookup: it writes an int offset and the seeds it draws for seed=None straight
@@ -132,9 +133,9 @@ class CallMemo:
               out=None) -> None:
         """After a full call with signature `sig` (not None) whose launches went through
         the pipeline's graph (pipeline.last_graph): keep it where a repeat can skip to the
-        graph. seed / offset / bias / out: the call's arguments; checked_bias: params.check_bias's
-        result; draw(B, device, out=None): the seeds the full path draws for seed=None
-        (into `out` where given)."""
+        graph. seed / offset / bias / out: the call's arguments; checked_bias:
+        params.check_bias's result; draw(B, device, out=None): the seeds the full path draws
+        for seed=None (into `out` where given)."""
         last = pipeline.last_graph
         if last is None or not knobs.MEMO or spec.constrained:
             return
@@ -157,8 +158,8 @@ class CallMemo:
         e.draw = draw if seed is None else None
         e.int_offset = type(offset) is int
         e.num_samples, e.return_logprobs = spec.num_samples, spec.return_logprobs
-        e.refs = (seed, offset, bias, out)  # (their ids are in sig; the weight is in tensors or
-        # is the pipeline's fixed weight)
+        e.refs = (seed, offset, bias, out)  # (their ids are in sig; the weight is in tensors
+        # or is the pipeline's fixed weight)
         if len(self.entries) >= MAX_ENTRIES:
             self.entries.clear()
         self.entries[sig] = e

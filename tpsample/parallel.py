@@ -58,8 +58,8 @@ class VocabParallelSampler:
     Call: sampler(hidden [B, D], temperature=1.0, seed=None, offset=0, bias=None,
     num_samples=1, return_logprobs=False, top_k=None, top_p=None, min_p=None,
     top_logprobs=0, replacement=True, logprobs_mode="processed", allowed_mask=None,
-    logit_adjust=None, repetition_penalty=None, out=None) → exactly what tpsample.sample returns, with
-    global token ids, identical on every rank (filtered rows: the same tokens as
+    logit_adjust=None, repetition_penalty=None, out=None) → exactly what tpsample.sample
+    returns, with global token ids, identical on every rank (filtered rows: the same tokens as
     tpsample.sample on the full weight, whatever the merge). hidden, temperature, seed,
     offset, the filters and the constraints must be equal on all ranks (allowed_mask the
     full [B, ceil(vocab / 32)] mask, logit_adjust's ids global ids: each rank uses the bits

@@ -89,6 +89,32 @@ def check_drafts(hidden: torch.Tensor, draft_tokens, draft_probs, vocab_size: in
             raise ValueError(f"draft_probs is on {draft_probs.device}, hidden on {hidden.device}")
 
 
+_ROW_BUFFERS: dict = {}  # (B, S + 1, device, stream) -> draft_rows' outputs, reused
+
+
+def _row_buffers(B: int, S1: int, dev) -> tuple:
+    """draft_rows' outputs n int64 [B], bad int32 [B], seed_rows and offset_rows int64
+    [B·S1]: one set per (B, S1, device, stream), written again by each call. Everything that
+    reads them runs within the call, after the write, in the same stream, so the next call's
+    write comes after those reads; and the sampler then gets the same seed and offset
+    tensors every call, which its call memo (tpsample/call_memo.py) needs to serve it. New
+    tensors during a CUDA-graph capture (the graph keeps those)."""
+    def fresh():
+        return (torch.empty(B, dtype=torch.int64, device=dev),
+                torch.empty(B, dtype=torch.int32, device=dev),
+                torch.empty(B * S1, dtype=torch.int64, device=dev),
+                torch.empty(B * S1, dtype=torch.int64, device=dev))
+    if P.capturing(dev):
+        return fresh()
+    key = (B, S1, dev, replay.current_stream(dev.index) if dev.type == "cuda" else 0)
+    bufs = _ROW_BUFFERS.get(key)
+    if bufs is None:
+        if len(_ROW_BUFFERS) >= 64:
+            _ROW_BUFFERS.clear()
+        bufs = _ROW_BUFFERS[key] = fresh()
+    return bufs
+
+
 def request_key(name: str, value, B: int, device) -> torch.Tensor:
     """seed or offset (an int, or a Tensor[B] int64 / int32 per request) as a contiguous
     int64 [B] on device (the kernel reads one value per request)."""
@@ -119,10 +145,7 @@ def draft_rows(hidden: torch.Tensor, draft_tokens: torch.Tensor, draft_probs, vo
         seed = draw_seed(B)
     if kernels:
         seed_b, offset_b = request_key("seed", seed, B, dev), request_key("offset", offset, B, dev)
-        n = torch.empty(B, dtype=torch.int64, device=dev)
-        bad = torch.empty(B, dtype=torch.int32, device=dev)
-        seed_rows = torch.empty(B * S1, dtype=torch.int64, device=dev)
-        offset_rows = torch.empty(B * S1, dtype=torch.int64, device=dev)
+        n, bad, seed_rows, offset_rows = _row_buffers(B, S1, dev)
         _launch(draft_scan.draft_rows_kernel, B, (S, vocab_size), dict(
             draft_ptr=draft_tokens.contiguous(), seed_ptr=seed_b, offset_ptr=offset_b, n_ptr=n,
             bad_ptr=bad, seed_rows_ptr=seed_rows, offset_rows_ptr=offset_rows),

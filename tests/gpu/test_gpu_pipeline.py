@@ -300,6 +300,37 @@ def test_calls_with_out_equal_calls_without(kw, monkeypatch):
     assert call_graphs.SINKS == {"out": "tokens"}
 
 
+@pytest.mark.parametrize("kw", [dict(), dict(return_logprobs=True, top_p=0.9)])
+def test_a_verification_loop_goes_through_the_call_memo(kw, monkeypatch):
+    """verify_drafts at every step of a loop (new drafts and states, the step as an int
+    offset, seed=None): its sampler call gets the same seed / offset tensors every call
+    (verify._row_buffers), so the call memo serves it once its graph is captured; the
+    outputs equal the same loop with TPSAMPLE_MEMO=0."""
+    from tpsample import api, knobs
+    B, S, D, V = 6, 3, 256, 5000
+    g = torch.Generator(device="cuda").manual_seed(2)
+    w = (torch.randn(V, D, device="cuda", generator=g) * 0.1).bfloat16()
+    hs = [torch.randn(B, S + 1, D, device="cuda", generator=g).bfloat16() for _ in range(8)]
+    drafts = [torch.randint(0, V, (B, S), device="cuda", generator=g) for _ in range(8)]
+
+    def run(memo: bool):
+        monkeypatch.setattr(knobs, "MEMO", memo)
+        api._PIPELINES.clear()
+        torch.manual_seed(0)  # the drawn seeds
+        hits = api._MEMO.hits
+        outs = [tpsample.verify_drafts(h, w, d, offset=step, **kw)
+                for step, (h, d) in enumerate(zip(hs, drafts))]
+        torch.cuda.synchronize()
+        return outs, api._MEMO.hits - hits
+
+    (want, none), (got, hits) = run(False), run(True)
+    assert none == 0 and hits >= 4
+    for step, (a, b) in enumerate(zip(want, got)):
+        for x, y in zip(a, b):  # (log-probs are NaN after the emitted tokens)
+            assert (x is None and y is None) or torch.equal(x.nan_to_num(7.0),
+                                                            y.nan_to_num(7.0)), step
+
+
 def test_verify_drafts_kernels_and_their_replays_equal_the_torch_scan():
     """verify_drafts on CUDA (kernels/draft_scan.py around the sampler call; from the second
     call the two launches are re-issued through their recorded launchers) against the
