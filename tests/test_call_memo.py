@@ -68,6 +68,9 @@ class Pipe:
         g.copied = tuple(n for n, t in tensors.items() if t is not None and n not in g.bound)
         g.inputs = {n: (t if n in g.bound or t is None else t.clone()) for n, t in tensors.items()}
         g.outputs = dict(tokens=torch.zeros(tensors["hidden"].shape[0], dtype=torch.int64))
+        if tensors.get("out") is not None:  # (as a capture with out=: the tokens go there)
+            g.outputs["tokens"] = g.inputs["out"]
+            g.sinks = {"tokens": ("out", "out" in g.copied)}
         self.replays = 0
 
         class Graph:
@@ -94,21 +97,24 @@ def cpu_memo(monkeypatch):
     return CM.CallMemo()
 
 
-def stored(memo, seed=None, offset=5, bias=None, filtered=False, bound=("weight",), **kw):
+def stored(memo, seed=None, offset=5, bias=None, filtered=False, bound=("weight",), out=None,
+           **kw):
     """A memo holding one call (hidden [B, D] of ones) that went through its graph."""
     h, w = torch.ones(B, D), torch.zeros(V, D)
     spec = spec_of(h, seed=1 if seed is None else seed, offset=offset, **kw)
     pipe = Pipe(bound)
     tensors = dict(hidden=h, inv_temp=spec.row.inv_temp, seed=spec.row.seed,
                    offset=spec.row.offset, bias=bias, weight=w)
+    if out is not None:
+        tensors["out"] = out
     pipe.graph_call(tensors, filtered)
-    sig = CM.signature(h, w, bias, seed, offset, SCALARS)
+    sig = CM.signature(h, w, bias, seed, offset, SCALARS, out)
     draws = []
 
     def draw(n, device, out=None):
         draws.append(n)
         return torch.full((n,), 100 * len(draws), dtype=torch.int64, out=out)
-    memo.store(sig, pipe, spec, seed, offset, bias, bias, draw)
+    memo.store(sig, pipe, spec, seed, offset, bias, bias, draw, out)
     return sig, pipe, w, draws
 
 
@@ -133,6 +139,10 @@ def test_signature_keys_what_the_full_path_would_validate_the_same_way():
     assert CM.signature(torch.ones(D, B).T, w, None, 3, 7, SCALARS) is None
     assert CM.signature(h, w, None, 3.0, 7, SCALARS) is None
     assert CM.signature(h, w, None, 3, [7], SCALARS) is None
+    out = torch.zeros(B, dtype=torch.int64)  # out= by identity
+    with_out = CM.signature(h, w, None, 3, 7, SCALARS, out)
+    assert with_out != sig and with_out == CM.signature(h, w, None, 3, 8, SCALARS, out)
+    assert with_out != CM.signature(h, w, None, 3, 7, SCALARS, out.clone())
 
 
 def test_a_hit_replays_the_graph_with_this_calls_hidden_offset_and_seeds(cpu_memo):
@@ -148,6 +158,19 @@ def test_a_hit_replays_the_graph_with_this_calls_hidden_offset_and_seeds(cpu_mem
     assert pipe.graphs.graphs and set(next(iter(pipe.graphs.graphs.values())).copied) >= {
         "hidden", "seed", "offset"}
     assert pipe.fallback.watched == 0 and pipe.candidate_rows == 0
+
+
+@pytest.mark.parametrize("copied", [False, True])
+def test_a_hit_with_out_returns_it_holding_the_tokens(cpu_memo, copied):
+    """A memoised call with out=: the graph's tokens go into that tensor (bound: the graph
+    writes it; copied: after the replay) and the call returns it, no clone."""
+    out = torch.full((B,), -1, dtype=torch.int64)
+    sig, pipe, _, _ = stored(cpu_memo, out=out,
+                             bound=("weight",) if copied else ("weight", "out"))
+    graph = next(iter(pipe.graphs.graphs.values()))
+    assert graph.sinks == {"tokens": ("out", copied)}
+    res = cpu_memo.call(sig, torch.full((B, D), 2.0), None, 9)
+    assert res is out and out.tolist() == [8 + 100 + 9] * B and cpu_memo.hits == 1
 
 
 def test_a_filtered_hit_counts_and_watches_as_the_full_path(cpu_memo):
