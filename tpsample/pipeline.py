@@ -353,7 +353,8 @@ class Pipeline:
         fallback path's decision, its buffers, the filters' part of the key and the outputs
         cost host time that an eager call would otherwise spend before the GPU starts. Its
         replay is keyed by what stage 1 reads; each stage-1 replay keeps the stage-2 replays
-        of the filters' layouts and fallback paths seen with it."""
+        of the filters' layouts and fallback paths seen with it. tokens_out (run's): where a
+        call through its graph writes the tokens; re-issued launches leave it to the caller."""
         B = hidden.shape[0]
         Tx = T + int(constraints.listed)
         planes = records.planes(S, True)
