@@ -154,7 +154,7 @@ def test_out_receives_the_tokens_and_is_returned(hw, backend, num_samples, logpr
             assert torch.equal(got.logprobs, ref.logprobs) and torch.equal(got.logz, ref.logz)
         else:
             assert got is out and torch.equal(out, ref)
-    empty = torch.empty(shape[:1] and (0,) + shape[1:], dtype=torch.int64, device=h.device)
+    empty = torch.empty((0,) + shape[1:], dtype=torch.int64, device=h.device)
     assert tpsample.sample(h[:0], w, out=empty, num_samples=num_samples) is empty
 
 
