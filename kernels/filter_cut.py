@@ -60,7 +60,7 @@ noise only in the 2048-column blocks that hold such a tile: a few per row.
 import triton
 import triton.language as tl
 
-from .filter_fallback import count_flags, fast_row, key_cut, row_ids, row_x
+from .filter_fallback import count_flags, fast_row, key_cut, row_ids, row_x, send_outputs
 from .filter_records import ID_MASK, KEY_TOP, NEG_INF, decode_key, order_key
 from .fused_sample import NOISE_COEF, gumbel_log, philox_word, philox_words_tile
 
@@ -204,17 +204,27 @@ def _sorted_cut(keys, n, row, N, vocab_start, slots, a_hi, target, xmax, SIZE: t
 
 
 @triton.jit
+def _send_token_only(l_ptr, b64, stride_lb, slot_stride, peer_ptrs_ptr, rank, world, tok):
+    """SPLIT, a tokens-only row (S = 1): its token, NaN log-prob and log Z to the others."""
+    send_outputs(l_ptr, b64, stride_lb, slot_stride, peer_ptrs_ptr, rank, world, 0,
+                 tok.to(tl.int32).to(tl.float32, bitcast=True))
+    nan = tl.cast(float("nan"), tl.float32)
+    send_outputs(l_ptr, b64, stride_lb, slot_stride, peer_ptrs_ptr, rank, world, 1, nan)
+    send_outputs(l_ptr, b64, stride_lb, slot_stride, peer_ptrs_ptr, rank, world, 2, nan)
+
+
+@triton.jit
 def cut_step_kernel(
     l_ptr, stride_lb, N, vocab_start, inv_temp_ptr, seed_ptr, offset_ptr, top_k_ptr,
     top_p_ptr, min_p_ptr, tokens_ptr, logprobs_ptr, logz_ptr, flag_ptr, count_ptr, part_ptr,
     keys_ptr, win_ptr, win_at, rec_ptr, st_slot, st_b, st_t, T_rec, N_rec, parity_ptr,
-    parity_stride, B, G, C, W, S, starts_ptr, slot_n, slot_stride, calls_ptr,
-    STEP: tl.constexpr, HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_M: tl.constexpr,
+    parity_stride, B, G, C, W, S, starts_ptr, slot_n, slot_stride, calls_ptr, peer_ptrs_ptr,
+    rank, split, STEP: tl.constexpr, HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_M: tl.constexpr,
     RAW: tl.constexpr, ALIGNED4: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_F: tl.constexpr, PDL: tl.constexpr = False, SLOTTED: tl.constexpr = False,
     WINNER: tl.constexpr = False, USE_PARITY: tl.constexpr = False,
-    BLOCK_R: tl.constexpr = 16, BLOCK_TC: tl.constexpr = 16,
+    BLOCK_R: tl.constexpr = 16, BLOCK_TC: tl.constexpr = 16, SPLIT: tl.constexpr = False,
 ):
     """One STEP (module docstring) for the rows fast_row takes. l [B, N] fp32 logits (row
     stride stride_lb; SLOTTED: [world, B, slot_n] as filter_fallback.fallback_rows_kernel
@@ -229,25 +239,31 @@ def cut_step_kernel(
     (records [slots, planes, B, T_rec, 4] by strides, N_rec = slots · T_rec, BLOCK_TC >= a
     chunk's tiles; USE_PARITY: the
     fan-out's two buffers, this call's the one the filter kernel's parity flip left); FINAL
-    writes tokens, and NaN log-probs and log Z."""
+    writes tokens, and NaN log-probs and log Z. The items are the rows b = rank + k · split
+    (one device: rank 0, split 1). SPLIT (tensor parallel, SLOTTED): split = world, each rank
+    redoes the rows it owns (filter_fallback.fallback_logits_kernel gathered each row to its
+    owner only) and FINAL also sends their outputs to the other ranks (peer_ptrs: int64
+    [world], this rank's slot in each rank's buffer; filter_fallback.send_outputs)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     flagged = count_flags(flag_ptr, B, BLOCK_F)
     PER_ROW: tl.constexpr = (STEP == FINISH) or (STEP == FINAL)
+    owned = (B - rank + split - 1) // split
     if PER_ROW:
-        items = tl.where(flagged > 0, B, 0)
+        items = tl.where(flagged > 0, owned, 0)
     else:
-        items = tl.where(flagged > 0, B * G, 0)
+        items = tl.where(flagged > 0, owned * G, 0)
     slots = (slot_n, slot_stride, starts_ptr)
     RI = CAP + 2 + G * S  # keys row stride
     for it in range(tl.program_id(0), items, tl.num_programs(0)):
         if PER_ROW:
-            b = it
+            b = rank + it * split
             g = 0
         else:
-            b = it // G
-            g = it - b * G
+            k = it // G
+            g = it - k * G
+            b = rank + k * split
         ok, p, m = fast_row(b, flag_ptr, inv_temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
                             calls_ptr, HAS_K, HAS_P, HAS_M, SLOTTED)
         if (STEP != STATS) and (STEP < SAMPLE):
@@ -304,10 +320,14 @@ def cut_step_kernel(
                                        BLOCK_G)
                 if won:
                     if STEP == FINAL:
-                        tl.store(tokens_ptr + b64, tl.where(w_key >= 0, ID_MASK - (w_key & ID_MASK), -1))
+                        tok = tl.where(w_key >= 0, ID_MASK - (w_key & ID_MASK), -1)
+                        tl.store(tokens_ptr + b64, tok)
                         tl.store(logprobs_ptr + b64, float("nan"))
                         tl.store(logz_ptr + b, float("nan"))
                         tl.atomic_add(count_ptr, 1)
+                        if SPLIT:
+                            _send_token_only(l_ptr, b64, stride_lb, slot_stride, peer_ptrs_ptr,
+                                             rank, split, tok)
                 elif STEP <= PASSES:  # HIST
                     lo, hi, a_hi, bmin, bmax = _bracket(part_ptr, b, B, G, W, STEP - 1, target,
                                                         z, N, xmax, xmin, NT, BLOCK_G)
@@ -449,10 +469,14 @@ def cut_step_kernel(
                 elif WINNER:  # FINAL, tokens only
                     gs = tl.arange(0, BLOCK_G)
                     best = tl.max(tl.load(keys + CAP + 2 + gs, mask=gs < G, other=-1))
-                    tl.store(tokens_ptr + b64, tl.where(best >= 0, ID_MASK - (best & ID_MASK), -1))
+                    tok = tl.where(best >= 0, ID_MASK - (best & ID_MASK), -1)
+                    tl.store(tokens_ptr + b64, tok)
                     tl.store(logprobs_ptr + b64, float("nan"))
                     tl.store(logz_ptr + b, float("nan"))
                     tl.atomic_add(count_ptr, 1)
+                    if SPLIT:
+                        _send_token_only(l_ptr, b64, stride_lb, slot_stride, peer_ptrs_ptr,
+                                         rank, split, tok)
                 else:  # FINAL
                     gs = tl.arange(0, BLOCK_G)
                     parts = part_ptr + ((b64 + SAMPLE * B) * G + gs) * W
@@ -473,10 +497,18 @@ def cut_step_kernel(
                         else:
                             lp = best_x - lz
                         at = b64 * S + s
+                        lp = tl.where(best >= 0, lp, NEG_INF)
                         tl.store(tokens_ptr + at, tok)
-                        tl.store(logprobs_ptr + at, tl.where(best >= 0, lp, NEG_INF))
+                        tl.store(logprobs_ptr + at, lp)
+                        if SPLIT:
+                            send_outputs(l_ptr, b64, stride_lb, slot_stride, peer_ptrs_ptr, rank,
+                                         split, s, tok.to(tl.int32).to(tl.float32, bitcast=True))
+                            send_outputs(l_ptr, b64, stride_lb, slot_stride, peer_ptrs_ptr, rank,
+                                         split, S + s, lp)
                     if RAW:
-                        tl.store(logz_ptr + b, logz_raw)
-                    else:
-                        tl.store(logz_ptr + b, lz)
+                        lz = logz_raw
+                    tl.store(logz_ptr + b, lz)
                     tl.atomic_add(count_ptr, 1)
+                    if SPLIT:
+                        send_outputs(l_ptr, b64, stride_lb, slot_stride, peer_ptrs_ptr, rank,
+                                     split, 2 * S, lz)

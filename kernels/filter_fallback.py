@@ -32,6 +32,27 @@ def store_to_every_rank(out_ptr, at, value, peer_ptrs_ptr, world, mask=None):
 
 
 @triton.jit
+def store_to_owner(out_ptr, at, value, rows, peer_ptrs_ptr, world, mask):
+    """value[r, :] at out_ptr + at[r, :] in the buffer of rank rows[r] % world only (the
+    row's owner under SPLIT; peer_ptrs as store_to_every_rank)."""
+    for q in range(world):
+        delta = (tl.load(peer_ptrs_ptr + q) - out_ptr.to(tl.int64, bitcast=True)) >> 2
+        tl.store(out_ptr + delta + at, value, mask=mask & ((rows % world) == q)[:, None])
+
+
+@triton.jit
+def send_outputs(l_ptr, b64, stride_lb, slot_stride, peer_ptrs_ptr, rank, world, j, value):
+    """SPLIT: an owned row's outputs (fp32 words: tokens' bits, log-probs, log Z at columns
+    j) into this rank's slot of row b in every other rank's gathered buffer, where no
+    logits of that row are gathered (split_outputs reads them)."""
+    mine = l_ptr + rank * slot_stride
+    for q in range(world):
+        if q != rank:
+            delta = (tl.load(peer_ptrs_ptr + q) - mine.to(tl.int64, bitcast=True)) >> 2
+            tl.store(mine + delta + b64 * stride_lb + j, value)
+
+
+@triton.jit
 def count_flags(flag_ptr, B, BLOCK_F: tl.constexpr):
     """The number of rows flagged in flag_ptr (int32 [B]), by one scan."""
     flagged = tl.cast(0, tl.int32)
@@ -49,7 +70,7 @@ def fallback_logits_kernel(h_ptr, w_ptr, bias_ptr, inv_temp_ptr, flag_ptr, out_p
                            BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
                            HAS_MASK: tl.constexpr = False, PDL: tl.constexpr = False,
                            FANOUT: tl.constexpr = False, FROM_SIDE: tl.constexpr = False,
-                           BLOCK_R: tl.constexpr = 32):
+                           BLOCK_R: tl.constexpr = 32, SPLIT: tl.constexpr = False):
     """out[b, tile] = (h[b] . W[tile] + bias) * (1/T_b), -inf from n_real on, for the rows
     b with flag[b] != 0 (out: fp32 [B, n_tiles * BLOCK_V]; other rows are not written); the
     programs take the tiles in turn (a grid of about two per SM: a call without a flagged row
@@ -63,7 +84,9 @@ def fallback_logits_kernel(h_ptr, w_ptr, bias_ptr, inv_temp_ptr, flag_ptr, out_p
     [world], the slot's address in each rank's buffer, symmetric memory); a rank whose
     exchange has failed (calls[0] < 0) stores nothing. FROM_SIDE: the rows are read from
     side_ptr (fp32 [B, n_tiles * BLOCK_V], row stride stride_side: the transformed logits
-    stage 1 wrote, mask applied) instead of recomputed, BLOCK_R rows per step."""
+    stage 1 wrote, mask applied) instead of recomputed, BLOCK_R rows per step. SPLIT (with
+    FANOUT and FROM_SIDE): row b goes only to its owner, rank b % world, which alone redoes
+    it (kernels/filter_cut.py, SPLIT)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -81,7 +104,9 @@ def fallback_logits_kernel(h_ptr, w_ptr, bias_ptr, inv_temp_ptr, flag_ptr, out_p
                 rows64 = rows.to(tl.int64)[:, None]
                 l = tl.load(side_ptr + rows64 * stride_side + offs_v[None, :], mask=keep2)
                 at = rows64 * stride_ob + offs_v[None, :]
-                if FANOUT:
+                if SPLIT:
+                    store_to_owner(out_ptr, at, l, rows, peer_ptrs_ptr, world, keep2)
+                elif FANOUT:
                     store_to_every_rank(out_ptr, at, l, peer_ptrs_ptr, world, keep2)
                 else:
                     tl.store(out_ptr + at, l, mask=keep2)
@@ -136,6 +161,20 @@ def fast_row(b, flag_ptr, inv_temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, calls_p
     if SLOTTED:
         ok = ok & (tl.load(calls_ptr) >= 0)
     return ok, p, m
+
+
+@triton.jit
+def split_outputs(l_ptr, b, stride_lb, slot_stride, owner, tokens_ptr, logprobs_ptr, logz_ptr,
+                  S):
+    """Row b's outputs as its owner sent them (send_outputs: S tokens' bits, S log-probs,
+    log Z, from column 0 of the owner's slot of row b)."""
+    b64 = b.to(tl.int64)
+    src = l_ptr + owner.to(tl.int64) * slot_stride + b64 * stride_lb
+    for s in range(S):
+        tok = tl.load(src + s).to(tl.int32, bitcast=True).to(tl.int64)
+        tl.store(tokens_ptr + b64 * S + s, tok)
+        tl.store(logprobs_ptr + b64 * S + s, tl.load(src + S + s))
+    tl.store(logz_ptr + b, tl.load(src + 2 * S))
 
 
 @triton.jit
@@ -202,10 +241,11 @@ def key_cut(row, N, vocab_start, slots, floor_key, target, xmax, MASS: tl.conste
 def fallback_rows_kernel(
     l_ptr, stride_lb, N, vocab_start, inv_temp_ptr, seed_ptr, offset_ptr, top_k_ptr, top_p_ptr,
     min_p_ptr, tokens_ptr, logprobs_ptr, logz_ptr, top_tok_ptr, top_lp_ptr, flag_ptr,
-    scratch_ptr, count_ptr, S, n_top, starts_ptr, slot_n, slot_stride, calls_ptr,
+    scratch_ptr, count_ptr, S, n_top, starts_ptr, slot_n, slot_stride, calls_ptr, rank, world,
     HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_M: tl.constexpr, RAW: tl.constexpr,
     REPLACE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, CAP: tl.constexpr,
     PDL: tl.constexpr = False, SLOTTED: tl.constexpr = False, FAST: tl.constexpr = False,
+    SPLIT: tl.constexpr = False,
 ):
     """Rows b with flag[b] != 0: logits l [B, N] (fallback_logits_kernel) → their tokens,
     log-probs and log Z [B, S] / [B] when the row is filtered, and their top-n [B, n_top]
@@ -215,7 +255,9 @@ def fallback_rows_kernel(
     (stride_lb = slot_n, slot_stride = B * slot_n; shard r's first global id starts[r]),
     gathered by the exchange of kernels/exchange_wait.py; when that exchange failed
     (calls[0] < 0) the flagged rows get the degenerate outputs (token -1, NaN log-probs).
-    FAST: the rows that fast_row takes are left to kernels/filter_cut.py."""
+    FAST: the rows that fast_row takes are left to kernels/filter_cut.py. SPLIT (with FAST
+    and SLOTTED): those rows were redone by their owner (rank b % world), which sent their
+    outputs here (send_outputs): the rows this rank does not own copy them (split_outputs)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
@@ -239,6 +281,11 @@ def fallback_rows_kernel(
         fast, p_, m_ = fast_row(b, flag_ptr, inv_temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
                                 calls_ptr, HAS_K, HAS_P, HAS_M, SLOTTED)
         flagged = flagged & ~fast
+        if SPLIT:
+            if fast & (b % world != rank):
+                split_outputs(l_ptr, b, stride_lb, slot_stride, b % world, tokens_ptr,
+                              logprobs_ptr, logz_ptr, S)
+                tl.atomic_add(count_ptr, 1)
     if flagged:
         tl.atomic_add(count_ptr, 1)
         row = l_ptr + b.to(tl.int64) * stride_lb

@@ -79,7 +79,7 @@ def test_two_ranks_uneven_shards_in_swapped_order_equal_one_device(extra):
     def gather(rank, exchange):
         peers = torch.tensor([b[rank].data_ptr() for b in bufs], dtype=torch.int64)
         return launchers.FallbackGather(bufs[rank], bufs[rank][rank], peers, calls, starts_t,
-                                        exchange)
+                                        exchange, rank)
 
     with pytest.raises(Stop):  # rank 1 stores its shard everywhere, then waits (stopped here)
         launchers.fallback_on_device(h, shards[1], None, row, filters, fresh_out(B, S, n_top, flags),
@@ -110,7 +110,7 @@ def test_a_rank_whose_exchange_failed_stores_nothing_and_gives_degenerate_rows()
     n = records.num_tiles(V) * records.TILE
     buf = torch.full((1, B, n), 7.0)
     gather = launchers.FallbackGather(buf, buf[0], torch.tensor([buf.data_ptr()]),
-                                      torch.tensor([-3]), torch.tensor([0]), lambda f: None)
+                                      torch.tensor([-3]), torch.tensor([0]), lambda f: None, 0)
     count = torch.zeros(1, dtype=torch.int32)
     launchers.fallback_on_device(h, w, None, row, filters, out, None, count, n_real=V,
                                  gather=gather)
@@ -228,27 +228,107 @@ def test_one_rank_symm_mem_call_with_constraints_gathers_the_listed_tokens_too()
     assert torch.equal(res["outs"][0].tokens, local.tokens)
 
 
-def test_side_rows_are_gathered_into_every_ranks_buffer():
-    """FROM_SIDE with FANOUT (a tokens-only top-p call under TP): each flagged row of the
-    side output (more rows than one step's block, not a multiple of it) lands in this rank's
-    slot of every rank's buffer, bit for bit; unflagged rows and the other rank's slots are
-    not written."""
-    B, n, world, me = 45, 3 * records.TILE, 2, 1
+@pytest.mark.parametrize("B,S", [(45, 1), (45, 192), (7, 1)],
+                         ids=["split", "outputs-too-wide", "too-few-rows"])
+def test_side_rows_are_gathered_to_their_owner_or_to_every_rank(B, S):
+    """FROM_SIDE with FANOUT (a top-p call under TP): each flagged row of the side output
+    lands, bit for bit, in this rank's slot of its owner's buffer (rank b % 2, rows split)
+    or, when its outputs would not fit a slot's row (2·S + 1 > its columns) or the call has
+    fewer than SPLIT_MIN_ROWS rows per rank, of every rank's; unflagged rows and the other
+    rank's slots are not written. (B = 45: more rows than one step's block, not a multiple.)"""
+    n, world, me = 3 * records.TILE, 2, 1
+    split = S == 1 and B >= launchers.SPLIT_MIN_ROWS * world
     side = torch.randn(B, n, generator=torch.Generator().manual_seed(3))
     flags = (torch.arange(B) % 3 != 1).to(torch.int32)
     flags[42:] = 0  # (rows 32-41 in the second block, some flagged)
     bufs = [torch.full((world, B, n), 7.0) for _ in range(world)]
     peers = torch.tensor([b[me].data_ptr() for b in bufs], dtype=torch.int64)
     gather = launchers.FallbackGather(bufs[me], bufs[me][me], peers, torch.zeros(1, dtype=torch.int64),
-                                      torch.tensor([0, n], dtype=torch.int64), stop)
+                                      torch.tensor([0, n], dtype=torch.int64), stop, me)
     h = torch.zeros(B, 8)
     row = P.row_params(h, 1.0, 1, 0)
-    filters = P.filter_params(h, None, 0.9, None, 0, 1, True, "processed", 2 * n)
+    filters = P.filter_params(h, None, 0.9, None, 0, S, True, "processed", 2 * n)
     with pytest.raises(Stop):  # (stopped at the exchange, after the stores)
         launchers.fallback_on_device(h, torch.zeros(n, 8), None, row, filters,
-                                     fresh_out(B, 1, 0, flags), None,
+                                     fresh_out(B, S, 0, flags), None,
                                      torch.zeros(1, dtype=torch.int32), n_real=n,
                                      vocab_start=n, gather=gather, side=side)
-    for b in bufs:
-        assert torch.equal(b[me][flags == 1], side[flags == 1])
-        assert (b[me][flags == 0] == 7.0).all() and (b[1 - me] == 7.0).all()
+    for q, b in enumerate(bufs):
+        mine = (flags == 1) & ((torch.arange(B) % world == q) | (not split))
+        assert torch.equal(b[me][mine], side[mine])
+        assert (b[me][~mine] == 7.0).all() and (b[1 - me] == 7.0).all()
+
+
+def _split_rank(rank, bufs, calls, outs, counts, barrier, h, shard, side, start, n_real,
+                row, filters, flags):
+    torch.set_num_threads(1)
+    peers = torch.tensor([b[rank].data_ptr() for b in bufs], dtype=torch.int64)
+    starts = torch.tensor([2600, 0], dtype=torch.int64)
+    gather = launchers.FallbackGather(bufs[rank], bufs[rank][rank], peers, calls[rank], starts,
+                                      lambda f: barrier.wait(timeout=600), rank)
+    out = fresh_out(h.shape[0], outs[rank].tokens.shape[1], 0, flags)
+    launchers.fallback_on_device(h, shard, None, row, filters, out, None, counts[rank],
+                                 n_real=n_real, vocab_start=start, gather=gather, side=side)
+    for got, t in zip(outs[rank], out):
+        got.copy_(t)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("S", [1, 2])
+def test_split_rows_on_two_processes_equal_one_device(S):
+    """Rows split between two ranks (two forked processes sharing their gathered buffers as
+    symmetric memory would; the exchange a barrier): rank b % 2 alone gathers and cuts
+    flagged row b and sends its outputs; both ranks end with the one-device fallback's
+    tokens, log-probs and log Z in every row, and count every flagged row."""
+    import multiprocessing
+    h, w = flat_case()
+    B = h.shape[0]
+    kw = dict(temperature=MIXED["temperature"], top_p=torch.tensor([0.9, 0.5, 0.95, 0.3] * 2),
+              min_p=torch.tensor([0.0, 0.1, 0.0, 0.0, 0.2, 0.0, 0.05, 0.0]))
+    row = P.row_params(h, kw["temperature"], torch.arange(B) * 3 + 1, 0)
+    filters = P.filter_params(h, None, kw["top_p"], kw["min_p"], 0, S, True, "processed", V)
+    flags = (row.inv_temp != 0).to(torch.int32)  # (row 4, greedy, is never flagged)
+    logits = (h @ w.T) * row.inv_temp[:, None]
+    want = fresh_out(B, S, 0, flags)
+    count = torch.zeros(1, dtype=torch.int32)
+    launchers.fallback_on_device(h, w, None, row, filters, want, None, count, n_real=V,
+                                 side=logits.contiguous())
+    assert count.item() == int(flags.sum())
+
+    n = records.num_tiles(2600) * records.TILE
+    sides, starts, reals = [], [2600, 0], [V - 2600, 2600]
+    for r in range(2):
+        part = torch.full((B, n), float("-inf"))
+        part[:, :reals[r]] = logits[:, starts[r]:starts[r] + reals[r]]
+        sides.append(part)
+    bufs = [torch.full((2, B, n), 7.0).share_memory_() for _ in range(2)]
+    calls = [torch.zeros(1, dtype=torch.int64).share_memory_() for _ in range(2)]
+    counts = [torch.zeros(1, dtype=torch.int32).share_memory_() for _ in range(2)]
+    outs = [launchers.filtered_outputs(B, S, 0, torch.device("cpu")) for _ in range(2)]
+    for o in outs:
+        for t in o:
+            t.share_memory_()
+    ctx = multiprocessing.get_context("fork")
+    barrier = ctx.Barrier(2)
+    procs = [ctx.Process(target=_split_rank,
+                         args=(r, bufs, calls, outs, counts, barrier, h, w[starts[r]:starts[r] + reals[r]],
+                               sides[r], starts[r], reals[r], row, filters, flags))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(900)
+        assert p.exitcode == 0
+    for r in range(2):
+        assert counts[r].item() == int(flags.sum())
+        got = outs[r]
+        assert torch.equal(got.tokens, want.tokens), (r, got.tokens, want.tokens)
+        assert torch.allclose(got.logprobs, want.logprobs, atol=1e-5, equal_nan=True)
+        assert torch.allclose(got.logz, want.logz, atol=1e-5, equal_nan=True)
+    for q in range(2):  # a rank's buffer holds the shards of the rows it owns only (and,
+        mine = torch.arange(B) % 2 == q  # of the others, their owner's 2·S + 1 output words)
+        owned = (flags == 1) & mine
+        assert torch.equal(bufs[q][0][owned], sides[0][owned])
+        assert torch.equal(bufs[q][1][owned], sides[1][owned])
+        assert (bufs[q][:, ~mine, 2 * S + 1:] == 7.0).all()
+        assert (bufs[q][q, ~mine] == 7.0).all()

@@ -490,19 +490,24 @@ def stage2_filtered(plan: Plan, recs: torch.Tensor, params: RowParams, filters: 
     return out
 
 
+SPLIT_ROWS = True  # (False: every rank gathers and redoes every flagged row; for A/B runs)
+SPLIT_MIN_ROWS = 4  # rows per rank from which a call splits its flagged rows
+
+
 class FallbackGather(NamedTuple):
     """Where a tensor-parallel call's device fallback gathers the flagged rows (a transport
     with rows_gather, tpsample/transport.py): full fp32 [world, B, n] (every rank's shard of
     the rows, n = tiles * TILE), own = full[rank], peers int64 [world] (own's address in every
     rank's buffer), calls int64 [1] (the transport's exchange count, < 0 once one failed),
     starts int64 [world] (each shard's first global id), exchange(flags) (the gather's signal
-    and bounded wait, only where some flag is set)."""
+    and bounded wait, only where some flag is set), rank (this rank: full[rank] is own)."""
     full: torch.Tensor
     own: torch.Tensor
     peers: torch.Tensor
     calls: torch.Tensor
     starts: torch.Tensor
     exchange: Callable[[torch.Tensor], None]
+    rank: int
 
 
 def fallback_programs(t: torch.Tensor) -> int:
@@ -537,7 +542,12 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
     filter kernel stored each row's winner (merge "max"): one-sample rows whose winner is
     kept skip the cut, and the others draw noise only near their tile winners
     (kernels/filter_cut.py, WINNER), which they read from recs ([slots, planes, B, T, 4], as
-    stage2_filtered read them; parity, parity_stride: the fan-out's two buffers)."""
+    stage2_filtered read them; parity, parity_stride: the fan-out's two buffers).
+    Split rows (gather and side, every flagged row on the cut's fast path, world > 1, at
+    least SPLIT_MIN_ROWS rows per rank): each flagged row is gathered to and redone on one
+    rank, b % world, which sends its outputs to the others after the cut; a second exchange
+    then makes them visible (the gathered bytes and the cut's work per rank divided by world,
+    for one more exchange: at B = 1 that exchange is all it changes)."""
     B, D = hidden.shape
     if gather is not None:
         logits = gather.own
@@ -558,6 +568,11 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
     side_ptr, stride_side = _side_args(side, dummy).values()
     tiles = N // records.TILE
     block_f = min(1024, max(16, 1 << (B - 1).bit_length()))
+    fast = filters.replacement and n == 0 and (filters.top_p is not None
+                                               or filters.min_p is not None)
+    split = (SPLIT_ROWS and gather is not None and side is not None and fast and fan[1] > 1
+             and B >= SPLIT_MIN_ROWS * fan[1]
+             and filters.top_k is None and (c is None or not c.listed) and 2 * S + 1 <= N)
     if side is None or gather is not None:  # (one device with side: the logits are there)
         run_named(filter_fallback.fallback_logits_kernel,
                   (min(tiles, fallback_programs(hidden)),), launch,
@@ -570,7 +585,7 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
                   peer_ptrs_ptr=fan[0], world=fan[1], calls_ptr=fan[2], n_tiles=tiles,
                   side_ptr=side_ptr, stride_side=stride_side, HAS_BIAS=bias is not None,
                   BLOCK_V=records.TILE, BLOCK_D=64, BLOCK_F=block_f, HAS_MASK=mask is not None,
-                  PDL=pdl, FANOUT=gather is not None, FROM_SIDE=side is not None)
+                  PDL=pdl, FANOUT=gather is not None, FROM_SIDE=side is not None, SPLIT=split)
     if c is not None and c.listed:
         K = c.ids.shape[1]
         allowed = allowed_or_eff
@@ -590,19 +605,22 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
                   PDL=pdl and gather is None, FANOUT=gather is not None)
     rows = dict(l=logits, stride=logits.stride(0), N=N, starts=count, slot_n=N, slot_stride=0,
                 calls=count)
+    owners = dict(peer_ptrs_ptr=count, rank=0, split=1)  # (one rank does every row)
     if gather is not None:  # every store of this rank is done: signal, wait for the peers'
         gather.exchange(out.fallback)
         world = gather.full.shape[0]
         rows = dict(l=gather.full, stride=N, N=world * N, starts=gather.starts, slot_n=N,
                     slot_stride=B * N, calls=gather.calls)
         launch = dict(num_warps=4)  # after the exchange in stream order
-    fast = filters.replacement and n == 0 and (filters.top_p is not None
-                                               or filters.min_p is not None)
+        if split:
+            owners = dict(peer_ptrs_ptr=gather.peers, rank=gather.rank, split=world)
     if fast:
         _cut_steps(hidden, params, filters, out, count, rows, vocab_start, block_f,
                    dict(launch, num_warps=8), aligned=gather is None and vocab_start % 4 == 0,
-                   slotted=gather is not None,
+                   slotted=gather is not None, owners=owners, split=split,
                    winner=(recs, parity, parity_stride) if winner and recs is not None else None)
+    if split:  # the owners' outputs, sent after their cut
+        gather.exchange(out.fallback)
     run_named(filter_fallback.fallback_rows_kernel, (B,), dict(launch, num_warps=8),
               **_row_source(rows, params, filters, vocab_start),
               tokens_ptr=out.tokens, logprobs_ptr=out.logprobs, logz_ptr=out.logz,
@@ -610,7 +628,8 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
               scratch_ptr=out.scratch, count_ptr=count, S=S, n_top=n,
               REPLACE=filters.replacement, BLOCK=min(1024, 1 << (rows["N"] - 1).bit_length()),
               BLOCK_N=max(16, 1 << max(n - 1, 0).bit_length()), CAP=F.KNOWN_CAP,
-              PDL=pdl and gather is None, SLOTTED=gather is not None, FAST=fast)
+              rank=owners["rank"], world=owners["split"],
+              PDL=pdl and gather is None, SLOTTED=gather is not None, FAST=fast, SPLIT=split)
 
 
 def _row_source(rows: dict, params: RowParams, filters: Filters, vocab_start: int) -> dict:
@@ -643,17 +662,20 @@ _CUT_PROGRAMS = {filter_cut.STATS.value: 2, filter_cut.COMPACT.value: 4,
 
 def _cut_steps(hidden, params: RowParams, filters: Filters, out: F.FilteredOutput, count,
                rows: dict, vocab_start: int, block_f: int, launch: dict, *, aligned: bool,
-               slotted: bool, winner: tuple | None = None) -> None:
+               slotted: bool, owners: dict, split: bool, winner: tuple | None = None) -> None:
     """kernels/filter_cut.py's steps for the flagged rows with top-p / min-p and no top-k
     (the cut's steps only when the call has top-p). Workspace, per call: fp32 [SAMPLE + 1, B,
     G, W] partial sums and int64 [B, CAP + 2 + G·S] keys (G chunks per row: at least 8, and
     two items per program of a full grid at small B). winner: (records, parity,
-    parity_stride) of a tokens-only call with merge "max" (kernels/filter_cut.py, WINNER)."""
+    parity_stride) of a tokens-only call with merge "max" (kernels/filter_cut.py, WINNER).
+    owners: the rows this rank redoes, b = rank + k · split; split: it sends their outputs
+    (kernels/filter_cut.py, SPLIT)."""
     B, S, N = out.fallback.shape[0], out.tokens.shape[1], rows["N"]
     K = filter_cut
     block = min(2048, 1 << (N - 1).bit_length())  # a read per step: 2048 columns a pass
     programs = fallback_programs(hidden)
-    G = max(8, cdiv(programs, B)) if hidden.is_cuda else 4
+    owned = cdiv(B, owners["split"])
+    G = max(8, cdiv(programs, owned)) if hidden.is_cuda else 4
     C = cdiv(cdiv(N, G), block) * block
     G = cdiv(N, C)
     W = max(K.NT.value + 2, S + 2)
@@ -678,11 +700,12 @@ def _cut_steps(hidden, params: RowParams, filters: Filters, out: F.FilteredOutpu
     steps += [K.SAMPLE.value, K.FINAL.value]
     for step in steps:
         per_row = step in (K.FINISH.value, K.FINAL.value)
-        grid = (max(1, min(programs * _CUT_PROGRAMS.get(step, 1), B if per_row else B * G)),)
+        grid = (max(1, min(programs * _CUT_PROGRAMS.get(step, 1), owned if per_row else owned * G)),)
         run_named(K.cut_step_kernel, grid, launch, **source,
                   tokens_ptr=out.tokens, logprobs_ptr=out.logprobs, logz_ptr=out.logz,
                   flag_ptr=out.fallback, count_ptr=count, part_ptr=part, keys_ptr=keys,
                   win_ptr=out.scratch, win_at=B * F.KNOWN_CAP, **rec, B=B, G=G, C=C, W=W, S=S,
                   STEP=step, ALIGNED4=aligned, BLOCK=block, WINNER=use_winner,
                   SUB=min(block, 512), BLOCK_G=max(2, 1 << (G - 1).bit_length()),
-                  BLOCK_F=block_f, PDL="launch_pdl" in launch, SLOTTED=slotted)
+                  BLOCK_F=block_f, PDL="launch_pdl" in launch, SLOTTED=slotted, **owners,
+                  SPLIT=split)

@@ -438,7 +438,8 @@ class Pipeline:
         gather = None
         if gathered is not None:
             gather = launchers.FallbackGather(*gathered, self.transport.calls, self.shard_starts,
-                                              self.transport.gather_exchange)
+                                              self.transport.gather_exchange,
+                                              self.transport.rank)
         self.transport.exchange(mine, full)
         recs = records.records_view(full, planes, B, Tx, tile_major)
         out = launchers.filtered_outputs(B, S, filters.top_n, hidden.device)

@@ -339,6 +339,7 @@ def fast_path_rank(rank, world, B, transport):
               min_p=torch.tensor([0.0, 0.01] * (B // 2), device=dev), return_logprobs=True)
     h = (h * 0.02).to(dev)
     out = sampler(h, **kw)
+    tokens_only = sampler(h, **dict(kw, return_logprobs=False))  # (the winner check)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -351,6 +352,7 @@ def fast_path_rank(rank, world, B, transport):
     torch.cuda.synchronize()
     pipe = sampler.pipeline
     res = dict(tokens=out.tokens.cpu(), logz=out.logz.cpu(), replay=captured.tokens.cpu(),
+               tokens_only=tokens_only.cpu(), logprobs=out.logprobs.cpu(),
                device_rows=int(pipe.fallback.device_rows.item()), host_rows=pipe.host_fallback_rows)
     sampler.check_exchange()
     return res
@@ -359,9 +361,11 @@ def fast_path_rank(rank, world, B, transport):
 @pytest.mark.parametrize("B", [16, 64])
 def test_tp_fast_path_equals_single_gpu(B, transport="symm_mem"):
     """TP top-p / min-p on near-flat rows (the fast path from the side output gathered over
-    symmetric memory; NCCL takes the host path, which a CUDA graph cannot capture): every
-    rank the same tokens, equal to one GPU's up to fp32 near-ties, log Z within 1e-4, no row
-    on the host, a captured call replays to the eager one."""
+    symmetric memory, each row to and cut on one rank; NCCL takes the host path, which a CUDA
+    graph cannot capture): every rank the same tokens, log-probs and log Z and the same count
+    of device rows, tokens equal to one GPU's up to fp32 near-ties, log Z within 1e-4, no row
+    on the host, a tokens-only call (the winner check) gives the same tokens, a captured call
+    replays to the eager one."""
     world = min(torch.cuda.device_count(), 4)
     if world < 2:
         pytest.skip("needs 2 GPUs")
@@ -370,9 +374,12 @@ def test_tp_fast_path_equals_single_gpu(B, transport="symm_mem"):
         assert "error" not in o, o
     r0 = outs[0]
     assert torch.equal(r0["replay"], r0["tokens"])
+    assert torch.equal(r0["tokens_only"], r0["tokens"])
     assert r0["device_rows"] > 0 and r0["host_rows"] == 0
     for o in outs[1:]:
         assert torch.equal(o["tokens"], r0["tokens"]) and torch.equal(o["logz"], r0["logz"])
+        assert torch.equal(o["logprobs"], r0["logprobs"]) and o["device_rows"] == r0["device_rows"]
+        assert torch.equal(o["tokens_only"], r0["tokens_only"])
     from tpsample import api
     api._PIPELINES.clear()
     h, w, temp, seeds = inputs(B)
