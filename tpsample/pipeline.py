@@ -203,84 +203,108 @@ class Pipeline:
         tokens-only call (spec.return_logprobs False, merge "max", no candidates) may return
         logprobs and logz that a later call overwrites."""
         self.last_graph = None
-        params, filters, constraints = spec.row, spec.filters, spec.constraints
-        merge, num_samples = spec.merge, spec.num_samples
-        if special(filters):
-            return self._run_filtered(hidden, weight, bias, params, n_real=n_real, merge=merge,
-                                      num_samples=num_samples, vocab_start=vocab_start,
-                                      tiles=tiles, filters=filters, constraints=constraints,
-                                      in_capture=in_capture, tokens_out=tokens_out,
-                                      logprobs=spec.return_logprobs or bool(filters.top_n))
-        B = hidden.shape[0]
+        if special(spec.filters):
+            return self._run_filtered(hidden, weight, bias, spec.row, n_real=n_real,
+                                      merge=spec.merge, num_samples=spec.num_samples,
+                                      vocab_start=vocab_start, tiles=tiles, filters=spec.filters,
+                                      constraints=spec.constraints, in_capture=in_capture,
+                                      tokens_out=tokens_out, logprobs=spec.return_logprobs
+                                      or bool(spec.filters.top_n))
         T = tiles if tiles is not None else records.num_tiles(weight.shape[0])
-        Tx = T + int(constraints.listed)  # tiles per slot in the records
-        numel = num_samples * B * Tx * records.WIDTH
+        Tx = T + int(spec.constraints.listed)  # tiles per slot in the records
+        numel = spec.num_samples * hidden.shape[0] * Tx * records.WIDTH
+        plan_args = dict(merge=spec.merge, num_samples=spec.num_samples, need_mass=need_mass,
+                         vocab_start=vocab_start, tiles=T, masked=spec.constraints.any)
         if self.backend == "torch":
-            mine, full = self.transport.slots(numel)
-            plan = plan or self.plan(hidden, weight, merge=merge, num_samples=num_samples,
-                                     need_mass=need_mass, vocab_start=vocab_start, tiles=T,
-                                     masked=constraints.any)
-            rec = records_torch(hidden, weight, bias=bias, inv_temp=params.inv_temp,
-                                seed=params.seed, offset=params.offset, num_samples=num_samples,
-                                n_real=n_real, vocab_start=vocab_start, num_tiles=T, cdf=plan.cdf,
-                                constraints=constraints)
-            records.records_view(mine, num_samples, B, Tx).copy_(rec)
-            self.transport.exchange(mine, full)
-            return (*merge_records(records.records_view(full, num_samples, B, Tx), params, merge),
-                    None)
-
+            return self._run_torch(hidden, weight, bias, spec, plan or self.plan(
+                hidden, weight, **plan_args), n_real, vocab_start, T, numel)
         slots = self._slots_first(numel)
-        fanout = self.transport.fanout()
-        fixed = weight is self.fixed_weight
+        per_call = self._call_tensors(hidden, weight, bias, spec.row, spec.constraints,
+                                      vocab_start)
+        key = None
+        if hidden.is_cuda and trace is None and replay.Replay.usable():
+            key = (plan, hidden.device, hidden.shape, hidden.stride(), n_real, vocab_start, T,
+                   spec.num_samples, spec.merge, need_mass, self.transport.key(),
+                   constraint_key(spec.constraints), replay.tensor_key(tuple(per_call.values())),
+                   None if weight is self.fixed_weight else (weight.shape, weight.stride()))
+            # (the records buffers need no key: fresh ones are allocator-aligned, and the
+            # transports' persistent ones are in transport.key())
+            hit = self.replays.get(key)
+            if hit is not None:
+                return self._replayed(key, hit, per_call, slots, spec, numel, in_capture,
+                                      tokens_out)
+        plan = plan or self.plan(hidden, weight, **plan_args)
+        return self._recorded(key, plan, hidden, weight, bias, spec, per_call, slots, numel,
+                              n_real=n_real, vocab_start=vocab_start, Tx=Tx, trace=trace)
+
+    def _call_tensors(self, hidden, weight, bias, params: RowParams, constraints, vocab_start):
+        """{name: tensor} of what a call's launches take per call, which a replay substitutes
+        (the weight only when it is not the sampler's fixed shard)."""
         per_call = dict(hidden=hidden, inv_temp=params.inv_temp, seed=params.seed,
                         offset=params.offset, bias=bias)
         if constraints.any:
             per_call.update(constraint_tensors(constraints, hidden,
                                                self._mask_words(weight, vocab_start)))
-        if not fixed:
+        if weight is not self.fixed_weight:
             per_call["weight"] = weight
-        key = None
-        if hidden.is_cuda and trace is None and replay.Replay.usable():
-            key = (plan, hidden.device, hidden.shape, hidden.stride(), n_real, vocab_start, T,
-                   num_samples, merge, need_mass, self.transport.key(), constraint_key(constraints),
-                   replay.tensor_key(tuple(per_call.values())),
-                   None if fixed else (weight.shape, weight.stride()))
-            # (the records buffers need no key: fresh ones are allocator-aligned, and the
-            # transports' persistent ones are in transport.key())
-            hit = self.replays.get(key)
-            if hit is not None:
-                stage1, stage2 = hit
-                stream = replay.current_stream(hidden.device.index)
-                if (self.graphs is not None and self.graphs.usable(in_capture)
-                        and not constraints.listed):  # (its scratch is per call)
-                    out = self._graph_call((key, stream, tokens_out is not None),
-                                           with_sink(per_call, tokens_out),
-                                           _RETURNED[spec.return_logprobs], stage1, stage2,
-                                           (numel, B, num_samples))
-                    if out is not None:
-                        return out.get("tokens"), out.get("logprobs"), out.get("logz"), None
-                mine, full = slots or self.transport.slots(numel)
-                stage1(stream, records=mine, **per_call)
-                self.transport.exchange(mine, full)
-                out = self._outputs(B, num_samples, hidden.device, stream,
-                                    spec.return_logprobs or in_capture is not False)
-                if tokens_out is not None:
-                    out["tokens"] = tokens_out
-                stage2(stream, records=full, **out, **per_call)
-                return out["tokens"], out["logprobs"], out["logz"], None
+        return per_call
 
-        plan = plan or self.plan(hidden, weight, merge=merge, num_samples=num_samples,
-                                 need_mass=need_mass, vocab_start=vocab_start, tiles=T,
-                                 masked=constraints.any)
+    def _run_torch(self, hidden, weight, bias, spec: SamplingSpec, plan: Plan, n_real: int,
+                   vocab_start: int, T: int, numel: int):
+        """A plain call of the torch backend: records in torch, the exchange, the torch merge."""
+        params, constraints, S = spec.row, spec.constraints, spec.num_samples
+        B, Tx = hidden.shape[0], T + int(constraints.listed)
+        mine, full = self.transport.slots(numel)
+        rec = records_torch(hidden, weight, bias=bias, inv_temp=params.inv_temp,
+                            seed=params.seed, offset=params.offset, num_samples=S,
+                            n_real=n_real, vocab_start=vocab_start, num_tiles=T, cdf=plan.cdf,
+                            constraints=constraints)
+        records.records_view(mine, S, B, Tx).copy_(rec)
+        self.transport.exchange(mine, full)
+        return (*merge_records(records.records_view(full, S, B, Tx), params, spec.merge), None)
+
+    def _replayed(self, key, hit, per_call: dict, slots, spec: SamplingSpec, numel: int,
+                  in_capture, tokens_out):
+        """A plain call whose launches were recorded under key: through its CUDA graph where
+        it has one, else its launches re-issued with this call's tensors."""
+        stage1, stage2 = hit
+        hidden, S = per_call["hidden"], spec.num_samples
+        B = hidden.shape[0]
+        stream = replay.current_stream(hidden.device.index)
+        if (self.graphs is not None and self.graphs.usable(in_capture)
+                and not spec.constraints.listed):  # (its scratch is per call)
+            out = self._graph_call((key, stream, tokens_out is not None),
+                                   with_sink(per_call, tokens_out),
+                                   _RETURNED[spec.return_logprobs], stage1, stage2,
+                                   (numel, B, S))
+            if out is not None:
+                return out.get("tokens"), out.get("logprobs"), out.get("logz"), None
+        mine, full = slots or self.transport.slots(numel)
+        stage1(stream, records=mine, **per_call)
+        self.transport.exchange(mine, full)
+        out = self._outputs(B, S, hidden.device, stream,
+                            spec.return_logprobs or in_capture is not False)
+        if tokens_out is not None:
+            out["tokens"] = tokens_out
+        stage2(stream, records=full, **out, **per_call)
+        return out["tokens"], out["logprobs"], out["logz"], None
+
+    def _recorded(self, key, plan: Plan, hidden, weight, bias, spec: SamplingSpec,
+                  per_call: dict, slots, numel: int, *, n_real: int, vocab_start: int, Tx: int,
+                  trace):
+        """A plain call through Triton's dispatch, its launches recorded under key (None:
+        not replayable)."""
+        params, S, B = spec.row, spec.num_samples, hidden.shape[0]
+        fanout = self.transport.fanout()
         tile_major = fanout is not None  # P2P stores: one contiguous run per stage-1 program
         mine, full = slots or self.transport.slots(numel)
-        out_view = records.records_view(mine, num_samples, B, Tx, tile_major)
+        out_view = records.records_view(mine, S, B, Tx, tile_major)
         with replay.record() as log1:
             stage1_constrained(plan, hidden, weight, bias, params, out_view, per_call,
-                               constraints, n_real=n_real, vocab_start=vocab_start,
+                               spec.constraints, n_real=n_real, vocab_start=vocab_start,
                                fanout=fanout[:2] if fanout else None, trace=trace)
         self.transport.exchange(mine, full)
-        full_view = records.records_view(full, num_samples, B, Tx, tile_major)
+        full_view = records.records_view(full, S, B, Tx, tile_major)
         with replay.record() as log2:
             tokens, logprobs, logz = launchers.stage2(
                 plan, full_view, params, *(fanout[1:] if fanout else ()))
@@ -302,23 +326,9 @@ class Pipeline:
         synchronisation per call)."""
         B, S = hidden.shape[0], num_samples
         T = tiles if tiles is not None else records.num_tiles(weight.shape[0])
-        Tx = T + int(constraints.listed)
-        planes = records.planes(S, True)
         if self.backend == "torch":
-            mine, full = self.transport.slots(planes * B * Tx * records.WIDTH)
-            plan = self.plan(hidden, weight, merge=merge, num_samples=S, need_mass=True,
-                             vocab_start=vocab_start, tiles=T, filters=filters,
-                             masked=constraints.any)
-            rec = records_torch(hidden, weight, bias=bias, inv_temp=params.inv_temp,
-                                seed=params.seed, offset=params.offset, num_samples=S,
-                                n_real=n_real, vocab_start=vocab_start, num_tiles=T,
-                                cdf=plan.cdf and filters.replacement, candidates=True,
-                                replacement=filters.replacement, constraints=constraints)
-            records.records_view(mine, planes, B, Tx).copy_(rec)
-            self.transport.exchange(mine, full)
-            recs = records.records_view(full, planes, B, Tx)
-            base = merge_records(recs[:, :S], params, merge if filters.replacement else "max")
-            out = F.reduce_candidates(recs, params, filters, S, base)
+            out = self._filtered_torch(hidden, weight, bias, params, merge, S, n_real,
+                                       vocab_start, T, filters, constraints)
             side = None
         else:
             if in_capture is None:
@@ -341,6 +351,27 @@ class Pipeline:
             self.fallback.host_mode = False
         return tokens, logprobs, logz, top
 
+    def _filtered_torch(self, hidden, weight, bias, params: RowParams, merge: str, S: int,
+                        n_real: int, vocab_start: int, T: int, filters: Filters,
+                        constraints: C.Constraints) -> F.FilteredOutput:
+        """The torch backend's records with candidates, the exchange and the candidate
+        reduce (flagged rows left to the host fallback)."""
+        B, Tx, planes = hidden.shape[0], T + int(constraints.listed), records.planes(S, True)
+        mine, full = self.transport.slots(planes * B * Tx * records.WIDTH)
+        plan = self.plan(hidden, weight, merge=merge, num_samples=S, need_mass=True,
+                         vocab_start=vocab_start, tiles=T, filters=filters,
+                         masked=constraints.any)
+        rec = records_torch(hidden, weight, bias=bias, inv_temp=params.inv_temp,
+                            seed=params.seed, offset=params.offset, num_samples=S,
+                            n_real=n_real, vocab_start=vocab_start, num_tiles=T,
+                            cdf=plan.cdf and filters.replacement, candidates=True,
+                            replacement=filters.replacement, constraints=constraints)
+        records.records_view(mine, planes, B, Tx).copy_(rec)
+        self.transport.exchange(mine, full)
+        recs = records.records_view(full, planes, B, Tx)
+        base = merge_records(recs[:, :S], params, merge if filters.replacement else "max")
+        return F.reduce_candidates(recs, params, filters, S, base)
+
     def _filtered_launches(self, hidden, weight, bias, params, merge, S, n_real, vocab_start,
                            T, filters, constraints: C.Constraints,
                            in_capture: bool, logprobs: bool = True,
@@ -362,14 +393,7 @@ class Pipeline:
         slots = self._slots_first(numel)
         fanout = self.transport.fanout()
         tile_major = fanout is not None  # (one device: row-major, docs/design.md)
-        fixed = weight is self.fixed_weight
-        per_call = dict(hidden=hidden, inv_temp=params.inv_temp, seed=params.seed,
-                        offset=params.offset, bias=bias)
-        if constraints.any:
-            per_call.update(constraint_tensors(constraints, hidden,
-                                               self._mask_words(weight, vocab_start)))
-        if not fixed:
-            per_call["weight"] = weight
+        per_call = self._call_tensors(hidden, weight, bias, params, constraints, vocab_start)
         # stage 1 also writes the transformed logits (B·V·4 bytes, `side`) in calls whose
         # rows fall back on heavy tails (top-p / min-p without top-k): the exact fallback
         # then reads them instead of W. Other filtered calls rarely fall back and skip the
@@ -381,7 +405,7 @@ class Pipeline:
             key = ("filtered", merge, S, hidden.device, hidden.shape, hidden.stride(), n_real,
                    vocab_start, T, filters.replacement, filters.raw, constraint_key(constraints),
                    self.transport.key(), replay.tensor_key(tuple(per_call.values())), side_out,
-                   None if fixed else (weight.shape, weight.stride()))
+                   None if weight is self.fixed_weight else (weight.shape, weight.stride()))
             hit = self.replays.get(key)
             if hit is not None:  # (a launch takes only a tensor's address, which a records
                 stage1, stage2s = hit  # view shares with its flat buffer: the key has the layout)
@@ -414,14 +438,7 @@ class Pipeline:
 
         if on_device is None:
             on_device = self._on_device(side_out, hidden, in_capture)
-        later = dict(top_k=filters.top_k, top_p=filters.top_p, min_p=filters.min_p)
-        gathered = None
-        if on_device and self.gather_fallback:  # the flagged rows' logit shards, gathered
-            # (before key2: a grown buffer changes the transport's key)
-            gathered = self.transport.rows_gather(B, T * records.TILE)
-        elif on_device and per_call["side"] is None:  # the rows' logits, recomputed there
-            later["fallback_logits"] = torch.empty(B, T * records.TILE, dtype=torch.float32,
-                                                   device=hidden.device)
+        later, gathered = self._fallback_buffers(on_device, filters, per_call, B, T)
         key2 = None if key is None else self._key2(on_device, filters, per_call, later, logprobs)
         stage2 = None if stage2s is None else stage2s.get(key2)
         if stage2 is not None:
@@ -435,35 +452,62 @@ class Pipeline:
             plan = self.plan(hidden, weight, merge=merge, num_samples=S, need_mass=True,
                              vocab_start=vocab_start, tiles=T, filters=filters,
                              masked=constraints.any)
-        gather = None
-        if gathered is not None:
-            gather = launchers.FallbackGather(*gathered, self.transport.calls, self.shard_starts,
-                                              self.transport.gather_exchange,
-                                              self.transport.rank)
         self.transport.exchange(mine, full)
         recs = records.records_view(full, planes, B, Tx, tile_major)
-        out = launchers.filtered_outputs(B, S, filters.top_n, hidden.device)
-        head = recs[:, :S]
         with replay.record() as log2:
-            launchers.stage2_filtered(plan, recs, params, filters,
-                                      *(fanout[1:] if fanout else ()), head=head, out=out)
-            if on_device:
-                launchers.fallback_on_device(hidden, weight, bias, params, filters, out,
-                                             later.get("fallback_logits"),
-                                             self.fallback.counter(), n_real=n_real,
-                                             vocab_start=vocab_start, constraints=constraints,
-                                             listed=listed_scratch(per_call), pdl=plan.pdl,
-                                             gather=gather, side=per_call["side"],
-                                             winner=merge == "max" and not logprobs, recs=recs,
-                                             parity=fanout[1] if fanout else None,
-                                             parity_stride=fanout[2] if fanout else 0)
-        named2 = dict(per_call, **later, records=recs, sample_records=head, **out._asdict())
+            out = self._filtered_stage2(plan, recs, hidden, weight, bias, params, filters,
+                                        merge, S, n_real, vocab_start, constraints, per_call,
+                                        later, on_device, gathered, logprobs)
+        named2 = dict(per_call, **later, records=recs, sample_records=recs[:, :S],
+                      **out._asdict())
         if stage2s is not None:
             self.replays.add_stage2(stage2s, key2, log2, named2)
         elif key is not None:
             self.replays.add_split(key, log1, dict(per_call, records=out_view), key2, log2,
                                    named2)
         return out, on_device, per_call["side"]
+
+    def _fallback_buffers(self, on_device: bool, filters: Filters, per_call: dict, B: int,
+                          T: int):
+        """(later: the stage-2 launches' per-call tensors beyond per_call, gathered: the
+        transport's rows_gather views or None) of a filtered call."""
+        later = dict(top_k=filters.top_k, top_p=filters.top_p, min_p=filters.min_p)
+        gathered = None
+        if on_device and self.gather_fallback:  # the flagged rows' logit shards, gathered
+            # (before key2: a grown buffer changes the transport's key)
+            gathered = self.transport.rows_gather(B, T * records.TILE)
+        elif on_device and per_call["side"] is None:  # the rows' logits, recomputed there
+            later["fallback_logits"] = torch.empty(B, T * records.TILE, dtype=torch.float32,
+                                                   device=per_call["hidden"].device)
+        return later, gathered
+
+    def _filtered_stage2(self, plan: Plan, recs, hidden, weight, bias, params: RowParams,
+                         filters: Filters, merge: str, S: int, n_real: int, vocab_start: int,
+                         constraints: C.Constraints, per_call: dict, later: dict,
+                         on_device: bool, gathered, logprobs: bool) -> F.FilteredOutput:
+        """A filtered call's stage 2 through Triton's dispatch (run inside a replay record):
+        the candidate reduce, then the device fallback where on_device (gathered: the
+        transport's rows_gather views under TP)."""
+        fanout = self.transport.fanout()
+        gather = None
+        if gathered is not None:
+            gather = launchers.FallbackGather(*gathered, self.transport.calls, self.shard_starts,
+                                              self.transport.gather_exchange,
+                                              self.transport.rank)
+        out = launchers.filtered_outputs(hidden.shape[0], S, filters.top_n, hidden.device)
+        launchers.stage2_filtered(plan, recs, params, filters,
+                                  *(fanout[1:] if fanout else ()), head=recs[:, :S], out=out)
+        if on_device:
+            launchers.fallback_on_device(hidden, weight, bias, params, filters, out,
+                                         later.get("fallback_logits"),
+                                         self.fallback.counter(), n_real=n_real,
+                                         vocab_start=vocab_start, constraints=constraints,
+                                         listed=listed_scratch(per_call), pdl=plan.pdl,
+                                         gather=gather, side=per_call["side"],
+                                         winner=merge == "max" and not logprobs, recs=recs,
+                                         parity=fanout[1] if fanout else None,
+                                         parity_stride=fanout[2] if fanout else 0)
+        return out
 
     def _slots_first(self, numel: int):
         """The exchange slots of a transport with a persistent buffer, taken before its
