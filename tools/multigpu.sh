@@ -6,7 +6,9 @@
 #   tools/multigpu.sh bench OUT    # bench TP N (merge max with filtered calls, merge cdf) and
 #                                  # tools.exchange_cost (device wait vs torch's barrier)
 #   tools/multigpu.sh filtered OUT # tools.tp_filtered on the sweep's heads (HEADS, BATCHES),
-#                                  # each filter through its graph and re-issued (--ab-graphs)
+#                                  # each filter through its graph and re-issued (--ab-graphs),
+#                                  # top-p / min-p with the flagged rows split between ranks
+#                                  # and not (--ab-split)
 #   tools/multigpu.sh verify OUT   # VocabParallelSampler.verify_drafts against the local
 #                                  # matmul at TP N (launch/verify_bench.py under torchrun)
 #   tools/multigpu.sh tpot OUT     # examples/mcore_decode.py --tpot for each config (CONFIG,
@@ -62,7 +64,7 @@ bench)
     ;;
 filtered)
     run -m tools.tp_filtered --heads "${HEADS:-zipf2.0,zipf1.3,gauss1}" \
-        --batches "${BATCHES:-1,16,64,256}" --ab-graphs --out "$out" 2>&1 \
+        --batches "${BATCHES:-1,16,64,256}" --ab-graphs --ab-split --out "$out" 2>&1 \
         | tee "$out/tp_filtered.log"
     ;;
 verify)

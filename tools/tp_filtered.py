@@ -5,10 +5,19 @@ receives per call against an all-gather of the fp32 logits.
 
     torchrun --nproc-per-node=N -m tools.tp_filtered [--D 4096 --V 151936]
         [--heads zipf2.0,zipf1.3,gauss1] [--batches 1,16,64,256] [--out DIR] [--ab-graphs]
+        [--ab-split]
 
 --ab-graphs: each filter also timed with its repeated calls re-issuing their launches (as
 TPSAMPLE_GRAPHS=plain; <filter>_reissued), in the same run; the filter column keeps the
 process's setting (by default top-p / min-p calls through their CUDA graph).
+--ab-split: top-p and min-p also timed on a second sampler whose fallback does not split the
+flagged rows between ranks (launchers.SPLIT_ROWS off while it records its launches: every
+rank gathers and cuts every flagged row; <filter>_unsplit), in the same run, and its tokens
+compared with the split sampler's (<filter>_same_tokens).
+
+Bytes received per rank: the peers' records and, of the flagged rows' side-output shards,
+those of the rows this rank redoes: all of them, or about 1/world of them (rows split evenly)
+plus 3 words for each of the others' outputs where the call splits them.
 
 Timing as the benchmark's TP cells (tpsample.launch.bench.time_calls: CUDA events around an
 eager call with a host sync, the ranks aligned by a one-element all-reduce before each).
@@ -21,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 import tpsample
-from tpsample import knobs, records
+from tpsample import knobs, launchers, records
 from tpsample.launch.bench import time_calls
 from tpsample.launch.sweep import hidden, sweep_head
 
@@ -37,6 +46,7 @@ def main():
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--out", default=".")
     ap.add_argument("--ab-graphs", action="store_true")
+    ap.add_argument("--ab-split", action="store_true")
     a = ap.parse_args()
     rank = int(os.environ["RANK"])
     dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
@@ -45,9 +55,18 @@ def main():
     world = dist.get_world_size()
     w, U = sweep_head(a.D, a.V, torch.bfloat16, dev)
     per = -(-a.V // world)
-    sampler = tpsample.VocabParallelSampler(w[rank * per:(rank + 1) * per].contiguous(),
-                                            vocab_size=a.V, transport="symm_mem",
+    shard = w[rank * per:(rank + 1) * per].contiguous()
+    sampler = tpsample.VocabParallelSampler(shard, vocab_size=a.V, transport="symm_mem",
                                             check_inputs=False)
+    unsplit = (tpsample.VocabParallelSampler(shard, vocab_size=a.V, transport="symm_mem",
+                                             check_inputs=False) if a.ab_split else None)
+
+    def call_unsplit(h, kw):
+        launchers.SPLIT_ROWS = False  # (read when a call's launches are recorded)
+        try:
+            return unsplit(h, seed=1, **kw)
+        finally:
+            launchers.SPLIT_ROWS = True
     res = []
     for head in a.heads.split(","):
         for B in map(int, a.batches.split(",")):
@@ -64,11 +83,20 @@ def main():
                     with knobs.overridden(GRAPHS_FILTERED=False):
                         row[name + "_reissued"] = time_calls(
                             lambda kw=kw: sampler(h, seed=1, **kw), dev, a.iters)
+                split = ("k" not in name and world > 1
+                         and B >= launchers.SPLIT_MIN_ROWS * world)
+                if a.ab_split and split:
+                    row[name + "_unsplit"] = time_calls(lambda kw=kw: call_unsplit(h, kw), dev,
+                                                        a.iters)
+                    row[name + "_same_tokens"] = bool(torch.equal(sampler(h, seed=1, **kw),
+                                                                  call_unsplit(h, kw)))
                 # received per rank: the peers' records (the sample and candidate planes) and
-                # the flagged rows' side-output shards
+                # the side-output shards of the flagged rows it redoes (module docstring)
                 tiles = -(-per // records.TILE)
                 planes = 1 + records.CANDIDATE_PLANES
-                row[name + "_bytes"] = (world - 1) * (planes * B * tiles * 16 + flagged * per * 4)
+                redone = -(-flagged // world) if split else flagged
+                row[name + "_bytes"] = ((world - 1) * (planes * B * tiles * 16 + redone * per * 4)
+                                        + (flagged - redone) * 3 * 4 * split)
                 row[name + "_flagged"] = flagged
             row["allgather_logits_bytes"] = (world - 1) * B * per * 4
             res.append(row)
@@ -77,6 +105,8 @@ def main():
                     f"{n} {row[n] / row['plain']:.2f}x"
                     + (f" (re-issued {row[n + '_reissued'] / row['plain']:.2f}x)"
                        if a.ab_graphs else "")
+                    + (f" (unsplit {row[n + '_unsplit'] / row['plain']:.2f}x, same tokens "
+                       f"{row[n + '_same_tokens']})" if n + "_unsplit" in row else "")
                     + f" ({row[n + '_flagged']} rows, "
                     f"{row[n + '_bytes'] / 1e6:.2f} MB)" for n in FILTERS)
                     + f" | all-gather of logits {row['allgather_logits_bytes'] / 1e6:.1f} MB",
