@@ -49,7 +49,6 @@ def test_speculative_example_writes_the_plain_loops_tokens(tmp_path):
 
 
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed next to python")
-@pytest.mark.slow
 def test_fast_decode_tiny_model_tp1_and_tp2(tmp_path):
     """examples/fast_decode.py --check on its tiny configuration (CPU, gloo): greedy tokens
     of the tpsample head equal the stock head's (logits all-gathered, argmax) at every step,
