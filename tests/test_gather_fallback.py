@@ -1,9 +1,12 @@
 """The exact fallback of filtered calls under TP, on the device (symm_mem transports): every
-rank stores its shard of the flagged rows' logits into every rank's buffer, a conditional
-exchange (only when a row is flagged) makes them visible, and every rank redoes the rows
-from all shards (kernels/filter_fallback.py, FANOUT and SLOTTED). Interpreted on the CPU:
-two ranks simulated in one process for the kernels, and the whole call through a one-rank
-stand-in of the symmetric-memory transport on ordinary tensors."""
+rank stores its shard of the flagged rows' logits into the buffer of every rank that redoes
+the row, a conditional exchange (only when a row is flagged) makes them visible, and the
+rows are redone from all shards (kernels/filter_fallback.py, FANOUT and SLOTTED): by every
+rank, or, split (top-p / min-p from the side output), each by one rank that sends its
+outputs through one more exchange. Interpreted on the CPU: two ranks simulated in one
+process for the kernels, two forked processes sharing their buffers, and whole calls
+through one-rank and two-rank stand-ins of the symmetric-memory transport on ordinary
+tensors."""
 import pytest
 import torch
 
@@ -332,3 +335,98 @@ def test_split_rows_on_two_processes_equal_one_device(S):
         assert torch.equal(bufs[q][1][owned], sides[1][owned])
         assert (bufs[q][:, ~mine, 2 * S + 1:] == 7.0).all()
         assert (bufs[q][q, ~mine] == 7.0).all()
+
+
+class SharedPoolSymmTransport(SymmMemTransport):
+    """symm_mem's protocol on CPU tensors for forked ranks: symmetric allocations are carved,
+    in call order (the same on every rank), from per-rank pools shared before the fork, so
+    every rank sees every rank's buffers at the same addresses; the handle's barrier is the
+    gloo group's."""
+    pools: list = []
+
+    def _symmetric(self, numel, dtype):
+        size = numel * torch.empty(0, dtype=dtype).element_size()
+        at = getattr(self, "_carved", 0)
+        self._carved = at + -(-size // 256) * 256
+        assert self._carved <= self.pools[0].numel(), "pool too small"
+        group = self.group
+
+        class Handle:
+            def barrier(self, channel=0):
+                torch.distributed.barrier(group)
+        return (self.pools[self.rank][at:at + size].view(dtype), Handle(),
+                [p[at:at + size].data_ptr() for p in self.pools])
+
+
+def _pool_rank(rank, world, port, pools, results, h, w, calls):
+    import os
+    import torch.distributed as dist
+    import tpsample.parallel as par
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    SharedPoolSymmTransport.pools = pools
+    par.make_transport = lambda name, group, device, timeout_s: SharedPoolSymmTransport(
+        group, device, timeout_s)
+    per = w.shape[0] // world
+    sampler = tpsample.VocabParallelSampler(w[rank * per:(rank + 1) * per].contiguous(),
+                                            vocab_size=w.shape[0], backend="triton")
+    outs, exchanges = [], []
+    for kw in calls:
+        outs.append(sampler(h, **kw))
+        exchanges.append(int(sampler.transport.calls.item()))
+    pipe = sampler.pipeline
+    torch.save(dict(outs=outs, exchanges=exchanges, host_rows=pipe.host_fallback_rows,
+                    device_rows=int(pipe.fallback.device_rows.item())),
+               os.path.join(results, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_over_shared_symmetric_buffers_split_the_flagged_rows(tmp_path):
+    """Whole TP2 calls through the symmetric-memory protocol on the CPU (two forked ranks,
+    SharedPoolSymmTransport): top-p / min-p on near-flat rows, 8 rows (4 per rank, so they
+    split: each flagged row gathered to and cut on one rank, its outputs sent back), tokens
+    only (the winner check) and with log-probs: both ranks return the float64 reference's
+    tokens and one device's log Z, count every flagged row, and run three exchanges per
+    call (records, gather, outputs), none where no row is flagged."""
+    import multiprocessing
+    from dist_utils import free_port
+    h, w = flat_case()
+    kw = dict(temperature=MIXED["temperature"], top_p=torch.tensor([0.9, 0.5, 0.95, 0.3] * 2),
+              min_p=torch.tensor([0.0, 0.1, 0.0, 0.0, 0.2, 0.0, 0.05, 0.0]),
+              seed=torch.arange(8) * 3 + 1)
+    sharp = mixed_inputs()[0]
+    calls = [kw, dict(kw, return_logprobs=True), dict(top_p=0.9, seed=torch.arange(8))]
+    ctx = multiprocessing.get_context("fork")
+    pools = [torch.zeros(8 << 20, dtype=torch.uint8).share_memory_() for _ in range(2)]
+    port = free_port()
+    results = []
+    for hh, call in ((h, calls[:2]), (sharp, calls[2:])):
+        d = tmp_path / str(len(results))
+        d.mkdir()
+        for p in pools:
+            p.zero_()
+        procs = [ctx.Process(target=_pool_rank, args=(r, 2, port + len(results), pools, str(d),
+                                                      hh, w, call)) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(1200)
+            assert p.exitcode == 0
+        results.append([torch.load(d / f"rank{r}.pt", weights_only=False) for r in range(2)])
+    flat, peaked = results
+    want = reference_sample(h, w, **kw)
+    local = tpsample.sample(h, w, backend="triton", return_logprobs=True, **kw)
+    for res in flat:
+        assert res["host_rows"] == 0 and res["device_rows"] == flat[0]["device_rows"] >= 8
+        assert res["exchanges"] == [3, 6]
+        assert torch.equal(res["outs"][0].view(-1), want.tokens.view(-1))
+        assert torch.equal(res["outs"][1].tokens.view(-1), want.tokens.view(-1))
+        assert torch.allclose(res["outs"][1].logz, local.logz, atol=1e-5)
+        assert torch.equal(res["outs"][1].logprobs, flat[0]["outs"][1].logprobs)
+    for res in peaked:  # (no row flagged: the records' exchange alone)
+        assert res["exchanges"] == [1] and res["device_rows"] == 0
+        assert torch.equal(res["outs"][0].view(-1),
+                           reference_sample(sharp, w, **calls[2]).tokens.view(-1))
