@@ -430,3 +430,76 @@ def test_two_ranks_over_shared_symmetric_buffers_split_the_flagged_rows(tmp_path
         assert res["exchanges"] == [1] and res["device_rows"] == 0
         assert torch.equal(res["outs"][0].view(-1),
                            reference_sample(sharp, w, **calls[2]).tokens.view(-1))
+
+
+def _drill_rank(rank, world, port, pools, results, h, w, kw):
+    """Rank 1 stops before the outputs' exchange (the second gather exchange) of its first
+    call, as a rank that died there would, and makes no further call."""
+    import os
+    import torch.distributed as dist
+    import tpsample.parallel as par
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    SharedPoolSymmTransport.pools = pools
+    par.make_transport = lambda name, group, device, timeout_s: SharedPoolSymmTransport(
+        group, device, timeout_s)
+    per = w.shape[0] // world
+    sampler = tpsample.VocabParallelSampler(w[rank * per:(rank + 1) * per].contiguous(),
+                                            vocab_size=w.shape[0], backend="triton",
+                                            timeout_s=0.02)  # (interpreted: 2·10^4 polls)
+    t = sampler.transport
+    if rank == 1:
+        real, seen = t.gather_exchange, []
+
+        def stop_at_second(cond):
+            seen.append(1)
+            if len(seen) == 2:
+                raise Stop
+            real(cond)
+        t.gather_exchange = stop_at_second
+        with pytest.raises(Stop):
+            sampler(h, **kw)
+        res = dict(stopped=True)
+    else:
+        res = dict(out=sampler(h, **kw))
+        try:
+            sampler(h, **kw)
+            res["next"] = "returned"
+        except tpsample.ExchangeTimeout as e:
+            res["next"] = (e.missing, e.call)
+    torch.save(res, os.path.join(results, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_peer_missing_the_outputs_exchange_gives_degenerate_rows_then_a_timeout(tmp_path):
+    """Split rows, two forked ranks (SharedPoolSymmTransport): rank 1 stops before the
+    outputs' exchange of the first call. Rank 0 gives up on it after its bounded wait: its
+    flagged rows come back degenerate (token -1, NaN log-prob and log Z), its other rows as
+    the reference's, and its next call raises ExchangeTimeout naming rank 1 and exchange
+    #3 (records, gather, outputs)."""
+    import multiprocessing
+    from dist_utils import free_port
+    h, w = flat_case()
+    kw = dict(temperature=MIXED["temperature"], top_p=torch.tensor([0.9, 0.5, 0.95, 0.3] * 2),
+              seed=torch.arange(8) * 3 + 1, return_logprobs=True)
+    ctx = multiprocessing.get_context("fork")
+    pools = [torch.zeros(8 << 20, dtype=torch.uint8).share_memory_() for _ in range(2)]
+    port = free_port()
+    procs = [ctx.Process(target=_drill_rank, args=(r, 2, port, pools, str(tmp_path), h, w, kw))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(1200)
+        assert p.exitcode == 0
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
+    out = r0["out"]
+    flagged = out.tokens.view(-1) == -1
+    want = reference_sample(h, w, **{k: v for k, v in kw.items() if k != "return_logprobs"})
+    assert flagged.sum() >= 3 and torch.isnan(out.logz[flagged]).all()
+    assert torch.isnan(out.logprobs.view(-1)[flagged]).all()
+    assert torch.equal(out.tokens.view(-1)[~flagged], want.tokens.view(-1)[~flagged])
+    assert r0["next"] == ([1], 3) and r1["stopped"]
