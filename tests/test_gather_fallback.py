@@ -358,8 +358,9 @@ class SharedPoolSymmTransport(SymmMemTransport):
                 [p[at:at + size].data_ptr() for p in self.pools])
 
 
-def _pool_rank(rank, world, port, pools, results, h, w, calls):
-    import os
+def _pool_sampler(rank, world, port, pools, w, **kw):
+    """In a forked rank: a gloo group and a VocabParallelSampler of rank's even shard of w
+    over SharedPoolSymmTransport (interpreted kernels)."""
     import torch.distributed as dist
     import tpsample.parallel as par
     torch.set_num_threads(1)
@@ -369,8 +370,32 @@ def _pool_rank(rank, world, port, pools, results, h, w, calls):
     par.make_transport = lambda name, group, device, timeout_s: SharedPoolSymmTransport(
         group, device, timeout_s)
     per = w.shape[0] // world
-    sampler = tpsample.VocabParallelSampler(w[rank * per:(rank + 1) * per].contiguous(),
-                                            vocab_size=w.shape[0], backend="triton")
+    return tpsample.VocabParallelSampler(w[rank * per:(rank + 1) * per].contiguous(),
+                                         vocab_size=w.shape[0], backend="triton", **kw)
+
+
+def _fork_ranks(target, results, *args, world=2):
+    """target(rank, world, port, pools, results, *args) in `world` forked processes sharing
+    fresh pools; each saves its result as results/rank{r}.pt → the list of them."""
+    import multiprocessing
+    from dist_utils import free_port
+    ctx = multiprocessing.get_context("fork")
+    pools = [torch.zeros(8 << 20, dtype=torch.uint8).share_memory_() for _ in range(world)]
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, world, port, pools, str(results), *args))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(1200)
+        assert p.exitcode == 0
+    return [torch.load(results / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def _pool_rank(rank, world, port, pools, results, h, w, calls):
+    import os
+    import torch.distributed as dist
+    sampler = _pool_sampler(rank, world, port, pools, w)
     outs, exchanges = [], []
     for kw in calls:
         outs.append(sampler(h, **kw))
@@ -391,31 +416,17 @@ def test_two_ranks_over_shared_symmetric_buffers_split_the_flagged_rows(tmp_path
     only (the winner check) and with log-probs: both ranks return the float64 reference's
     tokens and one device's log Z, count every flagged row, and run three exchanges per
     call (records, gather, outputs), none where no row is flagged."""
-    import multiprocessing
-    from dist_utils import free_port
     h, w = flat_case()
     kw = dict(temperature=MIXED["temperature"], top_p=torch.tensor([0.9, 0.5, 0.95, 0.3] * 2),
               min_p=torch.tensor([0.0, 0.1, 0.0, 0.0, 0.2, 0.0, 0.05, 0.0]),
               seed=torch.arange(8) * 3 + 1)
     sharp = mixed_inputs()[0]
     calls = [kw, dict(kw, return_logprobs=True), dict(top_p=0.9, seed=torch.arange(8))]
-    ctx = multiprocessing.get_context("fork")
-    pools = [torch.zeros(8 << 20, dtype=torch.uint8).share_memory_() for _ in range(2)]
-    port = free_port()
     results = []
     for hh, call in ((h, calls[:2]), (sharp, calls[2:])):
         d = tmp_path / str(len(results))
         d.mkdir()
-        for p in pools:
-            p.zero_()
-        procs = [ctx.Process(target=_pool_rank, args=(r, 2, port + len(results), pools, str(d),
-                                                      hh, w, call)) for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(1200)
-            assert p.exitcode == 0
-        results.append([torch.load(d / f"rank{r}.pt", weights_only=False) for r in range(2)])
+        results.append(_fork_ranks(_pool_rank, d, hh, w, call))
     flat, peaked = results
     want = reference_sample(h, w, **kw)
     local = tpsample.sample(h, w, backend="triton", return_logprobs=True, **kw)
@@ -437,17 +448,8 @@ def _drill_rank(rank, world, port, pools, results, h, w, kw):
     call, as a rank that died there would, and makes no further call."""
     import os
     import torch.distributed as dist
-    import tpsample.parallel as par
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    SharedPoolSymmTransport.pools = pools
-    par.make_transport = lambda name, group, device, timeout_s: SharedPoolSymmTransport(
-        group, device, timeout_s)
-    per = w.shape[0] // world
-    sampler = tpsample.VocabParallelSampler(w[rank * per:(rank + 1) * per].contiguous(),
-                                            vocab_size=w.shape[0], backend="triton",
-                                            timeout_s=0.02)  # (interpreted: 2·10^4 polls)
+    sampler = _pool_sampler(rank, world, port, pools, w,
+                            timeout_s=0.02)  # (interpreted: 2·10^4 polls)
     t = sampler.transport
     if rank == 1:
         real, seen = t.gather_exchange, []
@@ -480,22 +482,10 @@ def test_a_peer_missing_the_outputs_exchange_gives_degenerate_rows_then_a_timeou
     flagged rows come back degenerate (token -1, NaN log-prob and log Z), its other rows as
     the reference's, and its next call raises ExchangeTimeout naming rank 1 and exchange
     #3 (records, gather, outputs)."""
-    import multiprocessing
-    from dist_utils import free_port
     h, w = flat_case()
     kw = dict(temperature=MIXED["temperature"], top_p=torch.tensor([0.9, 0.5, 0.95, 0.3] * 2),
               seed=torch.arange(8) * 3 + 1, return_logprobs=True)
-    ctx = multiprocessing.get_context("fork")
-    pools = [torch.zeros(8 << 20, dtype=torch.uint8).share_memory_() for _ in range(2)]
-    port = free_port()
-    procs = [ctx.Process(target=_drill_rank, args=(r, 2, port, pools, str(tmp_path), h, w, kw))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(1200)
-        assert p.exitcode == 0
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
+    r0, r1 = _fork_ranks(_drill_rank, tmp_path, h, w, kw)
     out = r0["out"]
     flagged = out.tokens.view(-1) == -1
     want = reference_sample(h, w, **{k: v for k, v in kw.items() if k != "return_logprobs"})

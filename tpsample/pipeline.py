@@ -213,11 +213,9 @@ class Pipeline:
         T = tiles if tiles is not None else records.num_tiles(weight.shape[0])
         Tx = T + int(spec.constraints.listed)  # tiles per slot in the records
         numel = spec.num_samples * hidden.shape[0] * Tx * records.WIDTH
-        plan_args = dict(merge=spec.merge, num_samples=spec.num_samples, need_mass=need_mass,
-                         vocab_start=vocab_start, tiles=T, masked=spec.constraints.any)
         if self.backend == "torch":
-            return self._run_torch(hidden, weight, bias, spec, plan or self.plan(
-                hidden, weight, **plan_args), n_real, vocab_start, T, numel)
+            return self._run_torch(hidden, weight, bias, spec, plan or self._plain_plan(
+                hidden, weight, spec, need_mass, vocab_start, T), n_real, vocab_start, T, numel)
         slots = self._slots_first(numel)
         per_call = self._call_tensors(hidden, weight, bias, spec.row, spec.constraints,
                                       vocab_start)
@@ -233,9 +231,15 @@ class Pipeline:
             if hit is not None:
                 return self._replayed(key, hit, per_call, slots, spec, numel, in_capture,
                                       tokens_out)
-        plan = plan or self.plan(hidden, weight, **plan_args)
+        plan = plan or self._plain_plan(hidden, weight, spec, need_mass, vocab_start, T)
         return self._recorded(key, plan, hidden, weight, bias, spec, per_call, slots, numel,
                               n_real=n_real, vocab_start=vocab_start, Tx=Tx, trace=trace)
+
+    def _plain_plan(self, hidden, weight, spec: SamplingSpec, need_mass: bool,
+                    vocab_start: int, T: int) -> Plan:
+        return self.plan(hidden, weight, merge=spec.merge, num_samples=spec.num_samples,
+                         need_mass=need_mass, vocab_start=vocab_start, tiles=T,
+                         masked=spec.constraints.any)
 
     def _call_tensors(self, hidden, weight, bias, params: RowParams, constraints, vocab_start):
         """{name: tensor} of what a call's launches take per call, which a replay substitutes
