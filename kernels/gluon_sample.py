@@ -87,7 +87,7 @@ if AVAILABLE:
                   TILE_MASS: gl.constexpr, NUM_PEERS: gl.constexpr, BLOCK_V: gl.constexpr,
                   BLOCK_B: gl.constexpr, EPI_B: gl.constexpr, EPI_WARPS: gl.constexpr,
                   HAS_MASK: gl.constexpr, CANDIDATES: gl.constexpr, RAW_MASS: gl.constexpr,
-                  HELD: gl.constexpr, SIDE: gl.constexpr):
+                  HELD: gl.constexpr, SIDE: gl.constexpr, SIDE_ROWS: gl.constexpr):
         n = 0
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             pid_v = tile // num_b_tiles
@@ -102,26 +102,45 @@ if AVAILABLE:
                                    rec_stride_t, peer_ptrs, parity_ptr, mask_ptr, stride_mask,
                                    first_ptr, held_ptr, side_ptr, stride_side, HAS_BIAS,
                                    TILE_MASS, NUM_PEERS, BLOCK_V, EPI_B, EPI_WARPS, HAS_MASK,
-                                   CANDIDATES, RAW_MASS, HELD, SIDE)
+                                   CANDIDATES, RAW_MASS, HELD, SIDE, SIDE_ROWS)
             mbarrier.arrive(acc_empty)  # the mma warps may overwrite the buffer now
             n += 1
 
     @gluon.jit
-    def _store_side(side_ptr, stride_side, offs_b, mask_b, row0, l0, l1, l2, l3):
+    def _store_side(side_ptr, stride_side, offs_b, mask_b, row0, l0, l1, l2, l3, b0, B, v0,
+                    EPI_WARPS: gl.constexpr, ALONG_ROWS: gl.constexpr):
         """side[b, row0 + a] = l_a (NaN as -inf) for the [Q, EPI_B] lanes, as one vector of
         four per thread: the joined [Q, EPI_B, 4] keeps a thread's four values in its
         registers, and the pointers are built in that layout so the store is 16 bytes wide
-        (row0 is a multiple of 4; the side rows are 16-byte aligned)."""
+        (row0 is a multiple of 4; the side rows are 16-byte aligned). A warp of the lanes'
+        layout spans 32 columns: its store touches 32 rows, 16 bytes each. ALONG_ROWS: first
+        through shared memory into a layout whose warps span 32 positions of one column, so
+        that a store writes 512 contiguous bytes of one row (full sectors; Q = 32)."""
         v = gl.reshape(gl.join(gl.join(l0, l2), gl.join(l1, l3)), [l0.shape[0], l0.shape[1], 4])
         v = gl.where(v != v, float("-inf"), v)
-        lay3: gl.constexpr = v.type.layout
-        lay2: gl.constexpr = gl.SliceLayout(2, lay3)
-        at = gl.convert_layout(gl.expand_dims(offs_b, 0).to(gl.int64) * stride_side + row0, lay2)
-        live = gl.convert_layout(gl.expand_dims(mask_b, 0) & (row0 >= 0), lay2)
-        k = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, lay3)))
-        k3 = gl.expand_dims(gl.expand_dims(k, 0), 0)
-        gl.store(side_ptr + (gl.expand_dims(at, 2) + k3), v,
-                 mask=gl.expand_dims(live, 2) & (k3 >= 0))
+        if ALONG_ROWS:
+            Q: gl.constexpr = l0.shape[0]
+            rows_l: gl.constexpr = gl.BlockedLayout([1, 1, 4], [32, 1, 1], [1, EPI_WARPS, 1],
+                                                    [2, 0, 1])
+            v = gl.convert_layout(v, rows_l)
+            q1 = gl.arange(0, Q, layout=gl.SliceLayout(1, gl.SliceLayout(2, rows_l)))
+            b1 = gl.arange(0, l0.shape[1], layout=gl.SliceLayout(0, gl.SliceLayout(2, rows_l)))
+            k1 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, rows_l)))
+            q3 = gl.expand_dims(gl.expand_dims(q1, 1), 2)
+            b3 = gl.expand_dims(gl.expand_dims(b1, 0), 2) + b0
+            k3 = gl.expand_dims(gl.expand_dims(k1, 0), 0)
+            at = b3.to(gl.int64) * stride_side + (v0 + 4 * q3 + k3)
+            gl.store(side_ptr + at, v, mask=(b3 < B) & (q3 >= 0) & (k3 >= 0))
+        else:
+            lay3: gl.constexpr = v.type.layout
+            lay2: gl.constexpr = gl.SliceLayout(2, lay3)
+            at = gl.convert_layout(gl.expand_dims(offs_b, 0).to(gl.int64) * stride_side + row0,
+                                   lay2)
+            live = gl.convert_layout(gl.expand_dims(mask_b, 0) & (row0 >= 0), lay2)
+            k = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, lay3)))
+            k3 = gl.expand_dims(gl.expand_dims(k, 0), 0)
+            gl.store(side_ptr + (gl.expand_dims(at, 2) + k3), v,
+                     mask=gl.expand_dims(live, 2) & (k3 >= 0))
 
     @gluon.jit
     def _chunk_records(view, pid_v, b0, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr, B,
@@ -131,7 +150,7 @@ if AVAILABLE:
                        HAS_BIAS: gl.constexpr, TILE_MASS: gl.constexpr, NUM_PEERS: gl.constexpr,
                        BLOCK_V: gl.constexpr, EPI_B: gl.constexpr, EPI_WARPS: gl.constexpr,
                        HAS_MASK: gl.constexpr, CANDIDATES: gl.constexpr, RAW_MASS: gl.constexpr,
-                       HELD: gl.constexpr, SIDE: gl.constexpr):
+                       HELD: gl.constexpr, SIDE: gl.constexpr, SIDE_ROWS: gl.constexpr):
         """Records of columns [b0, b0 + EPI_B) of the tile in `view` [BLOCK_V, EPI_B] (rows in
         lane order: row a·Q + q holds token 4q + a, see the loader), stored at rec_ptr or, with
         NUM_PEERS > 0, into every peer's slot (see fused_sample.sample_and_store). CANDIDATES > 0:
@@ -171,7 +190,8 @@ if AVAILABLE:
         l2 = _lane(view, 2, lane_l, row0, scale, bias_ptr, n_real, HAS_BIAS, bits, HAS_MASK)
         l3 = _lane(view, 3, lane_l, row0, scale, bias_ptr, n_real, HAS_BIAS, bits, HAS_MASK)
         if SIDE:  # a thread's four lanes are four adjacent tokens: one 16-byte store
-            _store_side(side_ptr, stride_side, offs_b, mask_b, row0, l0, l1, l2, l3)
+            _store_side(side_ptr, stride_side, offs_b, mask_b, row0, l0, l1, l2, l3, b0, B,
+                        pid_v * BLOCK_V, EPI_WARPS, SIDE_ROWS)
         # the tile max, NaN if any logit of the column is NaN (see fused_sample.py)
         m = gl.reduce(_nan_max(_nan_max(l0, l1), _nan_max(l2, l3)), 0, _nan_max)
         if TILE_MASS:
@@ -409,7 +429,7 @@ if AVAILABLE:
         LOADER_REGS: gl.constexpr, MMA_REGS: gl.constexpr, MMA_WARPS: gl.constexpr = 4,
         NUM_PEERS: gl.constexpr = 0, HAS_MASK: gl.constexpr = False,
         CANDIDATES: gl.constexpr = 0, RAW_MASS: gl.constexpr = False, HELD: gl.constexpr = False,
-        SIDE: gl.constexpr = False,
+        SIDE: gl.constexpr = False, SIDE_ROWS: gl.constexpr = False,
     ):
         """Records [S, B, T, 4] of the tiles (vocabulary × batch) of this program; see the
         module docstring. num_warps (the epilogue's warps) must be 4 or 8. NUM_PEERS > 0: the
@@ -443,7 +463,7 @@ if AVAILABLE:
                          rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr, num_tiles, num_b_tiles,
                          mask_ptr, stride_mask, first_ptr, held_ptr, side_ptr, stride_side,
                          HAS_BIAS, TILE_MASS, NUM_PEERS, BLOCK_V, BLOCK_B, EPI_B, gl.num_warps(),
-                         HAS_MASK, CANDIDATES, RAW_MASS, HELD, SIDE)),
+                         HAS_MASK, CANDIDATES, RAW_MASS, HELD, SIDE, SIDE_ROWS)),
             (_mma, (w_desc, h_desc, w_bufs, h_bufs, ready, empty, acc_buf, acc_ready, acc_empty,
                     num_tiles, num_b_tiles, k_steps, BLOCK_V, BLOCK_B, BLOCK_K, STAGES,
                     MMA_WARPS)),

@@ -33,9 +33,15 @@ def spec_of(h, **kw):
 class Fallback:
     def __init__(self):
         self.watched = 0
+        self.asked = 0
+        self.on_device = True
 
     def watch(self):
         self.watched += 1
+
+    def device_now(self, hidden, in_capture):
+        self.asked += 1
+        return self.on_device
 
 
 class Transport:
@@ -58,7 +64,7 @@ class Pipe:
         self.candidate_rows = 0
         self.bound = bound
 
-    def graph_call(self, tensors: dict, filtered: bool = False):
+    def graph_call(self, tensors: dict, filtered: bool = False, asks: bool = False):
         """As Pipeline._graph_call after a capture: the graph kept under a key, replayed,
         and last_graph set."""
         g = CallGraph()
@@ -82,7 +88,7 @@ class Pipe:
         key = ("key", len(self.graphs.graphs))
         self.graphs.graphs[key] = g
         out = self.graphs.replay(key, g, tensors, ("tokens",))
-        self.last_graph = (key, g, tensors, ("tokens",), filtered)
+        self.last_graph = (key, g, tensors, ("tokens",), filtered, asks)
         return out
 
 
@@ -98,7 +104,7 @@ def cpu_memo(monkeypatch):
 
 
 def stored(memo, seed=None, offset=5, bias=None, filtered=False, bound=("weight",), out=None,
-           **kw):
+           asks=False, **kw):
     """A memo holding one call (hidden [B, D] of ones) that went through its graph."""
     h, w = torch.ones(B, D), torch.zeros(V, D)
     spec = spec_of(h, seed=1 if seed is None else seed, offset=offset, **kw)
@@ -107,7 +113,7 @@ def stored(memo, seed=None, offset=5, bias=None, filtered=False, bound=("weight"
                    offset=spec.row.offset, bias=bias, weight=w)
     if out is not None:
         tensors["out"] = out
-    pipe.graph_call(tensors, filtered)
+    pipe.graph_call(tensors, filtered, asks)
     sig = CM.signature(h, w, bias, seed, offset, SCALARS, out)
     draws = []
 
@@ -177,6 +183,20 @@ def test_a_filtered_hit_counts_and_watches_as_the_full_path(cpu_memo):
     sig, pipe, _, _ = stored(cpu_memo, filtered=True, top_p=0.9)
     assert cpu_memo.call(sig, torch.ones(B, D), None, 5) is not None
     assert pipe.fallback.watched == 1 and pipe.candidate_rows == B
+    assert pipe.fallback.asked == 0  # (its fallback always runs on the device)
+
+
+def test_a_hit_whose_fallback_may_move_to_the_host_asks_the_fallback_choice(cpu_memo):
+    """A filtered call outside the cut's fast path (top-k here) goes through its graph only
+    while its fallback stays on the device: the memo asks the pipeline's FallbackChoice
+    first, as the full path does, and leaves a host-mode call to the full path."""
+    sig, pipe, _, _ = stored(cpu_memo, filtered=True, asks=True, top_k=5)
+    assert cpu_memo.call(sig, torch.ones(B, D), None, 5) is not None
+    assert pipe.fallback.asked == 1 and pipe.replays == 2 and cpu_memo.hits == 1
+    pipe.fallback.on_device = False
+    assert cpu_memo.call(sig, torch.ones(B, D), None, 6) is None
+    assert pipe.fallback.asked == 2 and pipe.replays == 2 and cpu_memo.hits == 1
+    assert sig in cpu_memo.entries  # (kept: the fallback may come back to the device)
 
 
 @pytest.mark.parametrize("case", ["constrained", "converted bias", "seed copied", "no graph",

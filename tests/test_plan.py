@@ -176,3 +176,22 @@ def test_gluon_compat_reports_why_the_kernels_cannot_run(monkeypatch):
     assert reason is not None and "3.6, 3.7, 3.8, 3.9" in reason
     monkeypatch.setattr(gc, "HAS_GLUON", False)
     assert "no Gluon" in gc.unavailable_reason()
+
+
+def test_the_side_output_transpose_costs_a_stage_only_where_shared_memory_runs_out():
+    """The ws kernel's side output through shared memory (launchers.WS_SIDE_ROWS) needs a
+    [BLOCK_V, EPI_B, 4] fp32 scratch: the stages drop only where the configs of the shipped
+    tables would not fit an H100 / H200's 227 KB. The estimate errs high: with five stages
+    at BLOCK_B 128, and ten at BLOCK_B 32, Triton reported 245,888 and 237,760 bytes on an
+    H200 (OutOfResources)."""
+    from tpsample import launchers as L
+    limit = 232448
+    for (stages, block_b, reported) in ((5, 128, 245888), (10, 32, 237760)):
+        per = (L.BLOCK_V + block_b) * 64 * 2
+        need = stages * per + L.BLOCK_V * block_b * 4 + L.BLOCK_V * 32 * 4 + L.SMEM_SLACK
+        assert reported <= need < reported + L.SMEM_SLACK
+    cases = {(5, 128): 4, (4, 128): 4, (10, 32): 9, (8, 32): 8, (8, 64): 7, (6, 64): 6}
+    for (stages, block_b), want in cases.items():
+        cfg = dict(NUM_STAGES=stages, EPI_B=32)
+        assert L._ws_stages(cfg, block_b, 64, True, limit) == want, (stages, block_b)
+        assert L._ws_stages(cfg, block_b, 64, False, limit) == stages

@@ -112,6 +112,7 @@ def main():
                     + f" | all-gather of logits {row['allgather_logits_bytes'] / 1e6:.1f} MB",
                     flush=True)
     if rank == 0:
+        os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, f"tp_filtered_tp{world}.json"), "w") as f:
             json.dump(res, f, indent=1)
     dist.destroy_process_group()

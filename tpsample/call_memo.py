@@ -71,9 +71,9 @@ class Entry:
     the pipeline's CallGraphs owns it), the tensors it read (the template a call fills with
     its hidden states, offset and seeds), the outputs it returns, and the conditions it was
     captured under."""
-    __slots__ = ("pipeline", "gkey", "graph", "tensors", "returned", "filtered", "stream",
-                 "transport_key", "device", "draw", "int_offset", "num_samples",
-                 "return_logprobs", "refs")
+    __slots__ = ("pipeline", "gkey", "graph", "tensors", "returned", "filtered",
+                 "asks_fallback", "stream", "transport_key", "device", "draw", "int_offset",
+                 "num_samples", "return_logprobs", "refs")
 
 
 class CallMemo:
@@ -101,6 +101,8 @@ class CallMemo:
                 or pipe.transport.key() != e.transport_key):
             self.entries.pop(sig, None)
             return None
+        if e.asks_fallback and not pipe.fallback.device_now(hidden, False):
+            return None  # (its fallback moved to the host: the full path takes it there)
         tensors = dict(e.tensors)
         tensors["hidden"] = hidden
         B = hidden.shape[0]
@@ -145,11 +147,12 @@ class CallMemo:
             return
         if isinstance(offset, torch.Tensor) and spec.row.offset is not offset:
             return
-        gkey, graph, tensors, returned, filtered = last
+        gkey, graph, tensors, returned, filtered, asks = last
         if seed is None and "seed" in graph.bound:  # (drawn seeds are new tensors per call)
             return
         e = Entry()
         e.pipeline, e.gkey, e.returned, e.filtered = pipeline, gkey, returned, filtered
+        e.asks_fallback = asks
         e.graph = weakref.ref(graph)
         e.tensors = {n: t for n, t in tensors.items() if n != "hidden"}
         e.device = pipeline.device

@@ -34,8 +34,9 @@ KNOBS = (
     Knob("TPSAMPLE_GRAPHS", "1", ("0", "plain", "1"),
          "1: from the third eager call with the same replay key, a call replays its "
          "launches as one CUDA graph (tpsample/call_graphs.py): plain calls, and filtered "
-         "calls with top-p / min-p and no top-k or top log-probs (their exact fallback always "
-         "runs on the device); plain: plain calls only; 0: the launches one by one"),
+         "calls whose exact fallback runs on the device (always for top-p / min-p without "
+         "top-k or top log-probs; others while their fallback stays there); plain: plain "
+         "calls only; 0: the launches one by one"),
     Knob("TPSAMPLE_MEMO", "1", ("0", "1"),
          "1: a call that repeats an earlier graphed call's arguments (new hidden states, an "
          "int offset and drawn seeds aside) goes straight to that call's CUDA graph, "

@@ -44,6 +44,11 @@ def _num_sms(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def _smem_per_block(index: int) -> int:
+    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+
+
+@functools.lru_cache(maxsize=None)
 def _mm_out_fp32_supported() -> bool:
     try:
         a = torch.ones(16, 16, dtype=torch.bfloat16, device="cuda")
@@ -278,6 +283,23 @@ def listed_records(plan: Plan, bias, params: RowParams, c, scratch: ListedScratc
               NO_REPLACE=not plan.replacement, RAW_MASS=plan.raw_mass, PDL=plan.pdl)
 
 
+# the ws side output stored along its rows through shared memory (gluon_sample._store_side;
+# its scratch may cost a stage: _ws_stages) where the tile's D loop has at most this many
+# steps. H200, eager calls, same run, top-p 0.9: D = 4096 -2 % (B = 64) and -6 / -7 % (B =
+# 256); D = 8192 -2 % at B = 64 but +6 / +7 % at B = 256 (its stage 1 alone was faster)
+WS_SIDE_ROWS_MAX_K_STEPS = 64
+WS_SIDE_ROWS = True  # (False: the stores from the lanes' layout; A/B)
+SMEM_SLACK = 1024  # the ws kernel's barriers and alignment, bytes
+
+
+def _ws_stages(cfg: dict, block_b: int, block_k: int, side_rows: bool, limit: int) -> int:
+    """The config's pipeline stages, fewer where the side output's transpose scratch
+    ([BLOCK_V, EPI_B, 4] fp32 lanes) would not fit in `limit` bytes of shared memory."""
+    per_stage = (BLOCK_V + block_b) * block_k * 2
+    fixed = BLOCK_V * block_b * 4 + SMEM_SLACK + (BLOCK_V * cfg["EPI_B"] * 4 if side_rows else 0)
+    return max(2, min(cfg["NUM_STAGES"], (limit - fixed) // per_stage))
+
+
 @functools.lru_cache(maxsize=64)
 def _ws_layouts(dtype: torch.dtype, block_b: int, block_k: int):
     from triton.experimental.gluon import language as gl
@@ -307,13 +329,18 @@ def _ws(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start, pe
     nb = cdiv(B, block_b)
     tiles = (out.shape[2] if tiles is None else tiles) * nb
     grid = (min(tiles, _num_sms(hidden.device)),)
+    k_steps = cdiv(D, block_k)
+    side_rows = side is not None and WS_SIDE_ROWS and k_steps <= WS_SIDE_ROWS_MAX_K_STEPS
     constexprs = dict(
-        HAS_BIAS=bias is not None, TILE_MASS=plan.need_mass, STAGES=cfg["NUM_STAGES"],
+        HAS_BIAS=bias is not None, TILE_MASS=plan.need_mass,
+        STAGES=_ws_stages(cfg, block_b, block_k, side_rows, _smem_per_block(
+            hidden.device.index if hidden.device.index is not None
+            else torch.cuda.current_device())) if side_rows else cfg["NUM_STAGES"],
         EPI_B=cfg["EPI_B"], LOADER_REGS=WS_LOADER_REGS, MMA_REGS=168 if mma_warps == 4 else 160,
         MMA_WARPS=mma_warps, NUM_PEERS=0 if peers is None else peers.shape[-1],
         HAS_MASK=mask is not None, CANDIDATES=records.CANDIDATES if plan.candidates else 0,
         RAW_MASS=plan.candidates and plan.raw_mass, HELD=held is not None,
-        SIDE=side is not None)
+        SIDE=side is not None, SIDE_ROWS=side_rows)
     if not plan.replacement:
         raise ValueError("the ws kernel has no without-replacement epilogue (the plan takes the "
                          "records pass)")
@@ -323,7 +350,7 @@ def _ws(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start, pe
                    maxnreg=65536 // (32 * (num_warps + mma_warps + 4)) // 8 * 8)
     seed = params.seed
     run_named(gluon_sample.ws_records_kernel, grid, options, w_desc=w_desc, h_desc=h_desc,
-              num_tiles=tiles, num_b_tiles=nb, k_steps=cdiv(D, block_k),
+              num_tiles=tiles, num_b_tiles=nb, k_steps=k_steps,
               **_records_args(plan, bias, params, out, n_real=n_real, vocab_start=vocab_start,
                               peers=peers, parity=parity),
               **_mask_args(mask, held, seed), **_side_args(side, seed), **constexprs)

@@ -83,8 +83,9 @@ class Pipeline:
             self.shard_starts = torch.tensor(shard_starts if shard_starts is not None else [0],
                                              dtype=torch.int64, device=device)
         self.fallback = FallbackChoice(device, deterministic=self.gather_fallback)
-        # (graph key, graph, the tensors it read, returned names, filtered) of the last
-        # run() that went through a graph, else None: what tpsample/call_memo.py keeps
+        # (graph key, graph, the tensors it read, returned names, filtered, whether its
+        # fallback may move to the host) of the last run() that went through a graph, else
+        # None: what tpsample/call_memo.py keeps
         self.last_graph = None
 
     @property
@@ -121,7 +122,7 @@ class Pipeline:
                 return None
         out = self.graphs.replay(key, graph, per_call, returned)
         if out is not None:
-            self.last_graph = (key, graph, per_call, returned, False)
+            self.last_graph = (key, graph, per_call, returned, False, False)
         return out
 
     def _outputs(self, B: int, S: int, device, stream: int, logprobs: bool) -> dict:
@@ -414,10 +415,9 @@ class Pipeline:
             if hit is not None:  # (a launch takes only a tensor's address, which a records
                 stage1, stage2s = hit  # view shares with its flat buffer: the key has the layout)
                 stream = replay.current_stream(hidden.device.index)
-                # (only calls whose flagged rows all take the device's fast path: another
-                # call's fallback may move to the host, which re-issued launches follow)
+                # (a call whose fallback has moved to the host re-issues its launches)
                 if (self.graphs is not None and self.graphs.usable(in_capture, filtered=True)
-                        and side_out and not constraints.listed):
+                        and not constraints.listed):
                     on_device = self._on_device(side_out, hidden, in_capture)
                     if on_device:
                         out = self._filtered_graph_call(key, stage1, stage2s, per_call, filters,
@@ -590,7 +590,7 @@ class Pipeline:
         out = self.graphs.replay(gkey, graph, named, returned)
         if out is None:
             return None
-        self.last_graph = (gkey, graph, named, returned, True)
+        self.last_graph = (gkey, graph, named, returned, True, not side_out)
         return F.FilteredOutput(*(out.get(f) for f in _OUT_NAMES))
 
 

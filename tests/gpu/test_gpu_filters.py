@@ -244,6 +244,42 @@ def test_device_fallback_at_lm_head_shape_and_in_a_cuda_graph():
     assert torch.equal(captured.top_tokens, eager.top_tokens)
 
 
+@pytest.mark.parametrize("B,D", [(64, 4096), (200, 4096), (256, 4096)])
+def test_ws_side_output_is_the_same_stored_along_rows_or_from_the_lanes(B, D, monkeypatch):
+    """The ws kernel's side output (the transformed fp32 logits a filtered call's fallback
+    reads) is bit-identical whether stored through shared memory along its rows
+    (launchers.WS_SIDE_ROWS, with a pipeline stage less where its scratch needs it) or from
+    the lanes' layout, records included, and within 1e-3 of cuBLAS's logits · (1 / T) (a
+    greedy row: the raw logits); padding columns beyond V are -inf."""
+    from tpsample.plan import DeviceKind, Layout, make_plan
+    from tpsample.kernels import gluon_compat
+    if not gluon_compat.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the ws kernel needs a Hopper GPU and a supported Triton")
+    V = 151936 if D == 4096 else 128256
+    h, w = typical_head(D, V, B, torch.bfloat16, "cuda")
+    temp = 0.5 + torch.rand(B, generator=torch.Generator().manual_seed(B))
+    temp[::7] = 0.0
+    row = P.row_params(h, temp.cuda(), torch.arange(B, device="cuda"), 3)
+    T = records.num_tiles(V)
+    plan = make_plan(DeviceKind.of(h.device), B=B, D=D, V=V, dtype=h.dtype,
+                     layout=Layout.of(h, w, 0, 0), candidates=True)
+    assert plan.strategy == "ws", str(plan)
+    got = {}
+    for rows in (False, True):
+        monkeypatch.setattr(launchers, "WS_SIDE_ROWS", rows)
+        rec = torch.empty(records.planes(1, True), B, T, 4, device="cuda")
+        side = torch.full((B, T * records.TILE), 7.0, device="cuda")
+        launchers.stage1(plan, h, w, None, row, rec, n_real=V, side=side)
+        got[rows] = (rec, side)
+    assert torch.equal(got[False][1], got[True][1])
+    assert torch.equal(got[False][0].nan_to_num(), got[True][0].nan_to_num())
+    side = got[True][1]
+    inv = torch.where(row.inv_temp == 0, 1.0, row.inv_temp)
+    want = (h.float() @ w.float().T) * inv[:, None]
+    assert (side[:, :V] - want).abs().max() <= 1e-3
+    assert bool((side[:, V:] == float("-inf")).all())
+
+
 def test_top_p_alone_on_heavy_tails_stays_on_the_device_fast_path():
     """top_p 0.9 alone on a heavy tail falls back on every row, always through the device
     (kernels/filter_cut.py; never the host path): tokens, log-probs and log Z equal the float64

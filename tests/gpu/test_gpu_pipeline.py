@@ -175,14 +175,13 @@ def head_and_states(seed: int, B: int, calls: int, flat: bool, D: int = 512, V: 
 @pytest.mark.parametrize("kw", [dict(top_p=0.9), dict(top_k=50, top_p=0.9),
                                 dict(min_p=0.05, top_logprobs=3), dict(top_p=0.95, flat=True)])
 def test_repeated_filtered_calls_through_their_graph_equal_reissued_launches(kw, monkeypatch):
-    """Filtered calls whose exact fallback always runs on the device (top-p / min-p, no
-    top-k or top log-probs) replay one graph too (the default; TPSAMPLE_GRAPHS=plain not): the same
-    tokens, log-probs, log Z and top tokens per call as re-issued launches, the fallback
-    included (flat: near-uniform rows, whose nucleus no candidate certifies). Other filtered
-    calls (whose fallback may move to the host) keep re-issuing their launches. The
-    one-device fallback choice is pinned to the device: it moves to the host at a call set by
-    when a CUDA event completes, so two runs could switch at different calls (the same
-    tokens, log-probs that differ in the last bits)."""
+    """Filtered calls whose exact fallback runs on the device replay one graph too (the
+    default; TPSAMPLE_GRAPHS=plain not): the same tokens, log-probs, log Z and top tokens
+    per call as re-issued launches, the fallback included (flat: near-uniform rows, whose
+    nucleus no candidate certifies). The one-device fallback choice is pinned to the
+    device: it moves to the host at a call set by when a CUDA event completes, so two runs
+    could switch at different calls (the same tokens, log-probs that differ in the last
+    bits); the next test moves it."""
     from tpsample import api, knobs
     from tpsample.fallback_choice import FallbackChoice
     monkeypatch.setattr(FallbackChoice, "device_now", lambda self, hidden, in_capture: True)
@@ -207,14 +206,60 @@ def test_repeated_filtered_calls_through_their_graph_equal_reissued_launches(kw,
 
     want, _ = run(False)
     got, pipe = run(True)
-    fast = "top_k" not in kw and "top_logprobs" not in kw
-    assert sum(pipe.graphs.captures.values()) == int(fast)
+    assert sum(pipe.graphs.captures.values()) == 1
     if flat:
         assert pipe.fallback_rows > 0
     for i, (a, b) in enumerate(zip(want, got)):
         for f in ("tokens", "logprobs", "logz", "top_tokens", "top_logprobs"):
             x, y = getattr(a, f), getattr(b, f)
             assert (x is None and y is None) or torch.equal(x, y), (i, f)
+
+
+@pytest.mark.parametrize("memo", [False, True])
+def test_a_top_k_call_leaves_its_graph_while_its_fallback_is_on_the_host(memo, monkeypatch):
+    """A call outside the cut's fast path (top-k: its fallback may move to the host, which
+    FallbackChoice decides per call) goes through its graph, through the call memo too,
+    only while the choice says device: once it says host the calls re-issue their launches
+    and redo their flagged rows from the host (host_fallback_rows grows, the graph does not
+    replay), and when it says device again the graph serves them again. Tokens: the same
+    as every call re-issued with the same choices (flat rows and top_k 2000, beyond what
+    the candidates certify, so every row falls back)."""
+    from tpsample import api, knobs
+    from tpsample.fallback_choice import FallbackChoice
+    B = 16
+    w, hs = head_and_states(7, B, 1, flat=True)
+    h = hs[0]
+    on_device = [True] * 5 + [False] * 3 + [True] * 3
+    monkeypatch.setattr(knobs, "MEMO", memo)
+
+    def run(graphs: bool):
+        monkeypatch.setattr(knobs, "GRAPHS", graphs)
+        monkeypatch.setattr(knobs, "GRAPHS_FILTERED", graphs)
+        api._PIPELINES.clear()
+        step = iter(on_device)
+        now = [True]
+
+        def device_now(self, hidden, in_capture):
+            return now[0]
+        monkeypatch.setattr(FallbackChoice, "device_now", device_now)
+        seed = torch.zeros(B, dtype=torch.int64, device="cuda")
+        toks, host_rows = [], []
+        for i in range(len(on_device)):
+            now[0] = next(step)
+            seed.fill_(i)
+            toks.append(tpsample.sample(h, w, seed=seed, offset=3, top_k=2000))
+            (pipe,) = api._PIPELINES.values()
+            host_rows.append(pipe.host_fallback_rows)
+        torch.cuda.synchronize()
+        return toks, host_rows, pipe
+
+    want, want_rows, _ = run(False)
+    got, got_rows, pipe = run(True)
+    assert sum(pipe.graphs.captures.values()) == 1
+    assert got_rows == want_rows and want_rows[4] == 0 and want_rows[7] == 3 * B
+    assert want_rows[-1] == want_rows[7]  # (back on the device)
+    for i, (a, b) in enumerate(zip(want, got)):
+        assert torch.equal(a, b), i
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(return_logprobs=True), dict(top_p=0.9),

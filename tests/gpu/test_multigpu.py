@@ -111,18 +111,20 @@ def test_tp_filtered_equals_single_gpu(transport, B):
     assert torch.equal(outs[0].top_tokens, single.top_tokens.cpu())
 
 
-def filtered_graph_rank(rank, world, B, graphs):
+def filtered_graph_rank(rank, world, B, graphs, top_k=None):
     """Eight repeated top-p calls over symmetric memory on near-flat rows (the gathered
-    device fallback's fast path), new hidden states and seeds each call; graphs: filtered
-    calls through their CUDA graph (the default) or re-issued launches (TPSAMPLE_GRAPHS=plain)."""
+    device fallback's fast path; with top_k: its one-program-per-row bisection, on the
+    device while the fallback choice, read alike on every rank, keeps it there), new hidden
+    states and seeds each call; graphs: filtered calls through their CUDA graph (the
+    default) or re-issued launches (TPSAMPLE_GRAPHS=plain)."""
     from tpsample import api, knobs
     with knobs.overridden(GRAPHS_FILTERED=graphs):
-        res = _filtered_graph_calls(rank, world, B)
+        res = _filtered_graph_calls(rank, world, B, top_k)
     api._PIPELINES.clear()
     return res
 
 
-def _filtered_graph_calls(rank, world, B):
+def _filtered_graph_calls(rank, world, B, top_k=None):
     h, w, temp, seeds = inputs(B)
     dev = torch.device("cuda", rank)
     sampler = tpsample.VocabParallelSampler(shard(w, rank, world, dev), vocab_size=VOCAB,
@@ -132,28 +134,32 @@ def _filtered_graph_calls(rank, world, B):
     for i in range(8):
         seed.add_(1)
         out = sampler((h * 0.02 * (1 + i / 8)).to(dev), temperature=temp.to(dev), seed=seed,
-                      offset=3, top_p=0.95, return_logprobs=True)
+                      offset=3, top_p=0.95, top_k=top_k, return_logprobs=True)
         outs.append((out.tokens.cpu(), out.logprobs.cpu(), out.logz.cpu()))
     res = dict(outs=outs, captures=sum(sampler.pipeline.graphs.captures.values()),
-               fallback_rows=sampler.pipeline.fallback_rows)
+               fallback_rows=sampler.pipeline.fallback_rows,
+               host_rows=sampler.pipeline.host_fallback_rows)
     sampler.check_exchange()
     return res
 
 
-def test_tp_filtered_calls_through_their_graph_equal_reissued_launches():
+@pytest.mark.parametrize("top_k", [None, 3000])
+def test_tp_filtered_calls_through_their_graph_equal_reissued_launches(top_k):
     """Under TP (symmetric memory, the fallback's rows gathered on the device), repeated
-    top-p calls replay one CUDA graph from their third call (the default): tokens, log-probs
-    and log Z equal re-issued launches on every call, flagged rows included."""
+    top-p calls (top_k 3000: beyond the candidates, so every row takes the bisection; the
+    count is read back every 8th call, so all eight stay on the device) replay one CUDA
+    graph from their third call (the default): tokens, log-probs and log Z equal re-issued
+    launches on every call, flagged rows included."""
     world = min(torch.cuda.device_count(), 4)
     if world < 2:
         pytest.skip("needs 2 GPUs")
     B = 16
-    got = run_world(world, filtered_graph_rank, B, True, backend="nccl")
-    want = run_world(world, filtered_graph_rank, B, False, backend="nccl")
+    got = run_world(world, filtered_graph_rank, B, True, top_k, backend="nccl")
+    want = run_world(world, filtered_graph_rank, B, False, top_k, backend="nccl")
     for g, w_ in zip(got, want):
         assert "error" not in g and "error" not in w_, (g, w_)
         assert g["captures"] == 1 and w_["captures"] == 0
-        assert g["fallback_rows"] > 0
+        assert g["fallback_rows"] > 0 and g["host_rows"] == w_["host_rows"] == 0
         for i, (a, b) in enumerate(zip(g["outs"], w_["outs"])):
             assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), i
             assert torch.equal(a[2], b[2]), i
