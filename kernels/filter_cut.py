@@ -17,6 +17,10 @@ A(t*) >= p·Z. The row is split into G chunks; one launch per STEP, each program
 (the tokens do not depend on the grid's timing):
 
   STATS    per chunk: max, sum of exp(x - chunk max), min finite logit.
+  SELECT   per row: the rows that need a cut (top-p rows; WINNER: those whose winner is
+           not kept) appended to the cut list; HIST, COMPACT and FINISH take only its rows,
+           in GH chunks of CH columns (WINNER: more and shorter than the other steps' G
+           chunks, since about 1 - p of the rows are listed).
   HIST j   (j = 1..PASSES) the bracket [lo, hi) that holds t*, with A(lo) >= p·Z > A(hi):
            NT thresholds spread over the logits the bracket can hold; per chunk the mass in
            [t_i, hi) for each and the smallest and largest logit in the bracket. The next
@@ -39,7 +43,7 @@ A(t*) >= p·Z. The row is split into G chunks; one launch per STEP, each program
            fallback_rows_kernel writes them.
 
 Work per row: four reads of its logits (STATS, three HIST) plus one with noise (SAMPLE), and
-a sort of at most CAP keys; no step needs more than G·(NT + 2) partial sums per row.
+a sort of at most CAP keys; no step needs more than max(G, GH)·(NT + 2) partial sums per row.
 
 WINNER (a tokens-only call, one sample, merge "max"): most rows need neither the cut nor
 SAMPLE. The row's Gumbel-max winner over all its tokens, w (the filter kernel stores its key),
@@ -48,8 +52,8 @@ perturbed score among the kept tokens, with the same noise. w is kept by top-p w
 tokens ordered before it weigh less than p·Z, which STATS sums in the same read (the mass of
 x > x_w, and the count of x == x_w: a tie with another token leaves the question to the cut),
 and by min-p when exp(x_w - x_max) >= min_p, SAMPLE's own test. A top-p row keeps w with
-probability about p (the nucleus's mass), so with p = 0.9 one row in ten takes the HIST,
-COMPACT, FINISH and SAMPLE steps and the others end at FINAL. (A call that returns
+probability about p (the nucleus's mass), so with p = 0.9 one row in ten is listed by
+SELECT and takes the HIST, COMPACT, FINISH and SAMPLE steps, and the others end at FINAL. (A call that returns
 log-probs needs the kept mass, so the cut, on every row.) SAMPLE then redraws the noise only
 where the answer can be: each 128-token tile's record holds its winner (score, id, logit);
 a tile whose winner is kept gives the kept set its winner there, so s* = the best kept tile
@@ -75,8 +79,9 @@ COMPACT = tl.constexpr(PASSES.value + 1)
 FINISH = tl.constexpr(PASSES.value + 2)
 SAMPLE = tl.constexpr(PASSES.value + 3)
 FINAL = tl.constexpr(PASSES.value + 4)
+SELECT = tl.constexpr(PASSES.value + 5)  # (launched between STATS and HIST 1)
 INF = tl.constexpr(float("inf"))
-CUT_STEPS = tuple(range(1, FINISH.value + 1))  # the steps only top-p rows take
+CUT_STEPS = (SELECT.value,) + tuple(range(1, FINISH.value + 1))  # the steps only top-p rows take
 
 
 @triton.jit
@@ -219,18 +224,21 @@ def cut_step_kernel(
     top_p_ptr, min_p_ptr, tokens_ptr, logprobs_ptr, logz_ptr, flag_ptr, count_ptr, part_ptr,
     keys_ptr, win_ptr, win_at, rec_ptr, st_slot, st_b, st_t, T_rec, N_rec, parity_ptr,
     parity_stride, B, G, C, W, S, starts_ptr, slot_n, slot_stride, calls_ptr, peer_ptrs_ptr,
-    rank, split, STEP: tl.constexpr, HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_M: tl.constexpr,
+    rank, split, hist_ptr, GH, CH, list_ptr, STEP: tl.constexpr, HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_M: tl.constexpr,
     RAW: tl.constexpr, ALIGNED4: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_F: tl.constexpr, PDL: tl.constexpr = False, SLOTTED: tl.constexpr = False,
     WINNER: tl.constexpr = False, USE_PARITY: tl.constexpr = False,
     BLOCK_R: tl.constexpr = 16, BLOCK_TC: tl.constexpr = 16, SPLIT: tl.constexpr = False,
+    BLOCK_GH: tl.constexpr = 16,
 ):
     """One STEP (module docstring) for the rows fast_row takes. l [B, N] fp32 logits (row
     stride stride_lb; SLOTTED: [world, B, slot_n] as filter_fallback.fallback_rows_kernel
-    reads them); part fp32 [SAMPLE + 1, B, G, W] (W >= max(NT + 2, S + 2)) and keys int64
-    [B, CAP + 2 + G * S] (slots, counter, cut, the chunks' winners): this call's workspace;
-    chunk g of a row is columns [g·C, (g+1)·C), C a multiple of BLOCK. Outputs as
+    reads them); part fp32 [SAMPLE + 1, B, G, W] (W >= max(NT + 2, S + 2)), hist fp32
+    [PASSES + 1, B, GH, W], list int32 [1 + B] (SELECT's count, then its rows) and keys
+    int64 [B, CAP + 2 + G * S] (slots, counter, cut, the chunks' winners): this call's
+    workspace; chunk g of a row is columns [g·C, (g+1)·C) (HIST and COMPACT: [g·CH,
+    (g+1)·CH)), C and CH multiples of BLOCK. Outputs as
     fallback_rows_kernel's ([B, S], [B]); count[0] += the rows done (FINAL). The programs
     take the items (rows × chunks, or rows for FINISH / FINAL) in turn; a call without a
     flagged row costs each program one scan of the flags. WINNER (S = 1, tokens only): the
@@ -248,16 +256,33 @@ def cut_step_kernel(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     flagged = count_flags(flag_ptr, B, BLOCK_F)
-    PER_ROW: tl.constexpr = (STEP == FINISH) or (STEP == FINAL)
+    LISTED: tl.constexpr = (STEP > STATS) and (STEP <= FINISH)  # over SELECT's cut list
+    PER_ROW: tl.constexpr = (STEP == FINISH) or (STEP == FINAL) or (STEP == SELECT)
     owned = (B - rank + split - 1) // split
-    if PER_ROW:
+    if STEP == STATS:
+        if tl.program_id(0) == 0:
+            tl.store(list_ptr, 0)  # SELECT's count
+    if LISTED:
+        listed = tl.where(flagged > 0, tl.load(list_ptr), 0)
+        if PER_ROW:
+            items = listed
+        else:
+            items = listed * GH
+    elif PER_ROW:
         items = tl.where(flagged > 0, owned, 0)
     else:
         items = tl.where(flagged > 0, owned * G, 0)
     slots = (slot_n, slot_stride, starts_ptr)
     RI = CAP + 2 + G * S  # keys row stride
     for it in range(tl.program_id(0), items, tl.num_programs(0)):
-        if PER_ROW:
+        if LISTED:
+            k = it // GH
+            g = it - k * GH
+            if PER_ROW:
+                k = it
+                g = 0
+            b = tl.load(list_ptr + 1 + k)
+        elif PER_ROW:
             b = rank + it * split
             g = 0
         else:
@@ -266,15 +291,20 @@ def cut_step_kernel(
             b = rank + k * split
         ok, p, m = fast_row(b, flag_ptr, inv_temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
                             calls_ptr, HAS_K, HAS_P, HAS_M, SLOTTED)
-        if (STEP != STATS) and (STEP < SAMPLE):
+        if STEP == SELECT:
             ok = ok & (p < 1.0)  # the cut's steps: top-p rows only
         if ok:
             b64 = tl.cast(b, tl.int64)
             row = l_ptr + b64 * stride_lb
             keys = keys_ptr + b64 * RI
-            c0 = g * C
-            c1 = tl.minimum(c0 + C, N)
-            mine = part_ptr + ((b64 + STEP * B) * G + g) * W
+            if LISTED:  # GH chunks of CH columns
+                c0 = g * CH
+                c1 = tl.minimum(c0 + CH, N)
+                mine = hist_ptr + ((b64 + STEP * B) * GH + g) * W
+            else:
+                c0 = g * C
+                c1 = tl.minimum(c0 + C, N)
+                mine = part_ptr + ((b64 + STEP * B) * G + g) * W
             cols = tl.arange(0, BLOCK)
             if STEP == STATS:  # online max and sum per lane, one read
                 lm = tl.full((BLOCK,), NEG_INF, tl.float32)
@@ -314,11 +344,15 @@ def cut_step_kernel(
                 target = p * z
                 w_key = tl.cast(0, tl.int64)
                 won = w_key < 0
-                if WINNER:
+                if WINNER and not LISTED:  # (SELECT lists only rows whose winner is not kept)
                     w_key = tl.load(win_ptr + win_at + b64)
                     won = _winner_kept(part_ptr, b, B, G, W, decode_key(w_key), p, m, xmax, z,
                                        BLOCK_G)
-                if won:
+                if STEP == SELECT:
+                    if not won:
+                        at = tl.atomic_add(list_ptr, 1)
+                        tl.store(list_ptr + 1 + at, b)
+                elif won:
                     if STEP == FINAL:
                         tok = tl.where(w_key >= 0, ID_MASK - (w_key & ID_MASK), -1)
                         tl.store(tokens_ptr + b64, tok)
@@ -329,8 +363,8 @@ def cut_step_kernel(
                             _send_token_only(l_ptr, b64, stride_lb, slot_stride, peer_ptrs_ptr,
                                              rank, split, tok)
                 elif STEP <= PASSES:  # HIST
-                    lo, hi, a_hi, bmin, bmax = _bracket(part_ptr, b, B, G, W, STEP - 1, target,
-                                                        z, N, xmax, xmin, NT, BLOCK_G)
+                    lo, hi, a_hi, bmin, bmax = _bracket(hist_ptr, b, B, GH, W, STEP - 1, target,
+                                                        z, N, xmax, xmin, NT, BLOCK_GH)
                     lo_e = tl.maximum(lo, bmin)
                     t = _thresholds(lo_e, tl.maximum(tl.minimum(tl.minimum(xmax, bmax), hi), lo_e),
                                    NT)
@@ -358,8 +392,8 @@ def cut_step_kernel(
                     tl.store(mine + NT, tl.min(nmin))
                     tl.store(mine + NT + 1, tl.max(nmax))
                 elif STEP == COMPACT:
-                    lo, hi, a_hi, bmin, bmax = _bracket(part_ptr, b, B, G, W, PASSES, target,
-                                                        z, N, xmax, xmin, NT, BLOCK_G)
+                    lo, hi, a_hi, bmin, bmax = _bracket(hist_ptr, b, B, GH, W, PASSES, target,
+                                                        z, N, xmax, xmin, NT, BLOCK_GH)
                     # a slot per selected column from one atomic each (its key is made in
                     # FINISH): a block holds one or two of the bracket's ~100 tokens, so a
                     # per-block count and scan (two block reductions) would cost more
@@ -373,8 +407,8 @@ def cut_step_kernel(
                         pos = tl.atomic_add(counter, one, mask=sel, sem="relaxed")
                         tl.store(keys + pos, (v0 + cols).to(tl.int64), mask=sel & (pos < CAP))
                 elif STEP == FINISH:
-                    lo, hi, a_hi, bmin, bmax = _bracket(part_ptr, b, B, G, W, PASSES, target,
-                                                        z, N, xmax, xmin, NT, BLOCK_G)
+                    lo, hi, a_hi, bmin, bmax = _bracket(hist_ptr, b, B, GH, W, PASSES, target,
+                                                        z, N, xmax, xmin, NT, BLOCK_GH)
                     n = tl.load(keys + CAP)
                     if n <= SHORT:
                         cut = _sorted_cut(keys, n, row, N, vocab_start, slots, a_hi, target,

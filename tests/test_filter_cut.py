@@ -137,6 +137,37 @@ def test_winner_check_gives_the_cut_paths_tokens(monkeypatch):
     assert 0 < int(kept.sum()) < 16, kept
 
 
+def test_the_cut_list_takes_more_chunks_than_the_other_steps(monkeypatch):
+    """A tokens-only call lists the rows whose winner is not kept (SELECT) and spreads their
+    HIST and COMPACT passes over more, smaller chunks than the other steps' (GH > G): the
+    tokens still equal the reference's, and the list held exactly the rows the cut ran on."""
+    monkeypatch.setattr(launchers, "fallback_programs", lambda t: 5)
+    monkeypatch.setattr(launchers, "CUT_LIST_CHUNK", 2048)
+    seen = []
+    named_run = launchers.run_named
+
+    def spy(fn, grid, options, **named):
+        out = named_run(fn, grid, options, **named)
+        if named.get("STEP") == filter_cut.FINISH.value:
+            seen.append((named["G"], named["GH"], named["list_ptr"].clone()))
+        return out
+    monkeypatch.setattr(launchers, "run_named", spy)
+    h, w = flat_rows(V=9000, B=8)
+    kw = {k: v[:8] for k, v in WINNER_ROWS.items()}
+    kw["seed"] = torch.arange(8) * 7 + 1
+    tok = tpsample.sample(h, w, backend="triton", **kw).view(-1)
+    ref = reference_sample(h, w, **kw)
+    assert torch.equal(tok, ref.tokens.view(-1))
+    (G, GH, listed), = seen
+    assert GH > G, (G, GH)
+    n = int(listed[0])
+    plain = reference_sample(h, w, seed=kw["seed"], temperature=kw["temperature"]).tokens
+    not_kept = [b for b in range(8) if kw["top_p"][b] < 1 and filtered_probs(
+        row_logits(h[b], w, float(kw["temperature"][b])), top_p=float(kw["top_p"][b]),
+        min_p=float(kw["min_p"][b]))[plain[b, 0]] == 0]
+    assert sorted(listed[1:1 + n].tolist()) == not_kept and 0 < n < 8
+
+
 @triton.jit
 def _kept_always(part_ptr, b, B, G, W, x_w, p, m, xmax, z, BLOCK_G: tl.constexpr):
     return x_w == x_w

@@ -685,6 +685,10 @@ def _filter_ptrs(params: RowParams, filters: Filters) -> dict:
 # SAMPLE 176 / 158 at 1x / 4x; B = 64 within 1 µs either way)
 _CUT_PROGRAMS = {filter_cut.STATS.value: 2, filter_cut.COMPACT.value: 4,
                  filter_cut.SAMPLE.value: 4, **{j: 2 for j in range(1, filter_cut.PASSES.value + 1)}}
+# columns per HIST / COMPACT item in tokens-only calls, whose cut list holds the ~1 - p of
+# the rows whose winner is not kept (a call with log-probs lists every top-p row: its items
+# keep the G chunks of the other steps)
+CUT_LIST_CHUNK = 8192
 
 
 def _cut_steps(hidden, params: RowParams, filters: Filters, out: F.FilteredOutput, count,
@@ -692,8 +696,9 @@ def _cut_steps(hidden, params: RowParams, filters: Filters, out: F.FilteredOutpu
                slotted: bool, owners: dict, split: bool, winner: tuple | None = None) -> None:
     """kernels/filter_cut.py's steps for the flagged rows with top-p / min-p and no top-k
     (the cut's steps only when the call has top-p). Workspace, per call: fp32 [SAMPLE + 1, B,
-    G, W] partial sums and int64 [B, CAP + 2 + G·S] keys (G chunks per row: at least 8, and
-    two items per program of a full grid at small B). winner: (records, parity,
+    G, W] and [PASSES + 1, B, GH, W] partial sums, int32 [1 + B] cut list and int64 [B, CAP +
+    2 + G·S] keys (G chunks per row: at least 8, and two items per program of a full grid at
+    small B; GH: tokens-only calls also at most CUT_LIST_CHUNK columns each). winner: (records, parity,
     parity_stride) of a tokens-only call with merge "max" (kernels/filter_cut.py, WINNER).
     owners: the rows this rank redoes, b = rank + k · split; split: it sends their outputs
     (kernels/filter_cut.py, SPLIT)."""
@@ -705,11 +710,19 @@ def _cut_steps(hidden, params: RowParams, filters: Filters, out: F.FilteredOutpu
     G = max(8, cdiv(programs, owned)) if hidden.is_cuda else 4
     C = cdiv(cdiv(N, G), block) * block
     G = cdiv(N, C)
-    W = max(K.NT.value + 2, S + 2)
-    part = torch.empty(K.SAMPLE.value + 1, B, G, W, dtype=torch.float32, device=hidden.device)
-    keys = torch.empty(B, K.CAP.value + 2 + G * S, dtype=torch.int64, device=hidden.device)
-    source = _row_source(rows, params, filters, vocab_start)
     use_winner = winner is not None and S == 1
+    GH, CH = G, C  # HIST and COMPACT over the cut list
+    if use_winner:
+        GH = max(G, cdiv(N, CUT_LIST_CHUNK))
+        CH = cdiv(cdiv(N, GH), block) * block
+        GH = cdiv(N, CH)
+    W = max(K.NT.value + 2, S + 2)
+    dev = hidden.device
+    part = torch.empty(K.SAMPLE.value + 1, B, G, W, dtype=torch.float32, device=dev)
+    hist = torch.empty(K.PASSES.value + 1, B, GH, W, dtype=torch.float32, device=dev)
+    listed = torch.empty(B + 1, dtype=torch.int32, device=dev)
+    keys = torch.empty(B, K.CAP.value + 2 + G * S, dtype=torch.int64, device=dev)
+    source = _row_source(rows, params, filters, vocab_start)
     if use_winner:
         recs, parity, parity_stride = winner
         rec = dict(rec_ptr=recs, st_slot=recs.stride(0), st_b=recs.stride(2),
@@ -726,8 +739,10 @@ def _cut_steps(hidden, params: RowParams, filters: Filters, out: F.FilteredOutpu
         steps += list(K.CUT_STEPS)
     steps += [K.SAMPLE.value, K.FINAL.value]
     for step in steps:
-        per_row = step in (K.FINISH.value, K.FINAL.value)
-        grid = (max(1, min(programs * _CUT_PROGRAMS.get(step, 1), owned if per_row else owned * G)),)
+        per_row = step in (K.FINISH.value, K.FINAL.value, K.SELECT.value)
+        chunks = GH if 0 < step <= K.COMPACT.value else G
+        grid = (max(1, min(programs * _CUT_PROGRAMS.get(step, 1),
+                           owned if per_row else owned * chunks)),)
         run_named(K.cut_step_kernel, grid, launch, **source,
                   tokens_ptr=out.tokens, logprobs_ptr=out.logprobs, logz_ptr=out.logz,
                   flag_ptr=out.fallback, count_ptr=count, part_ptr=part, keys_ptr=keys,
@@ -735,4 +750,5 @@ def _cut_steps(hidden, params: RowParams, filters: Filters, out: F.FilteredOutpu
                   STEP=step, ALIGNED4=aligned, BLOCK=block, WINNER=use_winner,
                   SUB=min(block, 512), BLOCK_G=max(2, 1 << (G - 1).bit_length()),
                   BLOCK_F=block_f, PDL="launch_pdl" in launch, SLOTTED=slotted, **owners,
-                  SPLIT=split)
+                  SPLIT=split, hist_ptr=hist, GH=GH, CH=CH, list_ptr=listed,
+                  BLOCK_GH=max(2, 1 << (GH - 1).bit_length()))
