@@ -53,9 +53,9 @@ tokens ordered before it weigh less than p·Z, which STATS sums in the same read
 x > x_w, and the count of x == x_w: a tie with another token leaves the question to the cut),
 and by min-p when exp(x_w - x_max) >= min_p, SAMPLE's own test. A top-p row keeps w with
 probability about p (the nucleus's mass), so with p = 0.9 one row in ten is listed by
-SELECT and takes the HIST, COMPACT, FINISH and SAMPLE steps, and the others end at FINAL. (A call that returns
-log-probs needs the kept mass, so the cut, on every row.) SAMPLE then redraws the noise only
-where the answer can be: each 128-token tile's record holds its winner (score, id, logit);
+SELECT and takes the HIST, COMPACT, FINISH and SAMPLE steps, and the others end at FINAL.
+(A call that returns log-probs needs the kept mass, so the cut, on every row.) SAMPLE then
+redraws the noise only where the answer can be: each 128-token tile's record holds its winner (score, id, logit);
 a tile whose winner is kept gives the kept set its winner there, so s* = the best kept tile
 winner is a lower bound of the answer, and only tiles whose winner scores above s* (their
 winner is not kept) can hold a better kept token. SAMPLE reads the logits and draws the
@@ -81,7 +81,7 @@ SAMPLE = tl.constexpr(PASSES.value + 3)
 FINAL = tl.constexpr(PASSES.value + 4)
 SELECT = tl.constexpr(PASSES.value + 5)  # (launched between STATS and HIST 1)
 INF = tl.constexpr(float("inf"))
-CUT_STEPS = (SELECT.value,) + tuple(range(1, FINISH.value + 1))  # the steps only top-p rows take
+CUT_STEPS = (SELECT.value,) + tuple(range(1, FINISH.value + 1))  # only top-p rows take them
 
 
 @triton.jit
@@ -224,7 +224,8 @@ def cut_step_kernel(
     top_p_ptr, min_p_ptr, tokens_ptr, logprobs_ptr, logz_ptr, flag_ptr, count_ptr, part_ptr,
     keys_ptr, win_ptr, win_at, rec_ptr, st_slot, st_b, st_t, T_rec, N_rec, parity_ptr,
     parity_stride, B, G, C, W, S, starts_ptr, slot_n, slot_stride, calls_ptr, peer_ptrs_ptr,
-    rank, split, hist_ptr, GH, CH, list_ptr, STEP: tl.constexpr, HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_M: tl.constexpr,
+    rank, split, hist_ptr, GH, CH, list_ptr, STEP: tl.constexpr, HAS_K: tl.constexpr,
+    HAS_P: tl.constexpr, HAS_M: tl.constexpr,
     RAW: tl.constexpr, ALIGNED4: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_F: tl.constexpr, PDL: tl.constexpr = False, SLOTTED: tl.constexpr = False,
@@ -276,11 +277,12 @@ def cut_step_kernel(
     RI = CAP + 2 + G * S  # keys row stride
     for it in range(tl.program_id(0), items, tl.num_programs(0)):
         if LISTED:
-            k = it // GH
-            g = it - k * GH
             if PER_ROW:
                 k = it
                 g = 0
+            else:
+                k = it // GH
+                g = it - k * GH
             b = tl.load(list_ptr + 1 + k)
         elif PER_ROW:
             b = rank + it * split

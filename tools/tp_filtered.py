@@ -112,10 +112,30 @@ def main():
                     + f" | all-gather of logits {row['allgather_logits_bytes'] / 1e6:.1f} MB",
                     flush=True)
     if rank == 0:
+        print(summary(res), flush=True)
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, f"tp_filtered_tp{world}.json"), "w") as f:
             json.dump(res, f, indent=1)
     dist.destroy_process_group()
+
+
+def summary(rows: list[dict]) -> str:
+    """The run's last line: per filter, the worst cell (ratio to the plain TP call, its head
+    and B) and the typical one (the median cell); with --ab-split, the split's worst ratio to
+    the unsplit call and whether every compared cell had the same tokens."""
+    world = rows[0]["world"] if rows else 0
+    parts = []
+    for n in FILTERS:
+        cells = sorted((r[n] / r["plain"], r["head"], r["B"]) for r in rows if n in r)
+        if cells:
+            w, mid = cells[-1], cells[len(cells) // 2]
+            parts.append(f"{n} worst {w[0]:.2f}x ({w[1]}, B={w[2]}), median {mid[0]:.2f}x")
+    ab = [(r[n] / r[n + "_unsplit"], r[n + "_same_tokens"]) for r in rows for n in FILTERS
+          if n + "_unsplit" in r]
+    if ab:
+        parts.append(f"split / unsplit worst {max(x for x, _ in ab):.2f}x, "
+                     f"same tokens in {sum(t for _, t in ab)} of {len(ab)} cells")
+    return f"TP{world} summary: " + "; ".join(parts)
 
 
 if __name__ == "__main__":

@@ -331,11 +331,13 @@ def _ws(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start, pe
     grid = (min(tiles, _num_sms(hidden.device)),)
     k_steps = cdiv(D, block_k)
     side_rows = side is not None and WS_SIDE_ROWS and k_steps <= WS_SIDE_ROWS_MAX_K_STEPS
+    stages = cfg["NUM_STAGES"]
+    if side_rows:
+        index = hidden.device.index
+        stages = _ws_stages(cfg, block_b, block_k, True, _smem_per_block(
+            index if index is not None else torch.cuda.current_device()))
     constexprs = dict(
-        HAS_BIAS=bias is not None, TILE_MASS=plan.need_mass,
-        STAGES=_ws_stages(cfg, block_b, block_k, side_rows, _smem_per_block(
-            hidden.device.index if hidden.device.index is not None
-            else torch.cuda.current_device())) if side_rows else cfg["NUM_STAGES"],
+        HAS_BIAS=bias is not None, TILE_MASS=plan.need_mass, STAGES=stages,
         EPI_B=cfg["EPI_B"], LOADER_REGS=WS_LOADER_REGS, MMA_REGS=168 if mma_warps == 4 else 160,
         MMA_WARPS=mma_warps, NUM_PEERS=0 if peers is None else peers.shape[-1],
         HAS_MASK=mask is not None, CANDIDATES=records.CANDIDATES if plan.candidates else 0,
@@ -698,8 +700,8 @@ def _cut_steps(hidden, params: RowParams, filters: Filters, out: F.FilteredOutpu
     (the cut's steps only when the call has top-p). Workspace, per call: fp32 [SAMPLE + 1, B,
     G, W] and [PASSES + 1, B, GH, W] partial sums, int32 [1 + B] cut list and int64 [B, CAP +
     2 + G·S] keys (G chunks per row: at least 8, and two items per program of a full grid at
-    small B; GH: tokens-only calls also at most CUT_LIST_CHUNK columns each). winner: (records, parity,
-    parity_stride) of a tokens-only call with merge "max" (kernels/filter_cut.py, WINNER).
+    small B; GH: tokens-only calls also at most CUT_LIST_CHUNK columns each). winner:
+    (records, parity, parity_stride) of a tokens-only call with merge "max" (kernels/filter_cut.py, WINNER).
     owners: the rows this rank redoes, b = rank + k · split; split: it sends their outputs
     (kernels/filter_cut.py, SPLIT)."""
     B, S, N = out.fallback.shape[0], out.tokens.shape[1], rows["N"]

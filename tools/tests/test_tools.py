@@ -146,3 +146,15 @@ def test_host_cost_report_pairs_the_memo_arms_with_the_tp_bound(tmp_path):
                        "0.290 / 0.280 |  |"
     assert lines[3] == "| 4096 | tp2_loop | 1 | 90.0 | 40.0 | 0.200 / – | 0.150 / – | 0.140 |"
     assert lines[-1].startswith("Floor (host µs): empty 3.0")
+
+
+def test_tp_filtered_summary_names_the_worst_cell_and_the_split_ab():
+    from tools import tp_filtered
+    rows = [{"head": "zipf1.3", "B": 16, "world": 4, "plain": 0.1, "k50": 0.13, "p0.9": 0.16,
+             "m0.1": 0.12, "p0.9_unsplit": 0.2, "p0.9_same_tokens": True},
+            {"head": "gauss1", "B": 64, "world": 4, "plain": 0.1, "k50": 0.14, "p0.9": 0.2,
+             "m0.1": 0.19, "p0.9_unsplit": 0.18, "p0.9_same_tokens": False}]
+    line = tp_filtered.summary(rows)
+    assert line.startswith("TP4 summary: k50 worst 1.40x (gauss1, B=64)")
+    assert "p0.9 worst 2.00x (gauss1, B=64), median 2.00x" in line
+    assert "split / unsplit worst 1.11x, same tokens in 1 of 2 cells" in line
