@@ -55,11 +55,12 @@ and by min-p when exp(x_w - x_max) >= min_p, SAMPLE's own test. A top-p row keep
 probability about p (the nucleus's mass), so with p = 0.9 one row in ten is listed by
 SELECT and takes the HIST, COMPACT, FINISH and SAMPLE steps, and the others end at FINAL.
 (A call that returns log-probs needs the kept mass, so the cut, on every row.) SAMPLE then
-redraws the noise only where the answer can be: each 128-token tile's record holds its winner (score, id, logit);
-a tile whose winner is kept gives the kept set its winner there, so s* = the best kept tile
-winner is a lower bound of the answer, and only tiles whose winner scores above s* (their
-winner is not kept) can hold a better kept token. SAMPLE reads the logits and draws the
-noise only in the 2048-column blocks that hold such a tile: a few per row.
+redraws the noise only where the answer can be: each 128-token tile's record holds its
+winner (score, id, logit); a tile whose winner is kept gives the kept set its winner there,
+so s* = the best kept tile winner is a lower bound of the answer, and only tiles whose
+winner scores above s* (their winner is not kept) can hold a better kept token. SAMPLE
+reads the logits and draws the noise only in the 2048-column blocks that hold such a tile:
+a few per row.
 """
 import triton
 import triton.language as tl
@@ -235,7 +236,7 @@ def cut_step_kernel(
 ):
     """One STEP (module docstring) for the rows fast_row takes. l [B, N] fp32 logits (row
     stride stride_lb; SLOTTED: [world, B, slot_n] as filter_fallback.fallback_rows_kernel
-    reads them); part fp32 [SAMPLE + 1, B, G, W] (W >= max(NT + 2, S + 2)), hist fp32
+    reads them); part fp32 [SAMPLE + 1, B, G, W] (W >= max(NT + 2, S + 2, 5)), hist fp32
     [PASSES + 1, B, GH, W], list int32 [1 + B] (SELECT's count, then its rows) and keys
     int64 [B, CAP + 2 + G * S] (slots, counter, cut, the chunks' winners): this call's
     workspace; chunk g of a row is columns [g·C, (g+1)·C) (HIST and COMPACT: [g·CH,

@@ -193,5 +193,5 @@ def test_the_side_output_transpose_costs_a_stage_only_where_shared_memory_runs_o
     cases = {(5, 128): 4, (4, 128): 4, (10, 32): 9, (8, 32): 8, (8, 64): 7, (6, 64): 6}
     for (stages, block_b), want in cases.items():
         cfg = dict(NUM_STAGES=stages, EPI_B=32)
-        assert L._ws_stages(cfg, block_b, 64, True, limit) == want, (stages, block_b)
-        assert L._ws_stages(cfg, block_b, 64, False, limit) == stages
+        assert L._ws_stages(cfg, block_b, 64, limit) == want, (stages, block_b)
+        assert L._ws_stages(cfg, block_b, 64, limit + 65536) == stages  # (room: no drop)

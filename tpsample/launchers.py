@@ -292,11 +292,11 @@ WS_SIDE_ROWS = True  # (False: the stores from the lanes' layout; A/B)
 SMEM_SLACK = 1024  # the ws kernel's barriers and alignment, bytes
 
 
-def _ws_stages(cfg: dict, block_b: int, block_k: int, side_rows: bool, limit: int) -> int:
-    """The config's pipeline stages, fewer where the side output's transpose scratch
-    ([BLOCK_V, EPI_B, 4] fp32 lanes) would not fit in `limit` bytes of shared memory."""
+def _ws_stages(cfg: dict, block_b: int, block_k: int, limit: int) -> int:
+    """The config's pipeline stages with the side output's transpose scratch ([BLOCK_V,
+    EPI_B, 4] fp32 lanes): fewer where they would not fit in `limit` bytes of shared memory."""
     per_stage = (BLOCK_V + block_b) * block_k * 2
-    fixed = BLOCK_V * block_b * 4 + SMEM_SLACK + (BLOCK_V * cfg["EPI_B"] * 4 if side_rows else 0)
+    fixed = BLOCK_V * block_b * 4 + SMEM_SLACK + BLOCK_V * cfg["EPI_B"] * 4
     return max(2, min(cfg["NUM_STAGES"], (limit - fixed) // per_stage))
 
 
@@ -334,7 +334,7 @@ def _ws(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start, pe
     stages = cfg["NUM_STAGES"]
     if side_rows:
         index = hidden.device.index
-        stages = _ws_stages(cfg, block_b, block_k, True, _smem_per_block(
+        stages = _ws_stages(cfg, block_b, block_k, _smem_per_block(
             index if index is not None else torch.cuda.current_device()))
     constexprs = dict(
         HAS_BIAS=bias is not None, TILE_MASS=plan.need_mass, STAGES=stages,
@@ -701,9 +701,9 @@ def _cut_steps(hidden, params: RowParams, filters: Filters, out: F.FilteredOutpu
     G, W] and [PASSES + 1, B, GH, W] partial sums, int32 [1 + B] cut list and int64 [B, CAP +
     2 + G·S] keys (G chunks per row: at least 8, and two items per program of a full grid at
     small B; GH: tokens-only calls also at most CUT_LIST_CHUNK columns each). winner:
-    (records, parity, parity_stride) of a tokens-only call with merge "max" (kernels/filter_cut.py, WINNER).
-    owners: the rows this rank redoes, b = rank + k · split; split: it sends their outputs
-    (kernels/filter_cut.py, SPLIT)."""
+    (records, parity, parity_stride) of a tokens-only call with merge "max"
+    (kernels/filter_cut.py, WINNER). owners: the rows this rank redoes, b = rank + k ·
+    split; split: it sends their outputs (kernels/filter_cut.py, SPLIT)."""
     B, S, N = out.fallback.shape[0], out.tokens.shape[1], rows["N"]
     K = filter_cut
     block = min(2048, 1 << (N - 1).bit_length())  # a read per step: 2048 columns a pass
@@ -718,7 +718,7 @@ def _cut_steps(hidden, params: RowParams, filters: Filters, out: F.FilteredOutpu
         GH = max(G, cdiv(N, CUT_LIST_CHUNK))
         CH = cdiv(cdiv(N, GH), block) * block
         GH = cdiv(N, CH)
-    W = max(K.NT.value + 2, S + 2)
+    W = max(K.NT.value + 2, S + 2, 5)  # (STATS: 5 sums with the winner check)
     dev = hidden.device
     part = torch.empty(K.SAMPLE.value + 1, B, G, W, dtype=torch.float32, device=dev)
     hist = torch.empty(K.PASSES.value + 1, B, GH, W, dtype=torch.float32, device=dev)
