@@ -54,13 +54,14 @@ x > x_w, and the count of x == x_w: a tie with another token leaves the question
 and by min-p when exp(x_w - x_max) >= min_p, SAMPLE's own test. A top-p row keeps w with
 probability about p (the nucleus's mass), so with p = 0.9 one row in ten is listed by
 SELECT and takes the HIST, COMPACT, FINISH and SAMPLE steps, and the others end at FINAL.
-(A call that returns log-probs needs the kept mass, so the cut, on every row.) SAMPLE then
-redraws the noise only where the answer can be: each 128-token tile's record holds its
-winner (score, id, logit); a tile whose winner is kept gives the kept set its winner there,
-so s* = the best kept tile winner is a lower bound of the answer, and only tiles whose
-winner scores above s* (their winner is not kept) can hold a better kept token. SAMPLE
-reads the logits and draws the noise only in the 2048-column blocks that hold such a tile:
-a few per row.
+(LOGPROBS, a call that also returns log-probs: its log Z needs the kept mass, so SELECT
+lists every top-p row for the cut and SAMPLE sums every row's kept mass without noise; the
+token comes from the winner check all the same.) SAMPLE then redraws the noise only where
+the answer can be: each 128-token tile's record holds its winner (score, id, logit); a tile
+whose winner is kept gives the kept set its winner there, so s* = the best kept tile
+winner is a lower bound of the answer, and only tiles whose winner scores above s* (their
+winner is not kept) can hold a better kept token. SAMPLE reads the logits and draws the
+noise only in the 2048-column blocks that hold such a tile: a few per row.
 """
 import triton
 import triton.language as tl
@@ -114,9 +115,9 @@ def _winner_kept(part_ptr, b, B, G, W, x_w, p, m, xmax, z, BLOCK_G: tl.constexpr
 @triton.jit
 def _kept_tile_winners(rec_row, st_slot, st_t, T_rec, N_rec, cut, m, xmax,
                        BLOCK_R: tl.constexpr):
-    """s*: the largest order key (score, id) among the row's tile winners (sample plane 0 of
-    its N_rec records, T_rec per slot) that are kept ({key >= cut} and exp(x - x_max) >=
-    min_p, from the record's logit); -1 when none is."""
+    """(s*, its logit): the largest order key (score, id) among the row's tile winners
+    (sample plane 0 of its N_rec records, T_rec per slot) that are kept ({key >= cut} and
+    exp(x - x_max) >= min_p, from the record's logit); -1 when none is."""
     n = tl.arange(0, BLOCK_R)
     ok = n < N_rec
     at = (n // T_rec).to(tl.int64) * st_slot + (n % T_rec).to(tl.int64) * st_t
@@ -124,7 +125,9 @@ def _kept_tile_winners(rec_row, st_slot, st_t, T_rec, N_rec, cut, m, xmax,
     tok = tl.load(rec_row + at + 1, mask=ok, other=0.0)
     x = tl.load(rec_row + at + 2, mask=ok, other=NEG_INF)
     kept = (sc > NEG_INF) & (x > NEG_INF) & (order_key(x, tok) >= cut) & (tl.exp(x - xmax) >= m)
-    return tl.max(tl.where(kept, order_key(sc, tok), -1))
+    k = tl.where(kept, order_key(sc, tok), -1)
+    best = tl.max(k)
+    return best, tl.max(tl.where(k == best, x, NEG_INF))
 
 
 @triton.jit
@@ -141,6 +144,38 @@ def _blocks_above(rec_row, st_slot, st_t, T_rec, N_rec, c0, c1, s_star, BLOCK: t
     tok = tl.load(rec_row + at + 1, mask=ok, other=0.0)
     above = ok & (sc > NEG_INF) & (order_key(sc, tok) > s_star)
     return tl.where(above, (j * 128 - c0) // BLOCK, -1)
+
+
+@triton.jit
+def _kept_mass(row, c0, c1, cut, m, xmax, to_raw, slots, vocab_start, BLOCK: tl.constexpr,
+               SLOTTED: tl.constexpr, RAW: tl.constexpr):
+    """(the kept tokens' mass in units exp(x - x_max), RAW: the chunk's mass at T = 1 in
+    units exp((x - x_max) · T)) over columns [c0, c1): SAMPLE's sums, without its noise."""
+    cols = tl.arange(0, BLOCK)
+    mass = tl.zeros((BLOCK,), tl.float32)
+    raw = tl.zeros((BLOCK,), tl.float32)
+    xn = row_x(row, c0 + cols, c1, slots, SLOTTED)
+    for v0 in range(c0, c1, BLOCK):
+        x = xn
+        xn = row_x(row, v0 + BLOCK + cols, c1, slots, SLOTTED)
+        gid = row_ids(v0 + cols, c1, vocab_start, slots, SLOTTED)
+        e = tl.exp(x - xmax)
+        key = tl.where(x > NEG_INF, order_key(x, gid), -1)
+        mass += tl.where((key >= cut) & (e >= m), e, 0.0)
+        if RAW:
+            raw += tl.exp(x * to_raw - xmax * to_raw)
+    return tl.sum(mass), tl.sum(raw)
+
+
+@triton.jit
+def _logz(parts, G, W, xmax, to_raw, RAW: tl.constexpr, BLOCK_G: tl.constexpr):
+    """The row's log Z from SAMPLE's per-chunk sums at `parts` (W words per chunk): of the
+    kept set, or RAW at T = 1."""
+    gs = tl.arange(0, BLOCK_G)
+    at = parts + gs * W
+    if RAW:
+        return xmax * to_raw + tl.log(tl.sum(tl.load(at + 1, mask=gs < G, other=0.0)))
+    return xmax + tl.log(tl.sum(tl.load(at, mask=gs < G, other=0.0)))
 
 
 @triton.jit
@@ -210,13 +245,39 @@ def _sorted_cut(keys, n, row, N, vocab_start, slots, a_hi, target, xmax, SIZE: t
 
 
 @triton.jit
-def _send_token_only(l_ptr, b64, stride_lb, slot_stride, peer_ptrs_ptr, rank, world, tok):
-    """SPLIT, a tokens-only row (S = 1): its token, NaN log-prob and log Z to the others."""
+def _send_one(l_ptr, b64, stride_lb, slot_stride, peer_ptrs_ptr, rank, world, tok, lp, lz):
+    """SPLIT, a one-sample row: its token, log-prob and log Z to the others."""
     send_outputs(l_ptr, b64, stride_lb, slot_stride, peer_ptrs_ptr, rank, world, 0,
                  tok.to(tl.int32).to(tl.float32, bitcast=True))
-    nan = tl.cast(float("nan"), tl.float32)
-    send_outputs(l_ptr, b64, stride_lb, slot_stride, peer_ptrs_ptr, rank, world, 1, nan)
-    send_outputs(l_ptr, b64, stride_lb, slot_stride, peer_ptrs_ptr, rank, world, 2, nan)
+    send_outputs(l_ptr, b64, stride_lb, slot_stride, peer_ptrs_ptr, rank, world, 1, lp)
+    send_outputs(l_ptr, b64, stride_lb, slot_stride, peer_ptrs_ptr, rank, world, 2, lz)
+
+
+@triton.jit
+def _winner_outputs(tokens_ptr, logprobs_ptr, logz_ptr, count_ptr, b, best, x, parts, G, W,
+                    xmax, inv_temp_ptr, l_ptr, stride_lb, slot_stride, peer_ptrs_ptr, rank,
+                    split, LOGPROBS: tl.constexpr, RAW: tl.constexpr, SPLIT: tl.constexpr,
+                    BLOCK_G: tl.constexpr):
+    """FINAL of a WINNER row: the token of order key `best` (-1: none), whose logit is x;
+    LOGPROBS: its log-prob and the row's log Z from SAMPLE's sums at `parts`, else NaN."""
+    b64 = tl.cast(b, tl.int64)
+    tok = tl.where(best >= 0, ID_MASK - (best & ID_MASK), -1)
+    lp = tl.cast(float("nan"), tl.float32)
+    lz = lp
+    if LOGPROBS:
+        to_raw = 1.0 / tl.load(inv_temp_ptr + b)
+        lz = _logz(parts, G, W, xmax, to_raw, RAW, BLOCK_G)
+        if RAW:
+            lp = x * to_raw - lz
+        else:
+            lp = x - lz
+        lp = tl.where(best >= 0, lp, NEG_INF)
+    tl.store(tokens_ptr + b64, tok)
+    tl.store(logprobs_ptr + b64, lp)
+    tl.store(logz_ptr + b, lz)
+    tl.atomic_add(count_ptr, 1)
+    if SPLIT:
+        _send_one(l_ptr, b64, stride_lb, slot_stride, peer_ptrs_ptr, rank, split, tok, lp, lz)
 
 
 @triton.jit
@@ -232,7 +293,7 @@ def cut_step_kernel(
     BLOCK_F: tl.constexpr, PDL: tl.constexpr = False, SLOTTED: tl.constexpr = False,
     WINNER: tl.constexpr = False, USE_PARITY: tl.constexpr = False,
     BLOCK_R: tl.constexpr = 16, BLOCK_TC: tl.constexpr = 16, SPLIT: tl.constexpr = False,
-    BLOCK_GH: tl.constexpr = 16,
+    BLOCK_GH: tl.constexpr = 16, LOGPROBS: tl.constexpr = False,
 ):
     """One STEP (module docstring) for the rows fast_row takes. l [B, N] fp32 logits (row
     stride stride_lb; SLOTTED: [world, B, slot_n] as filter_fallback.fallback_rows_kernel
@@ -243,13 +304,14 @@ def cut_step_kernel(
     (g+1)·CH)), C and CH multiples of BLOCK. Outputs as
     fallback_rows_kernel's ([B, S], [B]); count[0] += the rows done (FINAL). The programs
     take the items (rows × chunks, or rows for FINISH / FINAL) in turn; a call without a
-    flagged row costs each program one scan of the flags. WINNER (S = 1, tokens only): the
-    rows whose winner (key at win[win_at + b], the filter kernel's) is kept skip every step
-    from HIST to SAMPLE; SAMPLE draws noise only in the blocks with a tile winner above s*
-    (records [slots, planes, B, T_rec, 4] by strides, N_rec = slots · T_rec, BLOCK_TC >= a
-    chunk's tiles; USE_PARITY: the
-    fan-out's two buffers, this call's the one the filter kernel's parity flip left); FINAL
-    writes tokens, and NaN log-probs and log Z. The items are the rows b = rank + k · split
+    flagged row costs each program one scan of the flags. WINNER (S = 1, merge "max"): the
+    rows whose winner (key at win[win_at + b], the filter kernel's) is kept take it, and
+    skip every step from HIST to SAMPLE unless LOGPROBS (then they take the cut and
+    SAMPLE's noise-free sums); SAMPLE draws noise only in the blocks with a tile winner
+    above s* (records [slots, planes, B, T_rec, 4] by strides, N_rec = slots · T_rec,
+    BLOCK_TC >= a chunk's tiles; USE_PARITY: the fan-out's two buffers, this call's the one
+    the filter kernel's parity flip left); FINAL writes tokens, and log-probs and log Z
+    (NaN without LOGPROBS). The items are the rows b = rank + k · split
     (one device: rank 0, split 1). SPLIT (tensor parallel, SLOTTED): split = world, each rank
     redoes the rows it owns (filter_fallback.fallback_logits_kernel gathered each row to its
     owner only) and FINAL also sends their outputs to the other ranks (peer_ptrs: int64
@@ -352,19 +414,25 @@ def cut_step_kernel(
                     won = _winner_kept(part_ptr, b, B, G, W, decode_key(w_key), p, m, xmax, z,
                                        BLOCK_G)
                 if STEP == SELECT:
-                    if not won:
+                    if (not won) or LOGPROBS:  # (log Z needs the kept mass, so the cut)
                         at = tl.atomic_add(list_ptr, 1)
                         tl.store(list_ptr + 1 + at, b)
                 elif won:
-                    if STEP == FINAL:
-                        tok = tl.where(w_key >= 0, ID_MASK - (w_key & ID_MASK), -1)
-                        tl.store(tokens_ptr + b64, tok)
-                        tl.store(logprobs_ptr + b64, float("nan"))
-                        tl.store(logz_ptr + b, float("nan"))
-                        tl.atomic_add(count_ptr, 1)
-                        if SPLIT:
-                            _send_token_only(l_ptr, b64, stride_lb, slot_stride, peer_ptrs_ptr,
-                                             rank, split, tok)
+                    if (STEP == SAMPLE) and LOGPROBS:  # the sums, no noise
+                        cut = tl.cast(0, tl.int64)
+                        if p < 1.0:
+                            cut = tl.load(keys + CAP + 1)
+                        mass, raw = _kept_mass(row, c0, c1, cut, m, xmax,
+                                               1.0 / tl.load(inv_temp_ptr + b), slots,
+                                               vocab_start, BLOCK, SLOTTED, RAW)
+                        tl.store(mine, mass)
+                        tl.store(mine + 1, raw)
+                    elif STEP == FINAL:
+                        _winner_outputs(tokens_ptr, logprobs_ptr, logz_ptr, count_ptr, b, w_key,
+                                        decode_key(w_key),
+                                        part_ptr + (b64 + SAMPLE * B) * G * W, G, W, xmax,
+                                        inv_temp_ptr, l_ptr, stride_lb, slot_stride,
+                                        peer_ptrs_ptr, rank, split, LOGPROBS, RAW, SPLIT, BLOCK_G)
                 elif STEP <= PASSES:  # HIST
                     lo, hi, a_hi, bmin, bmax = _bracket(hist_ptr, b, B, GH, W, STEP - 1, target,
                                                         z, N, xmax, xmin, NT, BLOCK_GH)
@@ -433,13 +501,20 @@ def cut_step_kernel(
                     rec_row = rec_ptr + b64 * st_b
                     if USE_PARITY:
                         rec_row += (1 - tl.load(parity_ptr)).to(tl.int64) * parity_stride
-                    s_star = _kept_tile_winners(rec_row, st_slot, st_t, T_rec, N_rec, cut, m,
-                                                xmax, BLOCK_R)
+                    s_star, s_x = _kept_tile_winners(rec_row, st_slot, st_t, T_rec, N_rec, cut,
+                                                     m, xmax, BLOCK_R)
+                    if LOGPROBS:
+                        mass, raw = _kept_mass(row, c0, c1, cut, m, xmax,
+                                               1.0 / tl.load(inv_temp_ptr + b), slots,
+                                               vocab_start, BLOCK, SLOTTED, RAW)
+                        tl.store(mine, mass)
+                        tl.store(mine + 1, raw)
                     seed = tl.load(seed_ptr + b)
                     off = tl.load(offset_ptr + b)
                     off_lo = (off & 0xFFFFFFFF).to(tl.uint32)
                     off_hi = ((off >> 32) & 0xFFFFFFFF).to(tl.uint32)
                     best = tl.full((BLOCK,), -1, tl.int64)
+                    best_x = tl.full((BLOCK,), NEG_INF, tl.float32)
                     hits = _blocks_above(rec_row, st_slot, st_t, T_rec, N_rec, c0, c1, s_star,
                                          BLOCK, BLOCK_TC)
                     for v0 in range(c0, c1, BLOCK):
@@ -456,8 +531,14 @@ def cut_step_kernel(
                                 words = philox_word(seed, off_lo, off_hi, tl.cast(0, tl.uint32),
                                                     gid)
                             zs = tl.fma(gumbel_log(words), NOISE_COEF, x)
-                            best = tl.maximum(best, tl.where(keep, order_key(zs, gid), -1))
-                    tl.store(keys + CAP + 2 + g, tl.maximum(tl.max(best), s_star))
+                            zkey = tl.where(keep, order_key(zs, gid), -1)
+                            up = zkey > best
+                            best = tl.where(up, zkey, best)
+                            best_x = tl.where(up, x, best_x)
+                    top = tl.max(best)
+                    top_x = tl.max(tl.where(best == top, best_x, NEG_INF))
+                    tl.store(keys + CAP + 2 + g, tl.maximum(top, s_star))
+                    tl.store(mine + 2, tl.where(s_star > top, s_x, top_x))
                 elif STEP == SAMPLE:
                     cut = tl.cast(0, tl.int64)
                     if p < 1.0:
@@ -503,17 +584,16 @@ def cut_step_kernel(
                             tl.store(mine + 1, tl.sum(raw))
                         tl.store(keys + CAP + 2 + g * S + s, top)
                         tl.store(mine + 2 + s, tl.max(tl.where(best == top, best_x, NEG_INF)))
-                elif WINNER:  # FINAL, tokens only
+                elif WINNER:  # FINAL
                     gs = tl.arange(0, BLOCK_G)
-                    best = tl.max(tl.load(keys + CAP + 2 + gs, mask=gs < G, other=-1))
-                    tok = tl.where(best >= 0, ID_MASK - (best & ID_MASK), -1)
-                    tl.store(tokens_ptr + b64, tok)
-                    tl.store(logprobs_ptr + b64, float("nan"))
-                    tl.store(logz_ptr + b, float("nan"))
-                    tl.atomic_add(count_ptr, 1)
-                    if SPLIT:
-                        _send_token_only(l_ptr, b64, stride_lb, slot_stride, peer_ptrs_ptr,
-                                         rank, split, tok)
+                    parts = part_ptr + (b64 + SAMPLE * B) * G * W
+                    ck = tl.load(keys + CAP + 2 + gs, mask=gs < G, other=-1)
+                    best = tl.max(ck)
+                    x = tl.max(tl.where(ck == best, tl.load(parts + gs * W + 2, mask=gs < G,
+                                                            other=NEG_INF), NEG_INF))
+                    _winner_outputs(tokens_ptr, logprobs_ptr, logz_ptr, count_ptr, b, best, x,
+                                    parts, G, W, xmax, inv_temp_ptr, l_ptr, stride_lb, slot_stride,
+                                    peer_ptrs_ptr, rank, split, LOGPROBS, RAW, SPLIT, BLOCK_G)
                 else:  # FINAL
                     gs = tl.arange(0, BLOCK_G)
                     parts = part_ptr + ((b64 + SAMPLE * B) * G + gs) * W

@@ -95,10 +95,10 @@ WINNER_ROWS = dict(top_p=torch.tensor([0.9, 0.5, 1.0, 0.99, 0.95, 0.3, 0.9, 0.7]
                    temperature=torch.tensor([1.0, 0.8, 1.0, 1.5, 1.2, 1.0, 0.9, 1.1] * 2))
 
 
-def _winner_call(monkeypatch, **patches):
-    """A tokens-only call on 16 flat rows (every one flagged), with filter_cut's helpers
-    replaced by `patches`; returns (h, w, keywords, tokens), after checking that the fast
-    path ran in its tokens-only mode."""
+def _winner_call(monkeypatch, logprobs=False, **patches):
+    """A call on 16 flat rows (every one flagged; tokens only, or with log-probs), with
+    filter_cut's helpers replaced by `patches`; returns (h, w, keywords, output), after
+    checking that the fast path took its winner check."""
     monkeypatch.setattr(launchers, "fallback_programs", lambda t: 5)
     for name, fn in patches.items():
         monkeypatch.setattr(filter_cut, name, fn)
@@ -112,23 +112,27 @@ def _winner_call(monkeypatch, **patches):
     monkeypatch.setattr(replay, "run_kernel", spy)
     h, w = flat_rows(V=1200, B=16)
     kw = dict(WINNER_ROWS, seed=torch.arange(16) * 5 + 3)
-    tok = tpsample.sample(h, w, backend="triton", **kw)
+    out = tpsample.sample(h, w, backend="triton", return_logprobs=logprobs, **kw)
     assert modes == [True]
-    return h, w, kw, tok.view(-1)
+    return h, w, kw, out if logprobs else out.view(-1)
 
 
 @pytest.mark.slow
 def test_winner_check_gives_the_cut_paths_tokens(monkeypatch):
-    """A tokens-only call checks each row's winner instead of finding its cut, and redraws
-    noise only near tile winners that beat the best kept one: every row's token equals the
-    reference's and the log-prob call's (which finds every cut and draws every token's
-    noise). The rows are of both kinds: some rows' unfiltered winner (same noise) is kept,
-    some not."""
+    """A call checks each row's winner, and redraws noise only near tile winners that beat
+    the best kept one: every row's token equals the reference's, tokens only (which skips
+    the cut where the winner is kept) and with log-probs (every top-p row's cut, for the
+    kept mass; log-probs and log Z as the reference's), and equals the tokens of the call
+    that draws every token's noise (S = 2's first sample, without the winner check). The
+    rows are of both kinds: some rows' unfiltered winner (same noise) is kept, some not."""
     h, w, kw, tok = _winner_call(monkeypatch)
     ref = reference_sample(h, w, **kw)
     assert torch.equal(tok, ref.tokens.view(-1))
-    full = tpsample.sample(h, w, backend="triton", return_logprobs=True, **kw)
+    _, _, _, full = _winner_call(monkeypatch, logprobs=True)
     assert torch.equal(tok, full.tokens.view(-1))
+    assert_matches_reference(full, ref)
+    two = tpsample.sample(h, w, backend="triton", num_samples=2, **kw)
+    assert torch.equal(tok, two[:, 0])
     plain = reference_sample(h, w, seed=kw["seed"], temperature=kw["temperature"]).tokens
     kept = torch.stack([filtered_probs(row_logits(h[b], w, float(kw["temperature"][b])),
                                        top_p=float(kw["top_p"][b]),
@@ -185,21 +189,29 @@ def _best_tile_winner(rec_row, st_slot, st_t, T_rec, N_rec, cut, m, xmax,
     at = (n // T_rec).to(tl.int64) * st_slot + (n % T_rec).to(tl.int64) * st_t
     sc = tl.load(rec_row + at, mask=n < N_rec, other=float("-inf"))
     tok = tl.load(rec_row + at + 1, mask=n < N_rec, other=0.0)
-    return tl.max(tl.where(sc > float("-inf"), filter_cut.order_key(sc, tok), -1))
+    x = tl.load(rec_row + at + 2, mask=n < N_rec, other=float("-inf"))
+    k = tl.where(sc > float("-inf"), filter_cut.order_key(sc, tok), -1)
+    best = tl.max(k)
+    return best, tl.max(tl.where(k == best, x, float("-inf")))
 
 
 @SLOW
+@pytest.mark.parametrize("logprobs", [False, True], ids=["tokens", "logprobs"])
 @pytest.mark.parametrize("patches,right", [
     (dict(_winner_kept=_kept_always), False),  # every winner taken as kept
     (dict(_winner_kept=_kept_never), True),  # every row through the cut and SAMPLE
     (dict(_winner_kept=_kept_never, _kept_tile_winners=_best_tile_winner), False),  # s* from
 ], ids=["check-always", "check-never", "s*-not-kept"])  # every tile winner, kept or not
-def test_winner_check_negative_controls(patches, right, monkeypatch):
+def test_winner_check_negative_controls(patches, right, logprobs, monkeypatch):
     """The reference comparison rejects a winner check that keeps every winner, and a SAMPLE
     whose s* ignores whether the tile winner is kept; with no winner kept (every row through
-    the cut and the tile-skipping SAMPLE) it still passes."""
-    h, w, kw, tok = _winner_call(monkeypatch, **patches)
-    assert torch.equal(tok, reference_sample(h, w, **kw).tokens.view(-1)) == right
+    the cut and the tile-skipping SAMPLE) it still passes, log-probs included."""
+    h, w, kw, out = _winner_call(monkeypatch, logprobs, **patches)
+    tok = out.tokens.view(-1) if logprobs else out
+    ref = reference_sample(h, w, **kw)
+    assert torch.equal(tok, ref.tokens.view(-1)) == right
+    if logprobs and right:
+        assert_matches_reference(out, ref)
 
 
 @pytest.mark.slow

@@ -553,6 +553,7 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
                        constraints=None, listed: ListedScratch | None = None,
                        pdl: bool = False, gather: FallbackGather | None = None,
                        side: torch.Tensor | None = None, winner: bool = False,
+                       logprobs: bool = True,
                        recs: torch.Tensor | None = None, parity=None,
                        parity_stride: int = 0) -> None:
     """The exact fallback of one device's call, after stage2_filtered and with no host
@@ -567,9 +568,10 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
     listed.held and listed.dots, what this call's stage 1 and listed_prep kept). gather
     (tensor parallel): the rows' logit shards go to every rank (gather.own in each rank's
     buffer; the listed tokens' after the rest, in stream order) and, after gather.exchange,
-    every rank redoes the rows from all shards. winner: the call returns tokens only and its
-    filter kernel stored each row's winner (merge "max"): one-sample rows whose winner is
-    kept skip the cut, and the others draw noise only near their tile winners
+    every rank redoes the rows from all shards. winner: the call's filter kernel stored each
+    row's winner (merge "max"): one-sample rows take their winner where it is kept (and,
+    returning tokens only (logprobs False), skip the cut), and the others draw noise only
+    near their tile winners
     (kernels/filter_cut.py, WINNER), which they read from recs ([slots, planes, B, T, 4], as
     stage2_filtered read them; parity, parity_stride: the fan-out's two buffers).
     Split rows (gather and side, every flagged row on the cut's fast path, world > 1, at
@@ -647,7 +649,8 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
         _cut_steps(hidden, params, filters, out, count, rows, vocab_start, block_f,
                    dict(launch, num_warps=8), aligned=gather is None and vocab_start % 4 == 0,
                    slotted=gather is not None, owners=owners, split=split,
-                   winner=(recs, parity, parity_stride) if winner and recs is not None else None)
+                   winner=(recs, parity, parity_stride) if winner and recs is not None else None,
+                   logprobs=logprobs)
     if split:  # the owners' outputs, sent after their cut
         gather.exchange(out.fallback)
     run_named(filter_fallback.fallback_rows_kernel, (B,), dict(launch, num_warps=8),
@@ -695,15 +698,17 @@ CUT_LIST_CHUNK = 8192
 
 def _cut_steps(hidden, params: RowParams, filters: Filters, out: F.FilteredOutput, count,
                rows: dict, vocab_start: int, block_f: int, launch: dict, *, aligned: bool,
-               slotted: bool, owners: dict, split: bool, winner: tuple | None = None) -> None:
+               slotted: bool, owners: dict, split: bool, winner: tuple | None = None,
+               logprobs: bool = True) -> None:
     """kernels/filter_cut.py's steps for the flagged rows with top-p / min-p and no top-k
     (the cut's steps only when the call has top-p). Workspace, per call: fp32 [SAMPLE + 1, B,
     G, W] and [PASSES + 1, B, GH, W] partial sums, int32 [1 + B] cut list and int64 [B, CAP +
     2 + G·S] keys (G chunks per row: at least 8, and two items per program of a full grid at
     small B; GH: tokens-only calls also at most CUT_LIST_CHUNK columns each). winner:
-    (records, parity, parity_stride) of a tokens-only call with merge "max"
-    (kernels/filter_cut.py, WINNER). owners: the rows this rank redoes, b = rank + k ·
-    split; split: it sends their outputs (kernels/filter_cut.py, SPLIT)."""
+    (records, parity, parity_stride) of a call with merge "max" (kernels/filter_cut.py,
+    WINNER); logprobs: the call returns log-probs (LOGPROBS: every top-p row's cut).
+    owners: the rows this rank redoes, b = rank + k · split; split: it sends their outputs
+    (kernels/filter_cut.py, SPLIT)."""
     B, S, N = out.fallback.shape[0], out.tokens.shape[1], rows["N"]
     K = filter_cut
     block = min(2048, 1 << (N - 1).bit_length())  # a read per step: 2048 columns a pass
@@ -714,7 +719,7 @@ def _cut_steps(hidden, params: RowParams, filters: Filters, out: F.FilteredOutpu
     G = cdiv(N, C)
     use_winner = winner is not None and S == 1
     GH, CH = G, C  # HIST and COMPACT over the cut list
-    if use_winner:
+    if use_winner and not logprobs:
         GH = max(G, cdiv(N, CUT_LIST_CHUNK))
         CH = cdiv(cdiv(N, GH), block) * block
         GH = cdiv(N, CH)
@@ -750,6 +755,7 @@ def _cut_steps(hidden, params: RowParams, filters: Filters, out: F.FilteredOutpu
                   flag_ptr=out.fallback, count_ptr=count, part_ptr=part, keys_ptr=keys,
                   win_ptr=out.scratch, win_at=B * F.KNOWN_CAP, **rec, B=B, G=G, C=C, W=W, S=S,
                   STEP=step, ALIGNED4=aligned, BLOCK=block, WINNER=use_winner,
+                  LOGPROBS=use_winner and logprobs,
                   SUB=min(block, 512), BLOCK_G=max(2, 1 << (G - 1).bit_length()),
                   BLOCK_F=block_f, PDL="launch_pdl" in launch, SLOTTED=slotted, **owners,
                   SPLIT=split, hist_ptr=hist, GH=GH, CH=CH, list_ptr=listed,

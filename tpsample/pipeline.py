@@ -508,7 +508,7 @@ class Pipeline:
                                          vocab_start=vocab_start, constraints=constraints,
                                          listed=listed_scratch(per_call), pdl=plan.pdl,
                                          gather=gather, side=per_call["side"],
-                                         winner=merge == "max" and not logprobs, recs=recs,
+                                         winner=merge == "max", logprobs=logprobs, recs=recs,
                                          parity=fanout[1] if fanout else None,
                                          parity_stride=fanout[2] if fanout else 0)
         return out
