@@ -29,6 +29,12 @@ A(t*) >= p·Z. The row is split into G chunks; one launch per STEP, each program
            [lo, inf) with lo the largest of x_min, x_max - RANGE (the tokens below weigh at
            most V·e^-RANGE < 1e-9 of Z, and p <= 1 - 2^-24) and x_max + ln((1-p)·Z / N)
            - 1/2 (_first_lo): a top-p cut never lies lower.
+  NARROW   (calls that cut most rows: with log-probs, several samples or merge "cdf")
+           after HIST 1, per chunk, the columns in its bracket copied in order (logit and
+           column, a block scan each) into the chunk's share of a scratch (1/NARROW_SHARE of
+           its columns; on flat rows HIST 1's bracket holds 10-20 % of them); HIST 2.. and
+           COMPACT then read the copy, and a row with a fuller chunk reads its whole row.
+           The copy keeps each chunk's column order, so the sums do not depend on timing.
   COMPACT  the final bracket's columns into CAP slots per row (an atomic counter claims
            slots; their order does not matter: the next step makes their keys and sorts them).
   FINISH   per row: the keys sorted (SHORT or MID slots when they fit, the usual case after
@@ -43,7 +49,8 @@ A(t*) >= p·Z. The row is split into G chunks; one launch per STEP, each program
            fallback_rows_kernel writes them.
 
 Work per row: four reads of its logits (STATS, three HIST) plus one with noise (SAMPLE), and
-a sort of at most CAP keys; no step needs more than max(G, GH)·(NT + 2) partial sums per row.
+a sort of at most CAP keys (with NARROW: three reads, HIST 1's bracket copied once and
+read three times); no step needs more than max(G, GH)·(NT + 2) partial sums per row.
 
 WINNER (a tokens-only call, one sample, merge "max"): most rows need neither the cut nor
 SAMPLE. The row's Gumbel-max winner over all its tokens, w (the filter kernel stores its key),
@@ -55,8 +62,9 @@ and by min-p when exp(x_w - x_max) >= min_p, SAMPLE's own test. A top-p row keep
 probability about p (the nucleus's mass), so with p = 0.9 one row in ten is listed by
 SELECT and takes the HIST, COMPACT, FINISH and SAMPLE steps, and the others end at FINAL.
 (LOGPROBS, a call that also returns log-probs: its log Z needs the kept mass, so SELECT
-lists every top-p row for the cut and SAMPLE sums every row's kept mass without noise; the
-token comes from the winner check all the same.) SAMPLE then redraws the noise only where
+lists every top-p row for the cut, whose FINISH adds the sorted bracket's kept keys to A(hi);
+SAMPLE sums the kept mass without noise only on the other rows (min-p, RAW, the bisection);
+the token comes from the winner check all the same.) SAMPLE then redraws the noise only where
 the answer can be: each 128-token tile's record holds its winner (score, id, logit); a tile
 whose winner is kept gives the kept set its winner there, so s* = the best kept tile
 winner is a lower bound of the answer, and only tiles whose winner scores above s* (their
@@ -82,8 +90,10 @@ FINISH = tl.constexpr(PASSES.value + 2)
 SAMPLE = tl.constexpr(PASSES.value + 3)
 FINAL = tl.constexpr(PASSES.value + 4)
 SELECT = tl.constexpr(PASSES.value + 5)  # (launched between STATS and HIST 1)
+NARROW = tl.constexpr(PASSES.value + 6)  # (launched between HIST 1 and HIST 2)
 INF = tl.constexpr(float("inf"))
 CUT_STEPS = (SELECT.value,) + tuple(range(1, FINISH.value + 1))  # only top-p rows take them
+NARROW_STEPS = (SELECT.value, 1, NARROW.value) + tuple(range(2, FINISH.value + 1))
 
 
 @triton.jit
@@ -179,6 +189,15 @@ def _logz(parts, G, W, xmax, to_raw, RAW: tl.constexpr, BLOCK_G: tl.constexpr):
 
 
 @triton.jit
+def _sample_sums_mass(n, p, m, RAW: tl.constexpr):
+    """Whether SAMPLE sums the kept mass of a LOGPROBS row, else FINISH did: a top-p row
+    whose bracket took the sort (n <= CAP keys: A(hi) plus the sorted keys' masses from the
+    cut up) and that has no min-p (with min-p the kept set is {key >= cut} and
+    exp(x - x_max) >= min_p, which SAMPLE tests per token), not RAW (its mass at T = 1)."""
+    return (p >= 1.0) | (n > CAP) | (m > 0.0) | RAW
+
+
+@triton.jit
 def _first_lo(xmax, xmin, target, z, N):
     """A logit below the cut's: the tokens at or below the cut's logit t* weigh more than
     Z - p·Z (the tokens above it weigh less than p·Z), and at most N·exp(t* - xmax), so
@@ -227,9 +246,9 @@ def _bracket(part_ptr, b, B, G, W, done, target, z, N, xmax, xmin, NT_: tl.const
 @triton.jit
 def _sorted_cut(keys, n, row, N, vocab_start, slots, a_hi, target, xmax, SIZE: tl.constexpr,
                 SLOTTED: tl.constexpr):
-    """The cut from the bracket's n <= SIZE columns (COMPACT's slots): their keys sorted
-    descending, the prefix mass from A(hi) on; the last key whose prefix mass before it is
-    below p·Z."""
+    """(the cut, the kept mass {key >= cut}) from the bracket's n <= SIZE columns (COMPACT's
+    slots): their keys sorted descending, the prefix mass from A(hi) on; the cut is the last
+    key whose prefix mass before it is below p·Z."""
     q = tl.arange(0, SIZE)
     v = tl.load(keys + q, mask=q < n, other=N).to(tl.int32)
     x = row_x(row, v, N, slots, SLOTTED)
@@ -241,7 +260,78 @@ def _sorted_cut(keys, n, row, N, vocab_start, slots, a_hi, target, xmax, SIZE: t
     kept = valid & (before < target)
     # the last kept key (none only if rounding put A(hi) at p·Z: the first)
     cut = tl.min(tl.where(kept, ks, KEY_TOP + 1))
-    return tl.where(cut > KEY_TOP, tl.max(ks), cut)
+    cut = tl.where(cut > KEY_TOP, tl.max(ks), cut)
+    return cut, a_hi + tl.sum(tl.where(valid & (ks >= cut), e, 0.0))
+
+
+@triton.jit
+def _hist_chunk(src, start, lim, slots, xmax, t, lo_e, hi, SUB: tl.constexpr,
+                NT_: tl.constexpr, SLOTTED: tl.constexpr, NARROWED: tl.constexpr):
+    """HIST's sums over columns [start, lim) of a row (or, NARROWED, over NARROW's copy of a
+    chunk's bracket, src[start:lim]): per threshold t_i the mass of [t_i, hi), and the
+    smallest and largest logit in [lo_e, hi)."""
+    # per-lane sums, reduced once (SUB-row slices keep [SUB, NT] in registers)
+    acc = tl.zeros((SUB, NT_), dtype=tl.float32)
+    nmin = tl.full((SUB, 1), INF, tl.float32)
+    nmax = tl.full((SUB, 1), NEG_INF, tl.float32)
+    # SUB columns at a time, the next three slices' loads in flight
+    sub = tl.arange(0, SUB)[:, None]
+    xa = _chunk_x(src, start + sub, lim, slots, SLOTTED, NARROWED)
+    xb = _chunk_x(src, start + SUB + sub, lim, slots, SLOTTED, NARROWED)
+    xc = _chunk_x(src, start + 2 * SUB + sub, lim, slots, SLOTTED, NARROWED)
+    for v0 in range(start, lim, SUB):
+        x = xa
+        xa = xb
+        xb = xc
+        xc = _chunk_x(src, v0 + 3 * SUB + sub, lim, slots, SLOTTED, NARROWED)
+        below = x < hi
+        e = tl.where(below, tl.exp(x - xmax), 0.0)
+        acc += tl.where(x >= t[None, :], e, 0.0)
+        inside = below & (x >= lo_e)
+        nmin = tl.minimum(nmin, tl.where(inside, x, INF))
+        nmax = tl.maximum(nmax, tl.where(inside, x, NEG_INF))
+    return tl.sum(acc, axis=0), tl.min(nmin), tl.max(nmax)
+
+
+@triton.jit
+def _chunk_x(src, v, lim, slots, SLOTTED: tl.constexpr, NARROWED: tl.constexpr):
+    """The logits at v < lim of a row (row_x) or, NARROWED, of a plain fp32 array."""
+    if NARROWED:
+        return tl.load(src + v, mask=v < lim, other=NEG_INF)
+    else:
+        return row_x(src, v, lim, slots, SLOTTED)
+
+
+@triton.jit
+def _compact_chunk(src, cols_src, start, lim, lo, hi, keys, slots, BLOCK: tl.constexpr,
+                   SLOTTED: tl.constexpr, NARROWED: tl.constexpr):
+    """COMPACT over columns [start, lim) of a row (NARROWED: over NARROW's copy, whose
+    columns are at cols_src): each column in [lo, hi) to a slot of keys[0:CAP] from one
+    atomic each (its key is made in FINISH): a block holds one or two of the bracket's ~100
+    tokens, so a per-block count and scan (two block reductions) would cost more."""
+    cols = tl.arange(0, BLOCK)
+    counter = keys + CAP + tl.zeros((BLOCK,), tl.int32)
+    one = tl.full((BLOCK,), 1, tl.int64)
+    xn = _chunk_x(src, start + cols, lim, slots, SLOTTED, NARROWED)
+    for v0 in range(start, lim, BLOCK):
+        x = xn
+        xn = _chunk_x(src, v0 + BLOCK + cols, lim, slots, SLOTTED, NARROWED)
+        sel = (x >= lo) & (x < hi)
+        pos = tl.atomic_add(counter, one, mask=sel, sem="relaxed")
+        if NARROWED:
+            v = tl.load(cols_src + v0 + cols, mask=sel, other=0)
+        else:
+            v = v0 + cols
+        tl.store(keys + pos, v.to(tl.int64), mask=sel & (pos < CAP))
+
+
+@triton.jit
+def _narrowed(hist_ptr, b64, GH, W, g, CHN, BLOCK_GH: tl.constexpr):
+    """(whether NARROW copied every chunk of the row's bracket after HIST 1 (each held at
+    most CHN columns), the columns chunk g copied), from NARROW's counts (hist plane 0)."""
+    gs = tl.arange(0, BLOCK_GH)
+    n = tl.load(hist_ptr + (b64 * GH + gs) * W, mask=gs < GH, other=0.0)
+    return tl.max(n) <= CHN, tl.sum(tl.where(gs == g, n, 0.0)).to(tl.int32)
 
 
 @triton.jit
@@ -286,7 +376,7 @@ def cut_step_kernel(
     top_p_ptr, min_p_ptr, tokens_ptr, logprobs_ptr, logz_ptr, flag_ptr, count_ptr, part_ptr,
     keys_ptr, win_ptr, win_at, rec_ptr, st_slot, st_b, st_t, T_rec, N_rec, parity_ptr,
     parity_stride, B, G, C, W, S, starts_ptr, slot_n, slot_stride, calls_ptr, peer_ptrs_ptr,
-    rank, split, hist_ptr, GH, CH, list_ptr, STEP: tl.constexpr, HAS_K: tl.constexpr,
+    rank, split, hist_ptr, GH, CH, list_ptr, nx_ptr, nv_ptr, CHN, STEP: tl.constexpr, HAS_K: tl.constexpr,
     HAS_P: tl.constexpr, HAS_M: tl.constexpr,
     RAW: tl.constexpr, ALIGNED4: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -294,6 +384,7 @@ def cut_step_kernel(
     WINNER: tl.constexpr = False, USE_PARITY: tl.constexpr = False,
     BLOCK_R: tl.constexpr = 16, BLOCK_TC: tl.constexpr = 16, SPLIT: tl.constexpr = False,
     BLOCK_GH: tl.constexpr = 16, LOGPROBS: tl.constexpr = False,
+    NARROWING: tl.constexpr = False,
 ):
     """One STEP (module docstring) for the rows fast_row takes. l [B, N] fp32 logits (row
     stride stride_lb; SLOTTED: [world, B, slot_n] as filter_fallback.fallback_rows_kernel
@@ -301,7 +392,9 @@ def cut_step_kernel(
     [PASSES + 1, B, GH, W], list int32 [1 + B] (SELECT's count, then its rows) and keys
     int64 [B, CAP + 2 + G * S] (slots, counter, cut, the chunks' winners): this call's
     workspace; chunk g of a row is columns [g·C, (g+1)·C) (HIST and COMPACT: [g·CH,
-    (g+1)·CH)), C and CH multiples of BLOCK. Outputs as
+    (g+1)·CH)), C and CH multiples of BLOCK. NARROWING (module docstring, NARROW): nx fp32
+    and nv int32 [B, GH, CHN], each chunk's copy of HIST 1's bracket (logits, columns), its
+    count in hist plane 0. Outputs as
     fallback_rows_kernel's ([B, S], [B]); count[0] += the rows done (FINAL). The programs
     take the items (rows × chunks, or rows for FINISH / FINAL) in turn; a call without a
     flagged row costs each program one scan of the flags. WINNER (S = 1, merge "max"): the
@@ -320,7 +413,7 @@ def cut_step_kernel(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     flagged = count_flags(flag_ptr, B, BLOCK_F)
-    LISTED: tl.constexpr = (STEP > STATS) and (STEP <= FINISH)  # over SELECT's cut list
+    LISTED: tl.constexpr = ((STEP > STATS) and (STEP <= FINISH)) or (STEP == NARROW)
     PER_ROW: tl.constexpr = (STEP == FINISH) or (STEP == FINAL) or (STEP == SELECT)
     owned = (B - rank + split - 1) // split
     if STEP == STATS:
@@ -422,11 +515,12 @@ def cut_step_kernel(
                         cut = tl.cast(0, tl.int64)
                         if p < 1.0:
                             cut = tl.load(keys + CAP + 1)
-                        mass, raw = _kept_mass(row, c0, c1, cut, m, xmax,
-                                               1.0 / tl.load(inv_temp_ptr + b), slots,
-                                               vocab_start, BLOCK, SLOTTED, RAW)
-                        tl.store(mine, mass)
-                        tl.store(mine + 1, raw)
+                        if _sample_sums_mass(tl.load(keys + CAP), p, m, RAW):
+                            mass, raw = _kept_mass(row, c0, c1, cut, m, xmax,
+                                                   1.0 / tl.load(inv_temp_ptr + b), slots,
+                                                   vocab_start, BLOCK, SLOTTED, RAW)
+                            tl.store(mine, mass)
+                            tl.store(mine + 1, raw)
                     elif STEP == FINAL:
                         _winner_outputs(tokens_ptr, logprobs_ptr, logz_ptr, count_ptr, b, w_key,
                                         decode_key(w_key),
@@ -439,61 +533,71 @@ def cut_step_kernel(
                     lo_e = tl.maximum(lo, bmin)
                     t = _thresholds(lo_e, tl.maximum(tl.minimum(tl.minimum(xmax, bmax), hi), lo_e),
                                    NT)
-                    # per-lane sums, reduced once (SUB-row slices keep [SUB, NT] in registers)
-                    acc = tl.zeros((SUB, NT), dtype=tl.float32)
-                    nmin = tl.full((SUB, 1), INF, tl.float32)
-                    nmax = tl.full((SUB, 1), NEG_INF, tl.float32)
-                    # SUB columns at a time, the next three slices' loads in flight
-                    sub = tl.arange(0, SUB)[:, None]
-                    xa = row_x(row, c0 + sub, c1, slots, SLOTTED)
-                    xb = row_x(row, c0 + SUB + sub, c1, slots, SLOTTED)
-                    xc = row_x(row, c0 + 2 * SUB + sub, c1, slots, SLOTTED)
-                    for v0 in range(c0, c1, SUB):
-                        x = xa
-                        xa = xb
-                        xb = xc
-                        xc = row_x(row, v0 + 3 * SUB + sub, c1, slots, SLOTTED)
-                        below = x < hi
-                        e = tl.where(below, tl.exp(x - xmax), 0.0)
-                        acc += tl.where(x >= t[None, :], e, 0.0)
-                        inside = below & (x >= lo_e)
-                        nmin = tl.minimum(nmin, tl.where(inside, x, INF))
-                        nmax = tl.maximum(nmax, tl.where(inside, x, NEG_INF))
-                    tl.store(mine + tl.arange(0, NT), tl.sum(acc, axis=0))
-                    tl.store(mine + NT, tl.min(nmin))
-                    tl.store(mine + NT + 1, tl.max(nmax))
-                elif STEP == COMPACT:
-                    lo, hi, a_hi, bmin, bmax = _bracket(hist_ptr, b, B, GH, W, PASSES, target,
+                    narrowed = False
+                    if NARROWING and STEP > 1:
+                        narrowed, n_g = _narrowed(hist_ptr, b64, GH, W, g, CHN, BLOCK_GH)
+                    if narrowed:
+                        sums, smin, smax = _hist_chunk(nx_ptr + (b64 * GH + g) * CHN, 0, n_g,
+                                                       slots, xmax, t, lo_e, hi, SUB, NT, SLOTTED,
+                                                       True)
+                    else:
+                        sums, smin, smax = _hist_chunk(row, c0, c1, slots, xmax, t, lo_e, hi, SUB,
+                                                       NT, SLOTTED, False)
+                    tl.store(mine + tl.arange(0, NT), sums)
+                    tl.store(mine + NT, smin)
+                    tl.store(mine + NT + 1, smax)
+                elif STEP == NARROW:  # the bracket after HIST 1, copied per chunk in order
+                    lo, hi, a_hi, bmin, bmax = _bracket(hist_ptr, b, B, GH, W, 1, target,
                                                         z, N, xmax, xmin, NT, BLOCK_GH)
-                    # a slot per selected column from one atomic each (its key is made in
-                    # FINISH): a block holds one or two of the bracket's ~100 tokens, so a
-                    # per-block count and scan (two block reductions) would cost more
-                    counter = keys + CAP + tl.zeros((BLOCK,), tl.int32)
-                    one = tl.full((BLOCK,), 1, tl.int64)
+                    at = (b64 * GH + g) * CHN
+                    n = tl.cast(0, tl.int32)
                     xn = row_x(row, c0 + cols, c1, slots, SLOTTED)
                     for v0 in range(c0, c1, BLOCK):
                         x = xn
                         xn = row_x(row, v0 + BLOCK + cols, c1, slots, SLOTTED)
                         sel = (x >= lo) & (x < hi)
-                        pos = tl.atomic_add(counter, one, mask=sel, sem="relaxed")
-                        tl.store(keys + pos, (v0 + cols).to(tl.int64), mask=sel & (pos < CAP))
+                        pos = n + tl.cumsum(sel.to(tl.int32), 0) - 1
+                        ok = sel & (pos < CHN)
+                        tl.store(nx_ptr + at + pos, x, mask=ok)
+                        tl.store(nv_ptr + at + pos, v0 + cols, mask=ok)
+                        n += tl.sum(sel.to(tl.int32))
+                    tl.store(hist_ptr + (b64 * GH + g) * W, n.to(tl.float32))
+                elif STEP == COMPACT:
+                    lo, hi, a_hi, bmin, bmax = _bracket(hist_ptr, b, B, GH, W, PASSES, target,
+                                                        z, N, xmax, xmin, NT, BLOCK_GH)
+                    narrowed = False
+                    if NARROWING:
+                        narrowed, n_g = _narrowed(hist_ptr, b64, GH, W, g, CHN, BLOCK_GH)
+                    if narrowed:
+                        at = (b64 * GH + g) * CHN
+                        _compact_chunk(nx_ptr + at, nv_ptr + at, 0, n_g, lo, hi, keys, slots,
+                                       BLOCK, SLOTTED, True)
+                    else:
+                        _compact_chunk(row, row, c0, c1, lo, hi, keys, slots, BLOCK, SLOTTED,
+                                       False)
                 elif STEP == FINISH:
                     lo, hi, a_hi, bmin, bmax = _bracket(hist_ptr, b, B, GH, W, PASSES, target,
                                                         z, N, xmax, xmin, NT, BLOCK_GH)
                     n = tl.load(keys + CAP)
+                    kept = tl.cast(0.0, tl.float32)
                     if n <= SHORT:
-                        cut = _sorted_cut(keys, n, row, N, vocab_start, slots, a_hi, target,
-                                          xmax, SHORT, SLOTTED)
+                        cut, kept = _sorted_cut(keys, n, row, N, vocab_start, slots, a_hi,
+                                                target, xmax, SHORT, SLOTTED)
                     elif n <= MID:
-                        cut = _sorted_cut(keys, n, row, N, vocab_start, slots, a_hi, target,
-                                          xmax, MID, SLOTTED)
+                        cut, kept = _sorted_cut(keys, n, row, N, vocab_start, slots, a_hi,
+                                                target, xmax, MID, SLOTTED)
                     elif n <= CAP:
-                        cut = _sorted_cut(keys, n, row, N, vocab_start, slots, a_hi, target,
-                                          xmax, CAP, SLOTTED)
+                        cut, kept = _sorted_cut(keys, n, row, N, vocab_start, slots, a_hi,
+                                                target, xmax, CAP, SLOTTED)
                     else:  # more than CAP tokens in the bracket (ties): the bisection
                         cut = key_cut(row, N, vocab_start, slots, tl.cast(0, tl.int64), target,
                                       xmax, True, BLOCK, SLOTTED)
                     tl.store(keys + CAP + 1, cut)
+                    if LOGPROBS:
+                        if not _sample_sums_mass(n, p, m, RAW):  # SAMPLE's sums in its place
+                            gs = tl.arange(0, BLOCK_G)
+                            tl.store(part_ptr + ((b64 + SAMPLE * B) * G + gs) * W,
+                                     tl.where(gs == 0, kept, 0.0), mask=gs < G)
                 elif STEP == SAMPLE and WINNER:
                     cut = tl.cast(0, tl.int64)
                     if p < 1.0:
@@ -504,11 +608,12 @@ def cut_step_kernel(
                     s_star, s_x = _kept_tile_winners(rec_row, st_slot, st_t, T_rec, N_rec, cut,
                                                      m, xmax, BLOCK_R)
                     if LOGPROBS:
-                        mass, raw = _kept_mass(row, c0, c1, cut, m, xmax,
-                                               1.0 / tl.load(inv_temp_ptr + b), slots,
-                                               vocab_start, BLOCK, SLOTTED, RAW)
-                        tl.store(mine, mass)
-                        tl.store(mine + 1, raw)
+                        if _sample_sums_mass(tl.load(keys + CAP), p, m, RAW):
+                            mass, raw = _kept_mass(row, c0, c1, cut, m, xmax,
+                                                   1.0 / tl.load(inv_temp_ptr + b), slots,
+                                                   vocab_start, BLOCK, SLOTTED, RAW)
+                            tl.store(mine, mass)
+                            tl.store(mine + 1, raw)
                     seed = tl.load(seed_ptr + b)
                     off = tl.load(offset_ptr + b)
                     off_lo = (off & 0xFFFFFFFF).to(tl.uint32)

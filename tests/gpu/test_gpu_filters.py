@@ -201,15 +201,19 @@ def test_filtered_replay_keeps_stage1_when_only_the_filters_change(monkeypatch):
             assert (a is None and b is None) or torch.equal(a, b)
 
 
-def test_chi2_device_fallback_on_gpu():
+@pytest.mark.parametrize("logprobs", [False, True])
+def test_chi2_device_fallback_on_gpu(logprobs):
     """Flat rows (no certificate for top-p): every row through the device fallback, exact
-    against float64; the same samples fail against a wrong kept set (negative control)."""
+    against float64, tokens-only calls and calls with log-probs (each takes the winner check
+    its own way); the same samples fail against a wrong kept set (negative control)."""
     from tpsample import api
     h, w = lm_head_case("flat", V=1000, dtype=torch.bfloat16, device="cuda", seed=6)
     rows = 40000
     api._PIPELINES.clear()
     tok = tpsample.sample(h.expand(rows, -1).contiguous(), w, temperature=1.0,
-                          seed=torch.arange(rows, device="cuda") * 7919, top_p=0.6)
+                          seed=torch.arange(rows, device="cuda") * 7919, top_p=0.6,
+                          return_logprobs=logprobs)
+    tok = (tok.tokens if logprobs else tok).view(-1)
     (pipe,) = api._PIPELINES.values()
     assert pipe.fallback_rows == rows
     logits = row_logits(h.float().cpu(), w.float().cpu(), 1.0)
