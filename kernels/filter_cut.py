@@ -533,13 +533,15 @@ def cut_step_kernel(
                     lo_e = tl.maximum(lo, bmin)
                     t = _thresholds(lo_e, tl.maximum(tl.minimum(tl.minimum(xmax, bmax), hi), lo_e),
                                    NT)
-                    narrowed = False
                     if NARROWING and STEP > 1:
                         narrowed, n_g = _narrowed(hist_ptr, b64, GH, W, g, CHN, BLOCK_GH)
-                    if narrowed:
-                        sums, smin, smax = _hist_chunk(nx_ptr + (b64 * GH + g) * CHN, 0, n_g,
-                                                       slots, xmax, t, lo_e, hi, SUB, NT, SLOTTED,
-                                                       True)
+                        if narrowed:
+                            sums, smin, smax = _hist_chunk(nx_ptr + (b64 * GH + g) * CHN, 0,
+                                                           n_g, slots, xmax, t, lo_e, hi, SUB,
+                                                           NT, SLOTTED, True)
+                        else:
+                            sums, smin, smax = _hist_chunk(row, c0, c1, slots, xmax, t, lo_e,
+                                                           hi, SUB, NT, SLOTTED, False)
                     else:
                         sums, smin, smax = _hist_chunk(row, c0, c1, slots, xmax, t, lo_e, hi, SUB,
                                                        NT, SLOTTED, False)
@@ -557,21 +559,23 @@ def cut_step_kernel(
                         xn = row_x(row, v0 + BLOCK + cols, c1, slots, SLOTTED)
                         sel = (x >= lo) & (x < hi)
                         pos = n + tl.cumsum(sel.to(tl.int32), 0) - 1
-                        ok = sel & (pos < CHN)
-                        tl.store(nx_ptr + at + pos, x, mask=ok)
-                        tl.store(nv_ptr + at + pos, v0 + cols, mask=ok)
+                        fits = sel & (pos < CHN)
+                        tl.store(nx_ptr + at + pos, x, mask=fits)
+                        tl.store(nv_ptr + at + pos, v0 + cols, mask=fits)
                         n += tl.sum(sel.to(tl.int32))
                     tl.store(hist_ptr + (b64 * GH + g) * W, n.to(tl.float32))
                 elif STEP == COMPACT:
                     lo, hi, a_hi, bmin, bmax = _bracket(hist_ptr, b, B, GH, W, PASSES, target,
                                                         z, N, xmax, xmin, NT, BLOCK_GH)
-                    narrowed = False
                     if NARROWING:
                         narrowed, n_g = _narrowed(hist_ptr, b64, GH, W, g, CHN, BLOCK_GH)
-                    if narrowed:
-                        at = (b64 * GH + g) * CHN
-                        _compact_chunk(nx_ptr + at, nv_ptr + at, 0, n_g, lo, hi, keys, slots,
-                                       BLOCK, SLOTTED, True)
+                        if narrowed:
+                            at = (b64 * GH + g) * CHN
+                            _compact_chunk(nx_ptr + at, nv_ptr + at, 0, n_g, lo, hi, keys, slots,
+                                           BLOCK, SLOTTED, True)
+                        else:
+                            _compact_chunk(row, row, c0, c1, lo, hi, keys, slots, BLOCK, SLOTTED,
+                                           False)
                     else:
                         _compact_chunk(row, row, c0, c1, lo, hi, keys, slots, BLOCK, SLOTTED,
                                        False)
