@@ -29,12 +29,6 @@ A(t*) >= p·Z. The row is split into G chunks; one launch per STEP, each program
            [lo, inf) with lo the largest of x_min, x_max - RANGE (the tokens below weigh at
            most V·e^-RANGE < 1e-9 of Z, and p <= 1 - 2^-24) and x_max + ln((1-p)·Z / N)
            - 1/2 (_first_lo): a top-p cut never lies lower.
-  NARROW   (calls that cut most rows: with log-probs, several samples or merge "cdf")
-           after HIST 1, per chunk, the columns in its bracket copied in order (logit and
-           column, a block scan each) into the chunk's share of a scratch (1/NARROW_SHARE of
-           its columns; on flat rows HIST 1's bracket holds 10-20 % of them); HIST 2.. and
-           COMPACT then read the copy, and a row with a fuller chunk reads its whole row.
-           The copy keeps each chunk's column order, so the sums do not depend on timing.
   COMPACT  the final bracket's columns into CAP slots per row (an atomic counter claims
            slots; their order does not matter: the next step makes their keys and sorts them).
   FINISH   per row: the keys sorted (SHORT or MID slots when they fit, the usual case after
@@ -49,8 +43,7 @@ A(t*) >= p·Z. The row is split into G chunks; one launch per STEP, each program
            fallback_rows_kernel writes them.
 
 Work per row: four reads of its logits (STATS, three HIST) plus one with noise (SAMPLE), and
-a sort of at most CAP keys (with NARROW: three reads, HIST 1's bracket copied once and
-read three times); no step needs more than max(G, GH)·(NT + 2) partial sums per row.
+a sort of at most CAP keys; no step needs more than max(G, GH)·(NT + 2) partial sums per row.
 
 WINNER (a tokens-only call, one sample, merge "max"): most rows need neither the cut nor
 SAMPLE. The row's Gumbel-max winner over all its tokens, w (the filter kernel stores its key),
@@ -90,10 +83,8 @@ FINISH = tl.constexpr(PASSES.value + 2)
 SAMPLE = tl.constexpr(PASSES.value + 3)
 FINAL = tl.constexpr(PASSES.value + 4)
 SELECT = tl.constexpr(PASSES.value + 5)  # (launched between STATS and HIST 1)
-NARROW = tl.constexpr(PASSES.value + 6)  # (launched between HIST 1 and HIST 2)
 INF = tl.constexpr(float("inf"))
 CUT_STEPS = (SELECT.value,) + tuple(range(1, FINISH.value + 1))  # only top-p rows take them
-NARROW_STEPS = (SELECT.value, 1, NARROW.value) + tuple(range(2, FINISH.value + 1))
 
 
 @triton.jit
@@ -265,76 +256,6 @@ def _sorted_cut(keys, n, row, N, vocab_start, slots, a_hi, target, xmax, SIZE: t
 
 
 @triton.jit
-def _hist_chunk(src, start, lim, slots, xmax, t, lo_e, hi, SUB: tl.constexpr,
-                NT_: tl.constexpr, SLOTTED: tl.constexpr, NARROWED: tl.constexpr):
-    """HIST's sums over columns [start, lim) of a row (or, NARROWED, over NARROW's copy of a
-    chunk's bracket, src[start:lim]): per threshold t_i the mass of [t_i, hi), and the
-    smallest and largest logit in [lo_e, hi)."""
-    # per-lane sums, reduced once (SUB-row slices keep [SUB, NT] in registers)
-    acc = tl.zeros((SUB, NT_), dtype=tl.float32)
-    nmin = tl.full((SUB, 1), INF, tl.float32)
-    nmax = tl.full((SUB, 1), NEG_INF, tl.float32)
-    # SUB columns at a time, the next three slices' loads in flight
-    sub = tl.arange(0, SUB)[:, None]
-    xa = _chunk_x(src, start + sub, lim, slots, SLOTTED, NARROWED)
-    xb = _chunk_x(src, start + SUB + sub, lim, slots, SLOTTED, NARROWED)
-    xc = _chunk_x(src, start + 2 * SUB + sub, lim, slots, SLOTTED, NARROWED)
-    for v0 in range(start, lim, SUB):
-        x = xa
-        xa = xb
-        xb = xc
-        xc = _chunk_x(src, v0 + 3 * SUB + sub, lim, slots, SLOTTED, NARROWED)
-        below = x < hi
-        e = tl.where(below, tl.exp(x - xmax), 0.0)
-        acc += tl.where(x >= t[None, :], e, 0.0)
-        inside = below & (x >= lo_e)
-        nmin = tl.minimum(nmin, tl.where(inside, x, INF))
-        nmax = tl.maximum(nmax, tl.where(inside, x, NEG_INF))
-    return tl.sum(acc, axis=0), tl.min(nmin), tl.max(nmax)
-
-
-@triton.jit
-def _chunk_x(src, v, lim, slots, SLOTTED: tl.constexpr, NARROWED: tl.constexpr):
-    """The logits at v < lim of a row (row_x) or, NARROWED, of a plain fp32 array."""
-    if NARROWED:
-        return tl.load(src + v, mask=v < lim, other=NEG_INF)
-    else:
-        return row_x(src, v, lim, slots, SLOTTED)
-
-
-@triton.jit
-def _compact_chunk(src, cols_src, start, lim, lo, hi, keys, slots, BLOCK: tl.constexpr,
-                   SLOTTED: tl.constexpr, NARROWED: tl.constexpr):
-    """COMPACT over columns [start, lim) of a row (NARROWED: over NARROW's copy, whose
-    columns are at cols_src): each column in [lo, hi) to a slot of keys[0:CAP] from one
-    atomic each (its key is made in FINISH): a block holds one or two of the bracket's ~100
-    tokens, so a per-block count and scan (two block reductions) would cost more."""
-    cols = tl.arange(0, BLOCK)
-    counter = keys + CAP + tl.zeros((BLOCK,), tl.int32)
-    one = tl.full((BLOCK,), 1, tl.int64)
-    xn = _chunk_x(src, start + cols, lim, slots, SLOTTED, NARROWED)
-    for v0 in range(start, lim, BLOCK):
-        x = xn
-        xn = _chunk_x(src, v0 + BLOCK + cols, lim, slots, SLOTTED, NARROWED)
-        sel = (x >= lo) & (x < hi)
-        pos = tl.atomic_add(counter, one, mask=sel, sem="relaxed")
-        if NARROWED:
-            v = tl.load(cols_src + v0 + cols, mask=sel, other=0)
-        else:
-            v = v0 + cols
-        tl.store(keys + pos, v.to(tl.int64), mask=sel & (pos < CAP))
-
-
-@triton.jit
-def _narrowed(hist_ptr, b64, GH, W, g, CHN, BLOCK_GH: tl.constexpr):
-    """(whether NARROW copied every chunk of the row's bracket after HIST 1 (each held at
-    most CHN columns), the columns chunk g copied), from NARROW's counts (hist plane 0)."""
-    gs = tl.arange(0, BLOCK_GH)
-    n = tl.load(hist_ptr + (b64 * GH + gs) * W, mask=gs < GH, other=0.0)
-    return tl.max(n) <= CHN, tl.sum(tl.where(gs == g, n, 0.0)).to(tl.int32)
-
-
-@triton.jit
 def _send_one(l_ptr, b64, stride_lb, slot_stride, peer_ptrs_ptr, rank, world, tok, lp, lz):
     """SPLIT, a one-sample row: its token, log-prob and log Z to the others."""
     send_outputs(l_ptr, b64, stride_lb, slot_stride, peer_ptrs_ptr, rank, world, 0,
@@ -376,7 +297,7 @@ def cut_step_kernel(
     top_p_ptr, min_p_ptr, tokens_ptr, logprobs_ptr, logz_ptr, flag_ptr, count_ptr, part_ptr,
     keys_ptr, win_ptr, win_at, rec_ptr, st_slot, st_b, st_t, T_rec, N_rec, parity_ptr,
     parity_stride, B, G, C, W, S, starts_ptr, slot_n, slot_stride, calls_ptr, peer_ptrs_ptr,
-    rank, split, hist_ptr, GH, CH, list_ptr, nx_ptr, nv_ptr, CHN, STEP: tl.constexpr, HAS_K: tl.constexpr,
+    rank, split, hist_ptr, GH, CH, list_ptr, STEP: tl.constexpr, HAS_K: tl.constexpr,
     HAS_P: tl.constexpr, HAS_M: tl.constexpr,
     RAW: tl.constexpr, ALIGNED4: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -384,7 +305,6 @@ def cut_step_kernel(
     WINNER: tl.constexpr = False, USE_PARITY: tl.constexpr = False,
     BLOCK_R: tl.constexpr = 16, BLOCK_TC: tl.constexpr = 16, SPLIT: tl.constexpr = False,
     BLOCK_GH: tl.constexpr = 16, LOGPROBS: tl.constexpr = False,
-    NARROWING: tl.constexpr = False,
 ):
     """One STEP (module docstring) for the rows fast_row takes. l [B, N] fp32 logits (row
     stride stride_lb; SLOTTED: [world, B, slot_n] as filter_fallback.fallback_rows_kernel
@@ -392,9 +312,7 @@ def cut_step_kernel(
     [PASSES + 1, B, GH, W], list int32 [1 + B] (SELECT's count, then its rows) and keys
     int64 [B, CAP + 2 + G * S] (slots, counter, cut, the chunks' winners): this call's
     workspace; chunk g of a row is columns [g·C, (g+1)·C) (HIST and COMPACT: [g·CH,
-    (g+1)·CH)), C and CH multiples of BLOCK. NARROWING (module docstring, NARROW): nx fp32
-    and nv int32 [B, GH, CHN], each chunk's copy of HIST 1's bracket (logits, columns), its
-    count in hist plane 0. Outputs as
+    (g+1)·CH)), C and CH multiples of BLOCK. Outputs as
     fallback_rows_kernel's ([B, S], [B]); count[0] += the rows done (FINAL). The programs
     take the items (rows × chunks, or rows for FINISH / FINAL) in turn; a call without a
     flagged row costs each program one scan of the flags. WINNER (S = 1, merge "max"): the
@@ -413,7 +331,7 @@ def cut_step_kernel(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     flagged = count_flags(flag_ptr, B, BLOCK_F)
-    LISTED: tl.constexpr = ((STEP > STATS) and (STEP <= FINISH)) or (STEP == NARROW)
+    LISTED: tl.constexpr = (STEP > STATS) and (STEP <= FINISH)  # over SELECT's cut list
     PER_ROW: tl.constexpr = (STEP == FINISH) or (STEP == FINAL) or (STEP == SELECT)
     owned = (B - rank + split - 1) // split
     if STEP == STATS:
@@ -533,52 +451,44 @@ def cut_step_kernel(
                     lo_e = tl.maximum(lo, bmin)
                     t = _thresholds(lo_e, tl.maximum(tl.minimum(tl.minimum(xmax, bmax), hi), lo_e),
                                    NT)
-                    if NARROWING and STEP > 1:
-                        narrowed, n_g = _narrowed(hist_ptr, b64, GH, W, g, CHN, BLOCK_GH)
-                        if narrowed:
-                            sums, smin, smax = _hist_chunk(nx_ptr + (b64 * GH + g) * CHN, 0,
-                                                           n_g, slots, xmax, t, lo_e, hi, SUB,
-                                                           NT, SLOTTED, True)
-                        else:
-                            sums, smin, smax = _hist_chunk(row, c0, c1, slots, xmax, t, lo_e,
-                                                           hi, SUB, NT, SLOTTED, False)
-                    else:
-                        sums, smin, smax = _hist_chunk(row, c0, c1, slots, xmax, t, lo_e, hi, SUB,
-                                                       NT, SLOTTED, False)
-                    tl.store(mine + tl.arange(0, NT), sums)
-                    tl.store(mine + NT, smin)
-                    tl.store(mine + NT + 1, smax)
-                elif STEP == NARROW:  # the bracket after HIST 1, copied per chunk in order
-                    lo, hi, a_hi, bmin, bmax = _bracket(hist_ptr, b, B, GH, W, 1, target,
+                    # per-lane sums, reduced once (SUB-row slices keep [SUB, NT] in registers)
+                    acc = tl.zeros((SUB, NT), dtype=tl.float32)
+                    nmin = tl.full((SUB, 1), INF, tl.float32)
+                    nmax = tl.full((SUB, 1), NEG_INF, tl.float32)
+                    # SUB columns at a time, the next three slices' loads in flight
+                    sub = tl.arange(0, SUB)[:, None]
+                    xa = row_x(row, c0 + sub, c1, slots, SLOTTED)
+                    xb = row_x(row, c0 + SUB + sub, c1, slots, SLOTTED)
+                    xc = row_x(row, c0 + 2 * SUB + sub, c1, slots, SLOTTED)
+                    for v0 in range(c0, c1, SUB):
+                        x = xa
+                        xa = xb
+                        xb = xc
+                        xc = row_x(row, v0 + 3 * SUB + sub, c1, slots, SLOTTED)
+                        below = x < hi
+                        e = tl.where(below, tl.exp(x - xmax), 0.0)
+                        acc += tl.where(x >= t[None, :], e, 0.0)
+                        inside = below & (x >= lo_e)
+                        nmin = tl.minimum(nmin, tl.where(inside, x, INF))
+                        nmax = tl.maximum(nmax, tl.where(inside, x, NEG_INF))
+                    tl.store(mine + tl.arange(0, NT), tl.sum(acc, axis=0))
+                    tl.store(mine + NT, tl.min(nmin))
+                    tl.store(mine + NT + 1, tl.max(nmax))
+                elif STEP == COMPACT:
+                    lo, hi, a_hi, bmin, bmax = _bracket(hist_ptr, b, B, GH, W, PASSES, target,
                                                         z, N, xmax, xmin, NT, BLOCK_GH)
-                    at = (b64 * GH + g) * CHN
-                    n = tl.cast(0, tl.int32)
+                    # a slot per selected column from one atomic each (its key is made in
+                    # FINISH): a block holds one or two of the bracket's ~100 tokens, so a
+                    # per-block count and scan (two block reductions) would cost more
+                    counter = keys + CAP + tl.zeros((BLOCK,), tl.int32)
+                    one = tl.full((BLOCK,), 1, tl.int64)
                     xn = row_x(row, c0 + cols, c1, slots, SLOTTED)
                     for v0 in range(c0, c1, BLOCK):
                         x = xn
                         xn = row_x(row, v0 + BLOCK + cols, c1, slots, SLOTTED)
                         sel = (x >= lo) & (x < hi)
-                        pos = n + tl.cumsum(sel.to(tl.int32), 0) - 1
-                        fits = sel & (pos < CHN)
-                        tl.store(nx_ptr + at + pos, x, mask=fits)
-                        tl.store(nv_ptr + at + pos, v0 + cols, mask=fits)
-                        n += tl.sum(sel.to(tl.int32))
-                    tl.store(hist_ptr + (b64 * GH + g) * W, n.to(tl.float32))
-                elif STEP == COMPACT:
-                    lo, hi, a_hi, bmin, bmax = _bracket(hist_ptr, b, B, GH, W, PASSES, target,
-                                                        z, N, xmax, xmin, NT, BLOCK_GH)
-                    if NARROWING:
-                        narrowed, n_g = _narrowed(hist_ptr, b64, GH, W, g, CHN, BLOCK_GH)
-                        if narrowed:
-                            at = (b64 * GH + g) * CHN
-                            _compact_chunk(nx_ptr + at, nv_ptr + at, 0, n_g, lo, hi, keys, slots,
-                                           BLOCK, SLOTTED, True)
-                        else:
-                            _compact_chunk(row, row, c0, c1, lo, hi, keys, slots, BLOCK, SLOTTED,
-                                           False)
-                    else:
-                        _compact_chunk(row, row, c0, c1, lo, hi, keys, slots, BLOCK, SLOTTED,
-                                       False)
+                        pos = tl.atomic_add(counter, one, mask=sel, sem="relaxed")
+                        tl.store(keys + pos, (v0 + cols).to(tl.int64), mask=sel & (pos < CAP))
                 elif STEP == FINISH:
                     lo, hi, a_hi, bmin, bmax = _bracket(hist_ptr, b, B, GH, W, PASSES, target,
                                                         z, N, xmax, xmin, NT, BLOCK_GH)

@@ -230,36 +230,6 @@ def test_fast_path_is_deterministic(monkeypatch):
         assert torch.equal(a.tokens, x.tokens) and torch.equal(a.logprobs, x.logprobs)
 
 
-@pytest.mark.parametrize("share,fits", [(4, True), (1000, False)], ids=["copied", "overflow"])
-def test_narrow_copies_the_first_bracket_or_leaves_the_row_whole(share, fits, monkeypatch):
-    """A call with log-probs cuts every top-p row: NARROW copies each chunk's bracket after
-    HIST 1 (at most 1 / NARROW_SHARE of its columns), and HIST 2.. and COMPACT read the copy;
-    a row with a chunk past its share (NARROW_SHARE 1000: every row) reads its whole row.
-    Either way tokens equal the reference's, log-probs and log Z within 1e-4."""
-    monkeypatch.setattr(launchers, "fallback_programs", lambda t: 5)
-    monkeypatch.setattr(launchers, "NARROW_SHARE", share)
-    names = replay._signature(filter_cut.cut_step_kernel)[0]
-    seen = []
-    run = replay.run_kernel
-
-    def spy(k, grid, args, const, opts):
-        out = run(k, grid, args, const, opts)
-        if const.get("STEP") == filter_cut.NARROW.value:
-            hist, chn = args[names.index("hist_ptr")], args[names.index("CHN")]
-            seen.append((hist[0, :, :, 0].clone(), chn))
-        return out
-    monkeypatch.setattr(replay, "run_kernel", spy)
-    h, w = flat_rows()
-    kw = dict(FLAT, seed=torch.arange(6) * 7 + 2)
-    out = tpsample.sample(h, w, backend="triton", return_logprobs=True, **kw)
-    assert_matches_reference(out, reference_sample(h, w, **kw))
-    (counts, chn), = seen
-    counts = counts[FLAT["top_p"] < 1]  # (the cut list's rows; [rows, GH] columns copied)
-    assert (counts.sum(1) > 0).all()
-    assert bool((counts.max(1).values <= chn).all()) == fits
-    assert bool((counts.max(1).values > chn).all()) == (not fits)
-
-
 # ----- chi-squared on flat rows ------------------------------------------------------------
 def tile_max_min_p(logits, min_p):
     """The negative control for min-p: the threshold against the first 128-token tile's

@@ -689,14 +689,11 @@ def _filter_ptrs(params: RowParams, filters: Filters) -> dict:
 # B = 256, each launch alone in a CUDA graph, µs: STATS 99 / 50 at 1x / 2x, COMPACT 80 / 59,
 # SAMPLE 176 / 158 at 1x / 4x; B = 64 within 1 µs either way)
 _CUT_PROGRAMS = {filter_cut.STATS.value: 2, filter_cut.COMPACT.value: 4,
-                 filter_cut.NARROW.value: 2, filter_cut.SAMPLE.value: 4, **{j: 2 for j in range(1, filter_cut.PASSES.value + 1)}}
+                 filter_cut.SAMPLE.value: 4, **{j: 2 for j in range(1, filter_cut.PASSES.value + 1)}}
 # columns per HIST / COMPACT item in tokens-only calls, whose cut list holds the ~1 - p of
 # the rows whose winner is not kept (a call with log-probs lists every top-p row: its items
 # keep the G chunks of the other steps)
 CUT_LIST_CHUNK = 8192
-# NARROW's copy of HIST 1's bracket holds up to 1 / NARROW_SHARE of each chunk's columns
-# (flat rows: 10-20 %); a row with a fuller chunk reads its whole row in HIST 2.. as before
-NARROW_SHARE = 4
 
 
 def _cut_steps(hidden, params: RowParams, filters: Filters, out: F.FilteredOutput, count,
@@ -707,9 +704,7 @@ def _cut_steps(hidden, params: RowParams, filters: Filters, out: F.FilteredOutpu
     (the cut's steps only when the call has top-p). Workspace, per call: fp32 [SAMPLE + 1, B,
     G, W] and [PASSES + 1, B, GH, W] partial sums, int32 [1 + B] cut list and int64 [B, CAP +
     2 + G·S] keys (G chunks per row: at least 8, and two items per program of a full grid at
-    small B; GH: tokens-only calls also at most CUT_LIST_CHUNK columns each) and, in calls
-    that cut most rows (NARROW), fp32 and int32 [B, GH, CH / NARROW_SHARE] copies of HIST 1's
-    brackets: 2 · B · N bytes at NARROW_SHARE 4, against the side output's 4 · B · N. winner:
+    small B; GH: tokens-only calls also at most CUT_LIST_CHUNK columns each). winner:
     (records, parity, parity_stride) of a call with merge "max" (kernels/filter_cut.py,
     WINNER); logprobs: the call returns log-probs (LOGPROBS: every top-p row's cut).
     owners: the rows this rank redoes, b = rank + k · split; split: it sends their outputs
@@ -730,14 +725,6 @@ def _cut_steps(hidden, params: RowParams, filters: Filters, out: F.FilteredOutpu
         GH = cdiv(N, CH)
     W = max(K.NT.value + 2, S + 2, 5)  # (STATS: 5 sums with the winner check)
     dev = hidden.device
-    # NARROW: where most rows take the cut (every top-p row's, unless tokens-only rows skip
-    # it by their winner), HIST 2.. and COMPACT read a copy of HIST 1's bracket
-    narrowing = not (use_winner and not logprobs) and K.PASSES.value > 1
-    chn = cdiv(CH, NARROW_SHARE) if narrowing else 0
-    narrow = dict(nx_ptr=torch.empty(B, GH, chn, dtype=torch.float32, device=dev),
-                  nv_ptr=torch.empty(B, GH, chn, dtype=torch.int32, device=dev),
-                  CHN=chn, NARROWING=True) if narrowing else dict(nx_ptr=count, nv_ptr=count,
-                                                                 CHN=0)
     part = torch.empty(K.SAMPLE.value + 1, B, G, W, dtype=torch.float32, device=dev)
     hist = torch.empty(K.PASSES.value + 1, B, GH, W, dtype=torch.float32, device=dev)
     listed = torch.empty(B + 1, dtype=torch.int32, device=dev)
@@ -756,11 +743,11 @@ def _cut_steps(hidden, params: RowParams, filters: Filters, out: F.FilteredOutpu
                    parity_stride=0)
     steps = [K.STATS.value]
     if filters.top_p is not None:
-        steps += list(K.NARROW_STEPS if narrowing else K.CUT_STEPS)
+        steps += list(K.CUT_STEPS)
     steps += [K.SAMPLE.value, K.FINAL.value]
     for step in steps:
         per_row = step in (K.FINISH.value, K.FINAL.value, K.SELECT.value)
-        chunks = GH if 0 < step <= K.COMPACT.value or step == K.NARROW.value else G
+        chunks = GH if 0 < step <= K.COMPACT.value else G
         grid = (max(1, min(programs * _CUT_PROGRAMS.get(step, 1),
                            owned if per_row else owned * chunks)),)
         run_named(K.cut_step_kernel, grid, launch, **source,
@@ -772,4 +759,4 @@ def _cut_steps(hidden, params: RowParams, filters: Filters, out: F.FilteredOutpu
                   SUB=min(block, 512), BLOCK_G=max(2, 1 << (G - 1).bit_length()),
                   BLOCK_F=block_f, PDL="launch_pdl" in launch, SLOTTED=slotted, **owners,
                   SPLIT=split, hist_ptr=hist, GH=GH, CH=CH, list_ptr=listed,
-                  BLOCK_GH=max(2, 1 << (GH - 1).bit_length()), **narrow)
+                  BLOCK_GH=max(2, 1 << (GH - 1).bit_length()))
