@@ -157,14 +157,15 @@ def _row_stats(r, pmax_ptr, ptop_ptr, plx_ptr, pnan_ptr, G, BLOCK_G: tl.constexp
 
 @triton.jit
 def probs_mass_kernel(l_ptr, ids_ptr, C, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr, pmax_ptr,
-                      ptop_ptr, plx_ptr, pnan_ptr, pz_ptr, G, HAS_CUT: tl.constexpr,
+                      ptop_ptr, plx_ptr, pnan_ptr, pz_ptr, G, GT, HAS_CUT: tl.constexpr,
                       CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_G: tl.constexpr):
     """Program r·G + c: the kept tokens' mass of chunk c of row r, sum exp(l - l_max)
-    (float64) [R, G]."""
+    (float64) [R, G]. The rows' stats: [R, GT] partials (GT = G; tensor parallel: every
+    rank's G chunks, gathered)."""
     pid = tl.program_id(0).to(tl.int64)
     r = pid // G
     c = pid % G
-    xmax, top, lx, bad = _row_stats(r, pmax_ptr, ptop_ptr, plx_ptr, pnan_ptr, G, BLOCK_G)
+    xmax, top, lx, bad = _row_stats(r, pmax_ptr, ptop_ptr, plx_ptr, pnan_ptr, GT, BLOCK_G)
     greedy, m, cut_l, cut_id = _row_filters(r, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr,
                                             HAS_CUT)
     z = tl.zeros([BLOCK], tl.float64)
@@ -193,7 +194,7 @@ def _logp(r, draft, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr, pmax_ptr, ptop_pt
 
 @triton.jit
 def probs_pick_kernel(l_ptr, ids_ptr, C, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr, pmax_ptr,
-                      ptop_ptr, plx_ptr, pnan_ptr, pz_ptr, G, q_ptr, V, draft_ptr, n_ptr,
+                      ptop_ptr, plx_ptr, pnan_ptr, pz_ptr, G, GT, q_ptr, V, draft_ptr, n_ptr,
                       seed_rows_ptr, offset_rows_ptr, accepted_ptr, lpx_ptr, bad_ptr,
                       pbest_ptr, pid_ptr, plp_ptr, pmass_ptr, ACCEPT: tl.constexpr,
                       S: tl.constexpr,
@@ -206,7 +207,8 @@ def probs_pick_kernel(l_ptr, ids_ptr, C, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_p
     chunk c of row b·(S + 1) + a, with the token noise of that position: the best score of
     the residual log max(0, p - q_a) (a < n: a rejection; else q = 0) and of log p, each
     with its id (ties to the smaller) and log p, and whether the residual has mass there:
-    pbest, pid, plp [B, G, 2], pmass [B, G]."""
+    pbest, pid, plp [B, G, 2], pmass [B, G]. The rows' stats and masses: [R, GT] (GT = G;
+    tensor parallel: every rank's G chunks, gathered)."""
     pid = tl.program_id(0).to(tl.int64)
     b = pid // G
     c = pid % G
@@ -217,7 +219,7 @@ def probs_pick_kernel(l_ptr, ids_ptr, C, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_p
         r = b * (S + 1) + i
         x = tl.load(draft_ptr + b * S + i)
         _, _, _, _, _, _, _, lp_x = _logp(r, x, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr,
-                                          pmax_ptr, ptop_ptr, plx_ptr, pnan_ptr, pz_ptr, G,
+                                          pmax_ptr, ptop_ptr, plx_ptr, pnan_ptr, pz_ptr, GT,
                                           HAS_CUT, BLOCK_G)
         q_x = tl.load(q_ptr + (b * S + i) * V + tl.minimum(tl.maximum(x, 0), V - 1))
         seed = tl.load(seed_rows_ptr + r)
@@ -238,7 +240,7 @@ def probs_pick_kernel(l_ptr, ids_ptr, C, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_p
     r = b * (S + 1) + a
     xmax, top, greedy, m, cut_l, cut_id, logz, _ = _logp(
         r, -1, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr, pmax_ptr, ptop_ptr, plx_ptr, pnan_ptr,
-        pz_ptr, G, HAS_CUT, BLOCK_G)
+        pz_ptr, GT, HAS_CUT, BLOCK_G)
     if c == 0:
         tl.store(bad_ptr + b, (logz != logz).to(tl.int32))
     seed = tl.load(seed_rows_ptr + r)

@@ -283,7 +283,9 @@ def test_chi2_draft_probs(filt, monkeypatch):
 
 
 # ----- tensor parallel -----------------------------------------------------------------------
-def _tp_verify(rank, world, probs):
+def _tp_verify(rank, world, probs, backend="torch", filt=None):
+    from tpsample import verify as VF
+    VF.PROBS_CHUNK = 128  # (several chunks per rank: 250 and 350 columns, padded to 350)
     B, S, V = 4, 3, 600
     g = torch.Generator().manual_seed(6)
     h = torch.randn(B, S + 1, 16, generator=g) * 0.3
@@ -293,22 +295,37 @@ def _tp_verify(rank, world, probs):
     q = torch.softmax(torch.randn(B, S, V, generator=g), -1) if probs else None
     lo, hi = (0, 250) if rank == 0 else (250, V)
     s = tpsample.VocabParallelSampler(w[lo:hi].contiguous(), vocab_size=V, vocab_start=lo,
-                                      backend="torch")
-    kw = dict(draft_probs=q, seed=torch.tensor([1, 2, 3, 4]), min_p=0.05, return_logprobs=True)
-    return s.verify_drafts(h, draft, **kw), tpsample.verify_drafts(h, w, draft, backend="torch",
-                                                                   **kw)
+                                      backend=backend)
+    sent = []
+    gather = s.transport.all_gather
+    s.transport.all_gather = lambda t: (sent.append(t.numel() * t.element_size()), gather(t))[1]
+    kw = dict(draft_probs=q, seed=torch.tensor([1, 2, 3, 4]), return_logprobs=True,
+              **(filt or dict(min_p=0.05)))
+    return (s.verify_drafts(h, draft, **kw),
+            tpsample.verify_drafts(h, w, draft, backend=backend, **kw), sent)
 
 
-@pytest.mark.parametrize("probs", [False, True], ids=["one-hot", "draft-probs"])
-def test_tp_gloo_equals_one_device(probs):
+@pytest.mark.parametrize("probs,backend,filt", [
+    (False, "torch", None), (True, "torch", None),
+    pytest.param(True, "triton", None, marks=pytest.mark.slow),
+    pytest.param(True, "triton", dict(top_p=0.9, min_p=0.02), marks=pytest.mark.slow)],
+    ids=["one-hot", "draft-probs", "draft-probs-kernels", "draft-probs-kernels-top-p"])
+def test_tp_gloo_equals_one_device(probs, backend, filt):
     """Two gloo ranks (uneven shards): the same tokens and acceptances on both ranks as one
-    device, log-probs within 1e-5."""
-    outs = run_world(2, _tp_verify, probs)
+    device, log-probs within 1e-5. The draft-probs kernels exchange their per-chunk partials
+    (three all-gathers of a few hundred bytes a rank), or with top-p the rows' logits (their
+    cut sorts whole rows: 16 rows x 350 columns x 4 bytes); the torch path, the logits."""
+    outs = run_world(2, _tp_verify, probs, backend, filt)
     for o in outs:
         assert not isinstance(o, dict), o
-        tp, one = o
+        tp, one, sent = o
         assert torch.equal(tp.tokens, one.tokens) and torch.equal(tp.num_accepted, one.num_accepted)
         assert torch.allclose(tp.logprobs, one.logprobs, atol=1e-5, equal_nan=True)
+        if probs:
+            logits = 16 * 350 * 4 in sent
+            assert logits == (backend == "torch" or filt is not None), sent
+            if not logits:
+                assert len(sent) == 3 and max(sent) < 2000, sent
 
 
 # ----- bad input -----------------------------------------------------------------------------

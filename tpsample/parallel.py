@@ -294,8 +294,10 @@ class VocabParallelSampler:
         or fp32 [B, S, vocab_size] (the full vocabulary on every rank), bias this rank's
         shard [V_r]; every argument equal on all ranks. The same VerifyOutput on every rank,
         equal to tpsample.verify_drafts on the full weight. One-hot drafts exchange what a
-        sampler call on the B·(S + 1) rows exchanges; draft_probs all-gathers the rows' fp32
-        logits instead (B·(S + 1)·V·4 bytes)."""
+        sampler call on the B·(S + 1) rows exchanges; draft_probs exchanges the draft-probs
+        kernels' per-chunk partials (three small all-gathers: tpsample/verify.py,
+        _draft_probs_kernels) or, with top-k or top-p (their cut sorts whole rows) or the
+        torch backend, all-gathers the rows' fp32 logits (B·(S + 1)·V·4 bytes)."""
         VF.check_hidden3(hidden)
         P.check_hidden_weight(hidden[:, 0], self.weight, "weight_shard")
         bias = P.check_bias(bias, self.weight.shape[0], hidden.device)
@@ -319,7 +321,8 @@ class VocabParallelSampler:
                          draft_logits=draft_logits, draw_seed=draw_seed,
                          vocab_size=self.vocab_size, temperature=temperature, seed=seed,
                          offset=offset, top_k=top_k, top_p=top_p, min_p=min_p,
-                         return_logprobs=return_logprobs, kernels=self.backend == "triton")
+                         return_logprobs=return_logprobs, kernels=self.backend == "triton",
+                         shard_logits=local, gather=self.transport.all_gather)
 
 
 __all__ = ["VocabParallelSampler", "ExchangeTimeout"]

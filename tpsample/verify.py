@@ -360,13 +360,17 @@ def residual_pick(lp: torch.Tensor, ids: torch.Tensor, q: torch.Tensor, seed: to
 def verify(hidden: torch.Tensor, draft_tokens: torch.Tensor, draft_probs, *,
            sample_rows: Callable, draft_logits: Callable, draw_seed: Callable, vocab_size: int,
            temperature, seed, offset, top_k, top_p, min_p, return_logprobs: bool,
-           kernels: bool) -> VerifyOutput:
+           kernels: bool, shard_logits: Callable | None = None,
+           gather: Callable | None = None) -> VerifyOutput:
     """The shared body of verify_drafts and VocabParallelSampler.verify_drafts, after
     check_drafts. hidden [B, S + 1, D]; sample_rows(rows [R, D], **sampler keywords) is the
     sampler (one-hot drafts); draft_logits(rows [R, D], inv_temp [R]) returns (l [R, C] fp32
     transformed logits, ids [C] int64 global ids) for draft_probs; draw_seed(B) draws the
     requests' seeds when seed is None; kernels: the Triton kernels around the sampler call
-    (kernels/draft_scan.py), else torch."""
+    (kernels/draft_scan.py), else torch. Tensor parallel: shard_logits (as draft_logits,
+    this rank's columns only) and gather (t [...] → [world, ...] from every rank): the
+    draft-probs kernels without top-k or top-p exchange their per-chunk partials instead of
+    the rows' logits (_draft_probs_kernels)."""
     B, S1, D = hidden.shape
     S = S1 - 1
     rows = hidden.reshape(B * S1, D)
@@ -382,12 +386,13 @@ def verify(hidden: torch.Tensor, draft_tokens: torch.Tensor, draft_probs, *,
         return VerifyOutput(*(accept_scan if kernels else scan)(y, lp, draft_tokens, n))
     return _verify_draft_probs(rows, draft_tokens.long(), draft_probs, n, seed_rows,
                                offset_rows, kw, draft_logits, vocab_size, return_logprobs,
-                               kernels)
+                               kernels, shard_logits, gather)
 
 
 def _verify_draft_probs(rows, draft, draft_probs, n, seed_rows, offset_rows, kw, draft_logits,
-                        vocab_size: int, return_logprobs: bool,
-                        kernels: bool) -> VerifyOutput:
+                        vocab_size: int, return_logprobs: bool, kernels: bool,
+                        shard_logits: Callable | None = None,
+                        gather: Callable | None = None) -> VerifyOutput:
     """Full draft distributions from the B·(S + 1) rows' logits (one matmul): x_i accepted
     when u_i · q_i(x_i) < p_i(x_i) at every draft position, then one Gumbel-max pick per
     request at its first rejection (from max(0, p - q)) or at its bonus position (from p,
@@ -400,6 +405,11 @@ def _verify_draft_probs(rows, draft, draft_probs, n, seed_rows, offset_rows, kw,
                          logprobs_mode="processed", allowed_mask=None, logit_adjust=None,
                          repetition_penalty=None, **kw)
     inv = spec.row.inv_temp
+    if (kernels and gather is not None and spec.filters.top_k is None
+            and spec.filters.top_p is None):  # (a cut needs whole rows: sorted_kept)
+        l, ids = shard_logits(rows, inv)
+        return _draft_probs_kernels(l, ids, inv, spec.filters, draft, draft_probs, n,
+                                    seed_rows, offset_rows, return_logprobs, gather)
     l, ids = draft_logits(rows, inv)
     if kernels:
         return _draft_probs_kernels(l, ids, inv, spec.filters, draft, draft_probs, n,
@@ -440,11 +450,16 @@ def _verify_draft_probs(rows, draft, draft_probs, n, seed_rows, offset_rows, kw,
 
 
 def _draft_probs_kernels(l, ids, inv, filters, draft, q, n, seed_rows, offset_rows,
-                         return_logprobs: bool) -> VerifyOutput:
+                         return_logprobs: bool, gather: Callable | None = None) -> VerifyOutput:
     """_verify_draft_probs after the matmul as four launches over chunks of PROBS_CHUNK
     columns (kernels/draft_scan.py: the rows' maxima, their kept mass, per request the
     verdicts and each chunk's best pick, the pick and the outputs); top-k and top-p first
-    find each row's cut by a sort (sorted_kept), the last kept (logit, id)."""
+    find each row's cut by a sort (sorted_kept), the last kept (logit, id). gather (tensor
+    parallel, no top-k or top-p; l [R, C] this rank's columns): after each of the first
+    three launches its per-chunk partials go to every rank (_gather_chunks: 28 bytes per row
+    and chunk of PROBS_CHUNK columns and 44 per request and chunk, against 4 per row and
+    column for the rows' logits), so every rank runs the last on all ranks' chunks and
+    returns the same output."""
     R, C = l.shape
     B, S = draft.shape
     dev = l.device
@@ -469,12 +484,17 @@ def _draft_probs_kernels(l, ids, inv, filters, draft, q, n, seed_rows, offset_ro
                 cut_l_ptr=cut_l.contiguous(), cut_id_ptr=cut_id.contiguous())
     l, ids, draft = l.contiguous(), ids.contiguous(), draft.contiguous()
     sizes = dict(C=C, G=G, CHUNK=PROBS_CHUNK, BLOCK=min(1024, PROBS_CHUNK))
-    BLOCK_G = triton.next_power_of_2(G)
     _launch(draft_scan.probs_max_kernel, R * G, (C, G), dict(
         l_ptr=l, ids_ptr=ids, draft_ptr=draft, **stats), S=S, **sizes)
-    _launch(draft_scan.probs_mass_kernel, R * G, (C, G), dict(
+    if gather is not None:
+        stats = dict(zip(stats, _gather_chunks(gather, list(stats.values()))))
+    GT = stats["pmax_ptr"].shape[1]  # (every rank's chunks)
+    BLOCK_G = triton.next_power_of_2(GT)
+    _launch(draft_scan.probs_mass_kernel, R * G, (C, G, GT), dict(
         l_ptr=l, ids_ptr=ids, **filt, **stats, pz_ptr=pz), HAS_CUT=has_cut, BLOCK_G=BLOCK_G,
-        **sizes)
+        GT=GT, **sizes)
+    if gather is not None:
+        (pz,) = _gather_chunks(gather, [pz])
     tokens = part(torch.int64, B, S + 1)
     acc = part(torch.int64, B)
     lpx = part(torch.float64, B, S + 1)
@@ -482,17 +502,35 @@ def _draft_probs_kernels(l, ids, inv, filters, draft, q, n, seed_rows, offset_ro
     picks = dict(pbest_ptr=part(torch.float32, B, G, 2), pid_ptr=part(torch.int64, B, G, 2),
                  plp_ptr=part(torch.float64, B, G, 2), pmass_ptr=part(torch.int32, B, G))
     V = q.shape[-1]
-    _launch(draft_scan.probs_pick_kernel, B * G, (C, G, V), dict(
+    _launch(draft_scan.probs_pick_kernel, B * G, (C, G, GT, V), dict(
         l_ptr=l, ids_ptr=ids, **filt, **stats, pz_ptr=pz, q_ptr=q.contiguous(), draft_ptr=draft,
         n_ptr=n, seed_rows_ptr=seed_rows, offset_rows_ptr=offset_rows, accepted_ptr=acc,
         lpx_ptr=lpx, bad_ptr=bad, **picks), V=V, ACCEPT=ACCEPT_STREAM, S=S, HAS_CUT=has_cut,
-        BLOCK_G=BLOCK_G, **sizes)
+        BLOCK_G=BLOCK_G, GT=GT, **sizes)
+    if gather is not None:
+        picks = dict(zip(picks, _gather_chunks(gather, list(picks.values()))))
     lp = part(torch.float32, B, S + 1) if return_logprobs else tokens
-    _launch(draft_scan.probs_finish_kernel, B, (G,), dict(
+    _launch(draft_scan.probs_finish_kernel, B, (GT,), dict(
         draft_ptr=draft, accepted_ptr=acc, lpx_ptr=lpx, bad_ptr=bad, **picks, tokens_ptr=tokens,
-        lp_out_ptr=lp), G=G, S=S, HAS_LP=return_logprobs, BLOCK_G=BLOCK_G,
+        lp_out_ptr=lp), G=GT, S=S, HAS_LP=return_logprobs, BLOCK_G=BLOCK_G,
         BLOCK_S=triton.next_power_of_2(S + 1))
     return VerifyOutput(tokens, acc, lp if return_logprobs else None)
+
+
+def _gather_chunks(gather: Callable, parts: list) -> list:
+    """Per-chunk partials [N, G, ...] of this rank → [N, world · G, ...] of all ranks (rank
+    r's chunks at r · G + c), in one exchange of their bytes."""
+    N = parts[0].shape[0]
+    flat = [t.contiguous().view(N, -1) for t in parts]
+    sent = torch.cat([t.view(torch.uint8) for t in flat], 1)
+    got = gather(sent)  # [world, N, bytes]
+    out, at = [], 0
+    for t, f in zip(parts, flat):
+        width = f.shape[1] * f.element_size()
+        mine = got[:, :, at:at + width].contiguous().view(t.dtype)  # [world, N, G · ...]
+        out.append(mine.permute(1, 0, 2).reshape(N, -1, *t.shape[2:]).contiguous())
+        at += width
+    return out
 
 
 def local_logits(weight: torch.Tensor, bias, n_real: int, vocab_start: int = 0,
