@@ -10,7 +10,8 @@ space, so a head is a hidden state: Zipf heads -a·ln(rank) (random placement) f
 {2.0, 1.6, 1.3, 1.1, 1.0}, Gaussian logits with std 4, 2, 1, and a batch whose rows alternate
 between the flattest (Gaussian std 1) and the most peaked (a = 2.0) head. Per (head, T, B)
 the same run times the plain call, cuBLAS's matmul alone, matmul + torch sort + top-p 0.9 +
-multinomial, and tpsample with each filter set; it prints each head's entropy and nucleus
+multinomial, and tpsample with each filter set (one of them, top-p 0.9, also returning
+log-probs: its log Z needs every row's cut, not only the rows whose winner is dropped); it prints each head's entropy and nucleus
 sizes at T. Writes OUT/sweep.json after every cell row (a cut-off run keeps what it timed);
 the summary line gives the worst cell per batch range next to the typical one (a = 1.6,
 T = 1). --warm N first compiles every kernel of the run in N processes at once (a fresh
@@ -42,7 +43,8 @@ MIXED = ("gauss1", "zipf2.0")  # the mixed batch's two kinds of rows
 FILTERS = {"k50": dict(top_k=50), "p0.9": dict(top_p=0.9), "p0.95": dict(top_p=0.95),
            "p0.99": dict(top_p=0.99), "m0.02": dict(min_p=0.02), "m0.1": dict(min_p=0.1),
            "k50p0.95": dict(top_k=50, top_p=0.95),
-           "k50p0.95m0.05": dict(top_k=50, top_p=0.95, min_p=0.05)}
+           "k50p0.95m0.05": dict(top_k=50, top_p=0.95, min_p=0.05),
+           "p0.9+lp": dict(top_p=0.9, return_logprobs=True)}  # (log Z needs every row's cut)
 TYPICAL = ("zipf1.6", 1.0)
 
 
