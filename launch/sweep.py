@@ -11,8 +11,8 @@ space, so a head is a hidden state: Zipf heads -a·ln(rank) (random placement) f
 between the flattest (Gaussian std 1) and the most peaked (a = 2.0) head. Per (head, T, B)
 the same run times the plain call, cuBLAS's matmul alone, matmul + torch sort + top-p 0.9 +
 multinomial, and tpsample with each filter set (one of them, top-p 0.9, also returning
-log-probs: its log Z needs every row's cut, not only the rows whose winner is dropped); it prints each head's entropy and nucleus
-sizes at T. Writes OUT/sweep.json after every cell row (a cut-off run keeps what it timed);
+log-probs: its log Z needs every row's cut, not only the rows whose winner is dropped); it
+prints each head's entropy and nucleus sizes at T. Writes OUT/sweep.json after every cell row (a cut-off run keeps what it timed);
 the summary line gives the worst cell per batch range next to the typical one (a = 1.6,
 T = 1). --warm N first compiles every kernel of the run in N processes at once (a fresh
 machine otherwise compiles each (B, filter set) in turn, minutes per row).
