@@ -466,8 +466,10 @@ def cut_step_kernel(
                         xb = xc
                         xc = row_x(row, v0 + 3 * SUB + sub, c1, slots, SLOTTED)
                         below = x < hi
-                        e = tl.where(below, tl.exp(x - xmax), 0.0)
-                        acc += tl.where(x >= t[None, :], e, 0.0)
+                        e = tl.where(below & (x > NEG_INF), tl.exp(x - xmax), 0.0)
+                        # (a 1.0 / 0.0 factor and an FMA: two instructions a threshold where
+                        # a select and an add took three; the sums are the same bits)
+                        acc += e * (x >= t[None, :]).to(tl.float32)
                         inside = below & (x >= lo_e)
                         nmin = tl.minimum(nmin, tl.where(inside, x, INF))
                         nmax = tl.maximum(nmax, tl.where(inside, x, NEG_INF))
