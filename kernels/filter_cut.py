@@ -305,6 +305,7 @@ def cut_step_kernel(
     WINNER: tl.constexpr = False, USE_PARITY: tl.constexpr = False,
     BLOCK_R: tl.constexpr = 16, BLOCK_TC: tl.constexpr = 16, SPLIT: tl.constexpr = False,
     BLOCK_GH: tl.constexpr = 16, LOGPROBS: tl.constexpr = False,
+    XMAX_KNOWN: tl.constexpr = False,
 ):
     """One STEP (module docstring) for the rows fast_row takes. l [B, N] fp32 logits (row
     stride stride_lb; SLOTTED: [world, B, slot_n] as filter_fallback.fallback_rows_kernel
@@ -322,7 +323,8 @@ def cut_step_kernel(
     above s* (records [slots, planes, B, T_rec, 4] by strides, N_rec = slots · T_rec,
     BLOCK_TC >= a chunk's tiles; USE_PARITY: the fan-out's two buffers, this call's the one
     the filter kernel's parity flip left); FINAL writes tokens, and log-probs and log Z
-    (NaN without LOGPROBS). The items are the rows b = rank + k · split
+    (NaN without LOGPROBS). XMAX_KNOWN (WINNER, no top-p in the call): x_max is the filter
+    kernel's (a key at win[win_at + B + b]) and STATS is not launched. The items are the rows b = rank + k · split
     (one device: rank 0, split 1). SPLIT (tensor parallel, SLOTTED): split = world, each rank
     redoes the rows it owns (filter_fallback.fallback_logits_kernel gathered each row to its
     owner only) and FINAL also sends their outputs to the other ranks (peer_ptrs: int64
@@ -416,14 +418,22 @@ def cut_step_kernel(
                 if g == 0:
                     tl.store(keys + CAP, tl.cast(0, tl.int64))  # COMPACT's counter
             else:
-                xmax, z, xmin = _row_stats(part_ptr, b, B, G, W, BLOCK_G)
+                if XMAX_KNOWN:  # the filter kernel's row max (every token's STATS is not run)
+                    xmax = decode_key(tl.load(win_ptr + win_at + B + b64))
+                    z = tl.cast(1.0, tl.float32)
+                    xmin = xmax
+                else:
+                    xmax, z, xmin = _row_stats(part_ptr, b, B, G, W, BLOCK_G)
                 target = p * z
                 w_key = tl.cast(0, tl.int64)
                 won = w_key < 0
                 if WINNER and not LISTED:  # (SELECT lists only rows whose winner is not kept)
                     w_key = tl.load(win_ptr + win_at + b64)
-                    won = _winner_kept(part_ptr, b, B, G, W, decode_key(w_key), p, m, xmax, z,
-                                       BLOCK_G)
+                    if XMAX_KNOWN:  # (min-p alone: SAMPLE's own test)
+                        won = tl.exp(decode_key(w_key) - xmax) >= m
+                    else:
+                        won = _winner_kept(part_ptr, b, B, G, W, decode_key(w_key), p, m, xmax,
+                                           z, BLOCK_G)
                 if STEP == SELECT:
                     if (not won) or LOGPROBS:  # (log Z needs the kept mass, so the cut)
                         at = tl.atomic_add(list_ptr, 1)

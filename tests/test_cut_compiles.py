@@ -5,7 +5,8 @@ bound on one side of a runtime `if`, a loop-carried variable whose shape changes
 every interpreted test and fails on the device. This compiles each step with Triton's own
 frontend and ptxas, in a fresh process without the interpreter, for the configurations the
 launcher uses: one device and tensor parallel (SLOTTED, SPLIT), tokens only, the winner
-check, with log-probs (WINNER, LOGPROBS) and raw log-probs.
+check, with log-probs (WINNER, LOGPROBS) and raw log-probs; top-p and min-p, either alone
+(HAS_P, HAS_M), and min-p alone with the filter kernel's row max (XMAX_KNOWN).
 """
 import os
 import subprocess
@@ -34,12 +35,13 @@ STEPS = (K.STATS.value, K.SELECT.value, *range(1, K.PASSES.value + 1), K.COMPACT
          K.FINISH.value, K.SAMPLE.value, K.FINAL.value)
 runtime, _ = replay._signature(K.cut_step_kernel)
 done = 0
-for tp, (winner, lp), raw in itertools.product((False, True), ((False, False), (True, False),
-                                                               (True, True)), (False, True)):
+for tp, (winner, lp), raw, (has_p, has_m) in itertools.product(
+        (False, True), ((False, False), (True, False), (True, True)), (False, True),
+        ((True, True), (True, False), (False, True))):
     if raw and not lp:
         continue
-    for step in STEPS:
-        c = dict(HAS_K=False, HAS_P=True, HAS_M=True, ALIGNED4=not tp, BLOCK=2048, SUB=512,
+    for step in STEPS if has_p else (K.STATS.value, K.SAMPLE.value, K.FINAL.value):
+        c = dict(HAS_K=False, HAS_P=has_p, HAS_M=has_m, ALIGNED4=not tp, BLOCK=2048, SUB=512,
                  BLOCK_G=8, BLOCK_F=256, PDL=True, BLOCK_GH=8, BLOCK_R=2048, BLOCK_TC=32,
                  SLOTTED=tp, SPLIT=tp, WINNER=winner, LOGPROBS=lp, RAW=raw, STEP=step)
         sig = {n: POINTERS.get(n, "i32") for n in runtime} | {k: "constexpr" for k in c}
@@ -47,9 +49,22 @@ for tp, (winner, lp), raw in itertools.product((False, True), ((False, False), (
             triton.compile(ASTSource(K.cut_step_kernel, sig, constexprs=c),
                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
         except Exception as e:
-            raise SystemExit(f"STEP {step} SLOTTED {tp} WINNER {winner} LOGPROBS {lp} RAW {raw}:"
-                             f" {str(e)[-1500:]}")
+            raise SystemExit(f"STEP {step} SLOTTED {tp} WINNER {winner} LOGPROBS {lp} RAW {raw}"
+                             f" HAS_P {has_p} HAS_M {has_m}: {str(e)[-1500:]}")
         done += 1
+for tp, lp, step in itertools.product((False, True), (False, True), (K.SAMPLE.value,
+                                                                      K.FINAL.value)):
+    c = dict(HAS_K=False, HAS_P=False, HAS_M=True, ALIGNED4=not tp, BLOCK=2048, SUB=512,
+             BLOCK_G=8, BLOCK_F=256, PDL=True, BLOCK_GH=8, BLOCK_R=2048, BLOCK_TC=32,
+             SLOTTED=tp, SPLIT=tp, WINNER=True, LOGPROBS=lp, RAW=False, XMAX_KNOWN=True,
+             STEP=step)
+    sig = {n: POINTERS.get(n, "i32") for n in runtime} | {k: "constexpr" for k in c}
+    try:
+        triton.compile(ASTSource(K.cut_step_kernel, sig, constexprs=c),
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
+    except Exception as e:
+        raise SystemExit(f"XMAX_KNOWN STEP {step} SLOTTED {tp} LOGPROBS {lp}: {str(e)[-1500:]}")
+    done += 1
 print(done)
 '''
 
@@ -61,4 +76,6 @@ def test_every_cut_step_compiles_for_sm90(tmp_path):
     out = subprocess.run([sys.executable, "-c", COMPILE], env=env, cwd=tmp_path,
                          capture_output=True, text=True, timeout=1200)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
-    assert int(out.stdout.split()[-1]) == 8 * 9  # (8 configurations, 9 steps each)
+    # 8 configurations x (9 steps with top-p and min-p, 9 with top-p alone, 3 with min-p alone),
+    # and min-p alone with the filter kernel's row max: 4 x SAMPLE, FINAL
+    assert int(out.stdout.split()[-1]) == 8 * (9 + 9 + 3) + 8

@@ -214,6 +214,35 @@ def test_winner_check_negative_controls(patches, right, logprobs, monkeypatch):
         assert_matches_reference(out, ref)
 
 
+@pytest.mark.parametrize("logprobs", [False, True], ids=["tokens", "logprobs"])
+def test_min_p_alone_takes_the_row_max_from_the_filter_kernel(logprobs, monkeypatch):
+    """A call with min-p and no top-p checks its rows' winners against the filter kernel's
+    row max: no STATS launch, tokens equal the reference's (log-probs and log Z within 1e-4);
+    with that max read one nat high (the kept set e times smaller) they do not."""
+    monkeypatch.setattr(launchers, "fallback_programs", lambda t: 5)
+    steps = []
+    run = replay.run_kernel
+
+    def spy(k, grid, args, const, opts):
+        steps.append(const.get("STEP"))
+        return run(k, grid, args, const, opts)
+    monkeypatch.setattr(replay, "run_kernel", spy)
+    h, w = flat_rows(V=1200, B=8)
+    kw = dict(min_p=torch.tensor([0.02, 0.05, 0.1, 0.3] * 2),
+              temperature=torch.tensor([1.0, 0.8, 1.3, 1.0] * 2), seed=torch.arange(8) * 11 + 4)
+    out = tpsample.sample(h, w, backend="triton", return_logprobs=logprobs, **kw)
+    ref = reference_sample(h, w, **kw)
+    assert filter_cut.SAMPLE.value in steps and filter_cut.STATS.value not in steps
+    if logprobs:
+        assert_matches_reference(out, ref)
+    else:
+        assert torch.equal(out.view(-1), ref.tokens.view(-1))
+    decode = filter_cut.decode_key
+    monkeypatch.setattr(filter_cut, "decode_key", lambda k: decode(k) + 1.0)
+    wrong = tpsample.sample(h, w, backend="triton", **kw)
+    assert not torch.equal(wrong.view(-1), ref.tokens.view(-1))
+
+
 @pytest.mark.slow
 def test_fast_path_is_deterministic(monkeypatch):
     """The same call twice, and with another grid: the same tokens and log-probs (every

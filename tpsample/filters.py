@@ -76,7 +76,7 @@ class FilteredOutput(NamedTuple):
     top_logprobs: torch.Tensor  # fp32 [B, n]
     fallback: torch.Tensor      # bool or int32 [B]: rows without a certificate (their
                                 # other outputs are not valid)
-    scratch: torch.Tensor | None = None  # the filter kernels' int64 [B·(KNOWN_CAP + 1)]
+    scratch: torch.Tensor | None = None  # the filter kernels' int64 [B·(KNOWN_CAP + 2)]
 
 
 def row_is_filtered(filters: Filters, inv_temp: torch.Tensor) -> torch.Tensor:

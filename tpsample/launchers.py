@@ -455,9 +455,10 @@ _NO_TOP: dict = {}  # (B, device) -> the empty top planes of calls without top l
 def filtered_outputs(B: int, S: int, n: int, device, flat: bool = False) -> F.FilteredOutput:
     """Fresh outputs of stage2_filtered: tokens int64 [B, S], logprobs fp32 [B, S], logz fp32
     [B], top tokens int64 [B, n], top log-probs fp32 [B, n], fallback flags int32 [B]
-    (`fallback`), and the filter kernels' scratch int64 [B·(KNOWN_CAP + 1)] (a row's sort
-    scratch in the first B·KNOWN_CAP, then its sample-0 winner's key). With n = 0 the top
-    planes hold nothing and are shared between calls (each allocation costs host time).
+    (`fallback`), and the filter kernels' scratch int64 [B·(KNOWN_CAP + 2)] (a row's sort
+    scratch in the first B·KNOWN_CAP, then its sample-0 winner's key, then its largest
+    logit's). With n = 0 the top planes hold nothing and are shared between calls (each
+    allocation costs host time).
     flat (a replayed call, whose launches take only the addresses): tokens and logprobs
     [B] when S == 1, the shape the caller returns (a slice per call costs host time)."""
     if flat and S == 1:
@@ -478,7 +479,7 @@ def filtered_outputs(B: int, S: int, n: int, device, flat: bool = False) -> F.Fi
         tokens, logprobs, torch.empty(B, dtype=torch.float32, device=device),
         *top,
         torch.empty(B, dtype=torch.int32, device=device),
-        torch.empty(B * (F.KNOWN_CAP + 1), dtype=torch.int64, device=device))
+        torch.empty(B * (F.KNOWN_CAP + 2), dtype=torch.int64, device=device))
 
 
 def stage2_filtered(plan: Plan, recs: torch.Tensor, params: RowParams, filters: Filters,
@@ -741,7 +742,10 @@ def _cut_steps(hidden, params: RowParams, filters: Filters, out: F.FilteredOutpu
     else:
         rec = dict(rec_ptr=count, st_slot=0, st_b=0, st_t=0, T_rec=1, N_rec=0, parity_ptr=count,
                    parity_stride=0)
-    steps = [K.STATS.value]
+    # a call without top-p whose rows check their winner needs only x_max from STATS, and the
+    # filter kernel stored it (kernels/filter_records.py)
+    xmax_known = use_winner and filters.top_p is None
+    steps = [] if xmax_known else [K.STATS.value]
     if filters.top_p is not None:
         steps += list(K.CUT_STEPS)
     steps += [K.SAMPLE.value, K.FINAL.value]
@@ -755,7 +759,7 @@ def _cut_steps(hidden, params: RowParams, filters: Filters, out: F.FilteredOutpu
                   flag_ptr=out.fallback, count_ptr=count, part_ptr=part, keys_ptr=keys,
                   win_ptr=out.scratch, win_at=B * F.KNOWN_CAP, **rec, B=B, G=G, C=C, W=W, S=S,
                   STEP=step, ALIGNED4=aligned, BLOCK=block, WINNER=use_winner,
-                  LOGPROBS=use_winner and logprobs,
+                  LOGPROBS=use_winner and logprobs, XMAX_KNOWN=xmax_known,
                   SUB=min(block, 512), BLOCK_G=max(2, 1 << (G - 1).bit_length()),
                   BLOCK_F=block_f, PDL="launch_pdl" in launch, SLOTTED=slotted, **owners,
                   SPLIT=split, hist_ptr=hist, GH=GH, CH=CH, list_ptr=listed,
