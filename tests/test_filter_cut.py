@@ -313,28 +313,31 @@ def test_chi2_flat_rows(backend, rows, filt, wrong, monkeypatch):
 # ----- tensor parallel (gloo): the same tokens as one device on flat rows ------------------
 FLAT_TP = dict(top_p=torch.tensor([0.9, 0.5, 0.99, 0.95]),
                min_p=torch.tensor([0.0, 0.2, 0.0, 0.05]), seed=torch.arange(4) * 7 + 1)
+MIN_P_TP = dict(min_p=torch.tensor([0.02, 0.2, 0.05, 0.1]), seed=torch.arange(4) * 5 + 2)
 
 
-def _tp_flat(rank, world, backend):
+def _tp_flat(rank, world, backend, kw=FLAT_TP):
     h, w = flat_rows(V=600, B=4)
     V = w.shape[0]
     lo, hi = rank * V // world, (rank + 1) * V // world
     s = tpsample.VocabParallelSampler(w[lo:hi].contiguous(), vocab_size=V, vocab_start=lo,
                                       backend=backend)
-    return s(h, return_logprobs=True, **FLAT_TP)
+    return s(h, return_logprobs=True, **kw)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kw", [FLAT_TP, MIN_P_TP], ids=["top_p+min_p", "min_p"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_tp_flat_rows_equal_one_device(backend):
+def test_tp_flat_rows_equal_one_device(backend, kw):
     """Two gloo ranks, top-p / min-p only on flat rows (every row falls back: its logit shards
-    come from the side output stage 1 wrote, gathered on the host): tokens equal the one-device
-    call's in every row, log-probs and log Z within 1e-5."""
-    outs = run_world(2, _tp_flat, backend)
+    come from the side output stage 1 wrote, gathered on the host), and min-p alone (the
+    filter kernel's row max): tokens equal the one-device call's in every row, log-probs and
+    log Z within 1e-5."""
+    outs = run_world(2, _tp_flat, backend, kw)
     for o in outs:
         assert not isinstance(o, dict), o
     h, w = flat_rows(V=600, B=4)
-    one = tpsample.sample(h, w, backend=backend, return_logprobs=True, **FLAT_TP)
+    one = tpsample.sample(h, w, backend=backend, return_logprobs=True, **kw)
     for o in outs:
         assert torch.equal(o.tokens, one.tokens)
         assert torch.allclose(o.logprobs, one.logprobs, atol=1e-5)
