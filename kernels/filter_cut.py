@@ -318,17 +318,18 @@ def cut_step_kernel(
     take the items (rows × chunks, or rows for FINISH / FINAL) in turn; a call without a
     flagged row costs each program one scan of the flags. WINNER (S = 1, merge "max"): the
     rows whose winner (key at win[win_at + b], the filter kernel's) is kept take it, and
-    skip every step from HIST to SAMPLE unless LOGPROBS (then they take the cut and
-    SAMPLE's noise-free sums); SAMPLE draws noise only in the blocks with a tile winner
-    above s* (records [slots, planes, B, T_rec, 4] by strides, N_rec = slots · T_rec,
-    BLOCK_TC >= a chunk's tiles; USE_PARITY: the fan-out's two buffers, this call's the one
+    skip every step from HIST to SAMPLE unless LOGPROBS (then they take the cut, and
+    SAMPLE's noise-free sums where FINISH did not sum their kept mass); SAMPLE draws noise
+    only in the blocks with a tile winner above s* (records [slots, planes, B, T_rec, 4] by
+    strides, N_rec = slots · T_rec, BLOCK_TC >= a chunk's tiles; USE_PARITY: the fan-out's two buffers, this call's the one
     the filter kernel's parity flip left); FINAL writes tokens, and log-probs and log Z
     (NaN without LOGPROBS). XMAX_KNOWN (WINNER, no top-p in the call): x_max is the filter
-    kernel's (a key at win[win_at + B + b]) and STATS is not launched. The items are the rows b = rank + k · split
-    (one device: rank 0, split 1). SPLIT (tensor parallel, SLOTTED): split = world, each rank
-    redoes the rows it owns (filter_fallback.fallback_logits_kernel gathered each row to its
-    owner only) and FINAL also sends their outputs to the other ranks (peer_ptrs: int64
-    [world], this rank's slot in each rank's buffer; filter_fallback.send_outputs)."""
+    kernel's (a key at win[win_at + B + b]) and STATS is not launched. The items are the
+    rows b = rank + k · split (one device: rank 0, split 1). SPLIT (tensor parallel,
+    SLOTTED): split = world, each rank redoes the rows it owns
+    (filter_fallback.fallback_logits_kernel gathered each row to its owner only) and FINAL
+    also sends their outputs to the other ranks (peer_ptrs: int64 [world], this rank's slot
+    in each rank's buffer; filter_fallback.send_outputs)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -418,7 +419,7 @@ def cut_step_kernel(
                 if g == 0:
                     tl.store(keys + CAP, tl.cast(0, tl.int64))  # COMPACT's counter
             else:
-                if XMAX_KNOWN:  # the filter kernel's row max (every token's STATS is not run)
+                if XMAX_KNOWN:  # the filter kernel's row max (no STATS was launched)
                     xmax = decode_key(tl.load(win_ptr + win_at + B + b64))
                     z = tl.cast(1.0, tl.float32)
                     xmin = xmax

@@ -123,8 +123,9 @@ def filter_records_kernel(
     token), its logit over this kernel's log Z; with USE_PARITY its last program flips the
     parity. With replacement every row's sample-0 winner is also stored as its order key
     (logit, id) at scratch[win_at + b], and the row's largest logit as a key at
-    scratch[win_at + B + b], for the fast path's winner check (kernels/filter_cut.py). PDL: a programmatic dependent of the launch before (stage 1 or the exchange),
-    whose records it waits for.
+    scratch[win_at + B + b], for the fast path's winner check (kernels/filter_cut.py).
+    PDL: a programmatic dependent of the launch before (stage 1 or the exchange), whose
+    records it waits for.
     Otherwise reduce_records runs before it (and flips the parity) and writes the unfiltered
     rows' tokens and log-probs; PDL: a programmatic dependent of reduce_records, which lets
     it start once stage 1's records are complete; it reads the records at once and waits

@@ -527,8 +527,8 @@ def _gather_chunks(gather: Callable, parts: list) -> list:
     out, at = [], 0
     for t, f in zip(parts, flat):
         width = f.shape[1] * f.element_size()
-        mine = got[:, :, at:at + width].contiguous().view(t.dtype)  # [world, N, G · ...]
-        out.append(mine.permute(1, 0, 2).reshape(N, -1, *t.shape[2:]).contiguous())
+        ranks = got[:, :, at:at + width].contiguous().view(t.dtype)  # [world, N, G · ...]
+        out.append(ranks.permute(1, 0, 2).reshape(N, -1, *t.shape[2:]).contiguous())
         at += width
     return out
 
