@@ -321,9 +321,9 @@ def cut_step_kernel(
     skip every step from HIST to SAMPLE unless LOGPROBS (then they take the cut, and
     SAMPLE's noise-free sums where FINISH did not sum their kept mass); SAMPLE draws noise
     only in the blocks with a tile winner above s* (records [slots, planes, B, T_rec, 4] by
-    strides, N_rec = slots · T_rec, BLOCK_TC >= a chunk's tiles; USE_PARITY: the fan-out's two buffers, this call's the one
-    the filter kernel's parity flip left); FINAL writes tokens, and log-probs and log Z
-    (NaN without LOGPROBS). XMAX_KNOWN (WINNER, no top-p in the call): x_max is the filter
+    strides, N_rec = slots · T_rec, BLOCK_TC >= a chunk's tiles; USE_PARITY: the fan-out's
+    two buffers, this call's the one the filter kernel's parity flip left); FINAL writes
+    tokens, and log-probs and log Z (NaN without LOGPROBS). XMAX_KNOWN (WINNER, no top-p in the call): x_max is the filter
     kernel's (a key at win[win_at + B + b]) and STATS is not launched. The items are the
     rows b = rank + k · split (one device: rank 0, split 1). SPLIT (tensor parallel,
     SLOTTED): split = world, each rank redoes the rows it owns
