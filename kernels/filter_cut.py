@@ -307,29 +307,28 @@ def cut_step_kernel(
     BLOCK_GH: tl.constexpr = 16, LOGPROBS: tl.constexpr = False,
     XMAX_KNOWN: tl.constexpr = False,
 ):
-    """One STEP (module docstring) for the rows fast_row takes. l [B, N] fp32 logits (row
-    stride stride_lb; SLOTTED: [world, B, slot_n] as filter_fallback.fallback_rows_kernel
-    reads them); part fp32 [SAMPLE + 1, B, G, W] (W >= max(NT + 2, S + 2, 5)), hist fp32
-    [PASSES + 1, B, GH, W], list int32 [1 + B] (SELECT's count, then its rows) and keys
-    int64 [B, CAP + 2 + G * S] (slots, counter, cut, the chunks' winners): this call's
-    workspace; chunk g of a row is columns [g·C, (g+1)·C) (HIST and COMPACT: [g·CH,
-    (g+1)·CH)), C and CH multiples of BLOCK. Outputs as
-    fallback_rows_kernel's ([B, S], [B]); count[0] += the rows done (FINAL). The programs
-    take the items (rows × chunks, or rows for FINISH / FINAL) in turn; a call without a
-    flagged row costs each program one scan of the flags. WINNER (S = 1, merge "max"): the
-    rows whose winner (key at win[win_at + b], the filter kernel's) is kept take it, and
-    skip every step from HIST to SAMPLE unless LOGPROBS (then they take the cut, and
-    SAMPLE's noise-free sums where FINISH did not sum their kept mass); SAMPLE draws noise
-    only in the blocks with a tile winner above s* (records [slots, planes, B, T_rec, 4] by
-    strides, N_rec = slots · T_rec, BLOCK_TC >= a chunk's tiles; USE_PARITY: the fan-out's
-    two buffers, this call's the one the filter kernel's parity flip left); FINAL writes
-    tokens, and log-probs and log Z (NaN without LOGPROBS). XMAX_KNOWN (WINNER, no top-p in the call): x_max is the filter
-    kernel's (a key at win[win_at + B + b]) and STATS is not launched. The items are the
-    rows b = rank + k · split (one device: rank 0, split 1). SPLIT (tensor parallel,
-    SLOTTED): split = world, each rank redoes the rows it owns
-    (filter_fallback.fallback_logits_kernel gathered each row to its owner only) and FINAL
-    also sends their outputs to the other ranks (peer_ptrs: int64 [world], this rank's slot
-    in each rank's buffer; filter_fallback.send_outputs)."""
+    """One STEP (module docstring) for the rows fast_row takes. l [B, N] fp32 logits (row stride
+    stride_lb; SLOTTED: [world, B, slot_n] as filter_fallback.fallback_rows_kernel reads them);
+    part fp32 [SAMPLE + 1, B, G, W] (W >= max(NT + 2, S + 2, 5)), hist fp32 [PASSES + 1, B, GH,
+    W], list int32 [1 + B] (SELECT's count, then its rows) and keys int64 [B, CAP + 2 + G * S]
+    (slots, counter, cut, the chunks' winners): this call's workspace; chunk g of a row is
+    columns [g·C, (g+1)·C) (HIST and COMPACT: [g·CH, (g+1)·CH)), C and CH multiples of BLOCK.
+    Outputs as fallback_rows_kernel's ([B, S], [B]); count[0] += the rows done (FINAL). The
+    programs take the items (rows × chunks, or rows for FINISH / FINAL) in turn; a call without
+    a flagged row costs each program one scan of the flags. WINNER (S = 1, merge "max"): the
+    rows whose winner (key at win[win_at + b], the filter kernel's) is kept take it, and skip
+    every step from HIST to SAMPLE unless LOGPROBS (then they take the cut, and SAMPLE's
+    noise-free sums where FINISH did not sum their kept mass); SAMPLE draws noise only in the
+    blocks with a tile winner above s* (records [slots, planes, B, T_rec, 4] by strides, N_rec =
+    slots · T_rec, BLOCK_TC >= a chunk's tiles; USE_PARITY: the fan-out's two buffers, this
+    call's the one the filter kernel's parity flip left); FINAL writes tokens, and log-probs and
+    log Z (NaN without LOGPROBS). XMAX_KNOWN (WINNER, no top-p in the call): x_max is the filter
+    kernel's (a key at win[win_at + B + b]) and STATS is not launched. The items are the rows b
+    = rank + k · split (one device: rank 0, split 1). SPLIT (tensor parallel, SLOTTED): split =
+    world, each rank redoes the rows it owns (filter_fallback.fallback_logits_kernel gathered
+    each row to its owner only) and FINAL also sends their outputs to the other ranks
+    (peer_ptrs: int64 [world], this rank's slot in each rank's buffer;
+    filter_fallback.send_outputs)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
