@@ -1,13 +1,17 @@
 """Same-run A/B of two installs of tpsample on filtered and plain calls (CUDA only).
 
-    python -m tools.filtered_ab --arm old:DIR_A --arm new:DIR_B [--rounds 2] [--out ab.json]
+    python -m tools.filtered_ab --arm old:DIR_A --arm new:DIR_B [--rounds 2]
+        [--heads typical,gauss1,zipf1.3] [--batches 1,16,64,256] [--out ab.json]
 
 Each arm runs in a process of its own with PYTHONPATH=DIR (a `pip install --target DIR .`
-of the code to compare), the rounds alternate the arms' order; each process times, on the
-benchmark's typical head (-1.6 ln(rank), a nucleus of ~27 tokens: every row certified),
-the plain call and top_k 50 / top_p 0.9 / min_p 0.05 / all three at D = 4096, V = 151936
-(triton.testing.do_bench medians, ms). Last, each cell's mean per arm and the ratio to the
-first arm.
+of the code to compare), the rounds alternate the arms' order; each process times, per
+head and batch, the plain call and top_k 50 / top_p 0.9 / min_p 0.05 / min_p 0.1 / all
+three / top_p 0.9 with log-probs / top_p 0.9 + min_p 0.05 with log-probs at D = 4096,
+V = 151936 (triton.testing.do_bench medians, ms). Heads: the benchmark's typical head
+(-1.6 ln(rank), a nucleus of ~27 tokens: every row certified) and the sweep's
+(tpsample.launch.sweep: gauss1 and zipf1.3 are flat, every top-p row falls back). Last,
+each cell's mean per arm, the ratio to the first arm, and whether every arm drew the same
+tokens (a call at offset 0 per cell).
 """
 import argparse
 import json
@@ -16,38 +20,52 @@ import subprocess
 import sys
 
 CELLS = {"plain": {}, "k50": dict(top_k=50), "p0.9": dict(top_p=0.9), "m0.05": dict(min_p=0.05),
-         "kpm": dict(top_k=50, top_p=0.9, min_p=0.05)}
+         "m0.1": dict(min_p=0.1), "kpm": dict(top_k=50, top_p=0.9, min_p=0.05),
+         "p0.9+lp": dict(top_p=0.9, return_logprobs=True),
+         "pm+lp": dict(top_p=0.9, min_p=0.05, return_logprobs=True)}
 
 
-def worker(batches):
+def worker(batches, heads):
     import itertools
     import torch
     import triton
     import tpsample
     from tpsample.launch.bench import typical_head
+    from tpsample.launch.sweep import hidden, sweep_head
     step = itertools.count()
-    out = {}
-    for B in batches:
-        h, w = typical_head(4096, 151936, B, torch.bfloat16, "cuda")
+    out, tokens = {}, {}
+    sweep = None
+    for head, B in itertools.product(heads, batches):
+        if head == "typical":
+            h, w = typical_head(4096, 151936, B, torch.bfloat16, "cuda")
+        else:
+            if sweep is None:
+                sweep = sweep_head(4096, 151936, torch.bfloat16, "cuda")
+            w, U = sweep
+            h = hidden(U, head, B, torch.bfloat16)
         for name, kw in CELLS.items():
             fn = lambda kw=kw: tpsample.sample(h, w, seed=3, offset=next(step), **kw)  # noqa: E731
             fn()
-            out[f"{name}@{B}"] = triton.testing.do_bench(fn, warmup=50, rep=200,
-                                                         return_mode="median")
-    print(json.dumps(out))
+            cell = f"{name}@{head}@{B}"
+            out[cell] = triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
+            got = tpsample.sample(h, w, seed=3, offset=0, **kw)
+            tokens[cell] = (got.tokens if kw.get("return_logprobs") else got).view(-1).tolist()
+    print(json.dumps({"ms": out, "tokens": tokens}))
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--arm", action="append", required=True, help="NAME:DIR")
     p.add_argument("--batches", default="1,16,64,256")
+    p.add_argument("--heads", default="typical", help="typical and / or tpsample.launch.sweep "
+                   "heads (gauss1, zipf1.3, ...), comma-separated")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out")
     p.add_argument("--worker", action="store_true")
     a = p.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
     if a.worker:
-        return worker(batches)
+        return worker(batches, a.heads.split(","))
     arms = [x.split(":", 1) for x in a.arm]
     res = {n: [] for n, _ in arms}
     for r in range(a.rounds):
@@ -55,18 +73,36 @@ def main():
             env = dict(os.environ, PYTHONPATH=path)
             # (run as a file from /: the checkout's own tpsample/ must not shadow the install)
             o = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", "--arm",
-                                "x:x", "--batches", a.batches], env=env, capture_output=True,
-                               text=True, check=True, cwd="/")
+                                "x:x", "--batches", a.batches, "--heads", a.heads], env=env,
+                               capture_output=True, text=True, check=True, cwd="/")
             res[name].append(json.loads(o.stdout.strip().splitlines()[-1]))
-    first = arms[0][0]
-    mean = {n: {k: sum(d[k] for d in v) / len(v) for k in v[0]} for n, v in res.items()}
-    print("| cell | " + " | ".join(n for n, _ in arms) + " | ratio to " + first + " |")
-    print("|---" * (len(arms) + 2) + "|")
-    for k in mean[first]:
-        print(f"| {k} | " + " | ".join(f"{mean[n][k]:.4f}" for n, _ in arms) + " | "
-              + " / ".join(f"{mean[n][k] / mean[first][k]:.3f}" for n, _ in arms[1:]) + " |")
+    print(table(arms, res))
     if a.out:
         json.dump(res, open(a.out, "w"), indent=1)
+
+
+def table(arms: list, res: dict) -> str:
+    """Markdown: each cell's mean ms per arm, the ratios to the first arm, and whether every
+    run of every arm drew the same tokens; then a line with the worst ratio and the count of
+    cells whose tokens differ."""
+    first = arms[0][0]
+    mean = {n: {k: sum(d["ms"][k] for d in v) / len(v) for k in v[0]["ms"]}
+            for n, v in res.items()}
+    same = {k: all(d["tokens"][k] == res[first][0]["tokens"][k] for v in res.values() for d in v)
+            for k in mean[first]}
+    lines = ["| cell | " + " | ".join(n for n, _ in arms) + f" | ratio to {first} | same tokens |",
+             "|---" * (len(arms) + 3) + "|"]
+    for k in mean[first]:
+        lines.append(f"| {k} | " + " | ".join(f"{mean[n][k]:.4f}" for n, _ in arms) + " | "
+                     + " / ".join(f"{mean[n][k] / mean[first][k]:.3f}" for n, _ in arms[1:])
+                     + f" | {same[k]} |")
+    ratios = [(mean[n][k] / mean[first][k], k, n) for n, _ in arms[1:] for k in mean[first]]
+    if ratios:
+        hi, lo = max(ratios), min(ratios)
+        lines.append(f"worst {hi[0]:.3f} ({hi[2]}, {hi[1]}), best {lo[0]:.3f} ({lo[2]}, "
+                     f"{lo[1]}); tokens differ in {sum(not v for v in same.values())} of "
+                     f"{len(same)} cells")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

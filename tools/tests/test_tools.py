@@ -1,7 +1,7 @@
 """Argument checks of the tuner, the A/B driver and the probe (no GPU needed)."""
 import pytest
 
-from tools import ab, probe, tune
+from tools import ab, filtered_ab, probe, tune
 
 
 def test_tune_passes_alternate_order_and_are_checked():
@@ -158,3 +158,18 @@ def test_tp_filtered_summary_names_the_worst_cell_and_the_split_ab():
     assert line.startswith("TP4 summary: k50 worst 1.40x (gauss1, B=64)")
     assert "p0.9 worst 2.00x (gauss1, B=64), median 2.00x" in line
     assert "split / unsplit worst 1.11x, same tokens in 1 of 2 cells" in line
+
+
+def test_filtered_ab_table_gives_ratios_and_flags_cells_whose_tokens_differ():
+    """Means over runs, the ratio to the first arm, and a cell whose tokens differ between
+    arms (or between one arm's runs) marked False and counted in the last line."""
+    run = lambda ms, tok: {"ms": ms, "tokens": tok}  # noqa: E731
+    res = {"old": [run({"p@g@64": 1.0, "m@g@64": 0.5}, {"p@g@64": [1, 2], "m@g@64": [3]}),
+                   run({"p@g@64": 1.2, "m@g@64": 0.5}, {"p@g@64": [1, 2], "m@g@64": [3]})],
+           "new": [run({"p@g@64": 0.99, "m@g@64": 0.55}, {"p@g@64": [1, 2], "m@g@64": [4]}),
+                   run({"p@g@64": 0.99, "m@g@64": 0.55}, {"p@g@64": [1, 2], "m@g@64": [3]})]}
+    lines = filtered_ab.table([["old", "A"], ["new", "B"]], res).splitlines()
+    assert lines[2] == "| p@g@64 | 1.1000 | 0.9900 | 0.900 | True |"
+    assert lines[3] == "| m@g@64 | 0.5000 | 0.5500 | 1.100 | False |"
+    assert lines[-1] == ("worst 1.100 (new, m@g@64), best 0.900 (new, p@g@64); tokens differ "
+                         "in 1 of 2 cells")
