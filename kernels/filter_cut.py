@@ -169,6 +169,20 @@ def _kept_mass(row, c0, c1, cut, m, xmax, to_raw, slots, vocab_start, BLOCK: tl.
 
 
 @triton.jit
+def _noise_free_sums(row, c0, c1, cut, p, m, xmax, keys, inv_temp_ptr, b, mine, slots,
+                     vocab_start, BLOCK: tl.constexpr, SLOTTED: tl.constexpr,
+                     RAW: tl.constexpr):
+    """SAMPLE of a LOGPROBS row under the winner check: the chunk's kept mass and RAW mass
+    at mine[0:2] (_kept_mass), unless FINISH summed the kept mass (_sample_sums_mass; the
+    bracket's size is at keys[CAP])."""
+    if _sample_sums_mass(tl.load(keys + CAP), p, m, RAW):
+        mass, raw = _kept_mass(row, c0, c1, cut, m, xmax, 1.0 / tl.load(inv_temp_ptr + b),
+                               slots, vocab_start, BLOCK, SLOTTED, RAW)
+        tl.store(mine, mass)
+        tl.store(mine + 1, raw)
+
+
+@triton.jit
 def _logz(parts, G, W, xmax, to_raw, RAW: tl.constexpr, BLOCK_G: tl.constexpr):
     """The row's log Z from SAMPLE's per-chunk sums at `parts` (W words per chunk): of the
     kept set, or RAW at T = 1."""
@@ -443,12 +457,8 @@ def cut_step_kernel(
                         cut = tl.cast(0, tl.int64)
                         if p < 1.0:
                             cut = tl.load(keys + CAP + 1)
-                        if _sample_sums_mass(tl.load(keys + CAP), p, m, RAW):
-                            mass, raw = _kept_mass(row, c0, c1, cut, m, xmax,
-                                                   1.0 / tl.load(inv_temp_ptr + b), slots,
-                                                   vocab_start, BLOCK, SLOTTED, RAW)
-                            tl.store(mine, mass)
-                            tl.store(mine + 1, raw)
+                        _noise_free_sums(row, c0, c1, cut, p, m, xmax, keys, inv_temp_ptr, b, mine,
+                                         slots, vocab_start, BLOCK, SLOTTED, RAW)
                     elif STEP == FINAL:
                         _winner_outputs(tokens_ptr, logprobs_ptr, logz_ptr, count_ptr, b, w_key,
                                         decode_key(w_key),
@@ -534,12 +544,8 @@ def cut_step_kernel(
                     s_star, s_x = _kept_tile_winners(rec_row, st_slot, st_t, T_rec, N_rec, cut,
                                                      m, xmax, BLOCK_R)
                     if LOGPROBS:
-                        if _sample_sums_mass(tl.load(keys + CAP), p, m, RAW):
-                            mass, raw = _kept_mass(row, c0, c1, cut, m, xmax,
-                                                   1.0 / tl.load(inv_temp_ptr + b), slots,
-                                                   vocab_start, BLOCK, SLOTTED, RAW)
-                            tl.store(mine, mass)
-                            tl.store(mine + 1, raw)
+                        _noise_free_sums(row, c0, c1, cut, p, m, xmax, keys, inv_temp_ptr, b, mine,
+                                         slots, vocab_start, BLOCK, SLOTTED, RAW)
                     seed = tl.load(seed_ptr + b)
                     off = tl.load(offset_ptr + b)
                     off_lo = (off & 0xFFFFFFFF).to(tl.uint32)
