@@ -28,7 +28,9 @@ A(t*) >= p·Z. The row is split into G chunks; one launch per STEP, each program
            program replays these choices from the partial sums). The first bracket is
            [lo, inf) with lo the largest of x_min, x_max - RANGE (the tokens below weigh at
            most V·e^-RANGE < 1e-9 of Z, and p <= 1 - 2^-24) and x_max + ln((1-p)·Z / N)
-           - 1/2 (_first_lo): a top-p cut never lies lower.
+           - 1/2 (_first_lo): a top-p cut never lies lower. A bracket whose tokens
+           provably number at most EARLY (its mass over the least a token in it weighs)
+           ends the passes: the later ones skip the row, and FINISH sorts more keys.
   COMPACT  the final bracket's columns into CAP slots per row (an atomic counter claims
            slots; their order does not matter: the next step makes their keys and sorts them).
   FINISH   per row: the keys sorted (SHORT or MID slots when they fit, the usual case after
@@ -42,7 +44,7 @@ A(t*) >= p·Z. The row is split into G chunks; one launch per STEP, each program
   FINAL    per row: the chunks' winners and masses reduced; tokens, log-probs and log Z as
            fallback_rows_kernel writes them.
 
-Work per row: four reads of its logits (STATS, three HIST) plus one with noise (SAMPLE), and
+Work per row: at most four reads of its logits (STATS, up to three HIST) plus one with noise (SAMPLE), and
 a sort of at most CAP keys; no step needs more than max(G, GH)·(NT + 2) partial sums per row.
 
 WINNER (a tokens-only call, one sample, merge "max"): most rows need neither the cut nor
@@ -76,6 +78,7 @@ from .fused_sample import NOISE_COEF, gumbel_log, philox_word, philox_words_tile
 NT = tl.constexpr(16)       # thresholds per HIST pass
 PASSES = tl.constexpr(3)    # HIST passes: the bracket narrows NT-fold (or to its range) each
 CAP = tl.constexpr(2048)    # compaction slots per row
+EARLY = tl.constexpr(2048)  # a bracket that provably holds at most EARLY tokens ends the passes
 SHORT = tl.constexpr(128)   # brackets of at most SHORT / MID keys take a shorter sort
 MID = tl.constexpr(512)     # (flat rows: ~100 keys; Zipf tails at T = 1.5: 300-450)
 RANGE = tl.constexpr(40.0)  # nats below the row max that can hold a top-p cut
@@ -224,30 +227,37 @@ def _thresholds(lo, u, NT_: tl.constexpr):
 @triton.jit
 def _bracket(part_ptr, b, B, G, W, done, target, z, N, xmax, xmin, NT_: tl.constexpr,
              BLOCK_G: tl.constexpr):
-    """The bracket after `done` HIST passes: (lo, hi, A(hi), and the range [bmin, bmax] the
-    last pass saw inside its bracket, which bounds every logit of this one)."""
+    """The bracket after `done` HIST passes: (lo, hi, A(hi), the range [bmin, bmax] the last
+    pass saw inside its bracket, which bounds every logit of this one, and whether another
+    pass narrows it). A bracket whose tokens provably fit EARLY slots ends the passes: each
+    weighs at least exp(lo - x_max), so they number at most (A(lo) - A(hi)) / exp(lo - x_max)
+    (5 % over it for the sums' rounding); the later passes skip the row."""
     lo = _first_lo(xmax, xmin, target, z, N)
     hi = tl.cast(INF, tl.float32)
     a_hi = tl.cast(0.0, tl.float32)
     bmin = xmin
     bmax = xmax
+    live = b >= 0
     g = tl.arange(0, BLOCK_G)
     i = tl.arange(0, NT_)
     for j in range(1, done + 1):
-        lo_e = tl.maximum(lo, bmin)
-        u = tl.maximum(tl.minimum(tl.minimum(xmax, bmax), hi), lo_e)
-        t = _thresholds(lo_e, u, NT_)
-        at = part_ptr + ((tl.cast(b, tl.int64) + j * B) * G + g) * W
-        s = tl.load(at[:, None] + i[None, :], mask=(g < G)[:, None], other=0.0)
-        a = a_hi + tl.sum(s, axis=0)
-        bmin = tl.min(tl.load(at + NT_, mask=g < G, other=INF))
-        bmax = tl.max(tl.load(at + NT_ + 1, mask=g < G, other=NEG_INF))
-        js = tl.sum((a >= target).to(tl.int32))  # thresholds at or below the cut's logit
-        lo = tl.where(js == 0, lo_e, tl.max(tl.where(i == js - 1, t, NEG_INF)))
-        a_next = tl.max(tl.where(i == js, a, NEG_INF))
-        hi = tl.where(js == NT_, hi, tl.max(tl.where(i == js, t, NEG_INF)))
-        a_hi = tl.where(js == NT_, a_hi, a_next)
-    return lo, hi, a_hi, bmin, bmax
+        if live:
+            lo_e = tl.maximum(lo, bmin)
+            u = tl.maximum(tl.minimum(tl.minimum(xmax, bmax), hi), lo_e)
+            t = _thresholds(lo_e, u, NT_)
+            at = part_ptr + ((tl.cast(b, tl.int64) + j * B) * G + g) * W
+            s = tl.load(at[:, None] + i[None, :], mask=(g < G)[:, None], other=0.0)
+            a = a_hi + tl.sum(s, axis=0)
+            bmin = tl.min(tl.load(at + NT_, mask=g < G, other=INF))
+            bmax = tl.max(tl.load(at + NT_ + 1, mask=g < G, other=NEG_INF))
+            js = tl.sum((a >= target).to(tl.int32))  # thresholds at or below the cut's logit
+            lo = tl.where(js == 0, lo_e, tl.max(tl.where(i == js - 1, t, NEG_INF)))
+            a_next = tl.max(tl.where(i == js, a, NEG_INF))
+            hi = tl.where(js == NT_, hi, tl.max(tl.where(i == js, t, NEG_INF)))
+            a_hi = tl.where(js == NT_, a_hi, a_next)
+            a_lo = tl.max(tl.where(i == js - 1, a, NEG_INF))
+            live = (js == 0) | ((a_lo - a_hi) * 1.05 > EARLY * tl.exp(lo - xmax))
+    return lo, hi, a_hi, bmin, bmax, live
 
 
 @triton.jit
@@ -561,38 +571,41 @@ def cut_step_kernel(
                                         inv_temp_ptr, l_ptr, stride_lb, slot_stride,
                                         peer_ptrs_ptr, rank, split, LOGPROBS, RAW, SPLIT, BLOCK_G)
                 elif STEP <= PASSES:  # HIST
-                    lo, hi, a_hi, bmin, bmax = _bracket(hist_ptr, b, B, GH, W, STEP - 1, target,
-                                                        z, N, xmax, xmin, NT, BLOCK_GH)
-                    lo_e = tl.maximum(lo, bmin)
-                    t = _thresholds(lo_e, tl.maximum(tl.minimum(tl.minimum(xmax, bmax), hi), lo_e),
-                                   NT)
-                    # per-lane sums, reduced once (SUB-row slices keep [SUB, NT] in registers)
-                    acc = tl.zeros((SUB, NT), dtype=tl.float32)
-                    nmin = tl.full((SUB, 1), INF, tl.float32)
-                    nmax = tl.full((SUB, 1), NEG_INF, tl.float32)
-                    # SUB columns at a time, the next three slices' loads in flight
-                    sub = tl.arange(0, SUB)[:, None]
-                    xa = row_x(row, c0 + sub, c1, slots, SLOTTED)
-                    xb = row_x(row, c0 + SUB + sub, c1, slots, SLOTTED)
-                    xc = row_x(row, c0 + 2 * SUB + sub, c1, slots, SLOTTED)
-                    for v0 in range(c0, c1, SUB):
-                        x = xa
-                        xa = xb
-                        xb = xc
-                        xc = row_x(row, v0 + 3 * SUB + sub, c1, slots, SLOTTED)
-                        below = x < hi
-                        e = tl.where(below & (x > NEG_INF), tl.exp(x - xmax), 0.0)
-                        # (a 1.0 / 0.0 factor and an FMA: two instructions a threshold where
-                        # a select and an add took three; the sums are the same bits)
-                        acc += e * (x >= t[None, :]).to(tl.float32)
-                        inside = below & (x >= lo_e)
-                        nmin = tl.minimum(nmin, tl.where(inside, x, INF))
-                        nmax = tl.maximum(nmax, tl.where(inside, x, NEG_INF))
-                    tl.store(mine + tl.arange(0, NT), tl.sum(acc, axis=0))
-                    tl.store(mine + NT, tl.min(nmin))
-                    tl.store(mine + NT + 1, tl.max(nmax))
+                    lo, hi, a_hi, bmin, bmax, live = _bracket(hist_ptr, b, B, GH, W, STEP - 1,
+                                                              target, z, N, xmax, xmin, NT,
+                                                              BLOCK_GH)
+                    if live:  # (else an earlier pass's bracket fits the slots)
+                        lo_e = tl.maximum(lo, bmin)
+                        t = _thresholds(lo_e, tl.maximum(tl.minimum(tl.minimum(xmax, bmax), hi),
+                                                         lo_e), NT)
+                        # per-lane sums, reduced once (SUB-row slices keep [SUB, NT] in
+                        # registers)
+                        acc = tl.zeros((SUB, NT), dtype=tl.float32)
+                        nmin = tl.full((SUB, 1), INF, tl.float32)
+                        nmax = tl.full((SUB, 1), NEG_INF, tl.float32)
+                        # SUB columns at a time, the next three slices' loads in flight
+                        sub = tl.arange(0, SUB)[:, None]
+                        xa = row_x(row, c0 + sub, c1, slots, SLOTTED)
+                        xb = row_x(row, c0 + SUB + sub, c1, slots, SLOTTED)
+                        xc = row_x(row, c0 + 2 * SUB + sub, c1, slots, SLOTTED)
+                        for v0 in range(c0, c1, SUB):
+                            x = xa
+                            xa = xb
+                            xb = xc
+                            xc = row_x(row, v0 + 3 * SUB + sub, c1, slots, SLOTTED)
+                            below = x < hi
+                            e = tl.where(below & (x > NEG_INF), tl.exp(x - xmax), 0.0)
+                            # (a 1.0 / 0.0 factor and an FMA: two instructions a threshold
+                            # where a select and an add took three; the sums are the same bits)
+                            acc += e * (x >= t[None, :]).to(tl.float32)
+                            inside = below & (x >= lo_e)
+                            nmin = tl.minimum(nmin, tl.where(inside, x, INF))
+                            nmax = tl.maximum(nmax, tl.where(inside, x, NEG_INF))
+                        tl.store(mine + tl.arange(0, NT), tl.sum(acc, axis=0))
+                        tl.store(mine + NT, tl.min(nmin))
+                        tl.store(mine + NT + 1, tl.max(nmax))
                 elif STEP == COMPACT:
-                    lo, hi, a_hi, bmin, bmax = _bracket(hist_ptr, b, B, GH, W, PASSES, target,
+                    lo, hi, a_hi, bmin, bmax, live = _bracket(hist_ptr, b, B, GH, W, PASSES, target,
                                                         z, N, xmax, xmin, NT, BLOCK_GH)
                     # a slot per selected column from one atomic each (its key is made in
                     # FINISH): a block holds one or two of the bracket's ~100 tokens, so a
@@ -607,7 +620,7 @@ def cut_step_kernel(
                         pos = tl.atomic_add(counter, one, mask=sel, sem="relaxed")
                         tl.store(keys + pos, (v0 + cols).to(tl.int64), mask=sel & (pos < CAP))
                 elif STEP == FINISH:
-                    lo, hi, a_hi, bmin, bmax = _bracket(hist_ptr, b, B, GH, W, PASSES, target,
+                    lo, hi, a_hi, bmin, bmax, live = _bracket(hist_ptr, b, B, GH, W, PASSES, target,
                                                         z, N, xmax, xmin, NT, BLOCK_GH)
                     n = tl.load(keys + CAP)
                     kept = tl.cast(0.0, tl.float32)

@@ -37,12 +37,15 @@ def flat_rows(V=3000, B=6, seed=2):
 
 
 SLOW = pytest.mark.slow
-# (NT, SHORT, MID, CAP) and the sort tier every top-p row must reach: with 16 thresholds a
-# pass the flat rows' brackets hold 0-2 keys (the short sort); with 2 they hold 350-680
-TIERS = [pytest.param((None, None, None, None), "short", id="short-sort"),
-         pytest.param((2, 2, 1024, None), "mid", id="mid-sort", marks=SLOW),
-         pytest.param((2, 2, 4, None), "long", id="long-sort", marks=SLOW),
-         pytest.param((2, 2, 2, 4), "bisection", id="bisection", marks=SLOW)]
+# (NT, SHORT, MID, CAP, EARLY) and the sort tier every top-p row must reach: with 16
+# thresholds a pass and all three passes (EARLY 0) the flat rows' brackets hold 0-2 keys (the
+# short sort); with 2 they hold 350-680; with the default EARLY HIST 1's bracket provably fits
+# the slots, and the other passes skip the rows (100-400 keys)
+TIERS = [pytest.param((None, None, None, None, 0), "short", id="short-sort"),
+         pytest.param((None, None, None, None, None), "early", id="early-stop"),
+         pytest.param((2, 2, 1024, None, 0), "mid", id="mid-sort", marks=SLOW),
+         pytest.param((2, 2, 4, None, 0), "long", id="long-sort", marks=SLOW),
+         pytest.param((2, 2, 2, 4, 0), "bisection", id="bisection", marks=SLOW)]
 
 
 @pytest.mark.parametrize("extra", [dict(), pytest.param(dict(num_samples=2, logprobs_mode="raw"),
@@ -51,9 +54,9 @@ TIERS = [pytest.param((None, None, None, None), "short", id="short-sort"),
 def test_fast_path_matches_reference(extra, sizes, tier, monkeypatch):
     """Every row flagged and taken by the fast path (the call has no top-k or top log-probs):
     tokens equal the reference's, log-probs and log Z within 1e-4, with the cut from each
-    tier of FINISH (the 128-, MID- or CAP-slot sort, or the bisection past CAP), checked
-    from the bracket sizes FINISH saw."""
-    for name, value in zip(("NT", "SHORT", "MID", "CAP"), sizes):
+    tier of FINISH (the 128-, MID- or CAP-slot sort, or the bisection past CAP) and from a
+    bracket that ended the passes early (EARLY), checked from the bracket sizes FINISH saw."""
+    for name, value in zip(("NT", "SHORT", "MID", "CAP", "EARLY"), sizes):
         if value is not None:
             monkeypatch.setattr(filter_cut, name, filter_cut.tl.constexpr(value))
     monkeypatch.setattr(launchers, "fallback_programs", lambda t: 5)
@@ -76,7 +79,8 @@ def test_fast_path_matches_reference(extra, sizes, tier, monkeypatch):
     n = seen[0][FLAT["top_p"] < 1]  # the top-p rows' bracket sizes
     short, mid, cap = (filter_cut.SHORT.value, filter_cut.MID.value, filter_cut.CAP.value)
     assert {"short": (n <= short).all(), "mid": ((n > short) & (n <= mid)).all(),
-            "long": ((n > mid) & (n <= cap)).all(), "bisection": (n > cap).all()}[tier], n
+            "long": ((n > mid) & (n <= cap)).all(), "bisection": (n > cap).all(),
+            "early": ((n > 16) & (n <= cap)).all()}[tier], n
 
 
 @pytest.mark.slow
