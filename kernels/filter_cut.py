@@ -58,10 +58,8 @@ probability about p (the nucleus's mass), so with p = 0.9 one row in ten is list
 SELECT and takes the HIST, COMPACT, FINISH and SAMPLE steps, and the others end at FINAL.
 (LOGPROBS, a call that also returns log-probs: its log Z needs the kept mass, so SELECT
 lists every top-p row for the cut, whose FINISH adds the sorted bracket's kept keys to A(hi);
-SAMPLE sums the kept mass only on the other rows (min-p, RAW, the bisection): without noise
-where the winner is kept, else in the same read as a full draw (a min-p row's winner often
-lies below its bound, and then most tiles' winners would need the noise anyway); the token
-comes from the winner check all the same.) SAMPLE then redraws the noise only where
+SAMPLE sums the kept mass without noise only on the other rows (min-p, RAW, the bisection);
+the token comes from the winner check all the same.) SAMPLE then redraws the noise only where
 the answer can be: each 128-token tile's record holds its winner (score, id, logit); a tile
 whose winner is kept gives the kept set its winner there, so s* = the best kept tile
 winner is a lower bound of the answer, and only tiles whose winner scores above s* (their
@@ -279,99 +277,6 @@ def _sorted_cut(keys, n, row, N, vocab_start, slots, a_hi, target, xmax, SIZE: t
     cut = tl.min(tl.where(kept, ks, KEY_TOP + 1))
     cut = tl.where(cut > KEY_TOP, tl.max(ks), cut)
     return cut, a_hi + tl.sum(tl.where(valid & (ks >= cut), e, 0.0))
-
-
-@triton.jit
-def _sample_chunk(row, c0, c1, cut, m, xmax, inv_temp_ptr, seed_ptr, offset_ptr, b, keys, g, S,
-                  mine, slots, vocab_start, BLOCK: tl.constexpr, ALIGNED4: tl.constexpr,
-                  SLOTTED: tl.constexpr, RAW: tl.constexpr):
-    """SAMPLE over columns [c0, c1) of a row, one read per sample: per sample s the kept
-    tokens' Gumbel-max (its key at keys[CAP + 2 + g·S + s], its logit at mine[2 + s]) and, with
-    sample 0, the kept mass and RAW mass at mine[0:2] (_kept_mass's sums, the same bits)."""
-    cols = tl.arange(0, BLOCK)
-    to_raw = 1.0 / tl.load(inv_temp_ptr + b)
-    seed = tl.load(seed_ptr + b)
-    off = tl.load(offset_ptr + b)
-    off_lo = (off & 0xFFFFFFFF).to(tl.uint32)
-    off_hi = ((off >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    for s in range(S):  # per-lane winners and masses, reduced once
-        best = tl.full((BLOCK,), -1, tl.int64)
-        best_x = tl.full((BLOCK,), NEG_INF, tl.float32)
-        mass = tl.zeros((BLOCK,), tl.float32)
-        raw = tl.zeros((BLOCK,), tl.float32)
-        xn = row_x(row, c0 + cols, c1, slots, SLOTTED)
-        for v0 in range(c0, c1, BLOCK):
-            x = xn
-            xn = row_x(row, v0 + BLOCK + cols, c1, slots, SLOTTED)
-            gid = row_ids(v0 + cols, c1, vocab_start, slots, SLOTTED)
-            key = tl.where(x > NEG_INF, order_key(x, gid), -1)
-            e = tl.exp(x - xmax)
-            keep = (key >= cut) & (e >= m)
-            if s == 0:
-                mass += tl.where(keep, e, 0.0)
-                if RAW:
-                    raw += tl.exp(x * to_raw - xmax * to_raw)
-            zkey = tl.where(keep, _noisy_key(x, gid, seed, off_lo, off_hi, s, vocab_start + v0,
-                                             BLOCK, ALIGNED4), -1)
-            up = zkey > best
-            best = tl.where(up, zkey, best)
-            best_x = tl.where(up, x, best_x)
-        top = tl.max(best)
-        if s == 0:
-            tl.store(mine, tl.sum(mass))
-            tl.store(mine + 1, tl.sum(raw))
-        tl.store(keys + CAP + 2 + g * S + s, top)
-        tl.store(mine + 2 + s, tl.max(tl.where(best == top, best_x, NEG_INF)))
-
-
-@triton.jit
-def _noisy_key(x, gid, seed, off_lo, off_hi, s, col0, BLOCK: tl.constexpr,
-               ALIGNED4: tl.constexpr):
-    """The order keys of x + Gumbel noise (sample s; the call's Philox words, as stage 1 drew
-    them) for a block of BLOCK columns of global ids gid (ALIGNED4: gid = col0 + 0..BLOCK-1,
-    col0 a multiple of 4, one Philox call per four words)."""
-    if ALIGNED4:
-        words = tl.reshape(philox_words_tile(seed, off_lo, off_hi, tl.cast(s, tl.uint32), col0,
-                                             BLOCK, 1), (BLOCK,))
-    else:
-        words = philox_word(seed, off_lo, off_hi, tl.cast(s, tl.uint32), gid)
-    return order_key(tl.fma(gumbel_log(words), NOISE_COEF, x), gid)
-
-
-@triton.jit
-def _limited_sample(row, c0, c1, cut, m, xmax, seed_ptr, offset_ptr, b, keys, g, mine, rec_row,
-                    st_slot, st_t, T_rec, N_rec, slots, vocab_start, BLOCK: tl.constexpr,
-                    BLOCK_R: tl.constexpr, BLOCK_TC: tl.constexpr, ALIGNED4: tl.constexpr,
-                    SLOTTED: tl.constexpr):
-    """SAMPLE of a WINNER row (one sample) over columns [c0, c1): s* = the best kept tile
-    winner (records at rec_row), then the noise only in the BLOCK-column blocks that hold a
-    tile whose winner scores above s*; the chunk's answer (at least s*) at keys[CAP + 2 + g],
-    its logit at mine[2]."""
-    cols = tl.arange(0, BLOCK)
-    s_star, s_x = _kept_tile_winners(rec_row, st_slot, st_t, T_rec, N_rec, cut, m, xmax,
-                                     BLOCK_R)
-    seed = tl.load(seed_ptr + b)
-    off = tl.load(offset_ptr + b)
-    off_lo = (off & 0xFFFFFFFF).to(tl.uint32)
-    off_hi = ((off >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    best = tl.full((BLOCK,), -1, tl.int64)
-    best_x = tl.full((BLOCK,), NEG_INF, tl.float32)
-    hits = _blocks_above(rec_row, st_slot, st_t, T_rec, N_rec, c0, c1, s_star, BLOCK, BLOCK_TC)
-    for v0 in range(c0, c1, BLOCK):
-        if tl.max((hits == (v0 - c0) // BLOCK).to(tl.int32)) > 0:
-            x = row_x(row, v0 + cols, c1, slots, SLOTTED)
-            gid = row_ids(v0 + cols, c1, vocab_start, slots, SLOTTED)
-            key = tl.where(x > NEG_INF, order_key(x, gid), -1)
-            keep = (key >= cut) & (tl.exp(x - xmax) >= m)
-            zkey = tl.where(keep, _noisy_key(x, gid, seed, off_lo, off_hi, 0, vocab_start + v0,
-                                             BLOCK, ALIGNED4), -1)
-            up = zkey > best
-            best = tl.where(up, zkey, best)
-            best_x = tl.where(up, x, best_x)
-    top = tl.max(best)
-    top_x = tl.max(tl.where(best == top, best_x, NEG_INF))
-    tl.store(keys + CAP + 2 + g, tl.maximum(top, s_star))
-    tl.store(mine + 2, tl.where(s_star > top, s_x, top_x))
 
 
 @triton.jit
@@ -649,27 +554,86 @@ def cut_step_kernel(
                     rec_row = rec_ptr + b64 * st_b
                     if USE_PARITY:
                         rec_row += (1 - tl.load(parity_ptr)).to(tl.int64) * parity_stride
-                    full = p < 0.0
+                    s_star, s_x = _kept_tile_winners(rec_row, st_slot, st_t, T_rec, N_rec, cut,
+                                                     m, xmax, BLOCK_R)
                     if LOGPROBS:
-                        full = _sample_sums_mass(tl.load(keys + CAP), p, m, RAW)
-                    if full:
-                        # its kept mass is summed here: in the same read as the noise, which
-                        # the row's winner check left to draw near most tile winners
-                        # (min-p rows: a winner below the min-p bound)
-                        _sample_chunk(row, c0, c1, cut, m, xmax, inv_temp_ptr, seed_ptr,
-                                      offset_ptr, b, keys, g, 1, mine, slots, vocab_start, BLOCK,
-                                      ALIGNED4, SLOTTED, RAW)
-                    else:
-                        _limited_sample(row, c0, c1, cut, m, xmax, seed_ptr, offset_ptr, b, keys,
-                                        g, mine, rec_row, st_slot, st_t, T_rec, N_rec, slots,
-                                        vocab_start, BLOCK, BLOCK_R, BLOCK_TC, ALIGNED4, SLOTTED)
+                        _noise_free_sums(row, c0, c1, cut, p, m, xmax, keys, inv_temp_ptr, b, mine,
+                                         slots, vocab_start, BLOCK, SLOTTED, RAW)
+                    seed = tl.load(seed_ptr + b)
+                    off = tl.load(offset_ptr + b)
+                    off_lo = (off & 0xFFFFFFFF).to(tl.uint32)
+                    off_hi = ((off >> 32) & 0xFFFFFFFF).to(tl.uint32)
+                    best = tl.full((BLOCK,), -1, tl.int64)
+                    best_x = tl.full((BLOCK,), NEG_INF, tl.float32)
+                    hits = _blocks_above(rec_row, st_slot, st_t, T_rec, N_rec, c0, c1, s_star,
+                                         BLOCK, BLOCK_TC)
+                    for v0 in range(c0, c1, BLOCK):
+                        if tl.max((hits == (v0 - c0) // BLOCK).to(tl.int32)) > 0:
+                            x = row_x(row, v0 + cols, c1, slots, SLOTTED)
+                            gid = row_ids(v0 + cols, c1, vocab_start, slots, SLOTTED)
+                            key = tl.where(x > NEG_INF, order_key(x, gid), -1)
+                            keep = (key >= cut) & (tl.exp(x - xmax) >= m)
+                            if ALIGNED4:
+                                words = tl.reshape(philox_words_tile(
+                                    seed, off_lo, off_hi, tl.cast(0, tl.uint32),
+                                    vocab_start + v0, BLOCK, 1), (BLOCK,))
+                            else:
+                                words = philox_word(seed, off_lo, off_hi, tl.cast(0, tl.uint32),
+                                                    gid)
+                            zs = tl.fma(gumbel_log(words), NOISE_COEF, x)
+                            zkey = tl.where(keep, order_key(zs, gid), -1)
+                            up = zkey > best
+                            best = tl.where(up, zkey, best)
+                            best_x = tl.where(up, x, best_x)
+                    top = tl.max(best)
+                    top_x = tl.max(tl.where(best == top, best_x, NEG_INF))
+                    tl.store(keys + CAP + 2 + g, tl.maximum(top, s_star))
+                    tl.store(mine + 2, tl.where(s_star > top, s_x, top_x))
                 elif STEP == SAMPLE:
                     cut = tl.cast(0, tl.int64)
                     if p < 1.0:
                         cut = tl.load(keys + CAP + 1)
-                    _sample_chunk(row, c0, c1, cut, m, xmax, inv_temp_ptr, seed_ptr, offset_ptr,
-                                  b, keys, g, S, mine, slots, vocab_start, BLOCK, ALIGNED4,
-                                  SLOTTED, RAW)
+                    inv = tl.load(inv_temp_ptr + b)
+                    to_raw = 1.0 / inv
+                    seed = tl.load(seed_ptr + b)
+                    off = tl.load(offset_ptr + b)
+                    off_lo = (off & 0xFFFFFFFF).to(tl.uint32)
+                    off_hi = ((off >> 32) & 0xFFFFFFFF).to(tl.uint32)
+                    for s in range(S):  # per-lane winners and masses, reduced once
+                        best = tl.full((BLOCK,), -1, tl.int64)
+                        best_x = tl.full((BLOCK,), NEG_INF, tl.float32)
+                        mass = tl.zeros((BLOCK,), tl.float32)
+                        raw = tl.zeros((BLOCK,), tl.float32)
+                        xn = row_x(row, c0 + cols, c1, slots, SLOTTED)
+                        for v0 in range(c0, c1, BLOCK):
+                            x = xn
+                            xn = row_x(row, v0 + BLOCK + cols, c1, slots, SLOTTED)
+                            gid = row_ids(v0 + cols, c1, vocab_start, slots, SLOTTED)
+                            key = tl.where(x > NEG_INF, order_key(x, gid), -1)
+                            e = tl.exp(x - xmax)
+                            keep = (key >= cut) & (e >= m)
+                            if s == 0:
+                                mass += tl.where(keep, e, 0.0)
+                                if RAW:
+                                    raw += tl.exp(x * to_raw - xmax * to_raw)
+                            if ALIGNED4:
+                                words = tl.reshape(philox_words_tile(
+                                    seed, off_lo, off_hi, tl.cast(s, tl.uint32),
+                                    vocab_start + v0, BLOCK, 1), (BLOCK,))
+                            else:
+                                words = philox_word(seed, off_lo, off_hi, tl.cast(s, tl.uint32),
+                                                    gid)
+                            zs = tl.fma(gumbel_log(words), NOISE_COEF, x)
+                            zkey = tl.where(keep, order_key(zs, gid), -1)
+                            up = zkey > best
+                            best = tl.where(up, zkey, best)
+                            best_x = tl.where(up, x, best_x)
+                        top = tl.max(best)
+                        if s == 0:
+                            tl.store(mine, tl.sum(mass))
+                            tl.store(mine + 1, tl.sum(raw))
+                        tl.store(keys + CAP + 2 + g * S + s, top)
+                        tl.store(mine + 2 + s, tl.max(tl.where(best == top, best_x, NEG_INF)))
                 elif WINNER:  # FINAL
                     gs = tl.arange(0, BLOCK_G)
                     parts = part_ptr + (b64 + SAMPLE * B) * G * W
