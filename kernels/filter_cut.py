@@ -28,9 +28,10 @@ A(t*) >= p·Z. The row is split into G chunks; one launch per STEP, each program
            program replays these choices from the partial sums). The first bracket is
            [lo, inf) with lo the largest of x_min, x_max - RANGE (the tokens below weigh at
            most V·e^-RANGE < 1e-9 of Z, and p <= 1 - 2^-24) and x_max + ln((1-p)·Z / N)
-           - 1/2 (_first_lo): a top-p cut never lies lower. A bracket whose tokens
-           provably number at most EARLY (its mass over the least a token in it weighs)
-           ends the passes: the later ones skip the row, and FINISH sorts more keys.
+           - 1/2 (_first_lo): a top-p cut never lies lower. With EARLY > 0 a bracket whose
+           tokens provably number at most EARLY (its mass over the least a token in it
+           weighs) ends the passes: the later ones skip the row, and FINISH sorts more keys
+           (the launcher sets EARLY = CAP at large B, where a pass costs more than the sort).
   COMPACT  the final bracket's columns into CAP slots per row (an atomic counter claims
            slots; their order does not matter: the next step makes their keys and sorts them).
   FINISH   per row: the keys sorted (SHORT or MID slots when they fit, the usual case after
@@ -44,8 +45,9 @@ A(t*) >= p·Z. The row is split into G chunks; one launch per STEP, each program
   FINAL    per row: the chunks' winners and masses reduced; tokens, log-probs and log Z as
            fallback_rows_kernel writes them.
 
-Work per row: at most four reads of its logits (STATS, up to three HIST) plus one with noise (SAMPLE), and
-a sort of at most CAP keys; no step needs more than max(G, GH)·(NT + 2) partial sums per row.
+Work per row: at most four reads of its logits (STATS, up to three HIST) plus one with noise
+(SAMPLE), and a sort of at most CAP keys; no step needs more than max(G, GH)·(NT + 2)
+partial sums per row.
 
 WINNER (a tokens-only call, one sample, merge "max"): most rows need neither the cut nor
 SAMPLE. The row's Gumbel-max winner over all its tokens, w (the filter kernel stores its key),
@@ -76,7 +78,6 @@ from .fused_sample import NOISE_COEF, gumbel_log, philox_word, philox_words_tile
 NT = tl.constexpr(16)       # thresholds per HIST pass
 PASSES = tl.constexpr(3)    # HIST passes: the bracket narrows NT-fold (or to its range) each
 CAP = tl.constexpr(2048)    # compaction slots per row
-EARLY = tl.constexpr(2048)  # a bracket that provably holds at most EARLY tokens ends the passes
 SHORT = tl.constexpr(128)   # brackets of at most SHORT / MID keys take a shorter sort
 MID = tl.constexpr(512)     # (flat rows: ~100 keys; Zipf tails at T = 1.5: 300-450)
 RANGE = tl.constexpr(40.0)  # nats below the row max that can hold a top-p cut
@@ -224,12 +225,12 @@ def _thresholds(lo, u, NT_: tl.constexpr):
 
 @triton.jit
 def _bracket(part_ptr, b, B, G, W, done, target, z, N, xmax, xmin, NT_: tl.constexpr,
-             BLOCK_G: tl.constexpr):
+             BLOCK_G: tl.constexpr, EARLY: tl.constexpr):
     """The bracket after `done` HIST passes: (lo, hi, A(hi), the range [bmin, bmax] the last
     pass saw inside its bracket, which bounds every logit of this one, and whether another
-    pass narrows it). A bracket whose tokens provably fit EARLY slots ends the passes: each
-    weighs at least exp(lo - x_max), so they number at most (A(lo) - A(hi)) / exp(lo - x_max)
-    (5 % over it for the sums' rounding); the later passes skip the row."""
+    pass narrows it). With EARLY > 0 a bracket whose tokens provably fit EARLY slots ends the
+    passes: each weighs at least exp(lo - x_max), so they number at most (A(lo) - A(hi)) /
+    exp(lo - x_max) (5 % over it for the sums' rounding); the later passes skip the row."""
     lo = _first_lo(xmax, xmin, target, z, N)
     hi = tl.cast(INF, tl.float32)
     a_hi = tl.cast(0.0, tl.float32)
@@ -254,7 +255,8 @@ def _bracket(part_ptr, b, B, G, W, done, target, z, N, xmax, xmin, NT_: tl.const
             hi = tl.where(js == NT_, hi, tl.max(tl.where(i == js, t, NEG_INF)))
             a_hi = tl.where(js == NT_, a_hi, a_next)
             a_lo = tl.max(tl.where(i == js - 1, a, NEG_INF))
-            live = (js == 0) | ((a_lo - a_hi) * 1.05 > EARLY * tl.exp(lo - xmax))
+            if EARLY > 0:
+                live = (js == 0) | ((a_lo - a_hi) * 1.05 > EARLY * tl.exp(lo - xmax))
     return lo, hi, a_hi, bmin, bmax, live
 
 
@@ -329,7 +331,7 @@ def cut_step_kernel(
     WINNER: tl.constexpr = False, USE_PARITY: tl.constexpr = False,
     BLOCK_R: tl.constexpr = 16, BLOCK_TC: tl.constexpr = 16, SPLIT: tl.constexpr = False,
     BLOCK_GH: tl.constexpr = 16, LOGPROBS: tl.constexpr = False,
-    XMAX_KNOWN: tl.constexpr = False,
+    XMAX_KNOWN: tl.constexpr = False, EARLY: tl.constexpr = 0,
 ):
     """One STEP (module docstring) for the rows fast_row takes. l [B, N] fp32 logits (row stride
     stride_lb; SLOTTED: [world, B, slot_n] as filter_fallback.fallback_rows_kernel reads them);
@@ -347,7 +349,8 @@ def cut_step_kernel(
     slots · T_rec, BLOCK_TC >= a chunk's tiles; USE_PARITY: the fan-out's two buffers, this
     call's the one the filter kernel's parity flip left); FINAL writes tokens, and log-probs and
     log Z (NaN without LOGPROBS). XMAX_KNOWN (WINNER, no top-p in the call): x_max is the filter
-    kernel's (a key at win[win_at + B + b]) and STATS is not launched. The items are the rows b
+    kernel's (a key at win[win_at + B + b]) and STATS is not launched. EARLY: a bracket of at
+    most EARLY tokens ends the HIST passes (module docstring). The items are the rows b
     = rank + k · split (one device: rank 0, split 1). SPLIT (tensor parallel, SLOTTED): split =
     world, each rank redoes the rows it owns (filter_fallback.fallback_logits_kernel gathered
     each row to its owner only) and FINAL also sends their outputs to the other ranks
@@ -478,7 +481,7 @@ def cut_step_kernel(
                 elif STEP <= PASSES:  # HIST
                     lo, hi, a_hi, bmin, bmax, live = _bracket(hist_ptr, b, B, GH, W, STEP - 1,
                                                               target, z, N, xmax, xmin, NT,
-                                                              BLOCK_GH)
+                                                              BLOCK_GH, EARLY)
                     if live:  # (else an earlier pass's bracket fits the slots)
                         lo_e = tl.maximum(lo, bmin)
                         t = _thresholds(lo_e, tl.maximum(tl.minimum(tl.minimum(xmax, bmax), hi),
@@ -511,7 +514,7 @@ def cut_step_kernel(
                         tl.store(mine + NT + 1, tl.max(nmax))
                 elif STEP == COMPACT:
                     lo, hi, a_hi, bmin, bmax, live = _bracket(hist_ptr, b, B, GH, W, PASSES, target,
-                                                        z, N, xmax, xmin, NT, BLOCK_GH)
+                                                        z, N, xmax, xmin, NT, BLOCK_GH, EARLY)
                     # a slot per selected column from one atomic each (its key is made in
                     # FINISH): a block holds one or two of the bracket's ~100 tokens, so a
                     # per-block count and scan (two block reductions) would cost more
@@ -526,7 +529,7 @@ def cut_step_kernel(
                         tl.store(keys + pos, (v0 + cols).to(tl.int64), mask=sel & (pos < CAP))
                 elif STEP == FINISH:
                     lo, hi, a_hi, bmin, bmax, live = _bracket(hist_ptr, b, B, GH, W, PASSES, target,
-                                                        z, N, xmax, xmin, NT, BLOCK_GH)
+                                                        z, N, xmax, xmin, NT, BLOCK_GH, EARLY)
                     n = tl.load(keys + CAP)
                     kept = tl.cast(0.0, tl.float32)
                     if n <= SHORT:

@@ -6,7 +6,8 @@ every interpreted test and fails on the device. This compiles each step with Tri
 frontend and ptxas, in a fresh process without the interpreter, for the configurations the
 launcher uses: one device and tensor parallel (SLOTTED, SPLIT), tokens only, the winner
 check, with log-probs (WINNER, LOGPROBS) and raw log-probs; top-p and min-p, either alone
-(HAS_P, HAS_M), and min-p alone with the filter kernel's row max (XMAX_KNOWN).
+(HAS_P, HAS_M), and min-p alone with the filter kernel's row max (XMAX_KNOWN); the HIST
+passes with and without their early end (EARLY, here CAP under tensor parallel, else 0).
 """
 import os
 import subprocess
@@ -43,7 +44,8 @@ for tp, (winner, lp), raw, (has_p, has_m) in itertools.product(
     for step in STEPS if has_p else (K.STATS.value, K.SAMPLE.value, K.FINAL.value):
         c = dict(HAS_K=False, HAS_P=has_p, HAS_M=has_m, ALIGNED4=not tp, BLOCK=2048, SUB=512,
                  BLOCK_G=8, BLOCK_F=256, PDL=True, BLOCK_GH=8, BLOCK_R=2048, BLOCK_TC=32,
-                 SLOTTED=tp, SPLIT=tp, WINNER=winner, LOGPROBS=lp, RAW=raw, STEP=step)
+                 SLOTTED=tp, SPLIT=tp, WINNER=winner, LOGPROBS=lp, RAW=raw, STEP=step,
+                 EARLY=K.CAP.value if tp else 0)
         sig = {n: POINTERS.get(n, "i32") for n in runtime} | {k: "constexpr" for k in c}
         try:
             triton.compile(ASTSource(K.cut_step_kernel, sig, constexprs=c),
@@ -57,7 +59,7 @@ for tp, lp, step in itertools.product((False, True), (False, True), (K.SAMPLE.va
     c = dict(HAS_K=False, HAS_P=False, HAS_M=True, ALIGNED4=not tp, BLOCK=2048, SUB=512,
              BLOCK_G=8, BLOCK_F=256, PDL=True, BLOCK_GH=8, BLOCK_R=2048, BLOCK_TC=32,
              SLOTTED=tp, SPLIT=tp, WINNER=True, LOGPROBS=lp, RAW=False, XMAX_KNOWN=True,
-             STEP=step)
+             STEP=step, EARLY=0)
     sig = {n: POINTERS.get(n, "i32") for n in runtime} | {k: "constexpr" for k in c}
     try:
         triton.compile(ASTSource(K.cut_step_kernel, sig, constexprs=c),

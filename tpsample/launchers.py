@@ -695,6 +695,10 @@ _CUT_PROGRAMS = {filter_cut.STATS.value: 2, filter_cut.COMPACT.value: 4,
 # the rows whose winner is not kept (a call with log-probs lists every top-p row: its items
 # keep the G chunks of the other steps)
 CUT_LIST_CHUNK = 8192
+# from this batch size on, a HIST bracket that fits the CAP slots ends the passes (its later
+# passes cost more than FINISH's longer sort; H200, D = 4096, flat rows, top-p 0.9 with
+# log-probs: -4 % at B = 256, +1 % at B = 64)
+EARLY_FROM_B = 128
 
 
 def _cut_steps(hidden, params: RowParams, filters: Filters, out: F.FilteredOutput, count,
@@ -760,6 +764,7 @@ def _cut_steps(hidden, params: RowParams, filters: Filters, out: F.FilteredOutpu
                   win_ptr=out.scratch, win_at=B * F.KNOWN_CAP, **rec, B=B, G=G, C=C, W=W, S=S,
                   STEP=step, ALIGNED4=aligned, BLOCK=block, WINNER=use_winner,
                   LOGPROBS=use_winner and logprobs, XMAX_KNOWN=xmax_known,
+                  EARLY=K.CAP.value if B >= EARLY_FROM_B else 0,
                   SUB=min(block, 512), BLOCK_G=max(2, 1 << (G - 1).bit_length()),
                   BLOCK_F=block_f, PDL="launch_pdl" in launch, SLOTTED=slotted, **owners,
                   SPLIT=split, hist_ptr=hist, GH=GH, CH=CH, list_ptr=listed,
