@@ -11,7 +11,8 @@ V = 151936 (triton.testing.do_bench medians, ms). Heads: the benchmark's typical
 (-1.6 ln(rank), a nucleus of ~27 tokens: every row certified) and the sweep's
 (tpsample.launch.sweep: gauss1 and zipf1.3 are flat, every top-p row falls back). Last,
 each cell's mean per arm, the ratio to the first arm, and whether every arm drew the same
-tokens (a call at offset 0 per cell).
+tokens (a call at offset 0 per cell). Run it from the checkout with the checkout on
+PYTHONPATH where PYTHONSAFEPATH is set (`python -m` then does not add the working directory).
 """
 import argparse
 import json

@@ -381,9 +381,10 @@ class Pipeline:
                            T, filters, constraints: C.Constraints,
                            in_capture: bool, logprobs: bool = True,
                            tokens_out: torch.Tensor | None = None
-                           ) -> tuple[F.FilteredOutput, bool]:
+                           ) -> tuple[F.FilteredOutput, bool, torch.Tensor | None]:
         """Stage 1, exchange and launchers.stage2_filtered, replayed like run()'s launches;
-        returns (outputs, whether the exact fallback ran on the device).
+        returns (outputs, whether the exact fallback ran on the device, stage 1's logits side
+        output or None).
 
         Stage 1 is launched (replayed) before anything only stage 2 needs is prepared: the
         fallback path's decision, its buffers, the filters' part of the key and the outputs
