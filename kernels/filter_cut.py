@@ -254,8 +254,8 @@ def _bracket(part_ptr, b, B, G, W, done, target, z, N, xmax, xmin, NT_: tl.const
             a_next = tl.max(tl.where(i == js, a, NEG_INF))
             hi = tl.where(js == NT_, hi, tl.max(tl.where(i == js, t, NEG_INF)))
             a_hi = tl.where(js == NT_, a_hi, a_next)
-            a_lo = tl.max(tl.where(i == js - 1, a, NEG_INF))
             if EARLY > 0:
+                a_lo = tl.max(tl.where(i == js - 1, a, NEG_INF))
                 live = (js == 0) | ((a_lo - a_hi) * 1.05 > EARLY * tl.exp(lo - xmax))
     return lo, hi, a_hi, bmin, bmax, live
 
@@ -513,8 +513,8 @@ def cut_step_kernel(
                         tl.store(mine + NT, tl.min(nmin))
                         tl.store(mine + NT + 1, tl.max(nmax))
                 elif STEP == COMPACT:
-                    lo, hi, a_hi, bmin, bmax, live = _bracket(hist_ptr, b, B, GH, W, PASSES, target,
-                                                        z, N, xmax, xmin, NT, BLOCK_GH, EARLY)
+                    lo, hi, a_hi, bmin, bmax, _ = _bracket(hist_ptr, b, B, GH, W, PASSES, target, z,
+                                                         N, xmax, xmin, NT, BLOCK_GH, EARLY)
                     # a slot per selected column from one atomic each (its key is made in
                     # FINISH): a block holds one or two of the bracket's ~100 tokens, so a
                     # per-block count and scan (two block reductions) would cost more
@@ -528,8 +528,8 @@ def cut_step_kernel(
                         pos = tl.atomic_add(counter, one, mask=sel, sem="relaxed")
                         tl.store(keys + pos, (v0 + cols).to(tl.int64), mask=sel & (pos < CAP))
                 elif STEP == FINISH:
-                    lo, hi, a_hi, bmin, bmax, live = _bracket(hist_ptr, b, B, GH, W, PASSES, target,
-                                                        z, N, xmax, xmin, NT, BLOCK_GH, EARLY)
+                    lo, hi, a_hi, bmin, bmax, _ = _bracket(hist_ptr, b, B, GH, W, PASSES, target, z,
+                                                         N, xmax, xmin, NT, BLOCK_GH, EARLY)
                     n = tl.load(keys + CAP)
                     kept = tl.cast(0.0, tl.float32)
                     if n <= SHORT:
