@@ -61,7 +61,9 @@ SELECT and takes the HIST, COMPACT, FINISH and SAMPLE steps, and the others end 
 (LOGPROBS, a call that also returns log-probs: its log Z needs the kept mass, so SELECT
 lists every top-p row for the cut, whose FINISH adds the sorted bracket's kept keys to A(hi);
 SAMPLE sums the kept mass without noise only on the other rows (min-p, RAW, the bisection);
-the token comes from the winner check all the same.) SAMPLE then redraws the noise only where
+the token comes from the winner check all the same, the winner kept when its key is at or
+above the cut; such a call needs no STATS either: x_max and Z are the filter kernel's, from
+the records.) SAMPLE then redraws the noise only where
 the answer can be: each 128-token tile's record holds its winner (score, id, logit); a tile
 whose winner is kept gives the kept set its winner there, so s* = the best kept tile
 winner is a lower bound of the answer, and only tiles whose winner scores above s* (their
@@ -104,9 +106,15 @@ def _row_stats(part_ptr, b, B, G, W, BLOCK_G: tl.constexpr):
 
 
 @triton.jit
-def _winner_kept(part_ptr, b, B, G, W, x_w, p, m, xmax, z, BLOCK_G: tl.constexpr):
-    """Whether the row's sample-0 winner (logit x_w) is kept (module docstring, WINNER):
-    from STATS' partial sums of the mass above x_w and the count of tokens at x_w."""
+def _winner_kept(part_ptr, b, B, G, W, w_key, cut, p, m, xmax, z, BY_CUT: tl.constexpr,
+                 BLOCK_G: tl.constexpr):
+    """Whether the row's sample-0 winner (order key w_key) is kept (module docstring,
+    WINNER): from STATS' partial sums of the mass above its logit and the count of tokens at
+    it; BY_CUT (no STATS: XMAX_KNOWN) from the cut FINISH found, as SAMPLE tests a token
+    ({key >= cut}, cut 0 on a row without top-p)."""
+    x_w = decode_key(w_key)
+    if BY_CUT:
+        return (w_key >= cut) & (tl.exp(x_w - xmax) >= m)
     g = tl.arange(0, BLOCK_G)
     at = part_ptr + (tl.cast(b, tl.int64) * G + g) * W
     cmax = tl.load(at, mask=g < G, other=NEG_INF)
@@ -323,7 +331,7 @@ def cut_step_kernel(
     top_p_ptr, min_p_ptr, tokens_ptr, logprobs_ptr, logz_ptr, flag_ptr, count_ptr, part_ptr,
     keys_ptr, win_ptr, win_at, rec_ptr, st_slot, st_b, st_t, T_rec, N_rec, parity_ptr,
     parity_stride, B, G, C, W, S, starts_ptr, slot_n, slot_stride, calls_ptr, peer_ptrs_ptr,
-    rank, split, hist_ptr, GH, CH, list_ptr, STEP: tl.constexpr, HAS_K: tl.constexpr,
+    rank, split, hist_ptr, GH, CH, STEP: tl.constexpr, HAS_K: tl.constexpr,
     HAS_P: tl.constexpr, HAS_M: tl.constexpr,
     RAW: tl.constexpr, ALIGNED4: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -336,8 +344,9 @@ def cut_step_kernel(
     """One STEP (module docstring) for the rows fast_row takes. l [B, N] fp32 logits (row stride
     stride_lb; SLOTTED: [world, B, slot_n] as filter_fallback.fallback_rows_kernel reads them);
     part fp32 [SAMPLE + 1, B, G, W] (W >= max(NT + 2, S + 2, 5)), hist fp32 [PASSES + 1, B, GH,
-    W], list int32 [1 + B] (SELECT's count, then its rows) and keys int64 [B, CAP + 2 + G * S]
-    (slots, counter, cut, the chunks' winners): this call's workspace; chunk g of a row is
+    W] and keys int64 [B, CAP + 2 + G * S] (slots, counter, cut, the chunks' winners): this
+    call's workspace; the cut list, int32 [1 + B] (SELECT's count, then its rows), is at
+    win[win_at + 3B], zeroed by the filter kernel (tpsample/filters.py scratch_words); chunk g of a row is
     columns [g·C, (g+1)·C) (HIST and COMPACT: [g·CH, (g+1)·CH)), C and CH multiples of BLOCK.
     Outputs as fallback_rows_kernel's ([B, S], [B]); count[0] += the rows done (FINAL). The
     programs take the items (rows × chunks, or rows for FINISH / FINAL) in turn; a call without
@@ -348,8 +357,9 @@ def cut_step_kernel(
     blocks with a tile winner above s* (records [slots, planes, B, T_rec, 4] by strides, N_rec =
     slots · T_rec, BLOCK_TC >= a chunk's tiles; USE_PARITY: the fan-out's two buffers, this
     call's the one the filter kernel's parity flip left); FINAL writes tokens, and log-probs and
-    log Z (NaN without LOGPROBS). XMAX_KNOWN (WINNER, no top-p in the call): x_max is the filter
-    kernel's (a key at win[win_at + B + b]) and STATS is not launched. EARLY: a bracket of at
+    log Z (NaN without LOGPROBS). XMAX_KNOWN (WINNER, and no top-p in the call or LOGPROBS):
+    x_max and log Z are the filter kernel's (keys at win[win_at + B + b], [win_at + 2B + b]),
+    STATS is not launched, and a winner is kept by FINISH's cut. EARLY: a bracket of at
     most EARLY tokens ends the HIST passes (module docstring). The items are the rows b
     = rank + k · split (one device: rank 0, split 1). SPLIT (tensor parallel, SLOTTED): split =
     world, each rank redoes the rows it owns (filter_fallback.fallback_logits_kernel gathered
@@ -360,12 +370,11 @@ def cut_step_kernel(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     flagged = count_flags(flag_ptr, B, BLOCK_F)
+    # (inside the filter kernels' scratch, which a replayed call passes anew)
+    list_ptr = (win_ptr + win_at + 3 * B).to(tl.pointer_type(tl.int32), bitcast=True)
     LISTED: tl.constexpr = (STEP > STATS) and (STEP <= FINISH)  # over SELECT's cut list
     PER_ROW: tl.constexpr = (STEP == FINISH) or (STEP == FINAL) or (STEP == SELECT)
     owned = (B - rank + split - 1) // split
-    if STEP == STATS:
-        if tl.program_id(0) == 0:
-            tl.store(list_ptr, 0)  # SELECT's count
     if LISTED:
         listed = tl.where(flagged > 0, tl.load(list_ptr), 0)
         if PER_ROW:
@@ -442,13 +451,11 @@ def cut_step_kernel(
                 if WINNER:
                     tl.store(mine + 3, tl.sum(lgt * to_cmax))
                     tl.store(mine + 4, tl.sum(leq))
-                if g == 0:
-                    tl.store(keys + CAP, tl.cast(0, tl.int64))  # COMPACT's counter
             else:
-                if XMAX_KNOWN:  # the filter kernel's row max (no STATS was launched)
+                if XMAX_KNOWN:  # the filter kernel's row max and log Z (no STATS launched)
                     xmax = decode_key(tl.load(win_ptr + win_at + B + b64))
-                    z = tl.cast(1.0, tl.float32)
-                    xmin = xmax
+                    z = tl.exp(decode_key(tl.load(win_ptr + win_at + 2 * B + b64)) - xmax)
+                    xmin = tl.cast(NEG_INF, tl.float32)
                 else:
                     xmax, z, xmin = _row_stats(part_ptr, b, B, G, W, BLOCK_G)
                 target = p * z
@@ -456,15 +463,17 @@ def cut_step_kernel(
                 won = w_key < 0
                 if WINNER and not LISTED:  # (SELECT lists only rows whose winner is not kept)
                     w_key = tl.load(win_ptr + win_at + b64)
-                    if XMAX_KNOWN:  # (min-p alone: SAMPLE's own test)
-                        won = tl.exp(decode_key(w_key) - xmax) >= m
-                    else:
-                        won = _winner_kept(part_ptr, b, B, G, W, decode_key(w_key), p, m, xmax,
-                                           z, BLOCK_G)
+                    cut = tl.cast(0, tl.int64)
+                    if XMAX_KNOWN and (STEP != SELECT):  # (SAMPLE, FINAL: FINISH's cut)
+                        if p < 1.0:
+                            cut = tl.load(keys + CAP + 1)
+                    won = _winner_kept(part_ptr, b, B, G, W, w_key, cut, p, m, xmax, z,
+                                       XMAX_KNOWN, BLOCK_G)
                 if STEP == SELECT:
                     if (not won) or LOGPROBS:  # (log Z needs the kept mass, so the cut)
                         at = tl.atomic_add(list_ptr, 1)
                         tl.store(list_ptr + 1 + at, b)
+                        tl.store(keys + CAP, tl.cast(0, tl.int64))  # COMPACT's counter
                 elif won:
                     if (STEP == SAMPLE) and LOGPROBS:  # the sums, no noise
                         cut = tl.cast(0, tl.int64)

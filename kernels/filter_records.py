@@ -122,8 +122,10 @@ def filter_records_kernel(
     take sample s's pathwise winner over sample plane s (pathwise_winner: reduce_records'
     token), its logit over this kernel's log Z; with USE_PARITY its last program flips the
     parity. With replacement every row's sample-0 winner is also stored as its order key
-    (logit, id) at scratch[win_at + b], and the row's largest logit as a key at
-    scratch[win_at + B + b], for the fast path's winner check (kernels/filter_cut.py).
+    (logit, id) at scratch[win_at + b], and the row's largest logit and its log Z as keys at
+    scratch[win_at + B + b] and [win_at + 2B + b], for the fast path's winner check and its
+    cut (kernels/filter_cut.py, XMAX_KNOWN); the first program zeroes the fast path's cut
+    list count (int32 at scratch[win_at + 3B], tpsample/filters.py scratch_words).
     PDL: a programmatic dependent of the launch before (stage 1 or the exchange), whose
     records it waits for.
     Otherwise reduce_records runs before it (and flips the parity) and writes the unfiltered
@@ -206,6 +208,9 @@ def filter_records_kernel(
     if PATHWISE and REPLACE:
         tl.store(scratch_ptr + win_at + b, order_key(u_x0, u_tok0))
         tl.store(scratch_ptr + win_at + tl.num_programs(0) + b, order_key(xmax, u_tok0))
+        tl.store(scratch_ptr + win_at + 2 * tl.num_programs(0) + b, order_key(logz, u_tok0))
+    if b == 0:
+        tl.store(scratch_ptr + win_at + 3 * tl.num_programs(0), tl.cast(0, tl.int64))
     if PATHWISE and USE_PARITY:
         # every program read the parity before its increment (acq_rel orders them), so the
         # program that sees all others done may flip it (as reduce_records does)

@@ -6,7 +6,8 @@ every interpreted test and fails on the device. This compiles each step with Tri
 frontend and ptxas, in a fresh process without the interpreter, for the configurations the
 launcher uses: one device and tensor parallel (SLOTTED, SPLIT), tokens only, the winner
 check, with log-probs (WINNER, LOGPROBS) and raw log-probs; top-p and min-p, either alone
-(HAS_P, HAS_M), and min-p alone with the filter kernel's row max (XMAX_KNOWN); the HIST
+(HAS_P, HAS_M), and min-p alone or log-probs with the filter kernel's row max and log Z
+(XMAX_KNOWN); the HIST
 passes with and without their early end (EARLY, here CAP under tensor parallel, else 0).
 """
 import os
@@ -31,7 +32,7 @@ POINTERS = dict(l_ptr="*fp32", inv_temp_ptr="*fp32", seed_ptr="*i64", offset_ptr
                 logprobs_ptr="*fp32", logz_ptr="*fp32", flag_ptr="*i32", count_ptr="*i32",
                 part_ptr="*fp32", keys_ptr="*i64", win_ptr="*i64", rec_ptr="*fp32",
                 parity_ptr="*i32", starts_ptr="*i64", calls_ptr="*i32", peer_ptrs_ptr="*i64",
-                hist_ptr="*fp32", list_ptr="*i32")
+                hist_ptr="*fp32")
 STEPS = (K.STATS.value, K.SELECT.value, *range(1, K.PASSES.value + 1), K.COMPACT.value,
          K.FINISH.value, K.SAMPLE.value, K.FINAL.value)
 runtime, _ = replay._signature(K.cut_step_kernel)
@@ -41,11 +42,15 @@ for tp, (winner, lp), raw, (has_p, has_m) in itertools.product(
         ((True, True), (True, False), (False, True))):
     if raw and not lp:
         continue
+    # (a call with the winner check and log-probs takes x_max and log Z from the filter
+    # kernel, XMAX_KNOWN, and launches no STATS)
     for step in STEPS if has_p else (K.STATS.value, K.SAMPLE.value, K.FINAL.value):
+        if lp and step == K.STATS.value:
+            continue
         c = dict(HAS_K=False, HAS_P=has_p, HAS_M=has_m, ALIGNED4=not tp, BLOCK=2048, SUB=512,
                  BLOCK_G=8, BLOCK_F=256, PDL=True, BLOCK_GH=8, BLOCK_R=2048, BLOCK_TC=32,
                  SLOTTED=tp, SPLIT=tp, WINNER=winner, LOGPROBS=lp, RAW=raw, STEP=step,
-                 EARLY=K.CAP.value if tp else 0)
+                 EARLY=K.CAP.value if tp else 0, XMAX_KNOWN=lp)
         sig = {n: POINTERS.get(n, "i32") for n in runtime} | {k: "constexpr" for k in c}
         try:
             triton.compile(ASTSource(K.cut_step_kernel, sig, constexprs=c),
@@ -78,6 +83,7 @@ def test_every_cut_step_compiles_for_sm90(tmp_path):
     out = subprocess.run([sys.executable, "-c", COMPILE], env=env, cwd=tmp_path,
                          capture_output=True, text=True, timeout=1200)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
-    # 8 configurations x (9 steps with top-p and min-p, 9 with top-p alone, 3 with min-p alone),
-    # and min-p alone with the filter kernel's row max: 4 x SAMPLE, FINAL
-    assert int(out.stdout.split()[-1]) == 8 * (9 + 9 + 3) + 8
+    # 8 configurations x (9 steps with top-p and min-p, 9 with top-p alone, 3 with min-p alone)
+    # less STATS in the 4 with log-probs, and min-p alone with the filter kernel's row max:
+    # 4 x SAMPLE, FINAL
+    assert int(out.stdout.split()[-1]) == 8 * (9 + 9 + 3) - 4 * 3 + 8

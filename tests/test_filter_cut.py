@@ -18,6 +18,7 @@ import triton.language as tl
 import tpsample
 from tpsample import launchers, replay
 from tpsample.api import _pipeline
+from tpsample.filters import cut_list
 from tpsample.kernels import filter_cut
 from tpsample.reference import reference_sample
 
@@ -104,14 +105,18 @@ WINNER_ROWS = dict(top_p=torch.tensor([0.9, 0.5, 1.0, 0.99, 0.95, 0.3, 0.9, 0.7]
 def _winner_call(monkeypatch, logprobs=False, **patches):
     """A call on 16 flat rows (every one flagged; tokens only, or with log-probs), with
     filter_cut's helpers replaced by `patches`; returns (h, w, keywords, output), after
-    checking that the fast path took its winner check."""
+    checking that the fast path took its winner check, with STATS for tokens only and with
+    the filter kernel's x_max and log Z instead for log-probs (the winner kept by the cut)."""
     monkeypatch.setattr(launchers, "fallback_programs", lambda t: 5)
     for name, fn in patches.items():
         monkeypatch.setattr(filter_cut, name, fn)
     modes = []
     run = replay.run_kernel
 
+    steps = []
+
     def spy(k, grid, args, const, opts):
+        steps.append(const.get("STEP"))
         if const.get("STEP") == filter_cut.FINAL.value:
             modes.append(const.get("WINNER"))
         return run(k, grid, args, const, opts)
@@ -120,6 +125,7 @@ def _winner_call(monkeypatch, logprobs=False, **patches):
     kw = dict(WINNER_ROWS, seed=torch.arange(16) * 5 + 3)
     out = tpsample.sample(h, w, backend="triton", return_logprobs=logprobs, **kw)
     assert modes == [True]
+    assert (filter_cut.STATS.value in steps) == (not logprobs), steps
     return h, w, kw, out if logprobs else out.view(-1)
 
 
@@ -159,7 +165,7 @@ def test_the_cut_list_takes_more_chunks_than_the_other_steps(monkeypatch):
     def spy(fn, grid, options, **named):
         out = named_run(fn, grid, options, **named)
         if named.get("STEP") == filter_cut.FINISH.value:
-            seen.append((named["G"], named["GH"], named["list_ptr"].clone()))
+            seen.append((named["G"], named["GH"], cut_list(named["win_ptr"], named["B"]).clone()))
         return out
     monkeypatch.setattr(launchers, "run_named", spy)
     h, w = flat_rows(V=9000, B=8)
@@ -179,13 +185,15 @@ def test_the_cut_list_takes_more_chunks_than_the_other_steps(monkeypatch):
 
 
 @triton.jit
-def _kept_always(part_ptr, b, B, G, W, x_w, p, m, xmax, z, BLOCK_G: tl.constexpr):
-    return x_w == x_w
+def _kept_always(part_ptr, b, B, G, W, w_key, cut, p, m, xmax, z, BY_CUT: tl.constexpr,
+                 BLOCK_G: tl.constexpr):
+    return w_key == w_key
 
 
 @triton.jit
-def _kept_never(part_ptr, b, B, G, W, x_w, p, m, xmax, z, BLOCK_G: tl.constexpr):
-    return x_w != x_w
+def _kept_never(part_ptr, b, B, G, W, w_key, cut, p, m, xmax, z, BY_CUT: tl.constexpr,
+                BLOCK_G: tl.constexpr):
+    return w_key != w_key
 
 
 @triton.jit

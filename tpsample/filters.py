@@ -76,7 +76,19 @@ class FilteredOutput(NamedTuple):
     top_logprobs: torch.Tensor  # fp32 [B, n]
     fallback: torch.Tensor      # bool or int32 [B]: rows without a certificate (their
                                 # other outputs are not valid)
-    scratch: torch.Tensor | None = None  # the filter kernels' int64 [B·(KNOWN_CAP + 2)]
+    scratch: torch.Tensor | None = None  # the filter kernels' int64 [scratch_words(B)]
+
+
+def scratch_words(B: int) -> int:
+    """int64 words of the filter kernels' scratch: a row's sort scratch (B·KNOWN_CAP), then
+    per row its sample-0 winner's order key, its largest logit's and its log Z's (B each), then
+    the fast path's cut list, int32 [1 + B] (its count zeroed by the filter kernel)."""
+    return B * (KNOWN_CAP + 3) + (B + 2) // 2
+
+
+def cut_list(scratch: torch.Tensor, B: int) -> torch.Tensor:
+    """The cut list inside the scratch (scratch_words): int32 [1 + B]."""
+    return scratch[B * (KNOWN_CAP + 3):].view(torch.int32)[:B + 1]
 
 
 def row_is_filtered(filters: Filters, inv_temp: torch.Tensor) -> torch.Tensor:

@@ -455,10 +455,9 @@ _NO_TOP: dict = {}  # (B, device) -> the empty top planes of calls without top l
 def filtered_outputs(B: int, S: int, n: int, device, flat: bool = False) -> F.FilteredOutput:
     """Fresh outputs of stage2_filtered: tokens int64 [B, S], logprobs fp32 [B, S], logz fp32
     [B], top tokens int64 [B, n], top log-probs fp32 [B, n], fallback flags int32 [B]
-    (`fallback`), and the filter kernels' scratch int64 [B·(KNOWN_CAP + 2)] (a row's sort
-    scratch in the first B·KNOWN_CAP, then its sample-0 winner's key, then its largest
-    logit's). With n = 0 the top planes hold nothing and are shared between calls (each
-    allocation costs host time).
+    (`fallback`), and the filter kernels' scratch int64 [filters.scratch_words(B)]. With
+    n = 0 the top planes hold nothing and are shared between calls (each allocation costs
+    host time).
     flat (a replayed call, whose launches take only the addresses): tokens and logprobs
     [B] when S == 1, the shape the caller returns (a slice per call costs host time)."""
     if flat and S == 1:
@@ -479,7 +478,7 @@ def filtered_outputs(B: int, S: int, n: int, device, flat: bool = False) -> F.Fi
         tokens, logprobs, torch.empty(B, dtype=torch.float32, device=device),
         *top,
         torch.empty(B, dtype=torch.int32, device=device),
-        torch.empty(B * (F.KNOWN_CAP + 2), dtype=torch.int64, device=device))
+        torch.empty(F.scratch_words(B), dtype=torch.int64, device=device))
 
 
 def stage2_filtered(plan: Plan, recs: torch.Tensor, params: RowParams, filters: Filters,
@@ -707,9 +706,9 @@ def _cut_steps(hidden, params: RowParams, filters: Filters, out: F.FilteredOutpu
                logprobs: bool = True) -> None:
     """kernels/filter_cut.py's steps for the flagged rows with top-p / min-p and no top-k
     (the cut's steps only when the call has top-p). Workspace, per call: fp32 [SAMPLE + 1, B,
-    G, W] and [PASSES + 1, B, GH, W] partial sums, int32 [1 + B] cut list and int64 [B, CAP +
-    2 + G·S] keys (G chunks per row: at least 8, and two items per program of a full grid at
-    small B; GH: tokens-only calls also at most CUT_LIST_CHUNK columns each). winner:
+    G, W] and [PASSES + 1, B, GH, W] partial sums and int64 [B, CAP + 2 + G·S] keys (G chunks
+    per row: at least 8, and two items per program of a full grid at small B; GH: tokens-only
+    calls also at most CUT_LIST_CHUNK columns each); the cut list is in out.scratch. winner:
     (records, parity, parity_stride) of a call with merge "max" (kernels/filter_cut.py,
     WINNER); logprobs: the call returns log-probs (LOGPROBS: every top-p row's cut).
     owners: the rows this rank redoes, b = rank + k · split; split: it sends their outputs
@@ -732,7 +731,6 @@ def _cut_steps(hidden, params: RowParams, filters: Filters, out: F.FilteredOutpu
     dev = hidden.device
     part = torch.empty(K.SAMPLE.value + 1, B, G, W, dtype=torch.float32, device=dev)
     hist = torch.empty(K.PASSES.value + 1, B, GH, W, dtype=torch.float32, device=dev)
-    listed = torch.empty(B + 1, dtype=torch.int32, device=dev)
     keys = torch.empty(B, K.CAP.value + 2 + G * S, dtype=torch.int64, device=dev)
     source = _row_source(rows, params, filters, vocab_start)
     if use_winner:
@@ -746,9 +744,10 @@ def _cut_steps(hidden, params: RowParams, filters: Filters, out: F.FilteredOutpu
     else:
         rec = dict(rec_ptr=count, st_slot=0, st_b=0, st_t=0, T_rec=1, N_rec=0, parity_ptr=count,
                    parity_stride=0)
-    # a call without top-p whose rows check their winner needs only x_max from STATS, and the
-    # filter kernel stored it (kernels/filter_records.py)
-    xmax_known = use_winner and filters.top_p is None
+    # a call whose rows check their winner needs x_max and Z from STATS only to check it
+    # without the cut (top-p, tokens only); otherwise the filter kernel's (from the records)
+    # serve, and no STATS is launched
+    xmax_known = use_winner and (filters.top_p is None or logprobs)
     steps = [] if xmax_known else [K.STATS.value]
     if filters.top_p is not None:
         steps += list(K.CUT_STEPS)
@@ -767,5 +766,5 @@ def _cut_steps(hidden, params: RowParams, filters: Filters, out: F.FilteredOutpu
                   EARLY=K.CAP.value if B >= EARLY_FROM_B else 0,
                   SUB=min(block, 512), BLOCK_G=max(2, 1 << (G - 1).bit_length()),
                   BLOCK_F=block_f, PDL="launch_pdl" in launch, SLOTTED=slotted, **owners,
-                  SPLIT=split, hist_ptr=hist, GH=GH, CH=CH, list_ptr=listed,
+                  SPLIT=split, hist_ptr=hist, GH=GH, CH=CH,
                   BLOCK_GH=max(2, 1 << (GH - 1).bit_length()))
