@@ -472,7 +472,7 @@ def cut_step_kernel(
                 if STEP == SELECT:
                     if (not won) or LOGPROBS:  # (log Z needs the kept mass, so the cut)
                         at = tl.atomic_add(list_ptr, 1)
-                        tl.store(list_ptr + 1 + at, b)
+                        tl.store(list_ptr + 1 + at, b, mask=at < B)  # (B rows at most)
                         tl.store(keys + CAP, tl.cast(0, tl.int64))  # COMPACT's counter
                 elif won:
                     if (STEP == SAMPLE) and LOGPROBS:  # the sums, no noise

@@ -2,7 +2,7 @@
 launch shapes (programs, warps, block): where the exact fallback's time goes.
 
     python -m tools.cut_steps [--D 4096 --V 151936] [--heads gauss1] [--batches 16,64,256]
-        [--filter p0.9] [--out DIR]
+        [--filter p0.9,p0.9+lp] [--out DIR]
 
 Each launch is replayed alone in a CUDA graph (no host time; its programmatic-dependent wait
 returns at once), so the durations add up to the call's GPU time less the gaps between
@@ -19,10 +19,17 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 import tpsample
 from tpsample import replay as replay_mod
+from tpsample.kernels import filter_cut
 from tpsample.launch.sweep import hidden, sort_top_p, sweep_head
 
 FILTERS = {"p0.9": dict(top_p=0.9), "m0.1": dict(min_p=0.1), "p0.95": dict(top_p=0.95),
-           "k50": dict(top_k=50)}
+           "k50": dict(top_k=50), "p0.9+lp": dict(top_p=0.9, return_logprobs=True),
+           "pm+lp": dict(top_p=0.9, min_p=0.05, return_logprobs=True)}
+
+
+def tokens(out):
+    """The tokens of a call's output (a tensor, or an output with log-probs)."""
+    return getattr(out, "tokens", out)
 
 
 def capture(fn):
@@ -50,6 +57,30 @@ def replay(log, upto):
         k[grid](*args, **const, **opts)
 
 
+def state(log):
+    """Every CUDA tensor the call's launches take, for timing a launch without keeping what
+    its repeated runs leave (SELECT's list, COMPACT's slots and FINAL's count grow with
+    each run)."""
+    seen = {}
+    for _, _, args, _, _ in log:
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.is_cuda:
+                seen.setdefault(id(a), a)
+    return list(seen.values())
+
+
+def timed_alone(log, i, fn, rep):
+    """fn (a launch of log[i] or a variant of it) timed in a CUDA graph after the launches
+    before it, the tensors then restored to what those left."""
+    replay(log, i)
+    tensors = state(log)
+    saved = [t.clone() for t in tensors]
+    t = do_bench_cudagraph(fn, rep=rep)
+    for x, y in zip(tensors, saved):
+        x.copy_(y)
+    return t
+
+
 def name(k, const):
     n = getattr(getattr(k, "fn", k), "__name__", str(k))
     return f"{n}[{const['STEP']}]" if "STEP" in const else n
@@ -61,27 +92,31 @@ def main():
     ap.add_argument("--V", type=int, default=151936)
     ap.add_argument("--heads", default="gauss1")
     ap.add_argument("--batches", default="16,64,256")
-    ap.add_argument("--filter", default="p0.9")
+    ap.add_argument("--filter", default="p0.9", help=",".join(FILTERS))
     ap.add_argument("--variants", default="1,2,4:4,8:1024,2048")
     ap.add_argument("--out", default=".")
+    ap.add_argument("--early-from-b", type=int, help="launchers.EARLY_FROM_B for this run")
     a = ap.parse_args()
+    if a.early_from_b is not None:
+        from tpsample import launchers
+        launchers.EARLY_FROM_B = a.early_from_b
     mults, warps, blocks = ([int(x) for x in s.split(",")] for s in a.variants.split(":"))
     w, U = sweep_head(a.D, a.V, torch.bfloat16, "cuda")
-    kw = FILTERS[a.filter]
+    names = list(replay_mod._signature(filter_cut.cut_step_kernel)[0])
     res = []
-    for head in a.heads.split(","):
+    for filt, head in ((f, hd) for f in a.filter.split(",") for hd in a.heads.split(",")):
+        kw = FILTERS[filt]
         for B in map(int, a.batches.split(",")):
             h = hidden(U, head, B, torch.bfloat16)
-            row = {"head": head, "B": B, "filter": a.filter}
+            row = {"head": head, "B": B, "filter": filt}
             row["plain"] = do_bench(lambda: tpsample.sample(h, w, seed=1), rep=100)
             row["call"] = do_bench(lambda: tpsample.sample(h, w, seed=1, **kw), rep=100)
             row["sort"] = do_bench(lambda: sort_top_p(h, w, 1.0), rep=100)
-            ref = tpsample.sample(h, w, seed=1, **kw).clone()  # tokens [B]
+            ref = tokens(tpsample.sample(h, w, seed=1, **kw)).clone()
             out, log = capture(lambda: tpsample.sample(h, w, seed=1, **kw))
             steps = []
             for i, (k, grid, args, const, opts) in enumerate(log):
-                replay(log, i)
-                t = do_bench_cudagraph(lambda: k[grid](*args, **const, **opts), rep=20)
+                t = timed_alone(log, i, lambda: k[grid](*args, **const, **opts), 20)
                 steps.append({"kernel": name(k, const), "grid": list(grid), "us": t * 1e3})
             row["launches"] = steps
             # variants of the fast path's steps (cut_step_kernel)
@@ -89,7 +124,6 @@ def main():
             for i, (k, grid, args, const, opts) in enumerate(log):
                 if "STEP" not in const:
                     continue
-                replay(log, i)
                 for m in mults:
                     for nw in warps:
                         for blk in blocks:
@@ -97,7 +131,7 @@ def main():
                             o = dict(opts, num_warps=nw)
                             g = (grid[0] * m,)
                             try:
-                                t = do_bench_cudagraph(lambda: k[g](*args, **c, **o), rep=10)
+                                t = timed_alone(log, i, lambda: k[g](*args, **c, **o), 10)
                             except Exception as e:  # noqa: BLE001 - report, go on
                                 t = float("nan")
                                 print("variant failed", name(k, const), m, nw, blk, repr(e)[:200])
@@ -105,11 +139,16 @@ def main():
             # the last variant ran every step in order: the tokens must be the call's
             replay(log, len(log))
             torch.cuda.synchronize()
-            row["same_tokens"] = bool(torch.equal(out, ref))
+            row["same_tokens"] = bool(torch.equal(tokens(out), ref))
+            for k, grid, args, const, opts in log:  # the brackets FINISH sorted (top-p rows)
+                if const.get("STEP") == filter_cut.FINISH.value:
+                    n = args[names.index("keys_ptr")][:, filter_cut.CAP.value].float()
+                    row["bracket"] = [float(n.min()), float(n.median()), float(n.max())]
+                    print(f"   bracket sizes min / median / max {row['bracket']}", flush=True)
             row["variants"] = var
             res.append(row)
             tot = sum(s["us"] for s in steps)
-            print(f"{head} B={B}: plain {row['plain']*1e3:.1f} call {row['call']*1e3:.1f} "
+            print(f"{filt} {head} B={B}: plain {row['plain']*1e3:.1f} call {row['call']*1e3:.1f} "
                   f"sort {row['sort']*1e3:.1f} us; launches sum {tot:.1f}; same tokens {row['same_tokens']}", flush=True)
             for s in steps:
                 print(f"   {s['kernel']:32s} grid {s['grid'][0]:6d} {s['us']:8.1f}", flush=True)
