@@ -346,7 +346,8 @@ def cut_step_kernel(
     part fp32 [SAMPLE + 1, B, G, W] (W >= max(NT + 2, S + 2, 5)), hist fp32 [PASSES + 1, B, GH,
     W] and keys int64 [B, CAP + 2 + G * S] (slots, counter, cut, the chunks' winners): this
     call's workspace; the cut list, int32 [1 + B] (SELECT's count, then its rows), is at
-    win[win_at + 3B], zeroed by the filter kernel (tpsample/filters.py scratch_words); chunk g of a row is
+    win[win_at + 3B] (tpsample/filters.py scratch_words), its count zeroed by STATS or, in
+    calls without STATS (XMAX_KNOWN), by the filter kernel; chunk g of a row is
     columns [g·C, (g+1)·C) (HIST and COMPACT: [g·CH, (g+1)·CH)), C and CH multiples of BLOCK.
     Outputs as fallback_rows_kernel's ([B, S], [B]); count[0] += the rows done (FINAL). The
     programs take the items (rows × chunks, or rows for FINISH / FINAL) in turn; a call without
@@ -372,6 +373,9 @@ def cut_step_kernel(
     flagged = count_flags(flag_ptr, B, BLOCK_F)
     # (inside the filter kernels' scratch, which a replayed call passes anew)
     list_ptr = (win_ptr + win_at + 3 * B).to(tl.pointer_type(tl.int32), bitcast=True)
+    if STEP == STATS:  # (calls without STATS have it zeroed by the filter kernel)
+        if tl.program_id(0) == 0:
+            tl.store(list_ptr, 0)  # SELECT's count
     LISTED: tl.constexpr = (STEP > STATS) and (STEP <= FINISH)  # over SELECT's cut list
     PER_ROW: tl.constexpr = (STEP == FINISH) or (STEP == FINAL) or (STEP == SELECT)
     owned = (B - rank + split - 1) // split

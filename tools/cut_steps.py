@@ -4,11 +4,13 @@ launch shapes (programs, warps, block): where the exact fallback's time goes.
     python -m tools.cut_steps [--D 4096 --V 151936] [--heads gauss1] [--batches 16,64,256]
         [--filter p0.9,p0.9+lp] [--out DIR]
 
-Each launch is replayed alone in a CUDA graph (no host time; its programmatic-dependent wait
-returns at once), so the durations add up to the call's GPU time less the gaps between
-launches. Variants
-are timed on the captured arguments: a step's partial sums are rewritten in place and the
-steps after it read the same values, so the variants must give the same tokens (checked).
+Each launch is replayed alone in a CUDA graph after the launches before it (no host time;
+its programmatic-dependent wait returns at once), so the durations add up to the call's GPU
+time less the gaps between launches; the tensors are then restored (SELECT's list, COMPACT's
+slots and FINAL's count grow with every timed run). Variants are timed on the captured
+arguments the same way, so the final replay must give the call's tokens (checked). The
+calls here take no CUDA graph and no call memo (a call served by its graph makes no launch to
+capture).
 """
 import argparse
 import json
@@ -97,6 +99,8 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--early-from-b", type=int, help="launchers.EARLY_FROM_B for this run")
     a = ap.parse_args()
+    from tpsample import knobs
+    knobs.GRAPHS = knobs.GRAPHS_FILTERED = knobs.MEMO = False  # (launches to capture)
     if a.early_from_b is not None:
         from tpsample import launchers
         launchers.EARLY_FROM_B = a.early_from_b
