@@ -376,3 +376,37 @@ def test_stage1_writes_the_side_output_only_for_the_fast_path(filters, writes, m
     h, w = flat_rows(V=600, B=2)
     tpsample.sample(h, w, seed=1, backend="triton", **filters)
     assert seen == [writes]
+
+
+@pytest.mark.parametrize("logprobs", [False, True], ids=["tokens", "logprobs"])
+def test_every_launch_takes_the_calls_outputs_whole(logprobs, monkeypatch):
+    """A replayed call fills in its tensors by identity (tpsample/replay.py): a launch argument
+    that is a view of one of the call's outputs, not the output itself, would be replayed on
+    the recorded call's memory (the cut list as a view of the filter kernel's scratch was).
+    Every launch of a filtered call on flagged rows (the filter kernel and the fast path's
+    steps, tokens only and with log-probs) takes each output it touches whole."""
+    monkeypatch.setattr(launchers, "fallback_programs", lambda t: 5)
+    outs, args = [], []
+    make, run = launchers.filtered_outputs, replay.run_kernel
+
+    def made(*a, **k):
+        outs.append(make(*a, **k))
+        return outs[-1]
+
+    def spy(k, grid, a, const, opts):
+        args.append((getattr(k, "__name__", k), const.get("STEP"), a))
+        return run(k, grid, a, const, opts)
+    monkeypatch.setattr(launchers, "filtered_outputs", made)
+    monkeypatch.setattr(replay, "run_kernel", spy)
+    h, w = flat_rows(V=1200, B=8)
+    kw = {k: v[:8] for k, v in WINNER_ROWS.items()}
+    tpsample.sample(h, w, backend="triton", seed=torch.arange(8), return_logprobs=logprobs, **kw)
+    (out,) = outs
+    steps = {s for _, s, _ in args if s is not None}
+    assert filter_cut.FINISH.value in steps and filter_cut.SAMPLE.value in steps, steps
+    whole = {t.untyped_storage().data_ptr(): t for t in out if t.numel()}
+    for name, step, a in args:
+        for t in a:
+            if isinstance(t, torch.Tensor) and t.numel():
+                o = whole.get(t.untyped_storage().data_ptr())
+                assert o is None or t is o, (name, step, t.shape, o.shape)
