@@ -290,6 +290,20 @@ def _sorted_cut(keys, n, row, N, vocab_start, slots, a_hi, target, xmax, SIZE: t
 
 
 @triton.jit
+def _noisy_key(x, gid, seed, off_lo, off_hi, s, col0, BLOCK: tl.constexpr,
+               ALIGNED4: tl.constexpr):
+    """The order keys of x + Gumbel noise (sample s; the call's Philox words, as stage 1 drew
+    them) for a block of BLOCK columns of global ids gid (ALIGNED4: gid = col0 + 0..BLOCK-1,
+    col0 a multiple of 4, one Philox call per four words)."""
+    if ALIGNED4:
+        words = tl.reshape(philox_words_tile(seed, off_lo, off_hi, tl.cast(s, tl.uint32), col0,
+                                             BLOCK, 1), (BLOCK,))
+    else:
+        words = philox_word(seed, off_lo, off_hi, tl.cast(s, tl.uint32), gid)
+    return order_key(tl.fma(gumbel_log(words), NOISE_COEF, x), gid)
+
+
+@triton.jit
 def _send_one(l_ptr, b64, stride_lb, slot_stride, peer_ptrs_ptr, rank, world, tok, lp, lz):
     """SPLIT, a one-sample row: its token, log-prob and log Z to the others."""
     send_outputs(l_ptr, b64, stride_lb, slot_stride, peer_ptrs_ptr, rank, world, 0,
@@ -370,6 +384,7 @@ def cut_step_kernel(
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    tl.static_assert(XMAX_KNOWN or not LOGPROBS)  # (its winners are kept by the cut)
     flagged = count_flags(flag_ptr, B, BLOCK_F)
     # (inside the filter kernels' scratch, which a replayed call passes anew)
     list_ptr = (win_ptr + win_at + 3 * B).to(tl.pointer_type(tl.int32), bitcast=True)
@@ -479,10 +494,7 @@ def cut_step_kernel(
                         tl.store(list_ptr + 1 + at, b, mask=at < B)  # (B rows at most)
                         tl.store(keys + CAP, tl.cast(0, tl.int64))  # COMPACT's counter
                 elif won:
-                    if (STEP == SAMPLE) and LOGPROBS:  # the sums, no noise
-                        cut = tl.cast(0, tl.int64)
-                        if p < 1.0:
-                            cut = tl.load(keys + CAP + 1)
+                    if (STEP == SAMPLE) and LOGPROBS:  # the sums, no noise (FINISH's cut)
                         _noise_free_sums(row, c0, c1, cut, p, m, xmax, keys, inv_temp_ptr, b, mine,
                                          slots, vocab_start, BLOCK, SLOTTED, RAW)
                     elif STEP == FINAL:
@@ -589,15 +601,9 @@ def cut_step_kernel(
                             gid = row_ids(v0 + cols, c1, vocab_start, slots, SLOTTED)
                             key = tl.where(x > NEG_INF, order_key(x, gid), -1)
                             keep = (key >= cut) & (tl.exp(x - xmax) >= m)
-                            if ALIGNED4:
-                                words = tl.reshape(philox_words_tile(
-                                    seed, off_lo, off_hi, tl.cast(0, tl.uint32),
-                                    vocab_start + v0, BLOCK, 1), (BLOCK,))
-                            else:
-                                words = philox_word(seed, off_lo, off_hi, tl.cast(0, tl.uint32),
-                                                    gid)
-                            zs = tl.fma(gumbel_log(words), NOISE_COEF, x)
-                            zkey = tl.where(keep, order_key(zs, gid), -1)
+                            zkey = tl.where(keep, _noisy_key(x, gid, seed, off_lo, off_hi, 0,
+                                                             vocab_start + v0, BLOCK, ALIGNED4),
+                                            -1)
                             up = zkey > best
                             best = tl.where(up, zkey, best)
                             best_x = tl.where(up, x, best_x)
@@ -632,15 +638,9 @@ def cut_step_kernel(
                                 mass += tl.where(keep, e, 0.0)
                                 if RAW:
                                     raw += tl.exp(x * to_raw - xmax * to_raw)
-                            if ALIGNED4:
-                                words = tl.reshape(philox_words_tile(
-                                    seed, off_lo, off_hi, tl.cast(s, tl.uint32),
-                                    vocab_start + v0, BLOCK, 1), (BLOCK,))
-                            else:
-                                words = philox_word(seed, off_lo, off_hi, tl.cast(s, tl.uint32),
-                                                    gid)
-                            zs = tl.fma(gumbel_log(words), NOISE_COEF, x)
-                            zkey = tl.where(keep, order_key(zs, gid), -1)
+                            zkey = tl.where(keep, _noisy_key(x, gid, seed, off_lo, off_hi, s,
+                                                             vocab_start + v0, BLOCK, ALIGNED4),
+                                            -1)
                             up = zkey > best
                             best = tl.where(up, zkey, best)
                             best_x = tl.where(up, x, best_x)
