@@ -232,6 +232,21 @@ def _thresholds(lo, u, NT_: tl.constexpr):
 
 
 @triton.jit
+def _hist_slice(x, hi, lo_e, xmax, t, acc, nmin, nmax):
+    """One HIST slice x [SUB, 1] added to the per-lane sums acc [SUB, NT] (the mass of the
+    tokens in [t_i, hi)) and the range [nmin, nmax] of its logits in [lo_e, hi)."""
+    below = x < hi
+    e = tl.where(below & (x > NEG_INF), tl.exp(x - xmax), 0.0)
+    # (a 1.0 / 0.0 factor and an FMA: two instructions a threshold where a select and an add
+    # took three; the sums are the same bits)
+    acc += e * (x >= t[None, :]).to(tl.float32)
+    inside = below & (x >= lo_e)
+    nmin = tl.minimum(nmin, tl.where(inside, x, INF))
+    nmax = tl.maximum(nmax, tl.where(inside, x, NEG_INF))
+    return acc, nmin, nmax
+
+
+@triton.jit
 def _bracket(part_ptr, b, B, G, W, done, target, z, N, xmax, xmin, NT_: tl.constexpr,
              BLOCK_G: tl.constexpr, EARLY: tl.constexpr):
     """The bracket after `done` HIST passes: (lo, hi, A(hi), the range [bmin, bmax] the last
@@ -516,24 +531,25 @@ def cut_step_kernel(
                         acc = tl.zeros((SUB, NT), dtype=tl.float32)
                         nmin = tl.full((SUB, 1), INF, tl.float32)
                         nmax = tl.full((SUB, 1), NEG_INF, tl.float32)
-                        # SUB columns at a time, the next three slices' loads in flight
+                        # SUB columns at a time, four slices' loads in flight: the loop
+                        # steps over four slices, each reloaded where it was summed, so no
+                        # register is copied while its load is pending (a rotation xa <- xb
+                        # waits for the load, one memory latency per slice); slices past c1
+                        # are -inf and add nothing
                         sub = tl.arange(0, SUB)[:, None]
                         xa = row_x(row, c0 + sub, c1, slots, SLOTTED)
                         xb = row_x(row, c0 + SUB + sub, c1, slots, SLOTTED)
                         xc = row_x(row, c0 + 2 * SUB + sub, c1, slots, SLOTTED)
-                        for v0 in range(c0, c1, SUB):
-                            x = xa
-                            xa = xb
-                            xb = xc
-                            xc = row_x(row, v0 + 3 * SUB + sub, c1, slots, SLOTTED)
-                            below = x < hi
-                            e = tl.where(below & (x > NEG_INF), tl.exp(x - xmax), 0.0)
-                            # (a 1.0 / 0.0 factor and an FMA: two instructions a threshold
-                            # where a select and an add took three; the sums are the same bits)
-                            acc += e * (x >= t[None, :]).to(tl.float32)
-                            inside = below & (x >= lo_e)
-                            nmin = tl.minimum(nmin, tl.where(inside, x, INF))
-                            nmax = tl.maximum(nmax, tl.where(inside, x, NEG_INF))
+                        xd = row_x(row, c0 + 3 * SUB + sub, c1, slots, SLOTTED)
+                        for v0 in range(c0, c1, 4 * SUB):
+                            acc, nmin, nmax = _hist_slice(xa, hi, lo_e, xmax, t, acc, nmin, nmax)
+                            xa = row_x(row, v0 + 4 * SUB + sub, c1, slots, SLOTTED)
+                            acc, nmin, nmax = _hist_slice(xb, hi, lo_e, xmax, t, acc, nmin, nmax)
+                            xb = row_x(row, v0 + 5 * SUB + sub, c1, slots, SLOTTED)
+                            acc, nmin, nmax = _hist_slice(xc, hi, lo_e, xmax, t, acc, nmin, nmax)
+                            xc = row_x(row, v0 + 6 * SUB + sub, c1, slots, SLOTTED)
+                            acc, nmin, nmax = _hist_slice(xd, hi, lo_e, xmax, t, acc, nmin, nmax)
+                            xd = row_x(row, v0 + 7 * SUB + sub, c1, slots, SLOTTED)
                         tl.store(mine + tl.arange(0, NT), tl.sum(acc, axis=0))
                         tl.store(mine + NT, tl.min(nmin))
                         tl.store(mine + NT + 1, tl.max(nmax))

@@ -104,7 +104,8 @@ def main():
     if a.early_from_b is not None:
         from tpsample import launchers
         launchers.EARLY_FROM_B = a.early_from_b
-    mults, warps, blocks = ([int(x) for x in s.split(",")] for s in a.variants.split(":"))
+    mults, warps, blocks = ([float(x) if i == 0 else int(x) for x in s.split(",")]
+                           for i, s in enumerate(a.variants.split(":")))
     w, U = sweep_head(a.D, a.V, torch.bfloat16, "cuda")
     names = list(replay_mod._signature(filter_cut.cut_step_kernel)[0])
     res = []
@@ -133,7 +134,7 @@ def main():
                         for blk in blocks:
                             c = dict(const, BLOCK=blk, SUB=min(blk, const["SUB"]))
                             o = dict(opts, num_warps=nw)
-                            g = (grid[0] * m,)
+                            g = (max(1, round(grid[0] * m)),)
                             try:
                                 t = timed_alone(log, i, lambda: k[g](*args, **c, **o), 10)
                             except Exception as e:  # noqa: BLE001 - report, go on

@@ -688,8 +688,10 @@ def _filter_ptrs(params: RowParams, filters: Filters) -> dict:
 # over a row's columns hide their loads' latency with more programs in flight (H200, D = 4096,
 # B = 256, each launch alone in a CUDA graph, µs: STATS 99 / 50 at 1x / 2x, COMPACT 80 / 59,
 # SAMPLE 176 / 158 at 1x / 4x; B = 64 within 1 µs either way)
+# (HIST: 6 programs per SM where 3 are resident, two full waves; 4 per SM left a third
+# of the second wave idle: H200, B = 256, flat rows, pass 1 143 -> 118 us)
 _CUT_PROGRAMS = {filter_cut.STATS.value: 2, filter_cut.COMPACT.value: 4,
-                 filter_cut.SAMPLE.value: 4, **{j: 2 for j in range(1, filter_cut.PASSES.value + 1)}}
+                 filter_cut.SAMPLE.value: 4, **{j: 3 for j in range(1, filter_cut.PASSES.value + 1)}}
 # columns per HIST / COMPACT item in tokens-only calls, whose cut list holds the ~1 - p of
 # the rows whose winner is not kept (a call with log-probs lists every top-p row: its items
 # keep the G chunks of the other steps)
