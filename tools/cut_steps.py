@@ -75,6 +75,10 @@ def timed_alone(log, i, fn, rep):
     """fn (a launch of log[i] or a variant of it) timed in a CUDA graph after the launches
     before it, the tensors then restored to what those left."""
     replay(log, i)
+    # (do_bench_cudagraph captures and replays on a stream of its own, which does not wait
+    # for the launches just made on this one: without the sync the timed launch can read a
+    # cut list SELECT is still writing, an illegal address)
+    torch.cuda.synchronize()
     tensors = state(log)
     saved = [t.clone() for t in tensors]
     t = do_bench_cudagraph(fn, rep=rep)
