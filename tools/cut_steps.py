@@ -11,6 +11,14 @@ slots and FINAL's count grow with every timed run). Variants are timed on the ca
 arguments the same way, so the final replay must give the call's tokens (checked). The
 calls here take no CUDA graph and no call memo (a call served by its graph makes no launch to
 capture).
+
+--ncu: no timing; each (filter, head, batch) call runs twice to compile, then once inside
+torch.cuda.profiler.start() / stop(), for Nsight Compute (its hardware counters: stall
+reasons, occupancy, issue slots, which the durations above cannot show):
+
+    ncu --profile-from-start off --clock-control none --section SpeedOfLight \
+        --section Occupancy --section LaunchStats --section WarpStateStats \
+        --section SchedulerStats -o cut python -m tools.cut_steps --ncu --filter p0.9+lp
 """
 import argparse
 import json
@@ -102,6 +110,7 @@ def main():
     ap.add_argument("--variants", default="1,2,4:4,8:1024,2048")
     ap.add_argument("--out", default=".")
     ap.add_argument("--early-from-b", type=int, help="launchers.EARLY_FROM_B for this run")
+    ap.add_argument("--ncu", action="store_true", help="one call per cell in a profiler range")
     a = ap.parse_args()
     from tpsample import knobs
     knobs.GRAPHS = knobs.GRAPHS_FILTERED = knobs.MEMO = False  # (launches to capture)
@@ -117,6 +126,15 @@ def main():
         kw = FILTERS[filt]
         for B in map(int, a.batches.split(",")):
             h = hidden(U, head, B, torch.bfloat16)
+            if a.ncu:
+                for _ in range(2):
+                    tpsample.sample(h, w, seed=1, **kw)
+                torch.cuda.synchronize()
+                torch.cuda.profiler.start()
+                tpsample.sample(h, w, seed=1, **kw)
+                torch.cuda.synchronize()
+                torch.cuda.profiler.stop()
+                continue
             row = {"head": head, "B": B, "filter": filt}
             row["plain"] = do_bench(lambda: tpsample.sample(h, w, seed=1), rep=100)
             row["call"] = do_bench(lambda: tpsample.sample(h, w, seed=1, **kw), rep=100)
