@@ -111,10 +111,8 @@ def _winner_call(monkeypatch, logprobs=False, **patches):
     monkeypatch.setattr(launchers, "fallback_programs", lambda t: 5)
     for name, fn in patches.items():
         monkeypatch.setattr(filter_cut, name, fn)
-    modes = []
+    modes, steps = [], []
     run = replay.run_kernel
-
-    steps = []
 
     def spy(k, grid, args, const, opts):
         steps.append(const.get("STEP"))

@@ -29,6 +29,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 import tpsample
 from tpsample import replay as replay_mod
+from tpsample.filters import cut_list
 from tpsample.kernels import filter_cut
 from tpsample.launch.sweep import hidden, sort_top_p, sweep_head
 
@@ -167,11 +168,15 @@ def main():
             replay(log, len(log))
             torch.cuda.synchronize()
             row["same_tokens"] = bool(torch.equal(tokens(out), ref))
-            for k, grid, args, const, opts in log:  # the brackets FINISH sorted (top-p rows)
+            for k, grid, args, const, opts in log:  # the brackets FINISH sorted (listed rows)
                 if const.get("STEP") == filter_cut.FINISH.value:
-                    n = args[names.index("keys_ptr")][:, filter_cut.CAP.value].float()
-                    row["bracket"] = [float(n.min()), float(n.median()), float(n.max())]
-                    print(f"   bracket sizes min / median / max {row['bracket']}", flush=True)
+                    lst = cut_list(args[names.index("win_ptr")], args[names.index("B")])
+                    rows = lst[1:1 + int(lst[0])].long()
+                    n = args[names.index("keys_ptr")][rows, filter_cut.CAP.value].float()
+                    if n.numel():
+                        row["bracket"] = [float(n.min()), float(n.median()), float(n.max())]
+                        print(f"   bracket sizes min / median / max {row['bracket']}",
+                              flush=True)
             row["variants"] = var
             res.append(row)
             tot = sum(s["us"] for s in steps)
