@@ -1,7 +1,8 @@
 """Same-run A/B of two installs of tpsample on filtered and plain calls (CUDA only).
 
     python -m tools.filtered_ab --arm old:DIR_A --arm new:DIR_B [--rounds 2]
-        [--heads typical,gauss1,zipf1.3] [--batches 1,16,64,256] [--out ab.json]
+        [--heads typical,gauss1,zipf1.3] [--batches 1,16,64,256] [--cells plain,p0.9+lp]
+        [--budget SECONDS] [--out ab.json]
 
 Each arm runs in a process of its own with PYTHONPATH=DIR (a `pip install --target DIR .`
 of the code to compare), the rounds alternate the arms' order; each process times, per
@@ -13,12 +14,19 @@ V = 151936 (triton.testing.do_bench medians, ms). Heads: the benchmark's typical
 each cell's mean per arm, the ratio to the first arm, and whether every arm drew the same
 tokens (a call at offset 0 per cell). Run it from the checkout with the checkout on
 PYTHONPATH where PYTHONSAFEPATH is set (`python -m` then does not add the working directory).
+
+A fresh GPU machine compiles every kernel of every cell in each arm's first process (about
+two minutes an arm for all eight cells at D = 4096): `--cells` keeps the cells a change
+touches, `--budget` starts no round that would end past it (the first always runs), and
+each arm's result is printed as a line and written to --out as it lands, with the table
+after every round, so a run cut short keeps what it measured.
 """
 import argparse
 import json
 import os
 import subprocess
 import sys
+import time
 
 CELLS = {"plain": {}, "k50": dict(top_k=50), "p0.9": dict(top_p=0.9), "m0.05": dict(min_p=0.05),
          "m0.1": dict(min_p=0.1), "kpm": dict(top_k=50, top_p=0.9, min_p=0.05),
@@ -26,7 +34,7 @@ CELLS = {"plain": {}, "k50": dict(top_k=50), "p0.9": dict(top_p=0.9), "m0.05": d
          "pm+lp": dict(top_p=0.9, min_p=0.05, return_logprobs=True)}
 
 
-def worker(batches, heads):
+def worker(batches, heads, cells):
     import itertools
     import torch
     import triton
@@ -44,7 +52,7 @@ def worker(batches, heads):
                 sweep = sweep_head(4096, 151936, torch.bfloat16, "cuda")
             w, U = sweep
             h = hidden(U, head, B, torch.bfloat16)
-        for name, kw in CELLS.items():
+        for name, kw in ((n, CELLS[n]) for n in cells):
             fn = lambda kw=kw: tpsample.sample(h, w, seed=3, offset=next(step), **kw)  # noqa: E731
             fn()
             cell = f"{name}@{head}@{B}"
@@ -61,25 +69,43 @@ def main():
     p.add_argument("--heads", default="typical", help="typical and / or tpsample.launch.sweep "
                    "heads (gauss1, zipf1.3, ...), comma-separated")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--cells", default=",".join(CELLS),
+                   help="comma-separated, of " + ", ".join(CELLS))
+    p.add_argument("--budget", type=float, help="seconds: no round starts that would end past it")
     p.add_argument("--out")
     p.add_argument("--worker", action="store_true")
     a = p.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
+    cells = a.cells.split(",")
+    unknown = [c for c in cells if c not in CELLS]
+    if unknown:
+        p.error(f"--cells: unknown {unknown}; known: {', '.join(CELLS)}")
     if a.worker:
-        return worker(batches, a.heads.split(","))
+        return worker(batches, a.heads.split(","), cells)
     arms = [x.split(":", 1) for x in a.arm]
     res = {n: [] for n, _ in arms}
+    start = time.time()
+    last = 0.0
     for r in range(a.rounds):
+        if r and a.budget is not None and time.time() - start + last > a.budget:
+            print(f"budget: round {r} would end past {a.budget:.0f} s; stopping", flush=True)
+            break
+        t_round = time.time()
         for name, path in (arms if r % 2 == 0 else arms[::-1]):
+            t = time.time()
             env = dict(os.environ, PYTHONPATH=path)
             # (run as a file from /: the checkout's own tpsample/ must not shadow the install)
             o = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", "--arm",
-                                "x:x", "--batches", a.batches, "--heads", a.heads], env=env,
-                               capture_output=True, text=True, check=True, cwd="/")
+                                "x:x", "--batches", a.batches, "--heads", a.heads, "--cells",
+                                a.cells], env=env, capture_output=True, text=True, check=True,
+                               cwd="/")
             res[name].append(json.loads(o.stdout.strip().splitlines()[-1]))
-    print(table(arms, res))
-    if a.out:
-        json.dump(res, open(a.out, "w"), indent=1)
+            print(f"round {r} arm {name}: {len(res[name][-1]['ms'])} cells in "
+                  f"{time.time() - t:.0f} s " + json.dumps(res[name][-1]["ms"]), flush=True)
+            if a.out:
+                json.dump(res, open(a.out, "w"), indent=1)
+        last = time.time() - t_round
+        print(table(arms, res), flush=True)
 
 
 def table(arms: list, res: dict) -> str:

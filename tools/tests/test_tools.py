@@ -1,4 +1,8 @@
 """Argument checks of the tuner, the A/B driver and the probe (no GPU needed)."""
+import json
+import sys
+import types
+
 import pytest
 
 from tools import ab, filtered_ab, probe, tune
@@ -173,3 +177,38 @@ def test_filtered_ab_table_gives_ratios_and_flags_cells_whose_tokens_differ():
     assert lines[3] == "| m@g@64 | 0.5000 | 0.5500 | 1.100 | False |"
     assert lines[-1] == ("worst 1.100 (new, m@g@64), best 0.900 (new, p@g@64); tokens differ "
                          "in 1 of 2 cells")
+
+
+def test_filtered_ab_passes_its_cells_on_writes_each_arm_as_it_lands_and_keeps_its_budget(
+        monkeypatch, tmp_path, capsys):
+    """The workers get --cells; each arm's result is printed and written to --out as soon as
+    its process ends (a run cut short keeps it); a round that would end past --budget does
+    not start (the first always runs); an unknown cell is an error naming --cells."""
+    calls = []
+    clock = iter(range(0, 1000, 10))  # each time.time() call: 10 s later
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd)
+        cells = cmd[cmd.index("--cells") + 1].split(",")
+        out = {"ms": {f"{c}@gauss1@64": 1.0 for c in cells},
+               "tokens": {f"{c}@gauss1@64": [1] for c in cells}}
+        return types.SimpleNamespace(stdout=json.dumps(out) + "\n")
+    monkeypatch.setattr(filtered_ab.subprocess, "run", fake_run)
+    monkeypatch.setattr(filtered_ab.time, "time", lambda: next(clock))
+    out = tmp_path / "ab.json"
+    argv = ["filtered_ab", "--arm", "old:A", "--arm", "new:B", "--heads", "gauss1", "--batches",
+            "64", "--cells", "plain,p0.9+lp", "--rounds", "3", "--budget", "150", "--out",
+            str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    filtered_ab.main()
+    text = capsys.readouterr().out
+    assert len(calls) == 4  # rounds 0 and 1 (50 s each); round 2 would end at 190 s
+    assert all(c[c.index("--cells") + 1] == "plain,p0.9+lp" for c in calls)
+    assert text.count("round 0 arm ") == 2 and "budget: round 2" in text
+    saved = json.loads(out.read_text())
+    assert len(saved["old"]) == len(saved["new"]) == 2
+    assert set(saved["old"][0]["ms"]) == {"plain@gauss1@64", "p0.9+lp@gauss1@64"}
+    monkeypatch.setattr(sys, "argv", argv[:10] + ["plain,nope"])
+    with pytest.raises(SystemExit):
+        filtered_ab.main()
+    assert "--cells: unknown ['nope']" in capsys.readouterr().err
