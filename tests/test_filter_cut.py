@@ -44,7 +44,7 @@ SLOW = pytest.mark.slow
 # logit); with the early stop of large batches HIST 1's bracket provably fits the slots and
 # the other passes skip the rows (100-400 keys)
 TIERS = [pytest.param((None, None, None, None), "short", id="short-sort"),
-         pytest.param((None, None, None, None), "early", id="early-stop"),
+         pytest.param((None, None, None, None), "early", id="early-stop", marks=SLOW),
          pytest.param((2, 2, 2048, None), "mid", id="mid-sort", marks=SLOW),
          pytest.param((2, 2, 4, None), "long", id="long-sort", marks=SLOW),
          pytest.param((2, 2, 2, 4), "bisection", id="bisection", marks=SLOW)]
@@ -152,6 +152,7 @@ def test_winner_check_gives_the_cut_paths_tokens(monkeypatch):
     assert 0 < int(kept.sum()) < 16, kept
 
 
+@pytest.mark.slow
 def test_the_cut_list_takes_more_chunks_than_the_other_steps(monkeypatch):
     """A tokens-only call lists the rows whose winner is not kept (SELECT) and spreads their
     HIST and COMPACT passes over more, smaller chunks than the other steps' (GH > G): the
