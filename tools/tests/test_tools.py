@@ -185,24 +185,25 @@ def test_filtered_ab_passes_its_cells_on_writes_each_arm_as_it_lands_and_keeps_i
     its process ends (a run cut short keeps it); a round that would end past --budget does
     not start (the first always runs); an unknown cell is an error naming --cells."""
     calls = []
-    clock = iter(range(0, 1000, 10))  # each time.time() call: 10 s later
+    clock = [0.0]  # each worker process takes 50 s
 
     def fake_run(cmd, **kw):
         calls.append(cmd)
+        clock[0] += 50.0
         cells = cmd[cmd.index("--cells") + 1].split(",")
         out = {"ms": {f"{c}@gauss1@64": 1.0 for c in cells},
                "tokens": {f"{c}@gauss1@64": [1] for c in cells}}
         return types.SimpleNamespace(stdout=json.dumps(out) + "\n")
     monkeypatch.setattr(filtered_ab.subprocess, "run", fake_run)
-    monkeypatch.setattr(filtered_ab.time, "time", lambda: next(clock))
+    monkeypatch.setattr(filtered_ab.time, "time", lambda: clock[0])
     out = tmp_path / "ab.json"
     argv = ["filtered_ab", "--arm", "old:A", "--arm", "new:B", "--heads", "gauss1", "--batches",
-            "64", "--cells", "plain,p0.9+lp", "--rounds", "3", "--budget", "150", "--out",
+            "64", "--cells", "plain,p0.9+lp", "--rounds", "3", "--budget", "250", "--out",
             str(out)]
     monkeypatch.setattr(sys, "argv", argv)
     filtered_ab.main()
     text = capsys.readouterr().out
-    assert len(calls) == 4  # rounds 0 and 1 (50 s each); round 2 would end at 190 s
+    assert len(calls) == 4  # rounds 0 and 1 (100 s each); round 2 would end at 300 s
     assert all(c[c.index("--cells") + 1] == "plain,p0.9+lp" for c in calls)
     assert text.count("round 0 arm ") == 2 and "budget: round 2" in text
     saved = json.loads(out.read_text())
