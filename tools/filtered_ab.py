@@ -5,7 +5,8 @@
         [--budget SECONDS] [--out ab.json]
 
 Each arm runs in a process of its own with PYTHONPATH=DIR (a `pip install --target DIR .`
-of the code to compare), the rounds alternate the arms' order; each process times, per
+of the code to compare, into a fresh DIR: pip keeps a package already there unless given
+--upgrade), the rounds alternate the arms' order; each process times, per
 head and batch, the plain call and top_k 50 / top_p 0.9 / min_p 0.05 / min_p 0.1 / all
 three / top_p 0.9 with log-probs / top_p 0.9 + min_p 0.05 with log-probs at D = 4096,
 V = 151936 (triton.testing.do_bench medians, ms). Heads: the benchmark's typical head
