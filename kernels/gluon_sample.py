@@ -256,20 +256,26 @@ if AVAILABLE:
     def _take_best(c0, c1, c2, c3, q, BLOCK_V: gl.constexpr):
         """Per column: the largest value of the four lanes (tokens 4q + a) and its tile-local
         id, the smallest on ties (all -inf: the smallest id holding -inf, as the Triton
-        epilogue takes it); that entry becomes -inf, so the next call takes the next best."""
-        x = gl.max(gl.maximum(gl.maximum(c0, c1), gl.maximum(c2, c3)), axis=0)
-        xe = gl.expand_dims(x, 0)
-        i = gl.where(c0 == xe, 4 * q, BLOCK_V)
-        i = gl.minimum(i, gl.where(c1 == xe, 4 * q + 1, BLOCK_V))
-        i = gl.minimum(i, gl.where(c2 == xe, 4 * q + 2, BLOCK_V))
-        i = gl.minimum(i, gl.where(c3 == xe, 4 * q + 3, BLOCK_V))
-        i = gl.min(i, axis=0)
+        epilogue takes it); that entry becomes -inf, so the next call takes the next best.
+        The values are never NaN (the caller maps NaN to -inf). One (value, id) reduction
+        over the column: a max then a smallest-id reduction would cost two rounds through
+        shared memory, each behind its barriers."""
+        x, i = _better(c0, 4 * q, c1, 4 * q + 1)
+        x, i = _better(x, i, c2, 4 * q + 2)
+        x, i = _better(x, i, c3, 4 * q + 3)
+        x, i = gl.reduce((x, i), 0, _better)
         d = gl.expand_dims(i, 0) - 4 * q  # the pick's lane at its position, else outside 0..3
         c0 = gl.where(d == 0, float("-inf"), c0)
         c1 = gl.where(d == 1, float("-inf"), c1)
         c2 = gl.where(d == 2, float("-inf"), c2)
         c3 = gl.where(d == 3, float("-inf"), c3)
         return x, i, c0, c1, c2, c3
+
+    @gluon.jit
+    def _better(x1, i1, x2, i2):
+        """(value, id) of the better of two entries: the larger value, the smaller id on ties."""
+        take2 = (x2 > x1) | ((x2 == x1) & (i2 < i1))
+        return gl.where(take2, x2, x1), gl.where(take2, i2, i1)
 
     @gluon.jit
     def _raw_log_mass(view, layout: gl.constexpr, row0, one, bias_ptr, n_real,
