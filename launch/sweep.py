@@ -72,12 +72,22 @@ def sweep_head(D: int, V: int, dtype, device):
 
 
 def hidden(U: torch.Tensor, head: str, B: int, dtype) -> torch.Tensor:
+    """[B, D] hidden states of `head`'s rows: its direction in U plus a seeded random part
+    of the same norm orthogonal to every head's direction, so each row is a distinct vector
+    (as in a real batch: identical rows made the matmul draw less power, and the plain call
+    at B = 256 ran ~20 % faster than on distinct rows) whose logits move by ~0.05 / sqrt(D)
+    (W's random part), keeping the head's profile."""
     names = list(HEADS)
     if head == "mixed":
         idx = [names.index(MIXED[b % 2]) for b in range(B)]
     else:
         idx = [names.index(head)] * B
-    return U[idx].to(dtype).contiguous()
+    g = torch.Generator().manual_seed(2)
+    r = torch.randn(B, U.shape[1], generator=g, dtype=torch.float64)
+    u = U.double().cpu()
+    r -= (r @ u.T) @ u
+    r /= r.norm(dim=1, keepdim=True)
+    return (U[idx] + r.to(U.device, U.dtype)).to(dtype).contiguous()
 
 
 def kept_sizes(l: torch.Tensor) -> dict:

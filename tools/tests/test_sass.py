@@ -55,9 +55,9 @@ GLUON_VARIANTS = {
     "pp_cdf": ("dict(strategy='pp', need_mass=True, cdf=True)", 2832),
     "ws_masked": ("dict(strategy='ws', masked=True)", 3800),
     "ws_listed": ("dict(strategy='ws', listed=True)", 4112),
-    "ws_candidates": ("dict(strategy='ws', candidates=True, need_mass=True)", 6472),
+    "ws_candidates": ("dict(strategy='ws', candidates=True, need_mass=True)", 6584),
     "ws_candidates_raw_masked": ("dict(strategy='ws', candidates=True, need_mass=True, "
-                                 "raw_mass=True, masked=True)", 8256),
+                                 "raw_mass=True, masked=True)", 8224),
 }
 GLUON = ("from tools import sass\n"
          + "".join(f"ops = sass.gluon_ops(**{kw})\n"
@@ -66,11 +66,10 @@ GLUON = ("from tools import sass\n"
 # Against the 3.6 build: ptxas schedules differ by a few instructions a binary across versions;
 # a rise past this is a changed kernel, not a scheduling difference.
 BUILD_RATIO = 0.03
-# The candidate epilogue's four unrolled chunks drift further from the 3.6 build (up to 3.2 %):
-# their counts on the other versions, measured, stand in for the 3.6 count there.
+# The candidate epilogue with the raw plane and the mask drifts further from the 3.6 build
+# (up to 3.8 %): its counts on the other versions, measured, stand in for the 3.6 count there.
 OTHER_BUILDS = {
-    "ws_candidates": {"3.7": 6504, "3.8": 6664, "3.9": 6680},
-    "ws_candidates_raw_masked": {"3.7": 8136, "3.8": 8056, "3.9": 8016},
+    "ws_candidates_raw_masked": {"3.7": 7912, "3.8": 7952, "3.9": 7936},
 }
 
 
