@@ -324,7 +324,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default="bench_out")
     p.add_argument("--doc", help="markdown file whose section --label this run rewrites")
     p.add_argument("--label", default="sweep")
-    p.add_argument("--report", metavar="JSON", help="render a sweep.json, no run")
+    p.add_argument("--report", metavar="JSON[,JSON]",
+                   help="render sweep.json files (several: one report), no run")
     p.add_argument("--cpu", action="store_true", help="CPU tensors even where CUDA exists")
     p.add_argument("--warm", type=int, default=None,
                    help="compile in this many processes first (default: 8 on CUDA, 0 on CPU)")
@@ -347,8 +348,19 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    meta = json.load(open(args.report)) if args.report else run(args)
+    meta = merged([json.load(open(f)) for f in args.report.split(",")]) if args.report \
+        else run(args)
     render_report(args, meta, markdown, summary)
+
+
+def merged(metas: list) -> dict:
+    """One report of several runs' sweep.json (e.g. one per shape, when a run per shape fits
+    a time limit better): their shapes in order, their commands and dates side by side."""
+    meta = dict(metas[0], shapes=[s for m in metas for s in m["shapes"]])
+    if len(metas) > 1:
+        meta["command"] = "` and `".join(m["command"] for m in metas)
+        meta["date"] = " / ".join(m["date"] for m in metas)
+    return meta
 
 
 if __name__ == "__main__":
