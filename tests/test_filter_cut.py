@@ -378,6 +378,35 @@ def test_stage1_writes_the_side_output_only_for_the_fast_path(filters, writes, m
     assert seen == [writes]
 
 
+def test_a_call_whose_every_row_has_a_top_k_launches_no_fast_path_step(monkeypatch):
+    """top_k given as one value (every row has it) with top-p and min-p: the flagged rows
+    (top-k past the known prefix) go to the one-program kernel, and the call launches none of
+    the fast path's steps (no row could take them); the same top-k as a per-row tensor,
+    where a row could have none, launches them. Both give the same tokens, log-probs and
+    log Z, the reference's."""
+    steps = []
+    run = replay.run_kernel
+
+    def spy(k, grid, args, const, opts):
+        steps.append(k is filter_cut.cut_step_kernel)
+        return run(k, grid, args, const, opts)
+    monkeypatch.setattr(replay, "run_kernel", spy)
+    h, w = flat_rows(V=1000, B=3)
+    kw = dict(top_p=0.9, min_p=0.01, seed=torch.arange(3) + 7)
+    pipe = _pipeline("triton", h.device)
+    before = counts(pipe)
+    one = tpsample.sample(h, w, backend="triton", top_k=100, return_logprobs=True, **kw)
+    assert counts(pipe)[1] - before[1] == 3  # (every row flagged: 100 > the 32 known)
+    assert steps and not any(steps)
+    steps.clear()
+    per_row = tpsample.sample(h, w, backend="triton", top_k=torch.full((3,), 100),
+                              return_logprobs=True, **kw)
+    assert any(steps)
+    for f in ("tokens", "logprobs", "logz"):
+        assert torch.equal(getattr(one, f), getattr(per_row, f)), f
+    assert_matches_reference(one, reference_sample(h, w, top_k=100, **kw))
+
+
 @pytest.mark.parametrize("logprobs", [False, True], ids=["tokens", "logprobs"])
 def test_every_launch_takes_the_calls_outputs_whole(logprobs, monkeypatch):
     """A replayed call fills in its tensors by identity (tpsample/replay.py): a launch argument

@@ -599,8 +599,10 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
     side_ptr, stride_side = _side_args(side, dummy).values()
     tiles = N // records.TILE
     block_f = min(1024, max(16, 1 << (B - 1).bit_length()))
-    fast = filters.replacement and n == 0 and (filters.top_p is not None
-                                               or filters.min_p is not None)
+    # (a call whose every row has a top-k launches none of the fast path's steps: no row of
+    # it could take them)
+    fast = (filters.replacement and n == 0 and not filters.top_k_every_row
+            and (filters.top_p is not None or filters.min_p is not None))
     split = (SPLIT_ROWS and gather is not None and side is not None and fast and fan[1] > 1
              and B >= SPLIT_MIN_ROWS * fan[1]
              and filters.top_k is None and (c is None or not c.listed) and 2 * S + 1 <= N)

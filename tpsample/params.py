@@ -56,6 +56,8 @@ class Filters(NamedTuple):
     top_n: int = 0               # top_logprobs
     replacement: bool = True
     raw: bool = False            # logprobs_mode == "raw"
+    top_k_every_row: bool = False  # top_k was one value > 0: every row has a top-k, so no
+                                   # flagged row takes kernels/filter_cut.py's fast path
 
     @property
     def any_filter(self) -> bool:
@@ -298,7 +300,8 @@ def _check_filters(B: int, dev, top_k, top_p, min_p, top_logprobs, num_samples: 
                          f"{num_samples}")
     if logprobs_mode not in LOGPROBS_MODES:
         raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
-    return Filters(k, p, m, top_logprobs, replacement, logprobs_mode == "raw")
+    return Filters(k, p, m, top_logprobs, replacement, logprobs_mode == "raw",
+                   k is not None and not isinstance(top_k, torch.Tensor))
 
 
 def check_bias(bias, rows: int, device, name: str = "bias"):

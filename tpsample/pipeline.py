@@ -531,11 +531,13 @@ class Pipeline:
     def _key2(self, on_device: bool, filters: Filters, per_call: dict, later: dict,
               logprobs: bool) -> tuple:
         """A filtered call's stage-2 replay key under its stage-1 key: the fallback path, the
-        top log-probs, whether log-probs are returned (a tokens-only call's fallback skips
+        top log-probs, whether every row has a top-k (the fallback then launches no fast-path
+        step), whether log-probs are returned (a tokens-only call's fallback skips
         the cut where it can), the transport's buffers, and the per-call tensors' alignments
         and layout (per_call with its side output, later: the filters' tensors and the
         fallback's logits buffer)."""
-        return (on_device, filters.top_n, logprobs, self.transport.key(),
+        return (on_device, filters.top_n, filters.top_k_every_row, logprobs,
+                self.transport.key(),
                 replay.tensor_key(tuple(per_call.values()) + tuple(later.values())))
 
     def _filtered_graph_call(self, key, stage1, stage2s: dict, per_call: dict, filters,
@@ -551,7 +553,7 @@ class Pipeline:
         n = T * records.TILE
         if self.gather_fallback:  # (a grown buffer changes the transport's key)
             self.transport.rows_gather(B, n)
-        gkey = (key, filters.top_n, logprobs, self.transport.key(),
+        gkey = (key, filters.top_n, filters.top_k_every_row, logprobs, self.transport.key(),
                 replay.tensor_key(tuple(later.values())), stream, tokens_out is not None)
         named = with_sink(dict(per_call, **later), tokens_out)
         graph = self.graphs.get(gkey)
