@@ -237,8 +237,8 @@ if AVAILABLE:
             c3 = gl.where(l3 != l3, float("-inf"), l3)
             cand = rec + num_samples * rec_stride_s
             for j in gl.static_range(CANDIDATES // 2):
-                x_a, i_a, c0, c1, c2, c3 = _take_best(c0, c1, c2, c3, q, BLOCK_V)
-                x_b, i_b, c0, c1, c2, c3 = _take_best(c0, c1, c2, c3, q, BLOCK_V)
+                x_a, i_a, c0, c1, c2, c3 = _take_best(c0, c1, c2, c3, q)
+                x_b, i_b, c0, c1, c2, c3 = _take_best(c0, c1, c2, c3, q)
                 store_records(rec_ptr, peer_ptrs, parity_ptr, cand + j * rec_stride_s, x_a,
                               (tile_start + i_a).to(gl.float32), x_b,
                               (tile_start + i_b).to(gl.float32), mask_b, NUM_PEERS, EPI_WARPS,
@@ -253,7 +253,7 @@ if AVAILABLE:
                           raw, zero, zero, zero, mask_b, NUM_PEERS, EPI_WARPS, True)
 
     @gluon.jit
-    def _take_best(c0, c1, c2, c3, q, BLOCK_V: gl.constexpr):
+    def _take_best(c0, c1, c2, c3, q):
         """Per column: the largest value of the four lanes (tokens 4q + a) and its tile-local
         id, the smallest on ties (all -inf: the smallest id holding -inf, as the Triton
         epilogue takes it); that entry becomes -inf, so the next call takes the next best.
