@@ -218,6 +218,60 @@ def test_call_graph_replays_with_copies_and_returns_fresh_outputs():
     assert a.tolist() == [13, 13] and b.tolist() == [16, 16] and len(replays) == 2
 
 
+def test_call_graph_returns_a_slots_tokens_only_while_nothing_else_holds_them():
+    """CallGraph.run with output slots (call_graphs.Slot): a call replays the first slot
+    whose tokens no tensor outside it refers to and returns them (no clone); a held result,
+    or a view of one, keeps its slot from being replayed; with every slot held the first
+    graph runs and the call returns a clone. Each held result keeps its own call's values."""
+    import threading
+    from tpsample import call_graphs as CG
+    h = torch.zeros(2, 3)
+    g = CG.CallGraph()
+    g.inputs, g.bound, g.bound_ptrs, g.copied = dict(hidden=h.clone()), (), (), ("hidden",)
+    g.outputs = dict(tokens=torch.zeros(2, dtype=torch.int64))
+    g.lock = threading.Lock()
+    ran = []
+
+    class Graph:  # the "kernel": tokens = hidden's row sums, into this capture's outputs
+        def __init__(self, outputs, name):
+            self.outputs, self.name = outputs, name
+
+        def replay(self):
+            ran.append(self.name)
+            self.outputs["tokens"].copy_(g.inputs["hidden"].sum(1).long())
+    g.graph = Graph(g.outputs, "first")
+    slots = []
+    for k in range(2):
+        slot = CG.Slot()
+        slot.outputs = dict(tokens=torch.zeros(2, dtype=torch.int64))
+        slot.graph = Graph(slot.outputs, k)
+        slot.storage = slot.outputs["tokens"].untyped_storage()
+        slot.idle = CG._use_count(slot.storage._cdata)
+        slots.append(slot)
+    g.slots = tuple(slots)
+
+    def call(v):
+        return g(dict(hidden=torch.full((2, 3), float(v))), ("tokens",))["tokens"]
+
+    def mem(t):
+        return t.untyped_storage().data_ptr()
+    a = call(1)  # slot 0
+    b = call(2)  # slot 1 (a holds slot 0)
+    c = call(3)  # both held: the first graph, a clone
+    assert ran == [0, 1, "first"]
+    assert mem(a) == mem(slots[0].outputs["tokens"]) and mem(b) == mem(slots[1].outputs["tokens"])
+    assert mem(c) not in (mem(a), mem(b), mem(g.outputs["tokens"]))
+    assert (a.tolist(), b.tolist(), c.tolist()) == ([3, 3], [6, 6], [9, 9])
+    view = b[:1]
+    del a, b
+    d = call(4)  # slot 0 again; the view keeps slot 1
+    e = call(5)  # slot 0 held by d, slot 1 by the view: a clone
+    assert ran[3:] == [0, "first"]
+    assert view.tolist() == [6] and d.tolist() == [12, 12] and e.tolist() == [15, 15]
+    del view
+    assert call(6).tolist() == [18, 18] and ran[-1] == 1
+
+
 @pytest.mark.parametrize("copied", [False, True])
 def test_call_graph_writes_the_tokens_into_the_callers_out(copied):
     """A graph captured with the caller's out (call_graphs.SINKS): bound, the graph's tokens
@@ -296,8 +350,11 @@ class _Tape:
     def __init__(self):
         self.tape = []
 
-    def capture_begin(self, capture_error_mode=None):
+    def capture_begin(self, pool=None, capture_error_mode=None):
         _Tape.capturing = self.tape
+
+    def pool(self):
+        return id(self)
 
     def capture_end(self):
         _Tape.capturing = None
@@ -369,6 +426,11 @@ def test_plain_call_graph_wiring(monkeypatch):
     assert graph.bound == ("seed", "offset") and graph.copied == ("hidden",)
     assert len({o["tokens"].data_ptr() for o in got} | {graph.outputs["tokens"].data_ptr()}) \
         == len(got) + 1
+    # the first two replays return the output slots' tokens (each call's result is held in
+    # got), the later ones clones of the first graph's
+    assert len(graph.slots) == CG.OUTPUT_SLOTS == 2
+    assert [o["tokens"].data_ptr() for o in got[:2]] == \
+        [s.outputs["tokens"].data_ptr() for s in graph.slots]
     call = dict(call, seed=seed.clone())
     assert pipe._graph_call("k", call, ("tokens",), stage1, stage2, (numel, B, S)) is None
     assert pipe.graphs.get("k") is None
@@ -410,7 +472,9 @@ def test_filtered_call_graph_wiring(monkeypatch):
         if out is not None:
             assert torch.equal(out.tokens, _want(h, seed, offset)), i
             assert torch.equal(out.logprobs, filters.top_p) and out.top_tokens is None
-    assert len(sides) == 1 and sides[0] is not None  # captured once, with its own side output
+    # captured once, and once per output slot, each capture with its own side output
+    assert len(sides) == 1 + CG.OUTPUT_SLOTS and all(x is not None for x in sides)
+    assert len({x.data_ptr() for x in sides}) == len(sides)
     # a stage 2 of another layout was never recorded: no graph for that key
     assert pipe._filtered_graph_call("k2", stage1, {}, call, filters, True, B, S, T, numel,
                                      0, True) is None

@@ -98,8 +98,14 @@ def kinds(call, B: int, dev, world: int) -> dict:
         turn[1] += 1
         return turn[1]
     turn.append(0)
+    held = [None]
+
+    def keep(result):  # a loop that holds a step's tokens until the next call returns
+        held[0] = result
+        return result
     return {
         "plain": lambda: call(h, seed=seed, offset=step),
+        "plain_keep": lambda: keep(call(h, seed=seed, offset=step)),
         "plain_fresh_h": lambda: call(fresh_h(), seed=seed, offset=step),
         "plain_out": lambda: call(h, seed=seed, offset=step, out=out),
         "plain_scalar_seed": lambda: call(h, seed=1234, offset=7),
@@ -113,6 +119,7 @@ def kinds(call, B: int, dev, world: int) -> dict:
         # drawn per call (seed=None: not capturable by the caller, so no graph column)
         "loop": lambda: call(fresh_h(), offset=next_step()),
         "loop_out": lambda: call(fresh_h(), offset=next_step(), out=out),
+        "loop_keep": lambda: keep(call(fresh_h(), offset=next_step())),
     }
 
 

@@ -20,6 +20,21 @@ graph), except where the caller gave a tensor for an output (SINKS: `out=` for t
 tokens): a bound one the graph writes itself (no launch after the replay), a copied one
 it fills after the replay. Its intermediates (records) live in the graph's memory pool.
 
+Returned tokens without a copy (TPSAMPLE_REUSE_OUTPUTS=1): a clone is an allocation and a
+launch after the replay, 7-12 µs of host time. A graph captured without the caller's `out`
+is captured OUTPUT_SLOTS more times, each writing its tokens into a tensor of its own (the
+slot's, allocated outside the graph's pool, so that no graph's intermediates share its
+memory). A call replays the first slot whose tokens no tensor outside the slot refers to
+any more (the storage's use count: the caller dropped the tokens of the call that returned
+them, and every view of them) and returns them; where every slot's tokens are still held, the
+first graph and a clone, as before. A decode loop that keeps one step's tokens while it calls
+the next (`tok = sample(...)`) alternates between two slots. The slot graphs share the
+first graph's pool and inputs: they are replayed only in the order of their key's stream,
+never at once, and hold no output in the pool that another graph's intermediates could
+overwrite. As with memory from the caching allocator, tokens that another stream still
+reads after the caller drops them (`record_stream`) are not protected: keep a reference until
+that stream's work is ordered before the next call, or set TPSAMPLE_REUSE_OUTPUTS=0.
+
 Plain calls take graphs, and filtered calls whose exact fallback always runs on the
 device (top-p / min-p without top-k, top log-probs or samples without replacement: no
 host decision per call); TPSAMPLE_GRAPHS=plain keeps filtered calls on re-issued
@@ -43,6 +58,18 @@ MAX_CAPTURES = 4  # per key: a graph whose bound tensor moves is dropped and cap
 NEVER_COPIED = ("weight",)  # per-call tensors a graph must find bound (an LM head's size)
 SINKS = {"out": "tokens"}  # per-call tensors the graph's output of that name goes into
 MAX_GRAPHS = 16  # per pipeline; all are dropped when full (keys change only with shapes)
+OUTPUT_SLOTS = 2  # per graph captured without the caller's out: see the module docstring
+_use_count = getattr(torch._C, "_storage_Use_Count", None)  # (None: never reused)
+
+
+class Slot:
+    """A capture of a CallGraph's launches whose tokens go to a tensor of its own: graph,
+    outputs ({name: tensor}, tokens the slot's own), storage (the tokens' storage, kept for
+    its use count), idle (that count with only the slot's references)."""
+    __slots__ = ("graph", "outputs", "storage", "idle")
+
+    def free(self) -> bool:
+        return _use_count(self.storage._cdata) <= self.idle
 
 
 class CallGraph:
@@ -52,10 +79,10 @@ class CallGraph:
     (the per-call name it goes into, whether copied there after the replay)}; live: False
     once its CallGraphs dropped it."""
     __slots__ = ("graph", "inputs", "bound", "bound_ptrs", "copied", "outputs", "sinks", "lock",
-                 "live", "__weakref__")
+                 "live", "slots", "__weakref__")
 
     def __init__(self):
-        self.lock, self.live, self.sinks = threading.Lock(), True, {}
+        self.lock, self.live, self.sinks, self.slots = threading.Lock(), True, {}, ()
 
     def __call__(self, tensors: dict, returned: tuple[str, ...]) -> dict | None:
         """Replay with this call's tensors; {name: a fresh clone, or the call's sink
@@ -84,18 +111,31 @@ class CallGraph:
                     fills[name](inputs[name])
                 elif name not in SINKS:
                     inputs[name].copy_(tensors[name])
-            self.graph.replay()
+            slot = self._free_slot() if self.slots else None
+            if slot is None:
+                self.graph.replay()
+                outputs = self.outputs
+            else:
+                slot.graph.replay()
+                outputs = slot.outputs
             out = {}
             for name in returned:
                 sink = sinks.get(name)
                 if sink is None:
-                    out[name] = self.outputs[name].clone()
-                    continue
+                    out[name] = (outputs[name].detach() if slot is not None and name == "tokens"
+                                 else outputs[name].clone())  # (detach: a tensor of its own
+                    continue  # over the slot's memory, counted while the caller holds it)
                 t = tensors[sink[0]]
                 if sink[1]:  # (captured with another tensor there: the graph's own)
                     t.copy_(self.outputs[name])
                 out[name] = t
             return out
+
+    def _free_slot(self) -> Slot | None:
+        for slot in self.slots:
+            if slot.free():
+                return slot
+        return None
 
 
 class CallGraphs:
@@ -211,6 +251,31 @@ class CallGraphs:
                 g.outputs = launch(side.cuda_stream, g.inputs)
             finally:
                 g.graph.capture_end()
-        current.wait_stream(side)
         g.sinks = {SINKS[n]: (n, n in g.copied) for n in SINKS if tensors.get(n) is not None}
+        if (knobs.REUSE_OUTPUTS and _use_count is not None and not g.sinks
+                and "tokens" in g.outputs):
+            try:
+                g.slots = tuple(self._capture_slot(g, launch, side) for _ in range(OUTPUT_SLOTS))
+            except Exception as e:  # noqa: BLE001 - the first graph works without slots
+                warnings.warn(f"tpsample: CUDA-graph capture of a call's output slots failed "
+                              f"({e}); its tokens are copied per call instead", RuntimeWarning,
+                              stacklevel=5)
+            for slot in g.slots:  # (after the captures: their temporaries are gone)
+                slot.idle = _use_count(slot.storage._cdata)
+        current.wait_stream(side)
         return g
+
+    @staticmethod
+    def _capture_slot(g: CallGraph, launch, side) -> Slot:
+        """g's launches captured again, on the side stream and in g's pool, with the
+        tokens going to a tensor of the slot's own (allocated outside the pool)."""
+        slot, tokens = Slot(), torch.empty_like(g.outputs["tokens"])
+        slot.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(side):
+            slot.graph.capture_begin(pool=g.graph.pool(), capture_error_mode="thread_local")
+            try:
+                slot.outputs = launch(side.cuda_stream, dict(g.inputs, out=tokens))
+            finally:
+                slot.graph.capture_end()
+        slot.storage = tokens.untyped_storage()
+        return slot

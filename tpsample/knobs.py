@@ -42,6 +42,11 @@ KNOBS = (
          "int offset and drawn seeds aside) goes straight to that call's CUDA graph, "
          "without re-validating them (tpsample/call_memo.py); 0: every call takes the full "
          "path"),
+    Knob("TPSAMPLE_REUSE_OUTPUTS", "1", ("0", "1"),
+         "1: a call through its CUDA graph returns the tokens of one of the graph's "
+         "output slots, written in place, once no tensor refers to that slot's earlier "
+         "tokens (no copy; tpsample/call_graphs.py); 0: a copy of the graph's tokens "
+         "every call"),
     Knob("TPSAMPLE_GLUON", "1", ("0", "1"),
          "0: never the Hopper Gluon kernels (ws, pp); the cuBLAS + records-pass path runs "
          "where the plan would take them"),
@@ -88,10 +93,11 @@ DIRECT_LAUNCH = VALUES["TPSAMPLE_DIRECT_LAUNCH"] == "1"
 GRAPHS = VALUES["TPSAMPLE_GRAPHS"] != "0"
 GRAPHS_FILTERED = VALUES["TPSAMPLE_GRAPHS"] == "1"
 MEMO = VALUES["TPSAMPLE_MEMO"] == "1"
+REUSE_OUTPUTS = VALUES["TPSAMPLE_REUSE_OUTPUTS"] == "1"
 GLUON = VALUES["TPSAMPLE_GLUON"] == "1"
 CHECK_TENSORS = VALUES["TPSAMPLE_CHECK_TENSORS"] == "1"
-SWITCHES = ("REPLAY", "DIRECT_LAUNCH", "GRAPHS", "GRAPHS_FILTERED", "MEMO", "GLUON",
-            "CHECK_TENSORS")
+SWITCHES = ("REPLAY", "DIRECT_LAUNCH", "GRAPHS", "GRAPHS_FILTERED", "MEMO", "REUSE_OUTPUTS",
+            "GLUON", "CHECK_TENSORS")
 
 
 @contextlib.contextmanager

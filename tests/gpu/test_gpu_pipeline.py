@@ -300,6 +300,61 @@ def test_memoised_calls_equal_the_full_path(kw, monkeypatch):
 
 @pytest.mark.parametrize("kw", [dict(), dict(return_logprobs=True), dict(top_p=0.9),
                                 dict(num_samples=2)])
+def test_returned_tokens_reuse_a_slot_only_once_nothing_holds_it(kw, monkeypatch):
+    """TPSAMPLE_REUSE_OUTPUTS (tpsample/call_graphs.py): a loop through the call's graph
+    that keeps one step's tokens while it calls the next (`tok = sample(...)`) gets the
+    slots' tokens back (no clone), and with one slot held for good (step 6's tokens, and
+    step 9's through a view only) the calls that find no free slot return a clone. Every
+    call's tokens (and log-probs, log Z) equal the same loop with reuse off, and every held
+    tensor still holds its own call's tokens at the end (a slot replayed while held would
+    overwrite them)."""
+    from tpsample import api, knobs
+    from tpsample.fallback_choice import FallbackChoice
+    monkeypatch.setattr(FallbackChoice, "device_now", lambda self, hidden, in_capture: True)
+    B = 24
+    w, hs = head_and_states(5, B, 16, False)
+
+    def run(reuse: bool):
+        monkeypatch.setattr(knobs, "REUSE_OUTPUTS", reuse)
+        api._PIPELINES.clear()
+        api._MEMO.clear()
+        seed = torch.zeros(B, dtype=torch.int64, device="cuda")
+        copies, held, in_slot = [], {}, []
+        tok = None
+        for step in range(16):
+            seed.fill_(step)
+            r = tpsample.sample(hs[step], w, seed=seed, offset=step, **kw)
+            tok = r if isinstance(r, torch.Tensor) else r.tokens
+            copies.append((tok.clone(), None if isinstance(r, torch.Tensor)
+                           else (r.logprobs.clone(), r.logz.clone())))
+            (pipe,) = api._PIPELINES.values()
+            slots = () if pipe.last_graph is None else pipe.last_graph[1].slots
+            in_slot.append(any(tok.untyped_storage().data_ptr() == s.storage.data_ptr()
+                               for s in slots))
+            if step == 6:
+                held[6] = tok
+            if step == 9:
+                held[9] = tok[: B // 2]
+            del r
+        torch.cuda.synchronize()
+        for step, t in held.items():
+            assert torch.equal(t, copies[step][0][: t.shape[0]]), step
+        return copies, in_slot
+
+    want, none = run(False)
+    got, in_slot = run(True)
+    assert not any(none)
+    assert in_slot[3:8] == [True] * 5 and not in_slot[8], in_slot  # (8: slot of 6 held,
+    # slot of 7 held by tok)
+    assert 0 < sum(in_slot[8:]) < 8, in_slot
+    for step, ((a, al), (b, bl)) in enumerate(zip(want, got)):
+        assert torch.equal(a, b), step
+        if al is not None:
+            assert torch.equal(al[0], bl[0]) and torch.equal(al[1], bl[1]), step
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(return_logprobs=True), dict(top_p=0.9),
+                                dict(num_samples=2)])
 def test_calls_with_out_equal_calls_without(kw, monkeypatch):
     """out= through every path a decode loop takes (recorded, re-issued, the graph's
     capture, the memo), with the same out each step, then two outs taking turns (the graph
