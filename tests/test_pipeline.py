@@ -218,58 +218,69 @@ def test_call_graph_replays_with_copies_and_returns_fresh_outputs():
     assert a.tolist() == [13, 13] and b.tolist() == [16, 16] and len(replays) == 2
 
 
-def test_call_graph_returns_a_slots_tokens_only_while_nothing_else_holds_them():
+def test_call_graph_returns_a_slots_outputs_only_while_nothing_else_holds_them():
     """CallGraph.run with output slots (call_graphs.Slot): a call replays the first slot
-    whose tokens no tensor outside it refers to and returns them (no clone); a held result,
-    or a view of one, keeps its slot from being replayed; with every slot held the first
-    graph runs and the call returns a clone. Each held result keeps its own call's values."""
+    none of whose outputs a tensor outside it refers to and returns them (no clone); a held
+    result, a view of one, or one held output (log Z) keeps its slot from being replayed;
+    with every slot held the first graph runs and the call returns clones. Each held result
+    keeps its own call's values."""
     import threading
     from tpsample import call_graphs as CG
     h = torch.zeros(2, 3)
     g = CG.CallGraph()
     g.inputs, g.bound, g.bound_ptrs, g.copied = dict(hidden=h.clone()), (), (), ("hidden",)
-    g.outputs = dict(tokens=torch.zeros(2, dtype=torch.int64))
     g.lock = threading.Lock()
     ran = []
 
-    class Graph:  # the "kernel": tokens = hidden's row sums, into this capture's outputs
+    def outputs():
+        return dict(tokens=torch.zeros(2, dtype=torch.int64), logz=torch.zeros(2))
+
+    class Graph:  # the "kernel": tokens = hidden's row sums, log Z = their half
         def __init__(self, outputs, name):
             self.outputs, self.name = outputs, name
 
         def replay(self):
             ran.append(self.name)
             self.outputs["tokens"].copy_(g.inputs["hidden"].sum(1).long())
+            self.outputs["logz"].copy_(g.inputs["hidden"].sum(1) / 2)
+    g.outputs = outputs()
     g.graph = Graph(g.outputs, "first")
     slots = []
     for k in range(2):
         slot = CG.Slot()
-        slot.outputs = dict(tokens=torch.zeros(2, dtype=torch.int64))
+        slot.outputs = outputs()
         slot.graph = Graph(slot.outputs, k)
-        slot.storage = slot.outputs["tokens"].untyped_storage()
-        slot.idle = CG._use_count(slot.storage._cdata)
+        slot.own = frozenset(slot.outputs)
+        slot.held = tuple((t.untyped_storage(), None) for t in slot.outputs.values())
+        slot.held = tuple((st, CG._use_count(st._cdata)) for st, _ in slot.held)
         slots.append(slot)
     g.slots = tuple(slots)
 
     def call(v):
-        return g(dict(hidden=torch.full((2, 3), float(v))), ("tokens",))["tokens"]
+        out = g(dict(hidden=torch.full((2, 3), float(v))), ("tokens", "logz"))
+        return out["tokens"], out["logz"]
 
     def mem(t):
         return t.untyped_storage().data_ptr()
     a = call(1)  # slot 0
     b = call(2)  # slot 1 (a holds slot 0)
-    c = call(3)  # both held: the first graph, a clone
+    c = call(3)  # both held: the first graph, clones
     assert ran == [0, 1, "first"]
-    assert mem(a) == mem(slots[0].outputs["tokens"]) and mem(b) == mem(slots[1].outputs["tokens"])
-    assert mem(c) not in (mem(a), mem(b), mem(g.outputs["tokens"]))
-    assert (a.tolist(), b.tolist(), c.tolist()) == ([3, 3], [6, 6], [9, 9])
-    view = b[:1]
+    assert [mem(t) for t in a] == [mem(t) for t in slots[0].outputs.values()]
+    assert [mem(t) for t in b] == [mem(t) for t in slots[1].outputs.values()]
+    assert not {mem(t) for t in c} & {mem(t) for t in (*a, *b, *g.outputs.values())}
+    assert [t.tolist() for t in (*a, *b, *c)] == [[3, 3], [1.5, 1.5], [6, 6], [3.0, 3.0],
+                                                  [9, 9], [4.5, 4.5]]
+    view, logz = b[0][:1], a[1]
     del a, b
-    d = call(4)  # slot 0 again; the view keeps slot 1
-    e = call(5)  # slot 0 held by d, slot 1 by the view: a clone
-    assert ran[3:] == [0, "first"]
-    assert view.tolist() == [6] and d.tolist() == [12, 12] and e.tolist() == [15, 15]
+    d = call(4)  # slot 0's log Z held, slot 1's tokens through a view: clones
+    assert ran[3:] == ["first"]
+    del logz
+    e = call(5)  # slot 0 again
+    assert ran[4:] == [0]
+    assert view.tolist() == [6] and d[0].tolist() == [12, 12] and e[0].tolist() == [15, 15]
     del view
-    assert call(6).tolist() == [18, 18] and ran[-1] == 1
+    assert call(6)[0].tolist() == [18, 18] and ran[-1] == 1
 
 
 @pytest.mark.parametrize("copied", [False, True])
@@ -426,11 +437,15 @@ def test_plain_call_graph_wiring(monkeypatch):
     assert graph.bound == ("seed", "offset") and graph.copied == ("hidden",)
     assert len({o["tokens"].data_ptr() for o in got} | {graph.outputs["tokens"].data_ptr()}) \
         == len(got) + 1
-    # the first two replays return the output slots' tokens (each call's result is held in
-    # got), the later ones clones of the first graph's
+    # the first two replays return the output slots' tokens and log Z (each call's result
+    # is held in got), the later ones clones of the first graph's
     assert len(graph.slots) == CG.OUTPUT_SLOTS == 2
-    assert [o["tokens"].data_ptr() for o in got[:2]] == \
-        [s.outputs["tokens"].data_ptr() for s in graph.slots]
+    assert all(s.own == {"tokens", "logprobs", "logz"} for s in graph.slots)
+    for name in ("tokens", "logz"):
+        assert [o[name].data_ptr() for o in got[:2]] == \
+            [s.outputs[name].data_ptr() for s in graph.slots]
+        assert not {o[name].data_ptr() for o in got[2:]} & \
+            {s.outputs[name].data_ptr() for s in graph.slots}
     call = dict(call, seed=seed.clone())
     assert pipe._graph_call("k", call, ("tokens",), stage1, stage2, (numel, B, S)) is None
     assert pipe.graphs.get("k") is None

@@ -116,10 +116,10 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, *, temperature: float | t
     third such eager call replays them as one CUDA graph (tpsample/call_graphs.py;
     TPSAMPLE_GRAPHS=0 turns that off), and a later call with the same arguments (new
     hidden states, an int offset and seed=None aside) goes straight to that graph
-    (tpsample/call_memo.py). Each call's outputs are tensors of its own: a clone of the
-    graph's, or the tokens of one of its output slots, written in place once no tensor
-    refers to that slot's earlier tokens (TPSAMPLE_REUSE_OUTPUTS=0 turns that off; like
-    the caching allocator's memory, tokens another stream still reads must stay referenced
+    (tpsample/call_memo.py). Each call's outputs are tensors of its own: clones of the
+    graph's, or the outputs of one of its output slots, written in place once no tensor
+    refers to that slot's earlier outputs (TPSAMPLE_REUSE_OUTPUTS=0 turns that off; like
+    the caching allocator's memory, outputs another stream still reads must stay referenced
     until that stream's work is ordered before the next call).
     """
     sig = None

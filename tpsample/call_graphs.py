@@ -20,14 +20,14 @@ graph), except where the caller gave a tensor for an output (SINKS: `out=` for t
 tokens): a bound one the graph writes itself (no launch after the replay), a copied one
 it fills after the replay. Its intermediates (records) live in the graph's memory pool.
 
-Returned tokens without a copy (TPSAMPLE_REUSE_OUTPUTS=1): a clone is an allocation and a
-launch after the replay, 7-12 µs of host time. A graph captured without the caller's `out`
-is captured OUTPUT_SLOTS more times, each writing its tokens into a tensor of its own (the
-slot's, allocated outside the graph's pool, so that no graph's intermediates share its
-memory). A call replays the first slot whose tokens no tensor outside the slot refers to
-any more (the storage's use count: the caller dropped the tokens of the call that returned
-them, and every view of them) and returns them; where every slot's tokens are still held, the
-first graph and a clone, as before. A decode loop that keeps one step's tokens while it calls
+Returned outputs without a copy (TPSAMPLE_REUSE_OUTPUTS=1): a clone is an allocation and a
+launch after the replay, 7-12 µs of host time each. A graph captured without the caller's
+`out` is captured OUTPUT_SLOTS more times, each writing its returnable outputs (RETURNABLE:
+tokens, log-probs, log Z, top tokens) into tensors of its own (the slot's, allocated outside
+the graph's pool, so that no graph's intermediates share their memory). A call replays the
+first slot whose outputs no tensor outside the slot refers to any more (the storages' use
+counts: the caller dropped what the call that returned them gave back, and every view of it)
+and returns them; where every slot is still held, the first graph and clones, as before. A decode loop that keeps one step's tokens while it calls
 the next (`tok = sample(...)`) alternates between two slots. The slot graphs share the
 first graph's pool and inputs: they are replayed only in the order of their key's stream,
 never at once, and hold no output in the pool that another graph's intermediates could
@@ -59,17 +59,19 @@ NEVER_COPIED = ("weight",)  # per-call tensors a graph must find bound (an LM he
 SINKS = {"out": "tokens"}  # per-call tensors the graph's output of that name goes into
 MAX_GRAPHS = 16  # per pipeline; all are dropped when full (keys change only with shapes)
 OUTPUT_SLOTS = 2  # per graph captured without the caller's out: see the module docstring
+RETURNABLE = ("tokens", "logprobs", "logz", "top_tokens", "top_logprobs")
 _use_count = getattr(torch._C, "_storage_Use_Count", None)  # (None: never reused)
 
 
 class Slot:
-    """A capture of a CallGraph's launches whose tokens go to a tensor of its own: graph,
-    outputs ({name: tensor}, tokens the slot's own), storage (the tokens' storage, kept for
-    its use count), idle (that count with only the slot's references)."""
-    __slots__ = ("graph", "outputs", "storage", "idle")
+    """A capture of a CallGraph's launches whose returnable outputs go to tensors of its
+    own: graph, outputs ({name: tensor}), own (the names among RETURNABLE it owns), held
+    ((storage, the storage's use count with only the slot's references) per owned output;
+    the storage kept for its use count)."""
+    __slots__ = ("graph", "outputs", "own", "held")
 
     def free(self) -> bool:
-        return _use_count(self.storage._cdata) <= self.idle
+        return all(_use_count(storage._cdata) <= idle for storage, idle in self.held)
 
 
 class CallGraph:
@@ -122,7 +124,7 @@ class CallGraph:
             for name in returned:
                 sink = sinks.get(name)
                 if sink is None:
-                    out[name] = (outputs[name].detach() if slot is not None and name == "tokens"
+                    out[name] = (outputs[name].detach() if slot is not None and name in slot.own
                                  else outputs[name].clone())  # (detach: a tensor of its own
                     continue  # over the slot's memory, counted while the caller holds it)
                 t = tensors[sink[0]]
@@ -191,7 +193,8 @@ class CallGraphs:
         return bound
 
     def capture(self, key, tensors: dict, bound: frozenset, launch) -> CallGraph | None:
-        """Capture launch(stream, inputs) -> {name: output tensor} with `tensors` (None
+        """Capture launch(stream, inputs, outputs=None) -> {name: output tensor} (outputs:
+        {name: tensor} the launches write in place of fresh ones) with `tensors` (None
         entries stay None; bound ones as they are, the others copied into tensors the graph
         owns) on a side stream, and keep it under `key`. The graph has not run yet. None if
         the capture fails (with a warning): the key then keeps re-issuing its launches."""
@@ -252,8 +255,7 @@ class CallGraphs:
             finally:
                 g.graph.capture_end()
         g.sinks = {SINKS[n]: (n, n in g.copied) for n in SINKS if tensors.get(n) is not None}
-        if (knobs.REUSE_OUTPUTS and _use_count is not None and not g.sinks
-                and "tokens" in g.outputs):
+        if knobs.REUSE_OUTPUTS and _use_count is not None and not g.sinks:
             try:
                 g.slots = tuple(self._capture_slot(g, launch, side) for _ in range(OUTPUT_SLOTS))
             except Exception as e:  # noqa: BLE001 - the first graph works without slots
@@ -261,21 +263,25 @@ class CallGraphs:
                               f"({e}); its tokens are copied per call instead", RuntimeWarning,
                               stacklevel=5)
             for slot in g.slots:  # (after the captures: their temporaries are gone)
-                slot.idle = _use_count(slot.storage._cdata)
+                slot.held = tuple((st, _use_count(st._cdata)) for st in slot.held)
         current.wait_stream(side)
         return g
 
     @staticmethod
     def _capture_slot(g: CallGraph, launch, side) -> Slot:
         """g's launches captured again, on the side stream and in g's pool, with the
-        tokens going to a tensor of the slot's own (allocated outside the pool)."""
-        slot, tokens = Slot(), torch.empty_like(g.outputs["tokens"])
+        returnable outputs going to tensors of the slot's own (allocated outside the pool;
+        slot.held: their storages until _capture counts their uses)."""
+        slot = Slot()
+        own = {n: torch.empty_like(g.outputs[n]) for n in RETURNABLE
+               if g.outputs.get(n) is not None and g.outputs[n].numel()}
         slot.graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(side):
             slot.graph.capture_begin(pool=g.graph.pool(), capture_error_mode="thread_local")
             try:
-                slot.outputs = launch(side.cuda_stream, dict(g.inputs, out=tokens))
+                slot.outputs = launch(side.cuda_stream, g.inputs, own)
             finally:
                 slot.graph.capture_end()
-        slot.storage = tokens.untyped_storage()
+        slot.own = frozenset(own)
+        slot.held = tuple(t.untyped_storage() for t in own.values())
         return slot

@@ -43,9 +43,9 @@ KNOBS = (
          "without re-validating them (tpsample/call_memo.py); 0: every call takes the full "
          "path"),
     Knob("TPSAMPLE_REUSE_OUTPUTS", "1", ("0", "1"),
-         "1: a call through its CUDA graph returns the tokens of one of the graph's "
+         "1: a call through its CUDA graph returns the outputs of one of the graph's "
          "output slots, written in place, once no tensor refers to that slot's earlier "
-         "tokens (no copy; tpsample/call_graphs.py); 0: a copy of the graph's tokens "
+         "outputs (no copy; tpsample/call_graphs.py); 0: copies of the graph's outputs "
          "every call"),
     Knob("TPSAMPLE_GLUON", "1", ("0", "1"),
          "0: never the Hopper Gluon kernels (ws, pp); the cuBLAS + records-pass path runs "

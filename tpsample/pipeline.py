@@ -108,13 +108,14 @@ class Pipeline:
                 return None
             numel, B, S = sizes
 
-            def launch(stream, named):
+            def launch(stream, named, outputs=None):
                 mine, full = self.transport.slots(numel)
                 stage1(stream, records=mine, **named)
                 self.transport.exchange(mine, full)
                 out = replay.reduce_outputs(B, S, self.device)
                 if named.get("out") is not None:  # (the caller's out: tokens straight there)
                     out["tokens"] = named["out"]
+                out.update(outputs or ())  # (an output slot's: call_graphs.Slot)
                 stage2(stream, records=full, **out, **named)
                 return out
             graph = self.graphs.capture(key, per_call, bound, launch)
@@ -575,7 +576,7 @@ class Pipeline:
             if stage2 is None:  # (not recorded yet for this layout)
                 return None
 
-            def launch(stream, named):
+            def launch(stream, named, outputs=None):
                 side, extra = fresh()
                 mine, full = self.transport.slots(numel)
                 stage1(stream, records=mine, side=side, **named)
@@ -583,6 +584,7 @@ class Pipeline:
                 out = launchers.filtered_outputs(B, S, filters.top_n, dev, flat=True)._asdict()
                 if named.get("out") is not None:  # (the caller's out: tokens straight there)
                     out["tokens"] = named["out"]
+                out.update(outputs or ())  # (an output slot's: call_graphs.Slot)
                 stage2(stream, records=full, sample_records=full, **out, **named,
                        side=side, **extra)
                 return out

@@ -304,10 +304,10 @@ def test_returned_tokens_reuse_a_slot_only_once_nothing_holds_it(kw, monkeypatch
     """TPSAMPLE_REUSE_OUTPUTS (tpsample/call_graphs.py): a loop through the call's graph
     that keeps one step's tokens while it calls the next (`tok = sample(...)`) gets the
     slots' tokens back (no clone), and with one slot held for good (step 6's tokens, and
-    step 9's through a view only) the calls that find no free slot return a clone. Every
-    call's tokens (and log-probs, log Z) equal the same loop with reuse off, and every held
-    tensor still holds its own call's tokens at the end (a slot replayed while held would
-    overwrite them)."""
+    step 9's through a view only; with log-probs, step 6's log Z alone) the calls that find
+    no free slot return clones. Every call's tokens (and log-probs, log Z) equal the same
+    loop with reuse off, and every held tensor still holds its own call's values at the end
+    (a slot replayed while held would overwrite them)."""
     from tpsample import api, knobs
     from tpsample.fallback_choice import FallbackChoice
     monkeypatch.setattr(FallbackChoice, "device_now", lambda self, hidden, in_capture: True)
@@ -329,16 +329,21 @@ def test_returned_tokens_reuse_a_slot_only_once_nothing_holds_it(kw, monkeypatch
                            else (r.logprobs.clone(), r.logz.clone())))
             (pipe,) = api._PIPELINES.values()
             slots = () if pipe.last_graph is None else pipe.last_graph[1].slots
-            in_slot.append(any(tok.untyped_storage().data_ptr() == s.storage.data_ptr()
-                               for s in slots))
+            in_slot.append(any(tok.untyped_storage().data_ptr() ==
+                               s.outputs["tokens"].untyped_storage().data_ptr() for s in slots))
             if step == 6:
                 held[6] = tok
+                if not isinstance(r, torch.Tensor):
+                    held["logz"] = r.logz
             if step == 9:
                 held[9] = tok[: B // 2]
             del r
         torch.cuda.synchronize()
         for step, t in held.items():
-            assert torch.equal(t, copies[step][0][: t.shape[0]]), step
+            if step == "logz":
+                assert torch.equal(t, copies[6][1][1])
+            else:
+                assert torch.equal(t, copies[step][0][: t.shape[0]]), step
         return copies, in_slot
 
     want, none = run(False)
