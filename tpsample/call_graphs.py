@@ -26,14 +26,15 @@ launch after the replay, 7-12 µs of host time each. A graph captured without th
 tokens, log-probs, log Z, top tokens) into tensors of its own (the slot's, allocated outside
 the graph's pool, so that no graph's intermediates share their memory). A call replays the
 first slot whose outputs no tensor outside the slot refers to any more (the storages' use
-counts: the caller dropped what the call that returned them gave back, and every view of it)
-and returns them; where every slot is still held, the first graph and clones, as before. A decode loop that keeps one step's tokens while it calls
-the next (`tok = sample(...)`) alternates between two slots. The slot graphs share the
-first graph's pool and inputs: they are replayed only in the order of their key's stream,
-never at once, and hold no output in the pool that another graph's intermediates could
-overwrite. As with memory from the caching allocator, tokens that another stream still
-reads after the caller drops them (`record_stream`) are not protected: keep a reference until
-that stream's work is ordered before the next call, or set TPSAMPLE_REUSE_OUTPUTS=0.
+counts: the caller dropped what the call that returned them gave back, and every view of
+it) and returns them; where every slot is still held, the first graph and clones, as
+before. A decode loop that keeps one step's result while it calls the next
+(`tok = sample(...)`) alternates between two slots. The slot graphs share the first graph's
+pool and inputs: they are replayed only in the order of their key's stream, never at once,
+and hold no output in the pool that another graph's intermediates could overwrite. As with
+memory from the caching allocator, outputs that another stream still reads after the caller
+drops them (`record_stream`) are not protected: keep a reference until that stream's work
+is ordered before the next call, or set TPSAMPLE_REUSE_OUTPUTS=0.
 
 Plain calls take graphs, and filtered calls whose exact fallback always runs on the
 device (top-p / min-p without top-k, top log-probs or samples without replacement: no
@@ -260,7 +261,7 @@ class CallGraphs:
                 g.slots = tuple(self._capture_slot(g, launch, side) for _ in range(OUTPUT_SLOTS))
             except Exception as e:  # noqa: BLE001 - the first graph works without slots
                 warnings.warn(f"tpsample: CUDA-graph capture of a call's output slots failed "
-                              f"({e}); its tokens are copied per call instead", RuntimeWarning,
+                              f"({e}); its outputs are copied per call instead", RuntimeWarning,
                               stacklevel=5)
             for slot in g.slots:  # (after the captures: their temporaries are gone)
                 slot.held = tuple((st, _use_count(st._cdata)) for st in slot.held)
