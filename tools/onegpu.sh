@@ -13,6 +13,8 @@
 #                                # runs with top_p; COMPILE=1 compiles the step's forward;
 #                                # BATCHES, default 1,8,32,128) and OUT/decode.md
 #   tools/onegpu.sh host OUT     # tools.host_cost: host µs per call kind, the call memo off and on
+#   tools/onegpu.sh reuse OUT    # tools.host_cost with TPSAMPLE_REUSE_OUTPUTS=0 and =1, one
+#                                # process each, twice in turn (the graphs' output slots)
 #
 # Run from the repository root with tpsample importable (PYTHONPATH or an install; the source
 # tree's tpsample/ has no kernels, so it is kept off sys.path: PYTHONSAFEPATH, and the
@@ -20,7 +22,7 @@
 # markdown under OUT; each part prints its table last.
 set -euo pipefail
 
-part=${1:?part: tests, sweep, verify, decode or host}
+part=${1:?part: tests, sweep, verify, decode, host or reuse}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONSAFEPATH=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
@@ -63,6 +65,19 @@ host)
         --out "$out/host" 2>&1 | tee "$out/host.log"
     python -m tools.host_cost --report ="$out/host/host_cost.json" | tee "$out/host.md"
     ;;
+reuse)
+    arms=()
+    for round in 1 2; do
+        for r in 0 1; do
+            TPSAMPLE_REUSE_OUTPUTS=$r python -m tools.host_cost --batches 1,64 --no-profile \
+                --no-graph --kinds plain,plain_keep,plain_out,logprobs,top_p0.9,loop,loop_keep \
+                --out "$out/reuse_r${r}_$round" 2>&1 | tee "$out/reuse_r${r}_$round.log"
+            label="round $round, reuse $([ $r = 1 ] && echo on || echo off)"
+            arms+=("$label=$out/reuse_r${r}_$round/host_cost.json")
+        done
+    done
+    python -m tools.host_cost --report "${arms[@]}" | tee "$out/reuse.md"
+    ;;
 *)
-    echo "unknown part $part (tests, sweep, verify, decode or host)"; exit 2 ;;
+    echo "unknown part $part (tests, sweep, verify, decode, host or reuse)"; exit 2 ;;
 esac
