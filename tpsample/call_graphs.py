@@ -66,13 +66,13 @@ _use_count = getattr(torch._C, "_storage_Use_Count", None)  # (None: never reuse
 
 class Slot:
     """A capture of a CallGraph's launches whose returnable outputs go to tensors of its
-    own: graph, outputs ({name: tensor}), own (the names among RETURNABLE it owns), held
-    ((storage, the storage's use count with only the slot's references) per owned output;
-    the storage kept for its use count)."""
-    __slots__ = ("graph", "outputs", "own", "held")
+    own: graph, outputs ({name: tensor}), own (the names among RETURNABLE it owns),
+    storages (the owned outputs' storages, kept for their use counts), idle (those counts
+    with only the slot's references, taken once every slot of the graph is captured)."""
+    __slots__ = ("graph", "outputs", "own", "storages", "idle")
 
     def free(self) -> bool:
-        return all(_use_count(storage._cdata) <= idle for storage, idle in self.held)
+        return all(_use_count(st._cdata) <= n for st, n in zip(self.storages, self.idle))
 
 
 class CallGraph:
@@ -264,7 +264,7 @@ class CallGraphs:
                               f"({e}); its outputs are copied per call instead", RuntimeWarning,
                               stacklevel=5)
             for slot in g.slots:  # (after the captures: their temporaries are gone)
-                slot.held = tuple((st, _use_count(st._cdata)) for st in slot.held)
+                slot.idle = tuple(_use_count(st._cdata) for st in slot.storages)
         current.wait_stream(side)
         return g
 
@@ -272,7 +272,7 @@ class CallGraphs:
     def _capture_slot(g: CallGraph, launch, side) -> Slot:
         """g's launches captured again, on the side stream and in g's pool, with the
         returnable outputs going to tensors of the slot's own (allocated outside the pool;
-        slot.held: their storages until _capture counts their uses)."""
+        slot.idle is set by _capture)."""
         slot = Slot()
         own = {n: torch.empty_like(g.outputs[n]) for n in RETURNABLE
                if g.outputs.get(n) is not None and g.outputs[n].numel()}
@@ -284,5 +284,5 @@ class CallGraphs:
             finally:
                 slot.graph.capture_end()
         slot.own = frozenset(own)
-        slot.held = tuple(t.untyped_storage() for t in own.values())
+        slot.storages = tuple(t.untyped_storage() for t in own.values())
         return slot
