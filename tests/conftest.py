@@ -9,6 +9,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    import interpreter_speedups
+    interpreter_speedups.install()
 
 try:
     import tpsample.kernels  # noqa: F401  (kernels/ installs as tpsample.kernels)
@@ -30,6 +33,19 @@ if _spec is not None and _spec.origin and os.path.dirname(os.path.dirname(
 
 HAS_CUDA = torch.cuda.is_available()
 KERNEL_OK = HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pytest-xdist): one worker per CPU this process may run on, at most 8. The
+    interpreted kernels keep a worker on one core; more workers than 8 mostly start more
+    gloo processes at once."""
+    return max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                      else (os.cpu_count() or 1), 8))
+
+
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # a worker: its share of the CPUs for torch
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, cpus // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 def pytest_collection_modifyitems(config, items):

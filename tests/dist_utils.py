@@ -7,6 +7,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+if os.environ.get("TRITON_INTERPRET") == "1":  # (ranks import this module, not conftest)
+    import interpreter_speedups
+    interpreter_speedups.install()
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -292,7 +292,8 @@ def tp_constrained(rank, world, extra):
     return sampler(h, return_logprobs=True, **kw, **extra)
 
 
-@pytest.mark.parametrize("world,extra", [(3, dict()), (2, dict(top_k=4, top_logprobs=2))],
+@pytest.mark.parametrize("world,extra", [pytest.param(3, dict(), marks=pytest.mark.slow),
+                                         (2, dict(top_k=4, top_logprobs=2))],
                          ids=["tp3", "tp2-filtered"])
 def test_tp_equals_single_device(world, extra):
     outs = run_world(world, tp_constrained, extra)

@@ -395,7 +395,7 @@ def tp_filtered(rank, world, merge):
                    top_logprobs=3, **MIXED)
 
 
-@pytest.mark.parametrize("world,merge", [(2, "max"), (3, "cdf")])
+@pytest.mark.parametrize("world,merge", [(2, "max"), pytest.param(3, "cdf", marks=pytest.mark.slow)])
 def test_tp_filtered_equals_single_device(world, merge):
     outs = run_world(world, tp_filtered, merge)
     for o in outs:

@@ -48,6 +48,7 @@ def test_speculative_example_writes_the_plain_loops_tokens(tmp_path):
     assert passes < 60, text
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed next to python")
 def test_fast_decode_tiny_model_tp1_and_tp2(tmp_path):
     """examples/fast_decode.py --check on its tiny configuration (CPU, gloo): greedy tokens

@@ -51,6 +51,24 @@ def test_negative_seeds_and_offsets_use_the_int64_bit_pattern():
     assert torch.isfinite(g).all()
 
 
+@pytest.mark.parametrize("index_rows", [1, 37])
+def test_cpu_slices_of_rows_give_the_same_words(monkeypatch, index_rows):
+    """Above CPU_SLICE_WORDS the CPU draws Philox words in slices of rows: the same words."""
+    g = torch.Generator().manual_seed(3)
+    seed = torch.randint(-(1 << 62), 1 << 62, (37, 1), generator=g)
+    offset = torch.randint(0, 1 << 40, (37, 1), generator=g)
+    sample = torch.randint(0, 4, (37, 1), generator=g)
+    index = torch.randint(0, 1 << 31, (index_rows, 300), generator=g)
+    whole = noise.philox_bits(seed, offset, sample, index, stream=2)
+    monkeypatch.setattr(noise, "CPU_SLICE_WORDS", 1000)  # slices of 3 rows, the last of 1
+    calls = []
+    words = noise._philox_words
+    monkeypatch.setattr(noise, "_philox_words", lambda *a: calls.append(a[3].shape) or words(*a))
+    sliced = noise.philox_bits(seed, offset, sample, index, stream=2)
+    assert len(calls) == 13 and calls[0] == (3, 300) and calls[-1] == (1, 300)
+    assert torch.equal(sliced, whole)
+
+
 def test_uniforms_look_uniform():
     from scipy import stats
     u = noise.uniform(torch.tensor([[123]]), torch.tensor([[0]]), 0, torch.arange(200_000)[None, :])

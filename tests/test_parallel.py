@@ -46,8 +46,8 @@ def tp_sample(rank, world, merge, backend, explicit_start):
 
 
 @pytest.mark.parametrize("world,backend,explicit", [
-    (2, "auto", False), (3, "torch", False), pytest.param(4, "torch", True, marks=pytest.mark.slow),
-    (3, "auto", True)])
+    (2, "auto", False), pytest.param(3, "torch", False, marks=pytest.mark.slow),
+    pytest.param(4, "torch", True, marks=pytest.mark.slow), (3, "auto", True)])
 def test_tp_tokens_equal_single_device_and_identical_on_ranks(world, backend, explicit):
     outs = run_world(world, tp_sample, "max", backend, explicit)
     for o in outs:
