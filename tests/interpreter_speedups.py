@@ -89,7 +89,8 @@ def _dtype_table(interpreter, tl, np) -> bool:
             tt_dtype = tt_dtype.element_ty
             if isinstance(tt_dtype, pointer):
                 return u64
-        return table[tt_dtype]
+        found = table.get(tt_dtype)
+        return original(tt_dtype) if found is None else found  # (a dtype not listed here)
 
     get_np_dtype._table = table
     interpreter._get_np_dtype = get_np_dtype
