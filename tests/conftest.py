@@ -35,6 +35,7 @@ HAS_CUDA = torch.cuda.is_available()
 KERNEL_OK = HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@pytest.hookimpl(optionalhook=True)  # (a hook of pytest-xdist, which may be absent)
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (pytest-xdist): one worker per CPU this process may run on, at most 8. The
     interpreted kernels keep a worker on one core; more workers than 8 mostly start more
