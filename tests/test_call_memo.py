@@ -273,3 +273,22 @@ def test_the_signature_covers_every_argument(fn):
     names |= {n.attr for n in ast.walk(call) if isinstance(n, ast.Attribute)}
     params = set(inspect.signature(fn).parameters) - {"self"}
     assert params <= names | {"weight"} and params - names <= {"weight"}, params - names
+
+
+def test_seeds_drawn_into_a_graphs_input_equal_a_new_draw():
+    """The memo draws seed=None's row seeds into the graph's input (random_); the full path
+    draws a new tensor (randint): the same values from the same generator state."""
+    import types
+    from tpsample import api
+    from tpsample.parallel import VocabParallelSampler
+    cpu = torch.device("cpu")
+    for B in (1, 7):
+        out = torch.empty(B, dtype=torch.int64)
+        torch.manual_seed(3)
+        new = api._draw_seed(B, cpu)
+        torch.manual_seed(3)
+        assert api._draw_seed(B, cpu, out) is out and torch.equal(out, new)
+        tp = [types.SimpleNamespace(generator=torch.Generator().manual_seed(4)) for _ in range(2)]
+        new = VocabParallelSampler._draw_seed(tp[0], B, cpu)
+        assert torch.equal(VocabParallelSampler._draw_seed(tp[1], B, cpu, out), new)
+        assert int(new.min()) >= 0 and int(new.max()) < (1 << 62)

@@ -162,8 +162,11 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, *, temperature: float | t
 
 def _draw_seed(B: int, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
     """The row seeds of a call with seed=None, as params.row_params draws them (into out,
-    int64 [B] on device, where given: the same values)."""
-    return torch.randint(0, P.SEED_HIGH, (B,), dtype=torch.int64, device=device, out=out)
+    int64 [B] on device, where given: the same values; `random_` parses fewer arguments
+    than randint(out=), ~2 µs of a repeated call's host time)."""
+    if out is not None:
+        return out.random_(0, P.SEED_HIGH)
+    return torch.randint(0, P.SEED_HIGH, (B,), dtype=torch.int64, device=device)
 
 
 def verify_drafts(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torch.Tensor, *,

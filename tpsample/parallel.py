@@ -279,9 +279,11 @@ class VocabParallelSampler:
     def _draw_seed(self, B: int, device: torch.device,
                    out: torch.Tensor | None = None) -> torch.Tensor:
         """The row seeds of a call with seed=None, from the generator every rank shares
-        (into out, int64 [B], where given: the same values)."""
+        (into out, int64 [B], where given: the same values, as tpsample.api's)."""
+        if out is not None:
+            return out.random_(0, P.SEED_HIGH, generator=self.generator)
         return torch.randint(0, P.SEED_HIGH, (B,), dtype=torch.int64, device=device,
-                             generator=self.generator, out=out)
+                             generator=self.generator)
 
     def verify_drafts(self, hidden: torch.Tensor, draft_tokens: torch.Tensor, *,
                       draft_probs: torch.Tensor | None = None,
