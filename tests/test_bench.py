@@ -21,6 +21,7 @@ def run(cmd, tmp_path, timeout=240):
     return out.stdout
 
 
+@pytest.mark.slow
 def test_single_device_mode_writes_json_doc_and_summary(tmp_path):
     doc = tmp_path / "perf.md"
     text = run([sys.executable, "-m", "tpsample.launch.bench", "--shapes", "64x1000", "--batches",

@@ -228,7 +228,7 @@ def test_winner_check_negative_controls(patches, right, logprobs, monkeypatch):
         assert_matches_reference(out, ref)
 
 
-@pytest.mark.parametrize("logprobs", [False, True], ids=["tokens", "logprobs"])
+@pytest.mark.parametrize("logprobs", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["tokens", "logprobs"])
 def test_min_p_alone_takes_the_row_max_from_the_filter_kernel(logprobs, monkeypatch):
     """A call with min-p and no top-p checks its rows' winners against the filter kernel's
     row max: no STATS launch, tokens equal the reference's (log-probs and log Z within 1e-4);
@@ -407,7 +407,7 @@ def test_a_call_whose_every_row_has_a_top_k_launches_no_fast_path_step(monkeypat
     assert_matches_reference(one, reference_sample(h, w, top_k=100, **kw))
 
 
-@pytest.mark.parametrize("logprobs", [False, True], ids=["tokens", "logprobs"])
+@pytest.mark.parametrize("logprobs", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["tokens", "logprobs"])
 def test_every_launch_takes_the_calls_outputs_whole(logprobs, monkeypatch):
     """A replayed call fills in its tensors by identity (tpsample/replay.py): a launch argument
     that is a view of one of the call's outputs, not the output itself, would be replayed on

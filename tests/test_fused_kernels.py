@@ -25,7 +25,8 @@ def params(B, device, seed=0):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("B,D,V,vocab", [(5, 64, 1000, 1000), (70, 100, 777, 700)])
+@pytest.mark.parametrize("B,D,V,vocab", [(5, 64, 1000, 1000),
+                                         pytest.param(70, 100, 777, 700, marks=pytest.mark.slow)])
 def test_max_merge_matches_reference(backend, dtype, B, D, V, vocab, device):
     h, w = random_inputs(B, D, V, dtype, device)
     bias = torch.randn(V, device=device)

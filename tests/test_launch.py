@@ -17,6 +17,7 @@ def run(cmd, tmp_path, timeout=180):
     return out.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed next to python")
 def test_tp_demo_two_ranks(tmp_path):
     text = run([str(TORCHRUN), "--standalone", "--nproc-per-node=2", "-m", "tpsample.launch.demo",

@@ -306,7 +306,7 @@ def _tp_verify(rank, world, probs, backend="torch", filt=None):
 
 
 @pytest.mark.parametrize("probs,backend,filt", [
-    (False, "torch", None), (True, "torch", None),
+    (False, "torch", None), pytest.param(True, "torch", None, marks=pytest.mark.slow),
     pytest.param(True, "triton", None, marks=pytest.mark.slow),
     pytest.param(True, "triton", dict(top_p=0.9, min_p=0.02), marks=pytest.mark.slow)],
     ids=["one-hot", "draft-probs", "draft-probs-kernels", "draft-probs-kernels-top-p"])
