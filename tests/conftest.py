@@ -35,18 +35,20 @@ HAS_CUDA = torch.cuda.is_available()
 KERNEL_OK = HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _cpus() -> int:
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 @pytest.hookimpl(optionalhook=True)  # (a hook of pytest-xdist, which may be absent)
 def pytest_xdist_auto_num_workers(config):
-    """`-n auto` (pytest-xdist): one worker per CPU this process may run on, at most 8. The
-    interpreted kernels keep a worker on one core; more workers than 8 mostly start more
-    gloo processes at once."""
-    return max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                      else (os.cpu_count() or 1), 8))
+    """`-n auto` (pytest-xdist): one worker per CPU, at most 8. The interpreted kernels keep
+    a worker on one core; more workers than 8 mostly start more gloo processes at once."""
+    return max(1, min(_cpus(), 8))
 
 
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # a worker: its share of the CPUs for torch
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    torch.set_num_threads(max(1, cpus // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    torch.set_num_threads(max(1, _cpus() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 def pytest_collection_modifyitems(config, items):

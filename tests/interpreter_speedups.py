@@ -17,7 +17,8 @@ Where the interpreter's internals are not what is expected here, nothing is chan
 """
 import inspect
 
-_patched: list = []  # per running launch: the ids of the language modules it patched
+_launch: list = []  # the running launch's language modules (ids), while one runs (launches
+# do not nest: a kernel calls jit helpers, never another launch)
 _langs_of: dict = {}  # a jit function's globals (by id) -> the ids of its language modules
 
 
@@ -39,29 +40,27 @@ def _patch_once(interpreter, tl) -> bool:
         return False
 
     class LaunchScope(scope_type):
-        """A launch's patch: once it is undone, its modules count as unpatched again."""
+        """A launch's patch: once it is undone, no launch runs."""
 
-        def __init__(self, inner, langs):
+        def __init__(self, inner):
             self.__dict__.update(inner.__dict__)
-            self._langs = langs
 
         def restore(self):
             try:
                 super().restore()
             finally:
-                if _patched and _patched[-1] is self._langs:
-                    _patched.pop()
+                _launch.clear()
 
     def patch_lang(fn):
         langs = _langs(fn, tl)
-        if _patched and langs <= _patched[-1]:
+        if _launch and langs <= _launch[0]:
             return scope_type()  # already patched by the running launch: nothing to undo
         scope = original(fn)
-        if _patched:  # a helper that sees another module: patched as the interpreter does
-            _patched[-1].update(langs)
+        if _launch:  # a helper that sees another module: patched as the interpreter does
+            _launch[0].update(langs)
             return scope
-        _patched.append(set(langs))
-        return LaunchScope(scope, _patched[-1])
+        _launch.append(set(langs))
+        return LaunchScope(scope)
 
     patch_lang._patch_once = True
     interpreter._patch_lang = patch_lang

@@ -61,11 +61,12 @@ def run_script(tmp_path: Path, aborting_rank: int = -1, world: int = 2) -> list[
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(world)]
     try:
-        return [(p.returncode, out[-2000:]) for p in ranks
-                for out in (p.communicate(timeout=300)[0],)]
+        outs = [p.communicate(timeout=300)[0] for p in ranks]
     finally:
         for p in ranks:
-            p.kill() if p.poll() is None else None
+            if p.poll() is None:
+                p.kill()
+    return [(p.returncode, out[-2000:]) for p, out in zip(ranks, outs)]
 
 
 @pytest.mark.slow
