@@ -67,13 +67,19 @@ def accept_scan_kernel(y_ptr, lp_ptr, draft_ptr, n_ptr, tokens_ptr, accepted_ptr
 # descending, id ascending): with a cut (HAS_CUT: top-k / top-p, found by a sort in torch)
 # the tokens up to (cut_l, cut_id); without one the tokens with exp(l - l_max) >= min_p
 # (all finite ones where min_p is 0); on greedy rows (inv_temp 0) the argmax with the
-# smallest id. log p = l - log Z_kept on the kept tokens, float64 as verify.target_logprobs.
-# Each row is split into G chunks of CHUNK columns, one program each, in four launches:
-# probs_max (each chunk's max, the smallest id there, the draft's logit, NaNs), probs_mass
-# (each chunk's kept mass under the row's max), probs_pick (per request: the verdicts, then
-# each chunk's best residual and target scores at the picked row), probs_finish (per
-# request: the pick and the outputs). A row whose log Z is not finite (a NaN, +inf, nothing
-# finite) accepts nothing and picks nothing (-1).
+# smallest id. log p = l - log Z_kept on the kept tokens (float64). The kernels read the
+# matmul's logits and apply the temperature themselves (SCALE: l · inv_temp, 1 on greedy
+# rows, the multiply torch's path does), so the [R, C] logits are read, never rewritten.
+# Each row is split into G chunks of CHUNK columns. Launches:
+#   probs_max    per row and chunk: the max, the smallest id there, the draft's logit, NaNs;
+#                without a filter (MASS) also the chunk's mass sum exp(l - chunk max)
+#   probs_mass   (a filter: min-p or a cut) per row and chunk: the kept mass under the row max
+#   probs_accept per request: the verdicts, the picked row's max, argmax id and log Z
+#   probs_pick   per request and chunk of PICK_CHUNK columns: the best residual and target
+#                scores at the picked row
+#   probs_finish per request: the pick and the outputs.
+# A row whose log Z is not finite (a NaN, +inf, nothing finite) accepts nothing and picks
+# nothing (-1).
 NONE_ID = tl.constexpr(9223372036854775807)
 
 
@@ -101,32 +107,43 @@ def _row_filters(r, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr, HAS_CUT: tl.const
 
 
 @triton.jit
-def _chunk_block(l_ptr, ids_ptr, r, c, c0, C, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    """Columns c·CHUNK + c0 + [0, BLOCK) of row r: (logits, -inf past C; ids, -1 past C)."""
+def _scale(inv_ptr, r, SCALE: tl.constexpr):
+    """Row r's logit multiplier: 1 / T (1 on greedy rows) when SCALE, else 1."""
+    inv = tl.load(inv_ptr + r)
+    return tl.where(inv == 0, 1.0, inv) if SCALE else tl.full([], 1.0, tl.float32)
+
+
+@triton.jit
+def _chunk_block(l_ptr, ids_ptr, r, c, c0, C, s, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Columns c·CHUNK + c0 + [0, BLOCK) of row r: (logits · s, -inf past C; ids, -1 past C)."""
     cols = c * CHUNK + c0 + tl.arange(0, BLOCK)
     ok = cols < C
-    return (tl.load(l_ptr + r * C + cols, mask=ok, other=float("-inf")),
+    return (tl.load(l_ptr + r * C + cols, mask=ok, other=float("-inf")) * s,
             tl.load(ids_ptr + cols, mask=ok, other=-1))
 
 
 @triton.jit
-def probs_max_kernel(l_ptr, ids_ptr, C, draft_ptr, pmax_ptr, ptop_ptr, plx_ptr, pnan_ptr, G,
-                     S: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+def probs_max_kernel(l_ptr, ids_ptr, C, inv_ptr, draft_ptr, pmax_ptr, ptop_ptr, plx_ptr,
+                     pnan_ptr, pz_ptr, G, S: tl.constexpr, CHUNK: tl.constexpr,
+                     BLOCK: tl.constexpr, SCALE: tl.constexpr, MASS: tl.constexpr):
     """Program r·G + c: chunk c of row r = b·(S + 1) + i of l [R, C] (ids [C] the columns'
     global ids): its largest logit, the smallest id there, the largest logit of the draft
-    x = draft[b, i]'s columns (i < S), whether it holds a NaN; [R, G] each."""
+    x = draft[b, i]'s columns (i < S), whether it holds a NaN; with MASS (no filter: every
+    finite logit is kept) also sum exp(l - the chunk's max) over its finite logits (fp32
+    terms summed in float64; its second read of the chunk comes from L2). [R, G] each."""
     pid = tl.program_id(0).to(tl.int64)
     r = pid // G
     c = pid % G
     b = r // (S + 1)
     i = r % (S + 1)
+    s = _scale(inv_ptr, r, SCALE)
     x = tl.load(draft_ptr + b * S + i, mask=i < S, other=-1)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_id = tl.full([BLOCK], NONE_ID, tl.int64)
     lx = tl.full([BLOCK], float("-inf"), tl.float32)
     nan = tl.zeros([BLOCK], tl.int32)
     for c0 in range(0, CHUNK, BLOCK):
-        l, ids = _chunk_block(l_ptr, ids_ptr, r, c, c0, C, CHUNK, BLOCK)
+        l, ids = _chunk_block(l_ptr, ids_ptr, r, c, c0, C, s, CHUNK, BLOCK)
         nan = nan | (l != l).to(tl.int32)
         better = (l > best) | ((l == best) & (ids < best_id))
         best_id = tl.where(better, ids, best_id)
@@ -137,6 +154,12 @@ def probs_max_kernel(l_ptr, ids_ptr, C, draft_ptr, pmax_ptr, ptop_ptr, plx_ptr, 
     tl.store(ptop_ptr + pid, tl.min(tl.where(best == xmax, best_id, NONE_ID), axis=0))
     tl.store(plx_ptr + pid, tl.max(lx, axis=0))
     tl.store(pnan_ptr + pid, tl.max(nan, axis=0))
+    if MASS:
+        z = tl.zeros([BLOCK], tl.float64)
+        for c0 in range(0, CHUNK, BLOCK):
+            l, ids = _chunk_block(l_ptr, ids_ptr, r, c, c0, C, s, CHUNK, BLOCK)
+            z += tl.where(l > float("-inf"), tl.exp(l - xmax), 0.0).to(tl.float64)
+        tl.store(pz_ptr + pid, tl.sum(z, axis=0))
 
 
 @triton.jit
@@ -158,19 +181,21 @@ def _row_stats(r, pmax_ptr, ptop_ptr, plx_ptr, pnan_ptr, G, BLOCK_G: tl.constexp
 @triton.jit
 def probs_mass_kernel(l_ptr, ids_ptr, C, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr, pmax_ptr,
                       ptop_ptr, plx_ptr, pnan_ptr, pz_ptr, G, GT, HAS_CUT: tl.constexpr,
-                      CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_G: tl.constexpr):
-    """Program r·G + c: the kept tokens' mass of chunk c of row r, sum exp(l - l_max)
-    (float64) [R, G]. The rows' stats: [R, GT] partials (GT = G; tensor parallel: every
-    rank's G chunks, gathered)."""
+                      CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_G: tl.constexpr,
+                      SCALE: tl.constexpr):
+    """Program r·G + c (a filter: min-p or a cut): the kept tokens' mass of chunk c of row
+    r, sum exp(l - l_max) under the row's max (float64) [R, G]. The rows' stats: [R, GT]
+    partials (GT = G; tensor parallel: every rank's G chunks, gathered)."""
     pid = tl.program_id(0).to(tl.int64)
     r = pid // G
     c = pid % G
     xmax, top, lx, bad = _row_stats(r, pmax_ptr, ptop_ptr, plx_ptr, pnan_ptr, GT, BLOCK_G)
     greedy, m, cut_l, cut_id = _row_filters(r, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr,
                                             HAS_CUT)
+    s = _scale(inv_ptr, r, SCALE)
     z = tl.zeros([BLOCK], tl.float64)
     for c0 in range(0, CHUNK, BLOCK):
-        l, ids = _chunk_block(l_ptr, ids_ptr, r, c, c0, C, CHUNK, BLOCK)
+        l, ids = _chunk_block(l_ptr, ids_ptr, r, c, c0, C, s, CHUNK, BLOCK)
         k = _kept(l, ids, xmax, top, greedy, m, cut_l, cut_id, HAS_CUT)
         z += tl.where(k, tl.exp(l.to(tl.float64) - xmax.to(tl.float64)), 0.0)
     tl.store(pz_ptr + pid, tl.sum(z, axis=0))
@@ -178,49 +203,47 @@ def probs_mass_kernel(l_ptr, ids_ptr, C, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_p
 
 @triton.jit
 def _logp(r, draft, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr, pmax_ptr, ptop_ptr, plx_ptr,
-          pnan_ptr, pz_ptr, G, HAS_CUT: tl.constexpr, BLOCK_G: tl.constexpr):
-    """Row r's stats and log Z of its kept tokens (float64; NaN where its log Z is not
-    finite), and log p of the token draft there (-inf where not kept)."""
+          pnan_ptr, pz_ptr, G, HAS_CUT: tl.constexpr, BLOCK_G: tl.constexpr,
+          MASS: tl.constexpr):
+    """Row r's largest logit, its smallest id there, log Z of its kept tokens (float64; NaN
+    where its log Z is not finite) and log p of the token draft there (-inf where not
+    kept). MASS: the chunks' masses are each under the chunk's own max."""
     xmax, top, lx, bad = _row_stats(r, pmax_ptr, ptop_ptr, plx_ptr, pnan_ptr, G, BLOCK_G)
     greedy, m, cut_l, cut_id = _row_filters(r, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr,
                                             HAS_CUT)
     g = tl.arange(0, BLOCK_G)
-    z = tl.sum(tl.load(pz_ptr + r * G + g, mask=g < G, other=0.0), axis=0)
-    logz = tl.where(bad, float("nan"), xmax.to(tl.float64) + tl.log(z))
+    z = tl.load(pz_ptr + r * G + g, mask=g < G, other=0.0)
+    if MASS:
+        pm = tl.load(pmax_ptr + r * G + g, mask=g < G, other=float("-inf"))
+        z = tl.where(pm > float("-inf"), z * tl.exp(pm.to(tl.float64) - xmax.to(tl.float64)),
+                     0.0)
+    logz = tl.where(bad, float("nan"), xmax.to(tl.float64) + tl.log(tl.sum(z, axis=0)))
     k_x = _kept(lx, draft, xmax, top, greedy, m, cut_l, cut_id, HAS_CUT) & (draft >= 0)
     lp_x = tl.where(k_x, tl.where(greedy, 0.0, lx.to(tl.float64) - logz), float("-inf"))
-    return xmax, top, greedy, m, cut_l, cut_id, logz, tl.where(bad, float("nan"), lp_x)
+    return xmax, top, logz, tl.where(bad, float("nan"), lp_x)
 
 
 @triton.jit
-def probs_pick_kernel(l_ptr, ids_ptr, C, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr, pmax_ptr,
-                      ptop_ptr, plx_ptr, pnan_ptr, pz_ptr, G, GT, q_ptr, V, draft_ptr, n_ptr,
-                      seed_rows_ptr, offset_rows_ptr, accepted_ptr, lpx_ptr, bad_ptr,
-                      pbest_ptr, pid_ptr, plp_ptr, pmass_ptr, ACCEPT: tl.constexpr,
-                      S: tl.constexpr,
-                      HAS_CUT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                      BLOCK_G: tl.constexpr):
-    """Program b·G + c. The verdicts of request b: x_i accepted while u_i · q_i(x_i) < p_i(x_i)
-    and i < n[b] (u_i = noise.uniform(seed, offset + i, 0, 0, ACCEPT) of position i);
-    a = the accepted count (program c = 0 stores it, the drafts' log p and whether the
-    picked row's log Z is not finite). Then over
-    chunk c of row b·(S + 1) + a, with the token noise of that position: the best score of
-    the residual log max(0, p - q_a) (a < n: a rejection; else q = 0) and of log p, each
-    with its id (ties to the smaller) and log p, and whether the residual has mass there:
-    pbest, pid, plp [B, G, 2], pmass [B, G]. The rows' stats and masses: [R, GT] (GT = G;
-    tensor parallel: every rank's G chunks, gathered)."""
-    pid = tl.program_id(0).to(tl.int64)
-    b = pid // G
-    c = pid % G
+def probs_accept_kernel(inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr, pmax_ptr, ptop_ptr,
+                        plx_ptr, pnan_ptr, pz_ptr, GT, q_ptr, V, draft_ptr, n_ptr,
+                        seed_rows_ptr, offset_rows_ptr, accepted_ptr, lpx_ptr, bad_ptr,
+                        rmax_ptr, rtop_ptr, rlogz_ptr, ACCEPT: tl.constexpr, S: tl.constexpr,
+                        HAS_CUT: tl.constexpr, BLOCK_G: tl.constexpr, MASS: tl.constexpr):
+    """Program b: the verdicts of request b, x_i accepted while u_i · q_i(x_i) < p_i(x_i)
+    and i < n[b] (u_i = noise.uniform(seed, offset + i, 0, 0, ACCEPT) of position i); the
+    accepted count a, the drafts' log p (lpx [B·(S + 1)]), whether the picked row
+    b·(S + 1) + a has no finite log Z (bad), and that row's max, smallest id there and
+    log Z (rmax, rtop, rlogz [B]). The rows' stats and masses: [R, GT] partials (tensor
+    parallel: every rank's chunks, gathered; every rank computes the same)."""
+    b = tl.program_id(0).to(tl.int64)
     n = tl.load(n_ptr + b)
     a = tl.zeros([], tl.int64) + S
     go = tl.zeros([], tl.int32) + 1
     for i in tl.static_range(S):
         r = b * (S + 1) + i
         x = tl.load(draft_ptr + b * S + i)
-        _, _, _, _, _, _, _, lp_x = _logp(r, x, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr,
-                                          pmax_ptr, ptop_ptr, plx_ptr, pnan_ptr, pz_ptr, GT,
-                                          HAS_CUT, BLOCK_G)
+        _, _, _, lp_x = _logp(r, x, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr, pmax_ptr,
+                              ptop_ptr, plx_ptr, pnan_ptr, pz_ptr, GT, HAS_CUT, BLOCK_G, MASS)
         q_x = tl.load(q_ptr + (b * S + i) * V + tl.minimum(tl.maximum(x, 0), V - 1))
         seed = tl.load(seed_rows_ptr + r)
         off = tl.load(offset_rows_ptr + r)
@@ -232,17 +255,46 @@ def probs_pick_kernel(l_ptr, ids_ptr, C, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_p
         stop = (go > 0) & ~ok
         a = tl.where(stop, i, a)
         go = tl.where(stop, 0, go)
-        if c == 0:
-            tl.store(lpx_ptr + r, lp_x)
-    if c == 0:
-        tl.store(accepted_ptr + b, a)
-    rejected = a < n
+        tl.store(lpx_ptr + r, lp_x)
+    tl.store(accepted_ptr + b, a)
+    xmax, top, logz, _ = _logp(b * (S + 1) + a, -1, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr,
+                               pmax_ptr, ptop_ptr, plx_ptr, pnan_ptr, pz_ptr, GT, HAS_CUT,
+                               BLOCK_G, MASS)
+    tl.store(bad_ptr + b, (logz != logz).to(tl.int32))
+    tl.store(rmax_ptr + b, xmax)
+    tl.store(rtop_ptr + b, top)
+    tl.store(rlogz_ptr + b, logz)
+
+
+@triton.jit
+def _better(z, zid, best, best_id):
+    return (z > best) | ((z == best) & (zid < best_id))
+
+
+@triton.jit
+def probs_pick_kernel(l_ptr, ids_ptr, C, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr, q_ptr, V,
+                      n_ptr, seed_rows_ptr, offset_rows_ptr, accepted_ptr, rmax_ptr, rtop_ptr,
+                      rlogz_ptr, G, pbest_ptr, pid_ptr, plp_ptr, pmass_ptr, S: tl.constexpr,
+                      HAS_CUT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                      SCALE: tl.constexpr):
+    """Program b·G + c (after probs_accept_kernel): over chunk c of row r = b·(S + 1) + a
+    (a = the accepted count), with the token noise of that position, the best score of the
+    target log p and, where the drafts were rejected there (a < n), of the residual
+    log max(0, p - q_a), each with its id (ties to the smaller) and log p, and whether the
+    residual has mass there: pbest, pid, plp [B, G, 2] (residual, target), pmass [B, G].
+    The residual's p and p - q are float64; without a rejection they are not computed."""
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // G
+    c = pid % G
+    n = tl.load(n_ptr + b)
+    a = tl.load(accepted_ptr + b)
     r = b * (S + 1) + a
-    xmax, top, greedy, m, cut_l, cut_id, logz, _ = _logp(
-        r, -1, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr, pmax_ptr, ptop_ptr, plx_ptr, pnan_ptr,
-        pz_ptr, GT, HAS_CUT, BLOCK_G)
-    if c == 0:
-        tl.store(bad_ptr + b, (logz != logz).to(tl.int32))
+    xmax = tl.load(rmax_ptr + b)
+    top = tl.load(rtop_ptr + b)
+    logz = tl.load(rlogz_ptr + b)
+    greedy, m, cut_l, cut_id = _row_filters(r, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr,
+                                            HAS_CUT)
+    s = _scale(inv_ptr, r, SCALE)
     seed = tl.load(seed_rows_ptr + r)
     off = tl.load(offset_rows_ptr + r)
     off_lo = (off & 0xFFFFFFFF).to(tl.uint32)
@@ -255,27 +307,40 @@ def probs_pick_kernel(l_ptr, ids_ptr, C, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_p
     zp_id = tl.full([BLOCK], NONE_ID, tl.int64)
     zp_lp = tl.zeros([BLOCK], tl.float64)
     mass = tl.zeros([BLOCK], tl.int32)
-    for c0 in range(0, CHUNK, BLOCK):
-        l, ids = _chunk_block(l_ptr, ids_ptr, r, c, c0, C, CHUNK, BLOCK)
-        k = _kept(l, ids, xmax, top, greedy, m, cut_l, cut_id, HAS_CUT)
-        lp = tl.where(k, tl.where(greedy, 0.0, l.to(tl.float64) - logz), float("-inf"))
-        p = tl.exp(lp)
-        q = tl.load(q_row + tl.minimum(tl.maximum(ids, 0), V - 1),
-                    mask=(l > float("-inf")) & (l < float("inf")), other=0.0)
-        res = tl.maximum(p - tl.where(rejected, q.to(tl.float64), 0.0), 0.0)
-        word = philox_word(seed, off_lo, off_hi, tl.cast(0, tl.uint32), ids)
-        g = -tl.log(-tl.log(((word >> 9).to(tl.float32) + 0.5) * (2.0 ** -23)))
-        z1 = tl.where(res > 0, tl.log(res).to(tl.float32) + g, float("-inf"))
-        z2 = tl.where(p > 0, lp.to(tl.float32) + g, float("-inf"))
-        mass = mass | (res > 0).to(tl.int32)
-        b1 = (z1 > zr) | ((z1 == zr) & (ids < zr_id))
-        zr_id = tl.where(b1, ids, zr_id)
-        zr_lp = tl.where(b1, lp, zr_lp)
-        zr = tl.where(b1, z1, zr)
-        b2 = (z2 > zp) | ((z2 == zp) & (ids < zp_id))
-        zp_id = tl.where(b2, ids, zp_id)
-        zp_lp = tl.where(b2, lp, zp_lp)
-        zp = tl.where(b2, z2, zp)
+    if a < n:  # a rejection: the residual (and the target, should it have no mass)
+        for c0 in range(0, CHUNK, BLOCK):
+            l, ids = _chunk_block(l_ptr, ids_ptr, r, c, c0, C, s, CHUNK, BLOCK)
+            k = _kept(l, ids, xmax, top, greedy, m, cut_l, cut_id, HAS_CUT)
+            lp = tl.where(k, tl.where(greedy, 0.0, l.to(tl.float64) - logz), float("-inf"))
+            p = tl.exp(lp)
+            q = tl.load(q_row + tl.minimum(tl.maximum(ids, 0), V - 1),
+                        mask=(l > float("-inf")) & (l < float("inf")), other=0.0)
+            res = tl.maximum(p - q.to(tl.float64), 0.0)
+            word = philox_word(seed, off_lo, off_hi, tl.cast(0, tl.uint32), ids)
+            g = -tl.log(-tl.log(((word >> 9).to(tl.float32) + 0.5) * (2.0 ** -23)))
+            z1 = tl.where(res > 0, tl.log(res).to(tl.float32) + g, float("-inf"))
+            z2 = tl.where(p > 0, lp.to(tl.float32) + g, float("-inf"))
+            mass = mass | (res > 0).to(tl.int32)
+            b1 = _better(z1, ids, zr, zr_id)
+            zr_id = tl.where(b1, ids, zr_id)
+            zr_lp = tl.where(b1, lp, zr_lp)
+            zr = tl.where(b1, z1, zr)
+            b2 = _better(z2, ids, zp, zp_id)
+            zp_id = tl.where(b2, ids, zp_id)
+            zp_lp = tl.where(b2, lp, zp_lp)
+            zp = tl.where(b2, z2, zp)
+    else:  # every draft accepted: the bonus token from p
+        for c0 in range(0, CHUNK, BLOCK):
+            l, ids = _chunk_block(l_ptr, ids_ptr, r, c, c0, C, s, CHUNK, BLOCK)
+            k = _kept(l, ids, xmax, top, greedy, m, cut_l, cut_id, HAS_CUT)
+            lp = tl.where(k, tl.where(greedy, 0.0, l.to(tl.float64) - logz), float("-inf"))
+            word = philox_word(seed, off_lo, off_hi, tl.cast(0, tl.uint32), ids)
+            g = -tl.log(-tl.log(((word >> 9).to(tl.float32) + 0.5) * (2.0 ** -23)))
+            z2 = tl.where(k, lp.to(tl.float32) + g, float("-inf"))
+            b2 = _better(z2, ids, zp, zp_id)
+            zp_id = tl.where(b2, ids, zp_id)
+            zp_lp = tl.where(b2, lp, zp_lp)
+            zp = tl.where(b2, z2, zp)
     br = tl.max(zr, axis=0)
     br_id = tl.min(tl.where(zr == br, zr_id, NONE_ID), axis=0)
     bp = tl.max(zp, axis=0)

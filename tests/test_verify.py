@@ -88,8 +88,8 @@ def test_interpreted_kernels_equal_the_torch_path(probs):
                                        min_p=0.02)],
                          ids=["plain", "min_p", "top_k", "top_p+min_p"])
 def test_draft_probs_kernels_equal_the_torch_path(filt, monkeypatch):
-    """The draft-probs path's two launches (kernels/draft_scan.probs_rows_kernel and
-    probs_accept_kernel, interpreted) give the torch path's tokens, counts and log-probs:
+    """The draft-probs path's kernels (kernels/draft_scan.py's probs_* launches, interpreted)
+    give the torch path's tokens, counts and log-probs:
     a draft distribution near p (long acceptances) on some requests and far from it on
     others, greedy rows, ragged drafts and a request without drafts, a row of NaN logits,
     and columns laid out as two padded vocabulary shards (padding ids repeat real ones),
@@ -118,6 +118,7 @@ def test_draft_probs_kernels_equal_the_torch_path(filt, monkeypatch):
         return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts])
     for logits, chunk in ((VF.local_logits(w, None, V), 4096), (padded, 64)):
         monkeypatch.setattr(VF, "PROBS_CHUNK", chunk)  # (64: each row over five programs)
+        monkeypatch.setattr(VF, "PICK_CHUNK", chunk // 2)  # (32: the pick over ten)
         outs = [VF.verify(h, draft, q, sample_rows=None, draft_logits=logits, draw_seed=None,
                           vocab_size=V, temperature=T, seed=torch.arange(B) * 3 + 1, offset=5,
                           top_k=filt.get("top_k"), top_p=filt.get("top_p"),
@@ -286,6 +287,7 @@ def test_chi2_draft_probs(filt, monkeypatch):
 def _tp_verify(rank, world, probs, backend="torch", filt=None):
     from tpsample import verify as VF
     VF.PROBS_CHUNK = 128  # (several chunks per rank: 250 and 350 columns, padded to 350)
+    VF.PICK_CHUNK = 64
     B, S, V = 4, 3, 600
     g = torch.Generator().manual_seed(6)
     h = torch.randn(B, S + 1, 16, generator=g) * 0.3

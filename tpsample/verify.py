@@ -192,7 +192,8 @@ def _raise_bad_drafts(draft_tokens, draft_probs, vocab_size: int, n: torch.Tenso
                      f"{off.nonzero()[:4].tolist()}")
 
 
-PROBS_CHUNK = 4096  # columns per program in the draft-probs kernels (37 chunks at V = 151936)
+PROBS_CHUNK = 4096  # columns per program of the draft-probs row passes (38 chunks at V = 151936)
+PICK_CHUNK = 1024  # columns per program of the draft-probs pick (149 per request at V = 151936)
 _REPLAYS: dict = {}  # (kernel, grid, scalars, constexprs, device, tensor_key) -> replay.Replay
 
 
@@ -407,10 +408,10 @@ def _verify_draft_probs(rows, draft, draft_probs, n, seed_rows, offset_rows, kw,
     inv = spec.row.inv_temp
     if (kernels and gather is not None and spec.filters.top_k is None
             and spec.filters.top_p is None):  # (a cut needs whole rows: sorted_kept)
-        l, ids = shard_logits(rows, inv)
+        l, ids = shard_logits(rows, None)
         return _draft_probs_kernels(l, ids, inv, spec.filters, draft, draft_probs, n,
                                     seed_rows, offset_rows, return_logprobs, gather)
-    l, ids = draft_logits(rows, inv)
+    l, ids = draft_logits(rows, None if kernels else inv)  # (the kernels apply 1 / T)
     if kernels:
         return _draft_probs_kernels(l, ids, inv, spec.filters, draft, draft_probs, n,
                                     seed_rows, offset_rows, return_logprobs)
@@ -451,70 +452,113 @@ def _verify_draft_probs(rows, draft, draft_probs, n, seed_rows, offset_rows, kw,
 
 def _draft_probs_kernels(l, ids, inv, filters, draft, q, n, seed_rows, offset_rows,
                          return_logprobs: bool, gather: Callable | None = None) -> VerifyOutput:
-    """_verify_draft_probs after the matmul as four launches over chunks of PROBS_CHUNK
-    columns (kernels/draft_scan.py: the rows' maxima, their kept mass, per request the
-    verdicts and each chunk's best pick, the pick and the outputs); top-k and top-p first
-    find each row's cut by a sort (sorted_kept), the last kept (logit, id). gather (tensor
-    parallel, no top-k or top-p; l [R, C] this rank's columns): after each of the first
-    three launches its per-chunk partials go to every rank (_gather_chunks: 28 bytes per row
-    and chunk of PROBS_CHUNK columns and 44 per request and chunk, against 4 per row and
-    column for the rows' logits), so every rank runs the last on all ranks' chunks and
-    returns the same output."""
+    """_verify_draft_probs after the matmul, on l [R, C] the rows' logits before the
+    temperature (the kernels apply it), in four launches without a filter and five with one
+    (kernels/draft_scan.py: each row chunk's max (and mass), with a filter each chunk's kept
+    mass, per request the verdicts and the picked row's log Z, per request and chunk the
+    best pick, per request the pick and the outputs); top-k and top-p first find each row's
+    cut by a sort (sorted_kept), the last kept (logit, id). gather (tensor parallel, no
+    top-k or top-p; l this rank's columns): the per-chunk partials go to every rank after
+    the first launch, after the mass and after the picks (_gather_chunks: 36 bytes per row
+    and chunk of PROBS_CHUNK columns, 44 per request and chunk of PICK_CHUNK, against 4 per
+    row and column for the rows' logits), so every rank runs the rest on all ranks' chunks
+    and returns the same output."""
     R, C = l.shape
     B, S = draft.shape
     dev = l.device
     has_cut = filters.top_k is not None or filters.top_p is not None
-    if has_cut or filters.min_p is not None:
+    filtered = has_cut or filters.min_p is not None
+    G = triton.cdiv(C, PROBS_CHUNK)
+    G2 = triton.cdiv(C, PICK_CHUNK)
+    ws = _probs_workspace(R, G, B, S, G2, dev)
+    if filtered:
         k, p_, m = row_filter_values(filters, inv)
     else:  # (no filter: nothing but the kernels' min_p, 0)
-        m = torch.zeros(R, dtype=torch.float32, device=dev)
+        m = ws["zeros"]
     if has_cut:
-        x = l.double()
-        kept = sorted_kept(l, ids, x, k, p_, m, torch.logsumexp(x, dim=1))
-        cut_l = torch.where(kept, l, float("inf")).amin(1)
-        cut_id = torch.where(kept & (l == cut_l[:, None]), ids[None, :], -1).amax(1)
+        ls = l * torch.where(inv == 0, 1.0, inv)[:, None]  # (the kernels' multiply)
+        x = ls.double()
+        kept = sorted_kept(ls, ids, x, k, p_, m, torch.logsumexp(x, dim=1))
+        cut_l = torch.where(kept, ls, float("inf")).amin(1)
+        cut_id = torch.where(kept & (ls == cut_l[:, None]), ids[None, :], -1).amax(1)
     else:
         cut_l, cut_id = m, seed_rows  # (not read; fp32 and int64 [R] as the cut's)
-    G = triton.cdiv(C, PROBS_CHUNK)
     part = lambda dtype, *shape: torch.empty(*shape, dtype=dtype, device=dev)  # noqa: E731
-    stats = dict(pmax_ptr=part(torch.float32, R, G), ptop_ptr=part(torch.int64, R, G),
-                 plx_ptr=part(torch.float32, R, G), pnan_ptr=part(torch.int32, R, G))
-    pz = part(torch.float64, R, G)
+    stats = {k: ws[k] for k in STATS}
     filt = dict(inv_ptr=inv.contiguous(), min_p_ptr=m.float().contiguous(),
                 cut_l_ptr=cut_l.contiguous(), cut_id_ptr=cut_id.contiguous())
     l, ids, draft = l.contiguous(), ids.contiguous(), draft.contiguous()
-    sizes = dict(C=C, G=G, CHUNK=PROBS_CHUNK, BLOCK=min(1024, PROBS_CHUNK))
+    sizes = dict(C=C, CHUNK=PROBS_CHUNK, BLOCK=min(1024, PROBS_CHUNK))
     _launch(draft_scan.probs_max_kernel, R * G, (C, G), dict(
-        l_ptr=l, ids_ptr=ids, draft_ptr=draft, **stats), S=S, **sizes)
+        l_ptr=l, ids_ptr=ids, inv_ptr=filt["inv_ptr"], draft_ptr=draft, **stats), S=S, G=G,
+        SCALE=True, MASS=not filtered, **sizes)
     if gather is not None:
-        stats = dict(zip(stats, _gather_chunks(gather, list(stats.values()))))
+        names = list(stats) if not filtered else list(stats)[:4]
+        stats.update(zip(names, _gather_chunks(gather, [stats[k] for k in names])))
     GT = stats["pmax_ptr"].shape[1]  # (every rank's chunks)
     BLOCK_G = triton.next_power_of_2(GT)
-    _launch(draft_scan.probs_mass_kernel, R * G, (C, G, GT), dict(
-        l_ptr=l, ids_ptr=ids, **filt, **stats, pz_ptr=pz), HAS_CUT=has_cut, BLOCK_G=BLOCK_G,
-        GT=GT, **sizes)
-    if gather is not None:
-        (pz,) = _gather_chunks(gather, [pz])
+    if filtered:
+        pz = stats["pz_ptr"]  # (this rank's; the first launch did not write it)
+        _launch(draft_scan.probs_mass_kernel, R * G, (C, G, GT), dict(
+            l_ptr=l, ids_ptr=ids, **filt, **stats), HAS_CUT=has_cut, BLOCK_G=BLOCK_G, G=G,
+            GT=GT, SCALE=True, **sizes)
+        stats["pz_ptr"] = pz if gather is None else _gather_chunks(gather, [pz])[0]
     tokens = part(torch.int64, B, S + 1)
     acc = part(torch.int64, B)
-    lpx = part(torch.float64, B, S + 1)
-    bad = part(torch.int32, B)
-    picks = dict(pbest_ptr=part(torch.float32, B, G, 2), pid_ptr=part(torch.int64, B, G, 2),
-                 plp_ptr=part(torch.float64, B, G, 2), pmass_ptr=part(torch.int32, B, G))
+    lpx, bad = ws["lpx"], ws["bad"]
+    row = {k: ws[k] for k in ROW}
     V = q.shape[-1]
-    _launch(draft_scan.probs_pick_kernel, B * G, (C, G, GT, V), dict(
-        l_ptr=l, ids_ptr=ids, **filt, **stats, pz_ptr=pz, q_ptr=q.contiguous(), draft_ptr=draft,
-        n_ptr=n, seed_rows_ptr=seed_rows, offset_rows_ptr=offset_rows, accepted_ptr=acc,
-        lpx_ptr=lpx, bad_ptr=bad, **picks), V=V, ACCEPT=ACCEPT_STREAM, S=S, HAS_CUT=has_cut,
-        BLOCK_G=BLOCK_G, GT=GT, **sizes)
+    q = q.contiguous()
+    _launch(draft_scan.probs_accept_kernel, B, (GT, V), dict(
+        **filt, **stats, q_ptr=q, draft_ptr=draft, n_ptr=n, seed_rows_ptr=seed_rows,
+        offset_rows_ptr=offset_rows, accepted_ptr=acc, lpx_ptr=lpx, bad_ptr=bad, **row),
+        GT=GT, V=V, ACCEPT=ACCEPT_STREAM, S=S, HAS_CUT=has_cut, BLOCK_G=BLOCK_G,
+        MASS=not filtered)
+    picks = {k: ws[k] for k in PICKS}
+    _launch(draft_scan.probs_pick_kernel, B * G2, (C, G2, V), dict(
+        l_ptr=l, ids_ptr=ids, **filt, q_ptr=q, n_ptr=n, seed_rows_ptr=seed_rows,
+        offset_rows_ptr=offset_rows, accepted_ptr=acc, **row, **picks), C=C, V=V, G=G2, S=S,
+        HAS_CUT=has_cut, CHUNK=PICK_CHUNK, BLOCK=min(256, PICK_CHUNK), SCALE=True)
     if gather is not None:
         picks = dict(zip(picks, _gather_chunks(gather, list(picks.values()))))
+    GT2 = picks["pmass_ptr"].shape[1]
     lp = part(torch.float32, B, S + 1) if return_logprobs else tokens
-    _launch(draft_scan.probs_finish_kernel, B, (GT,), dict(
+    _launch(draft_scan.probs_finish_kernel, B, (GT2,), dict(
         draft_ptr=draft, accepted_ptr=acc, lpx_ptr=lpx, bad_ptr=bad, **picks, tokens_ptr=tokens,
-        lp_out_ptr=lp), G=GT, S=S, HAS_LP=return_logprobs, BLOCK_G=BLOCK_G,
-        BLOCK_S=triton.next_power_of_2(S + 1))
+        lp_out_ptr=lp), G=GT2, S=S, HAS_LP=return_logprobs,
+        BLOCK_G=triton.next_power_of_2(GT2), BLOCK_S=triton.next_power_of_2(S + 1))
     return VerifyOutput(tokens, acc, lp if return_logprobs else None)
+
+
+STATS = ("pmax_ptr", "ptop_ptr", "plx_ptr", "pnan_ptr", "pz_ptr")  # [R, G] per row chunk
+ROW = ("rmax_ptr", "rtop_ptr", "rlogz_ptr")  # [B] the picked rows' max, id there, log Z
+PICKS = ("pbest_ptr", "pid_ptr", "plp_ptr", "pmass_ptr")  # [B, G2(, 2)] per pick chunk
+_WORKSPACES: dict = {}  # (R, G, B, S, G2, device, stream) -> _probs_workspace's tensors
+
+
+def _probs_workspace(R: int, G: int, B: int, S: int, G2: int, dev) -> dict:
+    """The draft-probs kernels' partials and per-request scratch (STATS, ROW, PICKS, lpx,
+    bad), one set per shape, device and stream, written again by each call, as
+    _row_buffers: everything reads them within the call, in stream order; and a zero
+    min_p [R] (only read). New tensors during a CUDA-graph capture. A few KB per shape."""
+    def fresh():
+        e = lambda dtype, *shape: torch.empty(*shape, dtype=dtype, device=dev)  # noqa: E731
+        return dict(zip(STATS + ROW + PICKS + ("lpx", "bad", "zeros"), (
+            e(torch.float32, R, G), e(torch.int64, R, G), e(torch.float32, R, G),
+            e(torch.int32, R, G), e(torch.float64, R, G),
+            e(torch.float32, B), e(torch.int64, B), e(torch.float64, B),
+            e(torch.float32, B, G2, 2), e(torch.int64, B, G2, 2), e(torch.float64, B, G2, 2),
+            e(torch.int32, B, G2), e(torch.float64, B, S + 1), e(torch.int32, B),
+            torch.zeros(R, dtype=torch.float32, device=dev))))
+    if P.capturing(dev):
+        return fresh()
+    key = (R, G, B, S, G2, dev, replay.current_stream(dev.index) if dev.type == "cuda" else 0)
+    ws = _WORKSPACES.get(key)
+    if ws is None:
+        if len(_WORKSPACES) >= 64:
+            _WORKSPACES.clear()
+        ws = _WORKSPACES[key] = fresh()
+    return ws
 
 
 def _gather_chunks(gather: Callable, parts: list) -> list:
@@ -537,8 +581,9 @@ def local_logits(weight: torch.Tensor, bias, n_real: int, vocab_start: int = 0,
                  columns: int | None = None):
     """draft_logits for one device, or one rank's shard before its all-gather: rows [R, D]
     and inv_temp [R] → (fp32 ((rows @ W.T + bias) · 1/T) [R, columns], -inf from n_real on
-    (greedy rows: T = 1); the columns' global ids vocab_start + j [columns]). columns
-    (default: the weight's rows) pads a shard to the ranks' common width."""
+    (greedy rows: T = 1; inv_temp None: no 1/T); the columns' global ids vocab_start + j
+    [columns]). columns (default: the weight's rows) pads a shard to the ranks' common
+    width."""
     V_rows = weight.shape[0]
     width = V_rows if columns is None else columns
 
@@ -546,11 +591,29 @@ def local_logits(weight: torch.Tensor, bias, n_real: int, vocab_start: int = 0,
         x = logits_fp32(rows, weight[:n_real])  # (fp32 accumulation, W never copied)
         if bias is not None:
             x += bias[:n_real].float()
-        x *= torch.where(inv_temp == 0, 1.0, inv_temp)[:, None]
+        if inv_temp is not None:
+            x *= torch.where(inv_temp == 0, 1.0, inv_temp)[:, None]
         if width > n_real:  # (padding columns: -inf)
             x = torch.nn.functional.pad(x, (0, width - n_real), value=float("-inf"))
-        return x, vocab_start + torch.arange(width, device=rows.device)
+        return x, _column_ids(vocab_start, width, rows.device)
     return logits
+
+
+_COLUMN_IDS: dict = {}  # (vocab_start, width, device) -> int64 [width], only read
+
+
+def _column_ids(vocab_start: int, width: int, dev) -> torch.Tensor:
+    """vocab_start + arange(width) on dev, made once per (start, width, device); new
+    during a CUDA-graph capture."""
+    if P.capturing(dev):
+        return vocab_start + torch.arange(width, device=dev)
+    key = (vocab_start, width, dev)
+    ids = _COLUMN_IDS.get(key)
+    if ids is None:
+        if len(_COLUMN_IDS) >= 64:
+            _COLUMN_IDS.clear()
+        ids = _COLUMN_IDS[key] = vocab_start + torch.arange(width, device=dev)
+    return ids
 
 
 __all__ = ["VerifyOutput", "check_hidden3", "check_drafts", "verify", "local_logits"]
