@@ -71,8 +71,9 @@ def accept_scan_kernel(y_ptr, lp_ptr, draft_ptr, n_ptr, tokens_ptr, accepted_ptr
 # matmul's logits and apply the temperature themselves (SCALE: l · inv_temp, 1 on greedy
 # rows, the multiply torch's path does), so the [R, C] logits are read, never rewritten.
 # Each row is split into G chunks of CHUNK columns. Launches:
-#   probs_max    per row and chunk: the max, the smallest id there, the draft's logit, NaNs;
-#                without a filter (MASS) also the chunk's mass sum exp(l - chunk max)
+#   probs_max    per row and chunk (read once, whole): the max, the smallest id there, the
+#                draft's logit, NaNs; without a filter (MASS) also the chunk's mass
+#                sum exp(l - chunk max)
 #   probs_mass   (a filter: min-p or a cut) per row and chunk: the kept mass under the row max
 #   probs_accept per request: the verdicts, the picked row's max, argmax id and log Z
 #   probs_pick   per request and chunk of PICK_CHUNK columns: the best residual and target
@@ -114,23 +115,28 @@ def _scale(inv_ptr, r, SCALE: tl.constexpr):
 
 
 @triton.jit
-def _chunk_block(l_ptr, ids_ptr, r, c, c0, C, s, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    """Columns c·CHUNK + c0 + [0, BLOCK) of row r: (logits · s, -inf past C; ids, -1 past C)."""
+def _chunk_block(l_ptr, ids_ptr, id0, r, c, c0, C, s, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                 ARANGE: tl.constexpr):
+    """Columns c·CHUNK + c0 + [0, BLOCK) of row r: (logits · s, -inf past C; ids, -1 past C).
+    ARANGE: the ids are id0 + column (not read from ids_ptr)."""
     cols = c * CHUNK + c0 + tl.arange(0, BLOCK)
     ok = cols < C
-    return (tl.load(l_ptr + r * C + cols, mask=ok, other=float("-inf")) * s,
-            tl.load(ids_ptr + cols, mask=ok, other=-1))
+    if ARANGE:
+        ids = tl.where(ok, id0 + cols.to(tl.int64), -1)
+    else:
+        ids = tl.load(ids_ptr + cols, mask=ok, other=-1)
+    return tl.load(l_ptr + r * C + cols, mask=ok, other=float("-inf")) * s, ids
 
 
 @triton.jit
-def probs_max_kernel(l_ptr, ids_ptr, C, inv_ptr, draft_ptr, pmax_ptr, ptop_ptr, plx_ptr,
+def probs_max_kernel(l_ptr, ids_ptr, id0, C, inv_ptr, draft_ptr, pmax_ptr, ptop_ptr, plx_ptr,
                      pnan_ptr, pz_ptr, G, S: tl.constexpr, CHUNK: tl.constexpr,
-                     BLOCK: tl.constexpr, SCALE: tl.constexpr, MASS: tl.constexpr):
+                     SCALE: tl.constexpr, MASS: tl.constexpr, ARANGE: tl.constexpr):
     """Program r·G + c: chunk c of row r = b·(S + 1) + i of l [R, C] (ids [C] the columns'
-    global ids): its largest logit, the smallest id there, the largest logit of the draft
-    x = draft[b, i]'s columns (i < S), whether it holds a NaN; with MASS (no filter: every
-    finite logit is kept) also sum exp(l - the chunk's max) over its finite logits (fp32
-    terms summed in float64; its second read of the chunk comes from L2). [R, G] each."""
+    global ids), read once, whole: its largest logit, the smallest id there, the largest
+    logit of the draft x = draft[b, i]'s columns (i < S), whether it holds a NaN; with MASS
+    (no filter: every finite logit is kept) also sum exp(l - the chunk's max) over its
+    finite logits (fp32 terms summed in float64). [R, G] each."""
     pid = tl.program_id(0).to(tl.int64)
     r = pid // G
     c = pid % G
@@ -138,28 +144,16 @@ def probs_max_kernel(l_ptr, ids_ptr, C, inv_ptr, draft_ptr, pmax_ptr, ptop_ptr, 
     i = r % (S + 1)
     s = _scale(inv_ptr, r, SCALE)
     x = tl.load(draft_ptr + b * S + i, mask=i < S, other=-1)
-    best = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_id = tl.full([BLOCK], NONE_ID, tl.int64)
-    lx = tl.full([BLOCK], float("-inf"), tl.float32)
-    nan = tl.zeros([BLOCK], tl.int32)
-    for c0 in range(0, CHUNK, BLOCK):
-        l, ids = _chunk_block(l_ptr, ids_ptr, r, c, c0, C, s, CHUNK, BLOCK)
-        nan = nan | (l != l).to(tl.int32)
-        better = (l > best) | ((l == best) & (ids < best_id))
-        best_id = tl.where(better, ids, best_id)
-        best = tl.where(better, l, best)
-        lx = tl.maximum(lx, tl.where(ids == x, l, float("-inf")))
-    xmax = tl.max(best, axis=0)
+    l, ids = _chunk_block(l_ptr, ids_ptr, id0, r, c, 0, C, s, CHUNK, CHUNK, ARANGE)
+    finite_or_inf = tl.where(l == l, l, float("-inf"))  # (NaN: the row has no answer)
+    xmax = tl.max(finite_or_inf, axis=0)
     tl.store(pmax_ptr + pid, xmax)
-    tl.store(ptop_ptr + pid, tl.min(tl.where(best == xmax, best_id, NONE_ID), axis=0))
-    tl.store(plx_ptr + pid, tl.max(lx, axis=0))
-    tl.store(pnan_ptr + pid, tl.max(nan, axis=0))
+    tl.store(ptop_ptr + pid, tl.min(tl.where(finite_or_inf == xmax, ids, NONE_ID), axis=0))
+    tl.store(plx_ptr + pid, tl.max(tl.where(ids == x, finite_or_inf, float("-inf")), axis=0))
+    tl.store(pnan_ptr + pid, tl.max((l != l).to(tl.int32), axis=0))
     if MASS:
-        z = tl.zeros([BLOCK], tl.float64)
-        for c0 in range(0, CHUNK, BLOCK):
-            l, ids = _chunk_block(l_ptr, ids_ptr, r, c, c0, C, s, CHUNK, BLOCK)
-            z += tl.where(l > float("-inf"), tl.exp(l - xmax), 0.0).to(tl.float64)
-        tl.store(pz_ptr + pid, tl.sum(z, axis=0))
+        z = tl.where(finite_or_inf > float("-inf"), tl.exp(finite_or_inf - xmax), 0.0)
+        tl.store(pz_ptr + pid, tl.sum(z.to(tl.float64), axis=0))
 
 
 @triton.jit
@@ -179,10 +173,10 @@ def _row_stats(r, pmax_ptr, ptop_ptr, plx_ptr, pnan_ptr, G, BLOCK_G: tl.constexp
 
 
 @triton.jit
-def probs_mass_kernel(l_ptr, ids_ptr, C, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr, pmax_ptr,
-                      ptop_ptr, plx_ptr, pnan_ptr, pz_ptr, G, GT, HAS_CUT: tl.constexpr,
-                      CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_G: tl.constexpr,
-                      SCALE: tl.constexpr):
+def probs_mass_kernel(l_ptr, ids_ptr, id0, C, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr,
+                      pmax_ptr, ptop_ptr, plx_ptr, pnan_ptr, pz_ptr, G, GT,
+                      HAS_CUT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                      BLOCK_G: tl.constexpr, SCALE: tl.constexpr, ARANGE: tl.constexpr):
     """Program r·G + c (a filter: min-p or a cut): the kept tokens' mass of chunk c of row
     r, sum exp(l - l_max) under the row's max (float64) [R, G]. The rows' stats: [R, GT]
     partials (GT = G; tensor parallel: every rank's G chunks, gathered)."""
@@ -195,29 +189,42 @@ def probs_mass_kernel(l_ptr, ids_ptr, C, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_p
     s = _scale(inv_ptr, r, SCALE)
     z = tl.zeros([BLOCK], tl.float64)
     for c0 in range(0, CHUNK, BLOCK):
-        l, ids = _chunk_block(l_ptr, ids_ptr, r, c, c0, C, s, CHUNK, BLOCK)
+        l, ids = _chunk_block(l_ptr, ids_ptr, id0, r, c, c0, C, s, CHUNK, BLOCK, ARANGE)
         k = _kept(l, ids, xmax, top, greedy, m, cut_l, cut_id, HAS_CUT)
         z += tl.where(k, tl.exp(l.to(tl.float64) - xmax.to(tl.float64)), 0.0)
     tl.store(pz_ptr + pid, tl.sum(z, axis=0))
 
 
 @triton.jit
-def _logp(r, draft, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr, pmax_ptr, ptop_ptr, plx_ptr,
-          pnan_ptr, pz_ptr, G, HAS_CUT: tl.constexpr, BLOCK_G: tl.constexpr,
-          MASS: tl.constexpr):
-    """Row r's largest logit, its smallest id there, log Z of its kept tokens (float64; NaN
-    where its log Z is not finite) and log p of the token draft there (-inf where not
-    kept). MASS: the chunks' masses are each under the chunk's own max."""
-    xmax, top, lx, bad = _row_stats(r, pmax_ptr, ptop_ptr, plx_ptr, pnan_ptr, G, BLOCK_G)
-    greedy, m, cut_l, cut_id = _row_filters(r, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr,
-                                            HAS_CUT)
-    g = tl.arange(0, BLOCK_G)
-    z = tl.load(pz_ptr + r * G + g, mask=g < G, other=0.0)
+def _rows_logp(r, on, draft, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr, pmax_ptr, ptop_ptr,
+               plx_ptr, pnan_ptr, pz_ptr, G, HAS_CUT: tl.constexpr, BLOCK_G: tl.constexpr,
+               MASS: tl.constexpr):
+    """Rows r [BLOCK_S] (where on), from their G chunks' partials each: the largest logit,
+    the smallest id there, log Z of the kept tokens (float64; NaN where log Z is not
+    finite) and log p of the token draft [BLOCK_S] there (-inf where not kept). MASS: the
+    chunks' masses are each under the chunk's own max."""
+    g = tl.arange(0, BLOCK_G)[None, :]
+    ok = on[:, None] & (g < G)
+    at = r[:, None] * G + g
+    pm = tl.load(pmax_ptr + at, mask=ok, other=float("-inf"))
+    xmax = tl.max(pm, axis=1)
+    pt = tl.load(ptop_ptr + at, mask=ok, other=NONE_ID)
+    top = tl.min(tl.where(pm == xmax[:, None], pt, NONE_ID), axis=1)
+    lx = tl.max(tl.load(plx_ptr + at, mask=ok, other=float("-inf")), axis=1)
+    nan = tl.max(tl.load(pnan_ptr + at, mask=ok, other=0), axis=1)
+    bad = (nan > 0) | (xmax == float("inf")) | (xmax == float("-inf"))
+    z = tl.load(pz_ptr + at, mask=ok, other=0.0)
     if MASS:
-        pm = tl.load(pmax_ptr + r * G + g, mask=g < G, other=float("-inf"))
-        z = tl.where(pm > float("-inf"), z * tl.exp(pm.to(tl.float64) - xmax.to(tl.float64)),
-                     0.0)
-    logz = tl.where(bad, float("nan"), xmax.to(tl.float64) + tl.log(tl.sum(z, axis=0)))
+        z = tl.where(pm > float("-inf"),
+                     z * tl.exp(pm.to(tl.float64) - xmax.to(tl.float64)[:, None]), 0.0)
+    logz = tl.where(bad, float("nan"), xmax.to(tl.float64) + tl.log(tl.sum(z, axis=1)))
+    greedy = tl.load(inv_ptr + r, mask=on, other=1.0) == 0
+    m = tl.load(min_p_ptr + r, mask=on, other=0.0)
+    cut_l = 0.0
+    cut_id = 0
+    if HAS_CUT:
+        cut_l = tl.load(cut_l_ptr + r, mask=on, other=0.0)
+        cut_id = tl.load(cut_id_ptr + r, mask=on, other=0)
     k_x = _kept(lx, draft, xmax, top, greedy, m, cut_l, cut_id, HAS_CUT) & (draft >= 0)
     lp_x = tl.where(k_x, tl.where(greedy, 0.0, lx.to(tl.float64) - logz), float("-inf"))
     return xmax, top, logz, tl.where(bad, float("nan"), lp_x)
@@ -228,42 +235,42 @@ def probs_accept_kernel(inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr, pmax_ptr, pto
                         plx_ptr, pnan_ptr, pz_ptr, GT, q_ptr, V, draft_ptr, n_ptr,
                         seed_rows_ptr, offset_rows_ptr, accepted_ptr, lpx_ptr, bad_ptr,
                         rmax_ptr, rtop_ptr, rlogz_ptr, ACCEPT: tl.constexpr, S: tl.constexpr,
-                        HAS_CUT: tl.constexpr, BLOCK_G: tl.constexpr, MASS: tl.constexpr):
+                        HAS_CUT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
+                        MASS: tl.constexpr):
     """Program b: the verdicts of request b, x_i accepted while u_i · q_i(x_i) < p_i(x_i)
     and i < n[b] (u_i = noise.uniform(seed, offset + i, 0, 0, ACCEPT) of position i); the
     accepted count a, the drafts' log p (lpx [B·(S + 1)]), whether the picked row
     b·(S + 1) + a has no finite log Z (bad), and that row's max, smallest id there and
-    log Z (rmax, rtop, rlogz [B]). The rows' stats and masses: [R, GT] partials (tensor
-    parallel: every rank's chunks, gathered; every rank computes the same)."""
+    log Z (rmax, rtop, rlogz [B]). The S + 1 rows at once, from their [R, GT] partials
+    (tensor parallel: every rank's chunks, gathered; every rank computes the same)."""
     b = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK_S)
+    on = i <= S
+    is_draft = i < S
+    r = b * (S + 1) + i
+    x = tl.load(draft_ptr + b * S + i, mask=is_draft, other=-1).to(tl.int64)
+    xmax, top, logz, lp_x = _rows_logp(r, on, x, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr,
+                                       pmax_ptr, ptop_ptr, plx_ptr, pnan_ptr, pz_ptr, GT,
+                                       HAS_CUT, BLOCK_G, MASS)
+    q_x = tl.load(q_ptr + (b * S + i) * V + tl.minimum(tl.maximum(x, 0), V - 1), mask=is_draft,
+                  other=0.0)
+    seed = tl.load(seed_rows_ptr + r, mask=on, other=0)
+    off = tl.load(offset_rows_ptr + r, mask=on, other=0)
+    w = philox_word(seed, (off & 0xFFFFFFFF).to(tl.uint32),
+                    ((off >> 32) & 0xFFFFFFFF).to(tl.uint32), tl.cast(ACCEPT, tl.uint32),
+                    tl.zeros([BLOCK_S], tl.int64))
+    u = ((w >> 9).to(tl.float32) + 0.5) * (2.0 ** -23)
     n = tl.load(n_ptr + b)
-    a = tl.zeros([], tl.int64) + S
-    go = tl.zeros([], tl.int32) + 1
-    for i in tl.static_range(S):
-        r = b * (S + 1) + i
-        x = tl.load(draft_ptr + b * S + i)
-        _, _, _, lp_x = _logp(r, x, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr, pmax_ptr,
-                              ptop_ptr, plx_ptr, pnan_ptr, pz_ptr, GT, HAS_CUT, BLOCK_G, MASS)
-        q_x = tl.load(q_ptr + (b * S + i) * V + tl.minimum(tl.maximum(x, 0), V - 1))
-        seed = tl.load(seed_rows_ptr + r)
-        off = tl.load(offset_rows_ptr + r)
-        w = philox_word(seed, (off & 0xFFFFFFFF).to(tl.uint32),
-                        ((off >> 32) & 0xFFFFFFFF).to(tl.uint32), tl.cast(ACCEPT, tl.uint32),
-                        tl.zeros([], tl.int64))
-        u = ((w >> 9).to(tl.float32) + 0.5) * (2.0 ** -23)
-        ok = (x >= 0) & (u.to(tl.float64) * q_x.to(tl.float64) < tl.exp(lp_x)) & (i < n)
-        stop = (go > 0) & ~ok
-        a = tl.where(stop, i, a)
-        go = tl.where(stop, 0, go)
-        tl.store(lpx_ptr + r, lp_x)
+    ok = (x >= 0) & (u.to(tl.float64) * q_x.to(tl.float64) < tl.exp(lp_x)) & (i < n)
+    a = tl.min(tl.where(is_draft & ~ok, i, S), axis=0).to(tl.int64)
+    tl.store(lpx_ptr + r, lp_x, mask=is_draft)
     tl.store(accepted_ptr + b, a)
-    xmax, top, logz, _ = _logp(b * (S + 1) + a, -1, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr,
-                               pmax_ptr, ptop_ptr, plx_ptr, pnan_ptr, pz_ptr, GT, HAS_CUT,
-                               BLOCK_G, MASS)
-    tl.store(bad_ptr + b, (logz != logz).to(tl.int32))
-    tl.store(rmax_ptr + b, xmax)
-    tl.store(rtop_ptr + b, top)
-    tl.store(rlogz_ptr + b, logz)
+    pick = i == a
+    logz_a = tl.sum(tl.where(pick, logz, 0.0), axis=0)
+    tl.store(bad_ptr + b, (logz_a != logz_a).to(tl.int32))
+    tl.store(rmax_ptr + b, tl.sum(tl.where(pick, xmax, 0.0), axis=0))
+    tl.store(rtop_ptr + b, tl.sum(tl.where(pick, top, 0), axis=0))
+    tl.store(rlogz_ptr + b, logz_a)
 
 
 @triton.jit
@@ -272,11 +279,11 @@ def _better(z, zid, best, best_id):
 
 
 @triton.jit
-def probs_pick_kernel(l_ptr, ids_ptr, C, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr, q_ptr, V,
-                      n_ptr, seed_rows_ptr, offset_rows_ptr, accepted_ptr, rmax_ptr, rtop_ptr,
-                      rlogz_ptr, G, pbest_ptr, pid_ptr, plp_ptr, pmass_ptr, S: tl.constexpr,
-                      HAS_CUT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                      SCALE: tl.constexpr):
+def probs_pick_kernel(l_ptr, ids_ptr, id0, C, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr, q_ptr,
+                      V, n_ptr, seed_rows_ptr, offset_rows_ptr, accepted_ptr, rmax_ptr,
+                      rtop_ptr, rlogz_ptr, G, pbest_ptr, pid_ptr, plp_ptr, pmass_ptr,
+                      S: tl.constexpr, HAS_CUT: tl.constexpr, CHUNK: tl.constexpr,
+                      BLOCK: tl.constexpr, SCALE: tl.constexpr, ARANGE: tl.constexpr):
     """Program b·G + c (after probs_accept_kernel): over chunk c of row r = b·(S + 1) + a
     (a = the accepted count), with the token noise of that position, the best score of the
     target log p and, where the drafts were rejected there (a < n), of the residual
@@ -309,7 +316,7 @@ def probs_pick_kernel(l_ptr, ids_ptr, C, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_p
     mass = tl.zeros([BLOCK], tl.int32)
     if a < n:  # a rejection: the residual (and the target, should it have no mass)
         for c0 in range(0, CHUNK, BLOCK):
-            l, ids = _chunk_block(l_ptr, ids_ptr, r, c, c0, C, s, CHUNK, BLOCK)
+            l, ids = _chunk_block(l_ptr, ids_ptr, id0, r, c, c0, C, s, CHUNK, BLOCK, ARANGE)
             k = _kept(l, ids, xmax, top, greedy, m, cut_l, cut_id, HAS_CUT)
             lp = tl.where(k, tl.where(greedy, 0.0, l.to(tl.float64) - logz), float("-inf"))
             p = tl.exp(lp)
@@ -331,7 +338,7 @@ def probs_pick_kernel(l_ptr, ids_ptr, C, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_p
             zp = tl.where(b2, z2, zp)
     else:  # every draft accepted: the bonus token from p
         for c0 in range(0, CHUNK, BLOCK):
-            l, ids = _chunk_block(l_ptr, ids_ptr, r, c, c0, C, s, CHUNK, BLOCK)
+            l, ids = _chunk_block(l_ptr, ids_ptr, id0, r, c, c0, C, s, CHUNK, BLOCK, ARANGE)
             k = _kept(l, ids, xmax, top, greedy, m, cut_l, cut_id, HAS_CUT)
             lp = tl.where(k, tl.where(greedy, 0.0, l.to(tl.float64) - logz), float("-inf"))
             word = philox_word(seed, off_lo, off_hi, tl.cast(0, tl.uint32), ids)

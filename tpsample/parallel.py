@@ -297,7 +297,7 @@ class VocabParallelSampler:
         shard [V_r]; every argument equal on all ranks. The same VerifyOutput on every rank,
         equal to tpsample.verify_drafts on the full weight. One-hot drafts exchange what a
         sampler call on the B·(S + 1) rows exchanges; draft_probs exchanges the draft-probs
-        kernels' per-chunk partials (three small all-gathers: tpsample/verify.py,
+        kernels' per-chunk partials (two small all-gathers, three with min-p: tpsample/verify.py,
         _draft_probs_kernels) or, with top-k or top-p (their cut sorts whole rows) or the
         torch backend, all-gathers the rows' fp32 logits (B·(S + 1)·V·4 bytes)."""
         VF.check_hidden3(hidden)

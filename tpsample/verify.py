@@ -488,10 +488,13 @@ def _draft_probs_kernels(l, ids, inv, filters, draft, q, n, seed_rows, offset_ro
     filt = dict(inv_ptr=inv.contiguous(), min_p_ptr=m.float().contiguous(),
                 cut_l_ptr=cut_l.contiguous(), cut_id_ptr=cut_id.contiguous())
     l, ids, draft = l.contiguous(), ids.contiguous(), draft.contiguous()
-    sizes = dict(C=C, CHUNK=PROBS_CHUNK, BLOCK=min(1024, PROBS_CHUNK))
+    id0 = _ARANGE_START.get(id(ids))  # (ids made by _column_ids: the kernels compute them)
+    cols = dict(l_ptr=l, ids_ptr=ids)
+    arange = dict(id0=0 if id0 is None else id0, ARANGE=id0 is not None)
+    sizes = dict(C=C, CHUNK=PROBS_CHUNK, BLOCK=min(1024, PROBS_CHUNK), **arange)
     _launch(draft_scan.probs_max_kernel, R * G, (C, G), dict(
-        l_ptr=l, ids_ptr=ids, inv_ptr=filt["inv_ptr"], draft_ptr=draft, **stats), S=S, G=G,
-        SCALE=True, MASS=not filtered, **sizes)
+        **cols, inv_ptr=filt["inv_ptr"], draft_ptr=draft, **stats), num_warps=8, S=S, G=G,
+        C=C, CHUNK=PROBS_CHUNK, SCALE=True, MASS=not filtered, **arange)
     if gather is not None:
         names = list(stats) if not filtered else list(stats)[:4]
         stats.update(zip(names, _gather_chunks(gather, [stats[k] for k in names])))
@@ -500,7 +503,7 @@ def _draft_probs_kernels(l, ids, inv, filters, draft, q, n, seed_rows, offset_ro
     if filtered:
         pz = stats["pz_ptr"]  # (this rank's; the first launch did not write it)
         _launch(draft_scan.probs_mass_kernel, R * G, (C, G, GT), dict(
-            l_ptr=l, ids_ptr=ids, **filt, **stats), HAS_CUT=has_cut, BLOCK_G=BLOCK_G, G=G,
+            **cols, **filt, **stats), HAS_CUT=has_cut, BLOCK_G=BLOCK_G, G=G,
             GT=GT, SCALE=True, **sizes)
         stats["pz_ptr"] = pz if gather is None else _gather_chunks(gather, [pz])[0]
     tokens = part(torch.int64, B, S + 1)
@@ -513,12 +516,12 @@ def _draft_probs_kernels(l, ids, inv, filters, draft, q, n, seed_rows, offset_ro
         **filt, **stats, q_ptr=q, draft_ptr=draft, n_ptr=n, seed_rows_ptr=seed_rows,
         offset_rows_ptr=offset_rows, accepted_ptr=acc, lpx_ptr=lpx, bad_ptr=bad, **row),
         GT=GT, V=V, ACCEPT=ACCEPT_STREAM, S=S, HAS_CUT=has_cut, BLOCK_G=BLOCK_G,
-        MASS=not filtered)
+        BLOCK_S=triton.next_power_of_2(S + 1), MASS=not filtered)
     picks = {k: ws[k] for k in PICKS}
     _launch(draft_scan.probs_pick_kernel, B * G2, (C, G2, V), dict(
-        l_ptr=l, ids_ptr=ids, **filt, q_ptr=q, n_ptr=n, seed_rows_ptr=seed_rows,
+        **cols, **filt, q_ptr=q, n_ptr=n, seed_rows_ptr=seed_rows,
         offset_rows_ptr=offset_rows, accepted_ptr=acc, **row, **picks), C=C, V=V, G=G2, S=S,
-        HAS_CUT=has_cut, CHUNK=PICK_CHUNK, BLOCK=min(256, PICK_CHUNK), SCALE=True)
+        HAS_CUT=has_cut, CHUNK=PICK_CHUNK, BLOCK=min(256, PICK_CHUNK), SCALE=True, **arange)
     if gather is not None:
         picks = dict(zip(picks, _gather_chunks(gather, list(picks.values()))))
     GT2 = picks["pmass_ptr"].shape[1]
@@ -600,6 +603,7 @@ def local_logits(weight: torch.Tensor, bias, n_real: int, vocab_start: int = 0,
 
 
 _COLUMN_IDS: dict = {}  # (vocab_start, width, device) -> int64 [width], only read
+_ARANGE_START: dict = {}  # id of a _COLUMN_IDS tensor -> its vocab_start
 
 
 def _column_ids(vocab_start: int, width: int, dev) -> torch.Tensor:
@@ -612,7 +616,9 @@ def _column_ids(vocab_start: int, width: int, dev) -> torch.Tensor:
     if ids is None:
         if len(_COLUMN_IDS) >= 64:
             _COLUMN_IDS.clear()
+            _ARANGE_START.clear()
         ids = _COLUMN_IDS[key] = vocab_start + torch.arange(width, device=dev)
+        _ARANGE_START[id(ids)] = vocab_start
     return ids
 
 
