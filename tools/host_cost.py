@@ -81,7 +81,32 @@ def profile(fn, iters: int = 300, top: int = 18) -> list:
             for k, v in rows]
 
 
-def kinds(call, B: int, dev, world: int) -> dict:
+VERIFY_S = 3  # drafts per request of the verify kinds: B // 4 requests (at least one)
+
+
+def verify_kinds(verify, B: int, dev) -> dict:
+    """verify(hidden [b, S + 1, D], draft_tokens [b, S], **kw): speculative verification of
+    b = max(1, B // 4) requests of VERIFY_S drafts (one-hot and full draft distributions,
+    an int offset per call as a loop passes), with the tensor-content checks off (their
+    host synchronisation would time the device)."""
+    from tpsample import knobs
+    b = max(1, B // (VERIFY_S + 1))
+    g = torch.Generator(device=dev).manual_seed(2)
+    h3 = torch.randn(b, VERIFY_S + 1, D, generator=g, device=dev, dtype=torch.bfloat16)
+    draft = torch.randint(0, V, (b, VERIFY_S), generator=g, device=dev)
+    q = torch.softmax(torch.randn(b, VERIFY_S, V, generator=g, device=dev), -1)
+    step = [0]
+
+    def call(**kw):
+        step[0] += 1
+        with knobs.overridden(CHECK_TENSORS=False):
+            return verify(h3, draft, seed=1234, offset=step[0], **kw).tokens
+    return {"verify_onehot": lambda: call(), "verify_probs": lambda: call(draft_probs=q)}
+
+
+def kinds(call, B: int, dev, world: int, verify=None) -> dict:
+    """The call kinds at B rows; verify (see verify_kinds) adds verify_onehot and
+    verify_probs."""
     g = torch.Generator(device=dev).manual_seed(0)
     h = torch.randn(B, D, generator=g, device=dev, dtype=torch.bfloat16)
     seed = torch.full((B,), 1234, dtype=torch.int64, device=dev)
@@ -120,6 +145,7 @@ def kinds(call, B: int, dev, world: int) -> dict:
         "loop": lambda: call(fresh_h(), offset=next_step()),
         "loop_out": lambda: call(fresh_h(), offset=next_step(), out=out),
         "loop_keep": lambda: keep(call(fresh_h(), offset=next_step())),
+        **(verify_kinds(verify, B, dev) if verify is not None else {}),
     }
 
 
@@ -294,7 +320,8 @@ def main():
         W = torch.randn(V, D, generator=g, device=dev, dtype=torch.bfloat16).mul_(D ** -0.5)
         if rank == 0 and not (args.tp_only and world > 1):
             for B in batches:
-                fns = kinds(lambda h, **kw: tpsample.sample(h, W, **kw), B, dev, 1)
+                fns = kinds(lambda h, **kw: tpsample.sample(h, W, **kw), B, dev, 1,
+                            lambda h3, d, **kw: tpsample.verify_drafts(h3, W, d, **kw))
                 res += [dict(r, D=D) for r in measure(
                     memo_arms(fns) if args.ab_memo else fns, 1, 0, "tp1",
                     B, not args.no_graph, not args.no_profile, only, tpsample.api._MEMO)]
@@ -311,7 +338,7 @@ def main():
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
                 res.append({"call": f"tp{world}_mm_local", "B": B, "D": D, "host_us": 0.0,
                             "eager_ms": t.item(), "tokens": 0})
-                fns = kinds(s, B, dev, world)
+                fns = kinds(s, B, dev, world, s.verify_drafts)
                 res += [dict(r, D=D) for r in measure(
                     memo_arms(fns) if args.ab_memo else fns, world, rank, f"tp{world}", B,
                     not args.no_graph, not args.no_profile, only, s.memo)]

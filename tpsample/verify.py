@@ -94,7 +94,8 @@ _ROW_BUFFERS: dict = {}  # (B, S + 1, device, stream) -> draft_rows' outputs, re
 
 def _row_buffers(B: int, S1: int, dev) -> tuple:
     """draft_rows' outputs n int64 [B], bad int32 [B], seed_rows and offset_rows int64
-    [B·S1]: one set per (B, S1, device, stream), written again by each call. Everything that
+    [B·S1], and an int64 [B] its int offset is filled into: one set per (B, S1, device,
+    stream), written again by each call. Everything that
     reads them runs within the call, after the write, in the same stream, so the next call's
     write comes after those reads; and the sampler then gets the same seed and offset
     tensors every call, which its call memo (tpsample/call_memo.py) needs to serve it. New
@@ -103,7 +104,8 @@ def _row_buffers(B: int, S1: int, dev) -> tuple:
         return (torch.empty(B, dtype=torch.int64, device=dev),
                 torch.empty(B, dtype=torch.int32, device=dev),
                 torch.empty(B * S1, dtype=torch.int64, device=dev),
-                torch.empty(B * S1, dtype=torch.int64, device=dev))
+                torch.empty(B * S1, dtype=torch.int64, device=dev),
+                torch.empty(B, dtype=torch.int64, device=dev))
     if P.capturing(dev):
         return fresh()
     key = (B, S1, dev, replay.current_stream(dev.index) if dev.type == "cuda" else 0)
@@ -144,8 +146,12 @@ def draft_rows(hidden: torch.Tensor, draft_tokens: torch.Tensor, draft_probs, vo
     if seed is None:
         seed = draw_seed(B)
     if kernels:
-        seed_b, offset_b = request_key("seed", seed, B, dev), request_key("offset", offset, B, dev)
-        n, bad, seed_rows, offset_rows = _row_buffers(B, S1, dev)
+        n, bad, seed_rows, offset_rows, offset_fill = _row_buffers(B, S1, dev)
+        seed_b = request_key("seed", seed, B, dev)
+        if type(offset) is int and -(1 << 63) <= offset < (1 << 63):  # (a loop's step:
+            offset_b = offset_fill.fill_(offset)  # a fill, not an allocation and a fill)
+        else:
+            offset_b = request_key("offset", offset, B, dev)
         _launch(draft_scan.draft_rows_kernel, B, (S, vocab_size), dict(
             draft_ptr=draft_tokens.contiguous(), seed_ptr=seed_b, offset_ptr=offset_b, n_ptr=n,
             bad_ptr=bad, seed_rows_ptr=seed_rows, offset_rows_ptr=offset_rows),
@@ -197,10 +203,13 @@ PICK_CHUNK = 1024  # columns per program of the draft-probs pick (149 per reques
 _REPLAYS: dict = {}  # (kernel, grid, scalars, constexprs, device, tensor_key) -> replay.Replay
 
 
-def _launch(fn, B: int, scalars: tuple, named: dict, num_warps: int = 4, **args) -> None:
+def _launch(fn, B: int, scalars: tuple, named: dict, num_warps: int = 4, tkey=None,
+            **args) -> None:
     """fn[(B,)](**named, **args). On CUDA a launch seen before (same scalars, constexprs and
     tensor layout: what Triton specialized on) is re-issued through its recorded launcher
-    (tpsample/replay.py: ~8 µs of host time against ~30 for Triton's dispatch)."""
+    (tpsample/replay.py: ~8 µs of host time against ~30 for Triton's dispatch). tkey: the
+    tensor layout, when the caller took it once for several launches (replay.tensor_key of
+    every tensor they take that is not a fresh, unshared allocation of its own)."""
     if B == 0:  # (an empty grid launches nothing)
         return
     dev = next(iter(named.values())).device
@@ -209,7 +218,7 @@ def _launch(fn, B: int, scalars: tuple, named: dict, num_warps: int = 4, **args)
         replay.run_named(fn, (B,), options, **named, **args)
         return
     key = (fn.__name__, B, scalars, num_warps, tuple(sorted(args.items())), dev.index,
-           replay.tensor_key(tuple(named.values())))
+           replay.tensor_key(tuple(named.values())) if tkey is None else tkey)
     again = _REPLAYS.get(key)
     if again is not None:
         again(replay.current_stream(dev.index), **named)
@@ -488,13 +497,22 @@ def _draft_probs_kernels(l, ids, inv, filters, draft, q, n, seed_rows, offset_ro
     filt = dict(inv_ptr=inv.contiguous(), min_p_ptr=m.float().contiguous(),
                 cut_l_ptr=cut_l.contiguous(), cut_id_ptr=cut_id.contiguous())
     l, ids, draft = l.contiguous(), ids.contiguous(), draft.contiguous()
+    V = q.shape[-1]
+    q = q.contiguous()
+    tokens = part(torch.int64, B, S + 1)
+    acc = part(torch.int64, B)
+    lp = part(torch.float32, B, S + 1) if return_logprobs else tokens
+    # one layout key for the call's launches: the workspace's and the gathered partials are
+    # fresh allocations of their own (16-byte aligned, unshared)
+    tkey = ("probs",) + replay.tensor_key((l, ids, draft, q, n, seed_rows, offset_rows,
+                                           *filt.values(), tokens, acc, lp))
     id0 = _ARANGE_START.get(id(ids))  # (ids made by _column_ids: the kernels compute them)
     cols = dict(l_ptr=l, ids_ptr=ids)
     arange = dict(id0=0 if id0 is None else id0, ARANGE=id0 is not None)
     sizes = dict(C=C, CHUNK=PROBS_CHUNK, BLOCK=min(1024, PROBS_CHUNK), **arange)
     _launch(draft_scan.probs_max_kernel, R * G, (C, G), dict(
-        **cols, inv_ptr=filt["inv_ptr"], draft_ptr=draft, **stats), num_warps=8, S=S, G=G,
-        C=C, CHUNK=PROBS_CHUNK, SCALE=True, MASS=not filtered, **arange)
+        **cols, inv_ptr=filt["inv_ptr"], draft_ptr=draft, **stats), num_warps=8, tkey=tkey,
+        S=S, G=G, C=C, CHUNK=PROBS_CHUNK, SCALE=True, MASS=not filtered, **arange)
     if gather is not None:
         names = list(stats) if not filtered else list(stats)[:4]
         stats.update(zip(names, _gather_chunks(gather, [stats[k] for k in names])))
@@ -503,32 +521,28 @@ def _draft_probs_kernels(l, ids, inv, filters, draft, q, n, seed_rows, offset_ro
     if filtered:
         pz = stats["pz_ptr"]  # (this rank's; the first launch did not write it)
         _launch(draft_scan.probs_mass_kernel, R * G, (C, G, GT), dict(
-            **cols, **filt, **stats), HAS_CUT=has_cut, BLOCK_G=BLOCK_G, G=G,
+            **cols, **filt, **stats), tkey=tkey, HAS_CUT=has_cut, BLOCK_G=BLOCK_G, G=G,
             GT=GT, SCALE=True, **sizes)
         stats["pz_ptr"] = pz if gather is None else _gather_chunks(gather, [pz])[0]
-    tokens = part(torch.int64, B, S + 1)
-    acc = part(torch.int64, B)
     lpx, bad = ws["lpx"], ws["bad"]
     row = {k: ws[k] for k in ROW}
-    V = q.shape[-1]
-    q = q.contiguous()
     _launch(draft_scan.probs_accept_kernel, B, (GT, V), dict(
         **filt, **stats, q_ptr=q, draft_ptr=draft, n_ptr=n, seed_rows_ptr=seed_rows,
         offset_rows_ptr=offset_rows, accepted_ptr=acc, lpx_ptr=lpx, bad_ptr=bad, **row),
-        GT=GT, V=V, ACCEPT=ACCEPT_STREAM, S=S, HAS_CUT=has_cut, BLOCK_G=BLOCK_G,
+        tkey=tkey, GT=GT, V=V, ACCEPT=ACCEPT_STREAM, S=S, HAS_CUT=has_cut, BLOCK_G=BLOCK_G,
         BLOCK_S=triton.next_power_of_2(S + 1), MASS=not filtered)
     picks = {k: ws[k] for k in PICKS}
     _launch(draft_scan.probs_pick_kernel, B * G2, (C, G2, V), dict(
         **cols, **filt, q_ptr=q, n_ptr=n, seed_rows_ptr=seed_rows,
-        offset_rows_ptr=offset_rows, accepted_ptr=acc, **row, **picks), C=C, V=V, G=G2, S=S,
-        HAS_CUT=has_cut, CHUNK=PICK_CHUNK, BLOCK=min(256, PICK_CHUNK), SCALE=True, **arange)
+        offset_rows_ptr=offset_rows, accepted_ptr=acc, **row, **picks), tkey=tkey, C=C, V=V,
+        G=G2, S=S, HAS_CUT=has_cut, CHUNK=PICK_CHUNK, BLOCK=min(256, PICK_CHUNK), SCALE=True,
+        **arange)
     if gather is not None:
         picks = dict(zip(picks, _gather_chunks(gather, list(picks.values()))))
     GT2 = picks["pmass_ptr"].shape[1]
-    lp = part(torch.float32, B, S + 1) if return_logprobs else tokens
     _launch(draft_scan.probs_finish_kernel, B, (GT2,), dict(
         draft_ptr=draft, accepted_ptr=acc, lpx_ptr=lpx, bad_ptr=bad, **picks, tokens_ptr=tokens,
-        lp_out_ptr=lp), G=GT2, S=S, HAS_LP=return_logprobs,
+        lp_out_ptr=lp), tkey=tkey, G=GT2, S=S, HAS_LP=return_logprobs,
         BLOCK_G=triton.next_power_of_2(GT2), BLOCK_S=triton.next_power_of_2(S + 1))
     return VerifyOutput(tokens, acc, lp if return_logprobs else None)
 
