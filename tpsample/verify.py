@@ -106,15 +106,22 @@ def _row_buffers(B: int, S1: int, dev) -> tuple:
                 torch.empty(B * S1, dtype=torch.int64, device=dev),
                 torch.empty(B * S1, dtype=torch.int64, device=dev),
                 torch.empty(B, dtype=torch.int64, device=dev))
+    return _per_stream(_ROW_BUFFERS, (B, S1), dev, fresh)
+
+
+def _per_stream(cache: dict, key: tuple, dev, fresh: Callable):
+    """fresh()'s tensors kept in cache per (key, device, stream): a call writes and reads
+    them within itself, in stream order, so the next call on that stream may write them
+    again. New ones during a CUDA-graph capture (the graph keeps those)."""
     if P.capturing(dev):
         return fresh()
-    key = (B, S1, dev, replay.current_stream(dev.index) if dev.type == "cuda" else 0)
-    bufs = _ROW_BUFFERS.get(key)
-    if bufs is None:
-        if len(_ROW_BUFFERS) >= 64:
-            _ROW_BUFFERS.clear()
-        bufs = _ROW_BUFFERS[key] = fresh()
-    return bufs
+    key = key + (dev, replay.current_stream(dev.index) if dev.type == "cuda" else 0)
+    got = cache.get(key)
+    if got is None:
+        if len(cache) >= 64:
+            cache.clear()
+        got = cache[key] = fresh()
+    return got
 
 
 def request_key(name: str, value, B: int, device) -> torch.Tensor:
@@ -555,9 +562,7 @@ _WORKSPACES: dict = {}  # (R, G, B, S, G2, device, stream) -> _probs_workspace's
 
 def _probs_workspace(R: int, G: int, B: int, S: int, G2: int, dev) -> dict:
     """The draft-probs kernels' partials and per-request scratch (STATS, ROW, PICKS, lpx,
-    bad), one set per shape, device and stream, written again by each call, as
-    _row_buffers: everything reads them within the call, in stream order; and a zero
-    min_p [R] (only read). New tensors during a CUDA-graph capture. A few KB per shape."""
+    bad) and a zero min_p [R] (only read), kept per shape (_per_stream). A few KB a shape."""
     def fresh():
         e = lambda dtype, *shape: torch.empty(*shape, dtype=dtype, device=dev)  # noqa: E731
         return dict(zip(STATS + ROW + PICKS + ("lpx", "bad", "zeros"), (
@@ -567,15 +572,7 @@ def _probs_workspace(R: int, G: int, B: int, S: int, G2: int, dev) -> dict:
             e(torch.float32, B, G2, 2), e(torch.int64, B, G2, 2), e(torch.float64, B, G2, 2),
             e(torch.int32, B, G2), e(torch.float64, B, S + 1), e(torch.int32, B),
             torch.zeros(R, dtype=torch.float32, device=dev))))
-    if P.capturing(dev):
-        return fresh()
-    key = (R, G, B, S, G2, dev, replay.current_stream(dev.index) if dev.type == "cuda" else 0)
-    ws = _WORKSPACES.get(key)
-    if ws is None:
-        if len(_WORKSPACES) >= 64:
-            _WORKSPACES.clear()
-        ws = _WORKSPACES[key] = fresh()
-    return ws
+    return _per_stream(_WORKSPACES, (R, G, B, S, G2), dev, fresh)
 
 
 def _gather_chunks(gather: Callable, parts: list) -> list:
