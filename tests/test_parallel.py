@@ -146,8 +146,8 @@ def tp_bad(rank, world, case):
 
 
 TP_BAD = [("D", "ValueError", "D"), ("B", "ValueError", "disagree on B"),
-          ("logprobs", "ValueError", "logprobs differs"), ("vocab_size", "ValueError", "vocab_size"),
-          ("vocab_start", "ValueError", "vocab_start"),
+          ("logprobs", "ValueError", "logprobs differs"),
+          ("vocab_size", "ValueError", "vocab_size"), ("vocab_start", "ValueError", "vocab_start"),
           ("no_logprobs", "ValueError", "logprobs=False"), ("timeout_s", "ValueError", "timeout_s")]
 
 

@@ -95,10 +95,10 @@ _ROW_BUFFERS: dict = {}  # (B, S + 1, device, stream) -> draft_rows' outputs, re
 def _row_buffers(B: int, S1: int, dev) -> tuple:
     """draft_rows' outputs n int64 [B], bad int32 [B], seed_rows and offset_rows int64
     [B·S1], and an int64 [B] its int offset is filled into: one set per (B, S1, device,
-    stream), written again by each call. Everything that
-    reads them runs within the call, after the write, in the same stream, so the next call's
-    write comes after those reads; and the sampler then gets the same seed and offset
-    tensors every call, which its call memo (tpsample/call_memo.py) needs to serve it. New
+    stream), written again by each call. Everything that reads them runs within the call,
+    after the write, in the same stream, so the next call's write comes after those reads;
+    and the sampler then gets the same seed and offset tensors every call, which its call
+    memo (tpsample/call_memo.py) needs to serve it. New
     tensors during a CUDA-graph capture (the graph keeps those)."""
     def fresh():
         return (torch.empty(B, dtype=torch.int64, device=dev),
@@ -381,8 +381,9 @@ def verify(hidden: torch.Tensor, draft_tokens: torch.Tensor, draft_probs, *,
            gather: Callable | None = None) -> VerifyOutput:
     """The shared body of verify_drafts and VocabParallelSampler.verify_drafts, after
     check_drafts. hidden [B, S + 1, D]; sample_rows(rows [R, D], **sampler keywords) is the
-    sampler (one-hot drafts); draft_logits(rows [R, D], inv_temp [R]) returns (l [R, C] fp32
-    transformed logits, ids [C] int64 global ids) for draft_probs; draw_seed(B) draws the
+    sampler (one-hot drafts); draft_logits(rows [R, D], inv_temp [R] or None) returns (l
+    [R, C] fp32 transformed logits, times 1 / T unless inv_temp is None (the kernels apply
+    it), ids [C] int64 global ids) for draft_probs; draw_seed(B) draws the
     requests' seeds when seed is None; kernels: the Triton kernels around the sampler call
     (kernels/draft_scan.py), else torch. Tensor parallel: shard_logits (as draft_logits,
     this rank's columns only) and gather (t [...] → [world, ...] from every rank): the
