@@ -221,17 +221,21 @@ DRAFT_SCAN = (
     "                          types=t)\n"
     "        print(draft, S, a['STG'], b['STG'], a['LDL'] + a['STL'] + b['LDL'] + b['STL'])\n"
     "t = dict(i64('ids_ptr', 'draft_ptr', 'ptop_ptr', 'cut_id_ptr', 'n_ptr', 'seed_rows_ptr',\n"
-    "             'offset_rows_ptr', 'accepted_ptr', 'pid_ptr', 'tokens_ptr'),\n"
+    "             'offset_rows_ptr', 'accepted_ptr', 'pid_ptr', 'tokens_ptr', 'rtop_ptr'),\n"
     "         pnan_ptr='*i32', bad_ptr='*i32', pmass_ptr='*i32', pz_ptr='*fp64', lpx_ptr='*fp64',\n"
-    "         plp_ptr='*fp64')\n"
-    "big = dict(CHUNK=4096, BLOCK=1024)\n"
-    "for name, k, c in (('max', ds.probs_max_kernel, dict(S=4, **big)),\n"
-    "                   ('mass', ds.probs_mass_kernel, dict(HAS_CUT=True, BLOCK_G=64, **big)),\n"
-    "                   ('pick', ds.probs_pick_kernel, dict(ACCEPT=1 << 29, S=4, HAS_CUT=True,\n"
-    "                                                      BLOCK_G=64, **big)),\n"
-    "                   ('finish', ds.probs_finish_kernel, dict(S=4, HAS_LP=True, BLOCK_G=64,\n"
-    "                                                          BLOCK_S=8))):\n"
-    "    o = sass.sass_ops(k, c, 4, types=t)\n"
+    "         plp_ptr='*fp64', rlogz_ptr='*fp64')\n"
+    "for name, k, c, w in (\n"
+    "        ('max', ds.probs_max_kernel, dict(S=4, CHUNK=4096, SCALE=True, MASS=True,\n"
+    "                                          ARANGE=True), 8),\n"
+    "        ('mass', ds.probs_mass_kernel, dict(HAS_CUT=True, BLOCK_G=64, CHUNK=4096, BLOCK=1024,\n"
+    "                                            SCALE=True, ARANGE=False), 4),\n"
+    "        ('accept', ds.probs_accept_kernel, dict(ACCEPT=1 << 29, S=4, HAS_CUT=True,\n"
+    "                                                BLOCK_G=64, BLOCK_S=8, MASS=True), 4),\n"
+    "        ('pick', ds.probs_pick_kernel, dict(S=4, HAS_CUT=True, CHUNK=1024, BLOCK=256,\n"
+    "                                            SCALE=True, ARANGE=True), 4),\n"
+    "        ('finish', ds.probs_finish_kernel, dict(S=4, HAS_LP=True, BLOCK_G=256,\n"
+    "                                                BLOCK_S=8), 4)):\n"
+    "    o = sass.sass_ops(k, c, w, types=t)\n"
     "    print(name, 'x', o['STG'], o['STG'], o['LDL'] + o['STL'])\n")
 
 
@@ -243,5 +247,5 @@ def test_draft_scan_kernels_compile(tmp_path):
                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line.split() for line in out.stdout.splitlines() if line.strip()]
-    assert len(rows) == 10, rows
+    assert len(rows) == 11, rows
     assert all(int(r[2]) > 0 and int(r[3]) > 0 and r[4] == "0" for r in rows), rows
