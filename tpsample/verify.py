@@ -522,7 +522,7 @@ def _draft_probs_kernels(l, ids, inv, filters, draft, q, n, seed_rows, offset_ro
         **cols, inv_ptr=filt["inv_ptr"], draft_ptr=draft, **stats), num_warps=8, tkey=tkey,
         S=S, G=G, C=C, CHUNK=PROBS_CHUNK, SCALE=True, MASS=not filtered, **arange)
     if gather is not None:
-        names = list(stats) if not filtered else list(stats)[:4]
+        names = STATS if not filtered else STATS[:-1]  # (a filter's mass: its own launch)
         stats.update(zip(names, _gather_chunks(gather, [stats[k] for k in names])))
     GT = stats["pmax_ptr"].shape[1]  # (every rank's chunks)
     BLOCK_G = triton.next_power_of_2(GT)
