@@ -157,19 +157,21 @@ def probs_max_kernel(l_ptr, ids_ptr, id0, C, inv_ptr, draft_ptr, pmax_ptr, ptop_
 
 
 @triton.jit
-def _row_stats(r, pmax_ptr, ptop_ptr, plx_ptr, pnan_ptr, G, BLOCK_G: tl.constexpr):
-    """Row r's largest logit, smallest id there, the draft's logit and whether its log Z is
-    not finite, from its G chunks' partials."""
-    g = tl.arange(0, BLOCK_G)
-    on = g < G
-    pm = tl.load(pmax_ptr + r * G + g, mask=on, other=float("-inf"))
-    xmax = tl.max(pm, axis=0)
-    pt = tl.load(ptop_ptr + r * G + g, mask=on, other=NONE_ID)
-    top = tl.min(tl.where(pm == xmax, pt, NONE_ID), axis=0)
-    lx = tl.max(tl.load(plx_ptr + r * G + g, mask=on, other=float("-inf")), axis=0)
-    nan = tl.max(tl.load(pnan_ptr + r * G + g, mask=on, other=0), axis=0)
+def _rows_stats(r, on, pmax_ptr, ptop_ptr, plx_ptr, pnan_ptr, G, BLOCK_G: tl.constexpr):
+    """Rows r [N] (where on), from their G chunks' partials each: the largest logit, the
+    smallest id there, the draft's logit, whether log Z is not finite; and the chunks'
+    maxima [N, BLOCK_G]."""
+    g = tl.arange(0, BLOCK_G)[None, :]
+    ok = on[:, None] & (g < G)
+    at = r[:, None] * G + g
+    pm = tl.load(pmax_ptr + at, mask=ok, other=float("-inf"))
+    xmax = tl.max(pm, axis=1)
+    pt = tl.load(ptop_ptr + at, mask=ok, other=NONE_ID)
+    top = tl.min(tl.where(pm == xmax[:, None], pt, NONE_ID), axis=1)
+    lx = tl.max(tl.load(plx_ptr + at, mask=ok, other=float("-inf")), axis=1)
+    nan = tl.max(tl.load(pnan_ptr + at, mask=ok, other=0), axis=1)
     bad = (nan > 0) | (xmax == float("inf")) | (xmax == float("-inf"))
-    return xmax, top, lx, bad
+    return xmax, top, lx, bad, pm
 
 
 @triton.jit
@@ -183,7 +185,11 @@ def probs_mass_kernel(l_ptr, ids_ptr, id0, C, inv_ptr, min_p_ptr, cut_l_ptr, cut
     pid = tl.program_id(0).to(tl.int64)
     r = pid // G
     c = pid % G
-    xmax, top, lx, bad = _row_stats(r, pmax_ptr, ptop_ptr, plx_ptr, pnan_ptr, GT, BLOCK_G)
+    one = r + tl.zeros([1], tl.int64)
+    xmax1, top1, _, _, _ = _rows_stats(one, one >= 0, pmax_ptr, ptop_ptr, plx_ptr, pnan_ptr,
+                                       GT, BLOCK_G)
+    xmax = tl.max(xmax1, axis=0)
+    top = tl.min(top1, axis=0)
     greedy, m, cut_l, cut_id = _row_filters(r, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr,
                                             HAS_CUT)
     s = _scale(inv_ptr, r, SCALE)
@@ -203,17 +209,10 @@ def _rows_logp(r, on, draft, inv_ptr, min_p_ptr, cut_l_ptr, cut_id_ptr, pmax_ptr
     the smallest id there, log Z of the kept tokens (float64; NaN where log Z is not
     finite) and log p of the token draft [BLOCK_S] there (-inf where not kept). MASS: the
     chunks' masses are each under the chunk's own max."""
+    xmax, top, lx, bad, pm = _rows_stats(r, on, pmax_ptr, ptop_ptr, plx_ptr, pnan_ptr, G,
+                                         BLOCK_G)
     g = tl.arange(0, BLOCK_G)[None, :]
-    ok = on[:, None] & (g < G)
-    at = r[:, None] * G + g
-    pm = tl.load(pmax_ptr + at, mask=ok, other=float("-inf"))
-    xmax = tl.max(pm, axis=1)
-    pt = tl.load(ptop_ptr + at, mask=ok, other=NONE_ID)
-    top = tl.min(tl.where(pm == xmax[:, None], pt, NONE_ID), axis=1)
-    lx = tl.max(tl.load(plx_ptr + at, mask=ok, other=float("-inf")), axis=1)
-    nan = tl.max(tl.load(pnan_ptr + at, mask=ok, other=0), axis=1)
-    bad = (nan > 0) | (xmax == float("inf")) | (xmax == float("-inf"))
-    z = tl.load(pz_ptr + at, mask=ok, other=0.0)
+    z = tl.load(pz_ptr + r[:, None] * G + g, mask=on[:, None] & (g < G), other=0.0)
     if MASS:
         z = tl.where(pm > float("-inf"),
                      z * tl.exp(pm.to(tl.float64) - xmax.to(tl.float64)[:, None]), 0.0)

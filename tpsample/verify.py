@@ -517,7 +517,6 @@ def _draft_probs_kernels(l, ids, inv, filters, draft, q, n, seed_rows, offset_ro
     id0 = _ARANGE_START.get(id(ids))  # (ids made by _column_ids: the kernels compute them)
     cols = dict(l_ptr=l, ids_ptr=ids)
     arange = dict(id0=0 if id0 is None else id0, ARANGE=id0 is not None)
-    sizes = dict(C=C, CHUNK=PROBS_CHUNK, BLOCK=min(1024, PROBS_CHUNK), **arange)
     _launch(draft_scan.probs_max_kernel, R * G, (C, G), dict(
         **cols, inv_ptr=filt["inv_ptr"], draft_ptr=draft, **stats), num_warps=8, tkey=tkey,
         S=S, G=G, C=C, CHUNK=PROBS_CHUNK, SCALE=True, MASS=not filtered, **arange)
@@ -530,7 +529,7 @@ def _draft_probs_kernels(l, ids, inv, filters, draft, q, n, seed_rows, offset_ro
         pz = stats["pz_ptr"]  # (this rank's; the first launch did not write it)
         _launch(draft_scan.probs_mass_kernel, R * G, (C, G, GT), dict(
             **cols, **filt, **stats), tkey=tkey, HAS_CUT=has_cut, BLOCK_G=BLOCK_G, G=G,
-            GT=GT, SCALE=True, **sizes)
+            GT=GT, SCALE=True, C=C, CHUNK=PROBS_CHUNK, BLOCK=min(1024, PROBS_CHUNK), **arange)
         stats["pz_ptr"] = pz if gather is None else _gather_chunks(gather, [pz])[0]
     lpx, bad = ws["lpx"], ws["bad"]
     row = {k: ws[k] for k in ROW}
