@@ -31,7 +31,15 @@ A(t*) >= p·Z. The row is split into G chunks; one launch per STEP, each program
            - 1/2 (_first_lo): a top-p cut never lies lower. With EARLY > 0 a bracket whose
            tokens provably number at most EARLY (its mass over the least a token in it
            weighs) ends the passes: the later ones skip the row, and FINISH sorts more keys
-           (the launcher sets EARLY = CAP at large B, where a pass costs more than the sort).
+           (the launcher sets EARLY = CAP at large B, where a pass costs more than the sort,
+           and MID below).
+           GUESS (a call with records, WINNER): HIST 1 spreads its thresholds over a window
+           SELECT found from the row's records instead (_guess_window: each tile's winner is a
+           draw from the tile's softmax, so the tiles' masses above a logit estimate the mass
+           above it; the window spans GUESS_SD standard deviations of that estimate each way),
+           so HIST 1 leaves the bracket HIST 2 used to (flat rows at V = 151,936: ~1,600
+           tokens). The thresholds only choose where the bracket may narrow: a window that
+           misses the cut leaves a wider bracket for the next passes, never a wrong one.
   COMPACT  the final bracket's columns into CAP slots per row (an atomic counter claims
            slots; their order does not matter: the next step makes their keys and sorts them).
   FINISH   per row: the keys sorted (SHORT or MID slots when they fit, the usual case after
@@ -83,6 +91,8 @@ CAP = tl.constexpr(2048)    # compaction slots per row
 SHORT = tl.constexpr(128)   # brackets of at most SHORT / MID keys take a shorter sort
 MID = tl.constexpr(512)     # (flat rows: ~100 keys; Zipf tails at T = 1.5: 300-450)
 RANGE = tl.constexpr(40.0)  # nats below the row max that can hold a top-p cut
+GUESS_SD = tl.constexpr(4.0)  # GUESS: the window's half-width in standard deviations
+GUESS_STEPS = tl.constexpr(11)  # and the bisection steps that place its ends
 STATS = tl.constexpr(0)
 COMPACT = tl.constexpr(PASSES.value + 1)
 FINISH = tl.constexpr(PASSES.value + 2)
@@ -232,6 +242,58 @@ def _thresholds(lo, u, NT_: tl.constexpr):
 
 
 @triton.jit
+def _guess_window(rec_row, st_slot, st_t, T_rec, N_rec, xmax, lo, p, BLOCK_R: tl.constexpr):
+    """GUESS: a window [glo, ghi] of logits that likely holds the top-p cut, from the row's
+    records alone (module docstring, GUESS). Each tile's sample-0 winner is a draw from the
+    tile's softmax, so A^(t) = sum over tiles of m_tile [x_winner >= t] estimates the mass
+    above t without bias (m_tile: the tile's mass, from its log-mass), with a variance of
+    about p (1 - p) sum m_tile^2 near the cut. The window runs from where A^ falls below
+    p Z + GUESS_SD sd to where it falls below p Z - GUESS_SD sd, both found by one bisection
+    over [lo, x_max] (to 1/2^GUESS_STEPS of it, each end on its side). The sums are in fixed point (int64), so the window does not depend on
+    the order of the records (one device and a tensor-parallel gather of the same tiles give
+    the same window)."""
+    n = tl.arange(0, BLOCK_R)
+    ok = n < N_rec
+    at = (n // T_rec).to(tl.int64) * st_slot + (n % T_rec).to(tl.int64) * st_t
+    x = tl.load(rec_row + at + 2, mask=ok, other=NEG_INF)
+    lm = tl.load(rec_row + at + 3, mask=ok, other=NEG_INF)
+    live = ok & (x > NEG_INF) & (lm > NEG_INF) & (lm == lm)
+    w = tl.where(live, tl.exp(tl.minimum(lm - xmax, 20.0)), 0.0)  # (a tile weighs <= 128)
+    wi = (w * 4294967296.0).to(tl.int64)  # units 2^-32 of the largest token's weight
+    total = tl.sum(wi)
+    hi16 = wi >> 16
+    sd = tl.sqrt((tl.sum(hi16 * hi16).to(tl.float32)) * (p * (1.0 - p))) * 65536.0
+    mid_mass = total.to(tl.float32) * p
+    two = tl.arange(0, 2)
+    # [A^(glo) >= this, A^(ghi) < this]: both ends bisected at once, one reduction a step
+    goal = (mid_mass + tl.where(two == 0, GUESS_SD, -GUESS_SD) * sd).to(tl.int64)
+    a = tl.zeros((2,), tl.float32) + lo
+    z = tl.zeros((2,), tl.float32) + xmax
+    for _ in range(GUESS_STEPS):
+        c = (a + z) * 0.5
+        up = tl.sum(tl.where(x[None, :] >= c[:, None], wi[None, :], 0), axis=1) >= goal
+        a = tl.where(up, c, a)
+        z = tl.where(up, z, c)
+    return tl.sum(tl.where(two == 0, a, 0.0)), tl.sum(tl.where(two == 1, z, 0.0))
+
+
+@triton.jit
+def _pass_thresholds(j, lo_e, u, guess_ptr, GUESS: tl.constexpr, NT_: tl.constexpr):
+    """HIST pass j's NT_ thresholds over its bracket [lo_e, u]: evenly spread (_thresholds);
+    GUESS, pass 1: spread over SELECT's window [glo, ghi] (both ends in) kept within
+    [lo_e, u], unless that window is no narrower than the even spread's."""
+    t = _thresholds(lo_e, u, NT_)
+    if GUESS:
+        if j == 1:
+            glo = tl.maximum(tl.load(guess_ptr), lo_e)
+            ghi = tl.minimum(tl.load(guess_ptr + 1), u)
+            if (glo < ghi) & ((ghi - glo) * NT_ < (u - lo_e) * (NT_ - 1)):
+                i = tl.arange(0, NT_).to(tl.float32)
+                t = glo + (ghi - glo) * (i / (NT_ - 1))
+    return t
+
+
+@triton.jit
 def _hist_slice(x, hi, lo_e, xmax, t, acc, nmin, nmax):
     """One HIST slice x [SUB, 1] added to the per-lane sums acc [SUB, NT] (the mass of the
     tokens in [t_i, hi)) and the range [nmin, nmax] of its logits in [lo_e, hi)."""
@@ -248,7 +310,7 @@ def _hist_slice(x, hi, lo_e, xmax, t, acc, nmin, nmax):
 
 @triton.jit
 def _bracket(part_ptr, b, B, G, W, done, target, z, N, xmax, xmin, NT_: tl.constexpr,
-             BLOCK_G: tl.constexpr, EARLY: tl.constexpr):
+             BLOCK_G: tl.constexpr, EARLY: tl.constexpr, GUESS: tl.constexpr):
     """The bracket after `done` HIST passes: (lo, hi, A(hi), the range [bmin, bmax] the last
     pass saw inside its bracket, which bounds every logit of this one, and whether another
     pass narrows it). With EARLY > 0 a bracket whose tokens provably fit EARLY slots ends the
@@ -266,7 +328,8 @@ def _bracket(part_ptr, b, B, G, W, done, target, z, N, xmax, xmin, NT_: tl.const
         if live:
             lo_e = tl.maximum(lo, bmin)
             u = tl.maximum(tl.minimum(tl.minimum(xmax, bmax), hi), lo_e)
-            t = _thresholds(lo_e, u, NT_)
+            t = _pass_thresholds(j, lo_e, u, part_ptr + tl.cast(b, tl.int64) * G * W, GUESS,
+                                 NT_)
             at = part_ptr + ((tl.cast(b, tl.int64) + j * B) * G + g) * W
             s = tl.load(at[:, None] + i[None, :], mask=(g < G)[:, None], other=0.0)
             a = a_hi + tl.sum(s, axis=0)
@@ -508,6 +571,16 @@ def cut_step_kernel(
                         at = tl.atomic_add(list_ptr, 1)
                         tl.store(list_ptr + 1 + at, b, mask=at < B)  # (B rows at most)
                         tl.store(keys + CAP, tl.cast(0, tl.int64))  # COMPACT's counter
+                        if WINNER:  # HIST 1's thresholds from the records (GUESS)
+                            rec_row = rec_ptr + b64 * st_b
+                            if USE_PARITY:
+                                rec_row += (1 - tl.load(parity_ptr)).to(tl.int64) * parity_stride
+                            glo, ghi = _guess_window(rec_row, st_slot, st_t, T_rec, N_rec, xmax,
+                                                     _first_lo(xmax, xmin, target, z, N), p,
+                                                     BLOCK_R)
+                            guess = hist_ptr + b64 * GH * W  # (plane 0: no pass writes it)
+                            tl.store(guess, glo)
+                            tl.store(guess + 1, ghi)
                 elif won:
                     if (STEP == SAMPLE) and LOGPROBS:  # the sums, no noise (FINISH's cut)
                         _noise_free_sums(row, c0, c1, cut, p, m, xmax, keys, inv_temp_ptr, b, mine,
@@ -521,11 +594,13 @@ def cut_step_kernel(
                 elif STEP <= PASSES:  # HIST
                     lo, hi, a_hi, bmin, bmax, live = _bracket(hist_ptr, b, B, GH, W, STEP - 1,
                                                               target, z, N, xmax, xmin, NT,
-                                                              BLOCK_GH, EARLY)
+                                                              BLOCK_GH, EARLY, WINNER)
                     if live:  # (else an earlier pass's bracket fits the slots)
                         lo_e = tl.maximum(lo, bmin)
-                        t = _thresholds(lo_e, tl.maximum(tl.minimum(tl.minimum(xmax, bmax), hi),
-                                                         lo_e), NT)
+                        t = _pass_thresholds(STEP, lo_e,
+                                             tl.maximum(tl.minimum(tl.minimum(xmax, bmax), hi),
+                                                        lo_e),
+                                             hist_ptr + b64 * GH * W, WINNER, NT)
                         # per-lane sums, reduced once (SUB-row slices keep [SUB, NT] in
                         # registers)
                         acc = tl.zeros((SUB, NT), dtype=tl.float32)
@@ -555,7 +630,8 @@ def cut_step_kernel(
                         tl.store(mine + NT + 1, tl.max(nmax))
                 elif STEP == COMPACT:
                     lo, hi, a_hi, bmin, bmax, _ = _bracket(hist_ptr, b, B, GH, W, PASSES, target, z,
-                                                         N, xmax, xmin, NT, BLOCK_GH, EARLY)
+                                                         N, xmax, xmin, NT, BLOCK_GH, EARLY,
+                                                         WINNER)
                     # a slot per selected column from one atomic each (its key is made in
                     # FINISH): a block holds one or two of the bracket's ~100 tokens, so a
                     # per-block count and scan (two block reductions) would cost more
@@ -570,7 +646,8 @@ def cut_step_kernel(
                         tl.store(keys + pos, (v0 + cols).to(tl.int64), mask=sel & (pos < CAP))
                 elif STEP == FINISH:
                     lo, hi, a_hi, bmin, bmax, _ = _bracket(hist_ptr, b, B, GH, W, PASSES, target, z,
-                                                         N, xmax, xmin, NT, BLOCK_GH, EARLY)
+                                                         N, xmax, xmin, NT, BLOCK_GH, EARLY,
+                                                         WINNER)
                     n = tl.load(keys + CAP)
                     kept = tl.cast(0.0, tl.float32)
                     if n <= SHORT:

@@ -38,12 +38,14 @@ def flat_rows(V=3000, B=6, seed=2):
 
 
 SLOW = pytest.mark.slow
-# (NT, SHORT, MID, CAP) and the sort tier every top-p row must reach: with 16 thresholds a
-# pass the flat rows' brackets hold 0-2 keys (the short sort); with 2 they hold 470-1,200
-# (x_max and log Z from the filter kernel: the first bracket starts below the row's smallest
-# logit); with the early stop of large batches HIST 1's bracket provably fits the slots and
-# the other passes skip the rows (100-400 keys)
-TIERS = [pytest.param((None, None, None, None), "short", id="short-sort"),
+# (NT, SHORT, MID, CAP) and the sort tier every top-p row must reach: as shipped at small B,
+# the passes end once a bracket provably fits MID slots (100-300 keys); with 16 thresholds a
+# pass and no early end the flat rows' brackets hold 0-2 keys (the short sort); with 2 they
+# hold 470-1,200 (x_max and log Z from the filter kernel: the first bracket starts below the
+# row's smallest logit); with the early stop of large batches HIST 1's bracket provably fits
+# the CAP slots and the other passes skip the rows (100-400 keys)
+TIERS = [pytest.param((None, None, None, None), "early-mid", id="early-mid"),
+         pytest.param((None, None, None, None), "short", id="short-sort", marks=SLOW),
          pytest.param((None, None, None, None), "early", id="early-stop", marks=SLOW),
          pytest.param((2, 2, 2048, None), "mid", id="mid-sort", marks=SLOW),
          pytest.param((2, 2, 4, None), "long", id="long-sort", marks=SLOW),
@@ -57,12 +59,15 @@ def test_fast_path_matches_reference(extra, sizes, tier, monkeypatch):
     """Every row flagged and taken by the fast path (the call has no top-k or top log-probs):
     tokens equal the reference's, log-probs and log Z within 1e-4, with the cut from each
     tier of FINISH (the 128-, MID- or CAP-slot sort, or the bisection past CAP) and from a
-    bracket that ended the passes early (EARLY), checked from the bracket sizes FINISH saw."""
+    bracket that ended the passes early (EARLY: at MID or CAP slots), checked from the
+    bracket sizes FINISH saw."""
     for name, value in zip(("NT", "SHORT", "MID", "CAP"), sizes):
         if value is not None:
             monkeypatch.setattr(filter_cut, name, filter_cut.tl.constexpr(value))
     if tier == "early":
         monkeypatch.setattr(launchers, "EARLY_FROM_B", 1)
+    if tier != "early-mid":
+        monkeypatch.setattr(launchers, "EARLY_SMALL", 0)
     monkeypatch.setattr(launchers, "fallback_programs", lambda t: 5)
     seen = []
     run = replay.run_kernel
@@ -84,7 +89,8 @@ def test_fast_path_matches_reference(extra, sizes, tier, monkeypatch):
     short, mid, cap = (filter_cut.SHORT.value, filter_cut.MID.value, filter_cut.CAP.value)
     assert {"short": (n <= short).all(), "mid": ((n > short) & (n <= mid)).all(),
             "long": ((n > mid) & (n <= cap)).all(), "bisection": (n > cap).all(),
-            "early": ((n > 16) & (n <= cap)).all()}[tier], n
+            "early": ((n > 16) & (n <= cap)).all(),
+            "early-mid": ((n > 16) & (n <= mid)).all()}[tier], n
 
 
 @pytest.mark.slow
@@ -439,3 +445,78 @@ def test_every_launch_takes_the_calls_outputs_whole(logprobs, monkeypatch):
             if isinstance(t, torch.Tensor) and t.numel():
                 o = whole.get(t.untyped_storage().data_ptr())
                 assert o is None or t is o, (name, step, t.shape, o.shape)
+
+
+@triton.jit
+def _guess_kernel(rec_ptr, xmax_ptr, lo_ptr, p_ptr, out_ptr, N_rec, BLOCK_R: tl.constexpr):
+    b = tl.program_id(0)
+    glo, ghi = filter_cut._guess_window(rec_ptr + b * N_rec * 4, 0, 4, N_rec, N_rec,
+                                        tl.load(xmax_ptr + b), tl.load(lo_ptr + b),
+                                        tl.load(p_ptr + b), BLOCK_R)
+    tl.store(out_ptr + 2 * b, glo)
+    tl.store(out_ptr + 2 * b + 1, ghi)
+
+
+def _guess_windows(x, p, winner=True, seed=0):
+    """SELECT's window (_guess_window) for rows of logits x [B, V] (V a multiple of 128)
+    from records built as stage 1 builds them: per tile its log-mass and its Gumbel-max
+    winner's logit (winner False: the tile's largest logit, a negative control). Returns
+    the windows [B, 2] and each row's top-p cut logit (float64)."""
+    B, V = x.shape
+    tiles = x.view(B, V // 128, 128)
+    g = torch.Generator().manual_seed(seed)
+    gumbel = -torch.log(-torch.log(torch.rand(tiles.shape, generator=g, dtype=torch.float64)))
+    pick = (tiles.double() + gumbel).argmax(-1, keepdim=True) if winner else \
+        tiles.argmax(-1, keepdim=True)
+    rec = torch.zeros(B, V // 128, 4)
+    rec[..., 2] = tiles.gather(-1, pick)[..., 0]
+    rec[..., 3] = torch.logsumexp(tiles.double(), -1).float()
+    xmax = x.max(1).values
+    z = torch.exp(x.double() - xmax[:, None].double()).sum(1)
+    lo = (xmax.double() + torch.log((1 - p.double()) * z / V) - 0.5).float()  # (_first_lo)
+    out = torch.empty(B, 2)
+    _guess_kernel[(B,)](rec, xmax.contiguous(), lo, p, out, V // 128,
+                        BLOCK_R=triton.next_power_of_2(V // 128))
+    xs = x.double().sort(1, descending=True).values
+    e = torch.exp(xs - xs[:, :1])
+    before = e.cumsum(1) - e
+    cut = torch.stack([xs[b][before[b] < p[b] * e[b].sum()][-1] for b in range(B)])
+    return out, cut, lo, xmax
+
+
+def test_the_records_place_the_first_pass_around_the_cut():
+    """SELECT's window from the records (GUESS) holds every flat row's top-p cut and is a
+    small part of the range HIST 1 would spread its thresholds over without it (Gaussian
+    logits of std 1 and 2 over V = 131,072: 1,024 tiles; top-p 0.5-0.99; at 0.99 the window's
+    uncertainty in mass exceeds 1 - p, so it reaches down to the range's start). Negative
+    control: a record whose logit is the tile's largest instead of its Gumbel-max winner (no
+    longer a draw from the tile's softmax) puts the window above the cut of every row whose
+    window does not reach the range's start."""
+    g = torch.Generator().manual_seed(5)
+    B, V = 24, 131072
+    x = torch.randn(B, V, generator=g) * torch.tensor([1.0, 2.0]).repeat(B // 2)[:, None]
+    p = torch.tensor([0.5, 0.9, 0.95, 0.99]).repeat(B // 4)
+    win, cut, lo, xmax = _guess_windows(x, p)
+    assert ((win[:, 0] <= cut) & (cut <= win[:, 1])).all(), (win, cut)
+    share = (win[:, 1] - win[:, 0]) / (xmax - lo)
+    assert (share[p < 0.99] < 0.15).all(), share
+    bad, cut, _, _ = _guess_windows(x, p, winner=False)
+    assert (bad[:, 0] > cut)[p < 0.99].all(), (bad, cut)
+
+
+@pytest.mark.slow
+def test_a_first_pass_window_that_misses_the_cut_leaves_the_outputs_exact(monkeypatch):
+    """HIST 1's thresholds only narrow the bracket: a window from SELECT that lies above
+    every row's cut (the passes then continue from below it) or collapses to one logit gives
+    the reference's tokens, log-probs and log Z all the same."""
+    @triton.jit
+    def above(rec_row, st_slot, st_t, T_rec, N_rec, xmax, lo, p, BLOCK_R: tl.constexpr):
+        return xmax - 0.01, xmax
+
+    @triton.jit
+    def point(rec_row, st_slot, st_t, T_rec, N_rec, xmax, lo, p, BLOCK_R: tl.constexpr):
+        return lo + 0.25, lo + 0.25
+
+    for window in (above, point):
+        h, w, kw, out = _winner_call(monkeypatch, logprobs=True, _guess_window=window)
+        assert_matches_reference(out, reference_sample(h, w, **kw))

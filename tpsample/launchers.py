@@ -699,9 +699,13 @@ _CUT_PROGRAMS = {filter_cut.STATS.value: 2, filter_cut.COMPACT.value: 4,
 # keep the G chunks of the other steps)
 CUT_LIST_CHUNK = 8192
 # from this batch size on, a HIST bracket that fits the CAP slots ends the passes (its later
-# passes cost more than FINISH's longer sort; H200, D = 4096, flat rows, top-p 0.9 with
-# log-probs: -4 % at B = 256, +1 % at B = 64)
+# passes cost more than FINISH's longer sort), below it one that fits MID (H200, D = 4096,
+# flat rows, top-p 0.9 with log-probs, HIST 1 from the records' window: 1.095 -> 1.013 ms
+# at B = 256 and 0.488 -> 0.471 at B = 64 against the even first pass and no early end at
+# B = 64; ending at CAP from B = 1 gave 0.471 too; the lists' chunks of 4,096 / 8,192
+# columns for log-prob calls were 2-27 % slower)
 EARLY_FROM_B = 128
+EARLY_SMALL = filter_cut.MID.value
 
 
 def _cut_steps(hidden, params: RowParams, filters: Filters, out: F.FilteredOutput, count,
@@ -767,7 +771,7 @@ def _cut_steps(hidden, params: RowParams, filters: Filters, out: F.FilteredOutpu
                   win_ptr=out.scratch, win_at=B * F.KNOWN_CAP, **rec, B=B, G=G, C=C, W=W, S=S,
                   STEP=step, ALIGNED4=aligned, BLOCK=block, WINNER=use_winner,
                   LOGPROBS=use_winner and logprobs, XMAX_KNOWN=xmax_known,
-                  EARLY=K.CAP.value if B >= EARLY_FROM_B else 0,
+                  EARLY=K.CAP.value if B >= EARLY_FROM_B else EARLY_SMALL,
                   SUB=min(block, 512), BLOCK_G=max(2, 1 << (G - 1).bit_length()),
                   BLOCK_F=block_f, PDL="launch_pdl" in launch, SLOTTED=slotted, **owners,
                   SPLIT=split, hist_ptr=hist, GH=GH, CH=CH,
