@@ -134,7 +134,8 @@ def test_greedy_rows_mixed_with_sampled_rows(device):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("num_samples,logprobs", [(1, False), (2, True), (1, True)])
+@pytest.mark.parametrize("num_samples,logprobs", [(1, False), (2, True),
+                                                   pytest.param(1, True, marks=pytest.mark.slow)])
 def test_out_receives_the_tokens_and_is_returned(hw, backend, num_samples, logprobs):
     """out=: the call's tokens written into the given tensor, which is returned in their
     place (the SampleOutput's tokens with log-probs); the tokens, log-probs and log Z are

@@ -179,6 +179,7 @@ def test_mode_defaults_follow_torchrun(monkeypatch):
     assert bench.parse_args(["--cpu", "--mode", "single"]).mode == "single"
 
 
+@pytest.mark.slow  # (multi-process / subprocess: CI runs it under -m slow)
 def test_verify_bench_writes_json_doc_and_summary(tmp_path):
     """python -m tpsample.launch.verify_bench on the CPU: every variant timed per (B, S), the
     summary line, the doc section and its plot."""

@@ -12,6 +12,7 @@ def run(env: dict, code: str, tmp_path):
                           capture_output=True, text=True)
 
 
+@pytest.mark.slow  # (multi-process / subprocess: CI runs it under -m slow)
 def test_knobs_are_listed_with_their_values(tmp_path):
     out = run({"TPSAMPLE_REPLAY": "0"}, "import runpy; runpy.run_module('tpsample.knobs', run_name='__main__')",
               tmp_path)

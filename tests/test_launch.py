@@ -28,6 +28,7 @@ def test_tp_demo_two_ranks(tmp_path):
 
 
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed next to python")
+@pytest.mark.slow  # (multi-process / subprocess: CI runs it under -m slow)
 def test_tp_decode_example_two_ranks(tmp_path):
     example = Path(__file__).resolve().parents[1] / "examples" / "tp_decode.py"
     text = run([str(TORCHRUN), "--standalone", "--nproc-per-node=2", str(example)], tmp_path)
@@ -80,6 +81,7 @@ def test_fast_decode_compiled_step_samples_the_same_tokens(tmp_path):
     assert out[True] == out[False]
 
 
+@pytest.mark.slow  # (multi-process / subprocess: CI runs it under -m slow)
 def test_fast_decode_report_renders_gains_and_plot(tmp_path):
     """examples/fast_decode.py --report: per batch, the measured GPU-time gain of the
     tpsample head, the stock head's share and the gain predicted from the heads' own times,
@@ -117,6 +119,7 @@ def test_hf_decode_example(tmp_path):
     assert "greedy tokens equal transformers' generate: True" in text
 
 
+@pytest.mark.slow  # (multi-process / subprocess: CI runs it under -m slow)
 def test_mcore_decode_report_renders_tables_and_plot(tmp_path):
     """examples/mcore_decode.py --report (no GPU needed): a TPOT run's JSON becomes a doc
     section with a row per batch and the plot; a run without GPU-time columns shows dashes."""

@@ -278,7 +278,8 @@ def tp_stamped_collective(rank, world, backend):
             sampler(h, top_k=5, top_p=0.9, return_logprobs=True, **kw))
 
 
-@pytest.mark.parametrize("backend", [pytest.param("torch", marks=pytest.mark.slow), "auto"])
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["torch", "auto"])
 def test_tp_stamped_record_slots_give_the_single_device_tokens(backend):
     outs = run_world(2, tp_stamped_collective, backend)
     for o in outs:

@@ -52,6 +52,7 @@ def _gloo_group_timeouts(rank, world):
     return dict(fine=fine, default=said[len(fine):])
 
 
+@pytest.mark.slow  # (multi-process / subprocess: CI runs it under -m slow)
 def test_gloo_warns_when_the_group_outlives_timeout_s():
     """A group whose own timeout is longer than timeout_s (the default group's 30 min) keeps a
     timed-out all-gather in gloo's worker: the transport says so; a group built with
@@ -212,6 +213,7 @@ def _stamped_all_gather_rank(rank, world):
     return out
 
 
+@pytest.mark.slow  # (multi-process / subprocess: CI runs it under -m slow)
 def test_nccl_stamped_slots_carry_every_ranks_records_over_a_real_all_gather():
     from dist_utils import run_world
     for rank_out in run_world(3, _stamped_all_gather_rank):
@@ -316,6 +318,7 @@ def _after_destroy(rank, world):
     return {"before": before, "after": None}
 
 
+@pytest.mark.slow  # (multi-process / subprocess: CI runs it under -m slow)
 def test_a_sampler_holds_no_destroyed_group():
     """Samplers hold their group by weak reference (a destroyed gloo group kept alive until
     interpreter exit aborts the process: tests/test_exit.py): after destroy_process_group the
