@@ -19,6 +19,7 @@ import pytest
 pytest.importorskip("triton.backends.nvidia")
 
 COMPILE = r'''
+import inspect
 import itertools
 import triton
 from triton.backends.compiler import GPUTarget
@@ -36,6 +37,9 @@ POINTERS = dict(l_ptr="*fp32", inv_temp_ptr="*fp32", seed_ptr="*i64", offset_ptr
 STEPS = (K.STATS.value, K.SELECT.value, *range(1, K.PASSES.value + 1), K.COMPACT.value,
          K.FINISH.value, K.SAMPLE.value, K.FINAL.value)
 runtime, _ = replay._signature(K.cut_step_kernel)
+# (constexprs left out take their defaults; Triton 3.9 wants the attributes dict given)
+DEFAULTS = {n: q.default for n, q in inspect.signature(K.cut_step_kernel.fn).parameters.items()
+            if q.default is not inspect.Parameter.empty and "constexpr" in str(q.annotation)}
 done = 0
 for tp, (winner, lp), raw, (has_p, has_m) in itertools.product(
         (False, True), ((False, False), (True, False), (True, True)), (False, True),
@@ -51,9 +55,9 @@ for tp, (winner, lp), raw, (has_p, has_m) in itertools.product(
                  BLOCK_G=8, BLOCK_F=256, PDL=True, BLOCK_GH=8, BLOCK_R=2048, BLOCK_TC=32,
                  SLOTTED=tp, SPLIT=tp, WINNER=winner, LOGPROBS=lp, RAW=raw, STEP=step,
                  EARLY=K.CAP.value if tp else 0, XMAX_KNOWN=lp)
-        sig = {n: POINTERS.get(n, "i32") for n in runtime} | {k: "constexpr" for k in c}
+        sig = {n: POINTERS.get(n, "i32") for n in runtime} | {k: "constexpr" for k in DEFAULTS | c}
         try:
-            triton.compile(ASTSource(K.cut_step_kernel, sig, constexprs=c),
+            triton.compile(ASTSource(K.cut_step_kernel, sig, DEFAULTS | c, {}),
                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
         except Exception as e:
             raise SystemExit(f"STEP {step} SLOTTED {tp} WINNER {winner} LOGPROBS {lp} RAW {raw}"
@@ -65,9 +69,9 @@ for tp, lp, step in itertools.product((False, True), (False, True), (K.SAMPLE.va
              BLOCK_G=8, BLOCK_F=256, PDL=True, BLOCK_GH=8, BLOCK_R=2048, BLOCK_TC=32,
              SLOTTED=tp, SPLIT=tp, WINNER=True, LOGPROBS=lp, RAW=False, XMAX_KNOWN=True,
              STEP=step, EARLY=0)
-    sig = {n: POINTERS.get(n, "i32") for n in runtime} | {k: "constexpr" for k in c}
+    sig = {n: POINTERS.get(n, "i32") for n in runtime} | {k: "constexpr" for k in DEFAULTS | c}
     try:
-        triton.compile(ASTSource(K.cut_step_kernel, sig, constexprs=c),
+        triton.compile(ASTSource(K.cut_step_kernel, sig, DEFAULTS | c, {}),
                        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
     except Exception as e:
         raise SystemExit(f"XMAX_KNOWN STEP {step} SLOTTED {tp} LOGPROBS {lp}: {str(e)[-1500:]}")
