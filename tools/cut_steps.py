@@ -188,6 +188,7 @@ def main():
                 print(f"   {v:14s} " + " ".join(f"{n.split('[')[1][:-1]}:{t:6.1f}"
                                                for n, t in d.items())
                       + f"  sum {sum(d.values()):7.1f}", flush=True)
+    os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "cut_steps.json"), "w") as f:
         json.dump(res, f, indent=1)
 
