@@ -249,9 +249,9 @@ def _guess_window(rec_row, st_slot, st_t, T_rec, N_rec, xmax, lo, p, BLOCK_R: tl
     above t without bias (m_tile: the tile's mass, from its log-mass), with a variance of
     about p (1 - p) sum m_tile^2 near the cut. The window runs from where A^ falls below
     p Z + GUESS_SD sd to where it falls below p Z - GUESS_SD sd, both found by one bisection
-    over [lo, x_max] (to 1/2^GUESS_STEPS of it, each end on its side). The sums are in fixed point (int64), so the window does not depend on
-    the order of the records (one device and a tensor-parallel gather of the same tiles give
-    the same window)."""
+    over [lo, x_max] (to 1/2^GUESS_STEPS of it, each end on its side). The sums are in fixed
+    point (int64), so the window does not depend on the order of the records (one device and
+    a tensor-parallel gather of the same tiles give the same window)."""
     n = tl.arange(0, BLOCK_R)
     ok = n < N_rec
     at = (n // T_rec).to(tl.int64) * st_slot + (n % T_rec).to(tl.int64) * st_t
@@ -267,14 +267,20 @@ def _guess_window(rec_row, st_slot, st_t, T_rec, N_rec, xmax, lo, p, BLOCK_R: tl
     two = tl.arange(0, 2)
     # [A^(glo) >= this, A^(ghi) < this]: both ends bisected at once, one reduction a step
     goal = (mid_mass + tl.where(two == 0, GUESS_SD, -GUESS_SD) * sd).to(tl.int64)
-    a = tl.zeros((2,), tl.float32) + lo
-    z = tl.zeros((2,), tl.float32) + xmax
+    bot = tl.zeros((2,), tl.float32) + lo
+    top = tl.zeros((2,), tl.float32) + xmax
     for _ in range(GUESS_STEPS):
-        c = (a + z) * 0.5
+        c = (bot + top) * 0.5
         up = tl.sum(tl.where(x[None, :] >= c[:, None], wi[None, :], 0), axis=1) >= goal
-        a = tl.where(up, c, a)
-        z = tl.where(up, z, c)
-    return tl.sum(tl.where(two == 0, a, 0.0)), tl.sum(tl.where(two == 1, z, 0.0))
+        bot = tl.where(up, c, bot)
+        top = tl.where(up, top, c)
+    return tl.sum(tl.where(two == 0, bot, 0.0)), tl.sum(tl.where(two == 1, top, 0.0))
+
+
+@triton.jit
+def _window_at(hist_ptr, b, GH, W):
+    """Where SELECT keeps row b's window (glo, ghi): HIST's plane 0, which no pass writes."""
+    return hist_ptr + tl.cast(b, tl.int64) * GH * W
 
 
 @triton.jit
@@ -328,8 +334,7 @@ def _bracket(part_ptr, b, B, G, W, done, target, z, N, xmax, xmin, NT_: tl.const
         if live:
             lo_e = tl.maximum(lo, bmin)
             u = tl.maximum(tl.minimum(tl.minimum(xmax, bmax), hi), lo_e)
-            t = _pass_thresholds(j, lo_e, u, part_ptr + tl.cast(b, tl.int64) * G * W, GUESS,
-                                 NT_)
+            t = _pass_thresholds(j, lo_e, u, _window_at(part_ptr, b, G, W), GUESS, NT_)
             at = part_ptr + ((tl.cast(b, tl.int64) + j * B) * G + g) * W
             s = tl.load(at[:, None] + i[None, :], mask=(g < G)[:, None], other=0.0)
             a = a_hi + tl.sum(s, axis=0)
@@ -578,9 +583,8 @@ def cut_step_kernel(
                             glo, ghi = _guess_window(rec_row, st_slot, st_t, T_rec, N_rec, xmax,
                                                      _first_lo(xmax, xmin, target, z, N), p,
                                                      BLOCK_R)
-                            guess = hist_ptr + b64 * GH * W  # (plane 0: no pass writes it)
-                            tl.store(guess, glo)
-                            tl.store(guess + 1, ghi)
+                            tl.store(_window_at(hist_ptr, b, GH, W), glo)
+                            tl.store(_window_at(hist_ptr, b, GH, W) + 1, ghi)
                 elif won:
                     if (STEP == SAMPLE) and LOGPROBS:  # the sums, no noise (FINISH's cut)
                         _noise_free_sums(row, c0, c1, cut, p, m, xmax, keys, inv_temp_ptr, b, mine,
@@ -600,7 +604,7 @@ def cut_step_kernel(
                         t = _pass_thresholds(STEP, lo_e,
                                              tl.maximum(tl.minimum(tl.minimum(xmax, bmax), hi),
                                                         lo_e),
-                                             hist_ptr + b64 * GH * W, WINNER, NT)
+                                             _window_at(hist_ptr, b, GH, W), WINNER, NT)
                         # per-lane sums, reduced once (SUB-row slices keep [SUB, NT] in
                         # registers)
                         acc = tl.zeros((SUB, NT), dtype=tl.float32)
