@@ -318,56 +318,65 @@ def _hist_slice(x, hi, lo_e, xmax, t, acc, nmin, nmax):
 
 @triton.jit
 def _state_at(hist_ptr, b, GH, W):
-    """Row b's bracket between the passes, after its window (_window_at): lo, hi, A(hi) and
-    the range [bmin, bmax] the last pass saw inside its bracket (fp32), then one arrival
-    counter per HIST pass (int32)."""
+    """Row b's bracket between the passes, after its window (_window_at): lo, hi, a bound on
+    A(lo), A(hi) and the range [bmin, bmax] the last pass saw inside its bracket (fp32),
+    then one arrival counter per HIST pass (int32)."""
     return _window_at(hist_ptr, b, GH, W) + 2
 
 
 @triton.jit
 def _arrivals_at(hist_ptr, b, GH, W, j):
     """Pass j's arrival counter of row b (_state_at): its chunks that summed their part."""
-    return (_state_at(hist_ptr, b, GH, W) + 5).to(tl.pointer_type(tl.int32), bitcast=True) + j - 1
+    return (_state_at(hist_ptr, b, GH, W) + 6).to(tl.pointer_type(tl.int32), bitcast=True) + j - 1
 
 
 @triton.jit
 def _pass_list(hist_ptr, B, GH, W, j):
     """The rows HIST pass j (2..PASSES) takes, int32 [1 + B] (count, rows), after the planes
-    (launchers._cut_steps allocates them): those still live after pass j - 1."""
+    (launchers._cut_steps allocates them): those still narrowing after pass j - 1."""
     at = hist_ptr + tl.cast(PASSES + 1, tl.int64) * B * GH * W
     return at.to(tl.pointer_type(tl.int32), bitcast=True) + (j - 2) * (B + 1)
 
 
 @triton.jit
-def _first_state(hist_ptr, b, GH, W, lo, xmin, xmax):
-    """SELECT: row b's bracket before HIST 1, [lo, inf) with A(inf) = 0 and every logit in
-    [xmin, xmax]; the passes' arrival counters zeroed."""
+def _store_state(hist_ptr, b, GH, W, lo, hi, a_lo, a_hi, bmin, bmax):
     st = _state_at(hist_ptr, b, GH, W)
     tl.store(st, lo)
-    tl.store(st + 1, tl.cast(INF, tl.float32))
-    tl.store(st + 2, tl.cast(0.0, tl.float32))
-    tl.store(st + 3, xmin)
-    tl.store(st + 4, xmax)
+    tl.store(st + 1, hi)
+    tl.store(st + 2, a_lo)
+    tl.store(st + 3, a_hi)
+    tl.store(st + 4, bmin)
+    tl.store(st + 5, bmax)
+
+
+@triton.jit
+def _state(hist_ptr, b, GH, W):
+    """(lo, hi, A(lo) or more, A(hi), bmin, bmax): row b's bracket after the passes it took."""
+    st = _state_at(hist_ptr, b, GH, W)
+    return (tl.load(st), tl.load(st + 1), tl.load(st + 2), tl.load(st + 3), tl.load(st + 4),
+            tl.load(st + 5))
+
+
+@triton.jit
+def _first_state(hist_ptr, b, GH, W, lo, z, xmin, xmax):
+    """SELECT: row b's bracket before HIST 1, [lo, inf) with A(lo) <= Z, A(inf) = 0 and
+    every logit in [xmin, xmax]; the passes' arrival counters zeroed."""
+    _store_state(hist_ptr, b, GH, W, lo, tl.cast(INF, tl.float32), z, tl.cast(0.0, tl.float32),
+                 xmin, xmax)
     for j in tl.static_range(PASSES):
         tl.store(_arrivals_at(hist_ptr, b, GH, W, 1) + j, 0)
 
 
 @triton.jit
-def _state(hist_ptr, b, GH, W):
-    """(lo, hi, A(hi), bmin, bmax): row b's bracket after the passes it took (_state_at)."""
-    st = _state_at(hist_ptr, b, GH, W)
-    return tl.load(st), tl.load(st + 1), tl.load(st + 2), tl.load(st + 3), tl.load(st + 4)
-
-
-@triton.jit
-def _narrow(hist_ptr, b, B, GH, W, j, t, lo_e, hi, a_hi, target, xmax, NT_: tl.constexpr,
-            BLOCK_GH: tl.constexpr, EARLY: tl.constexpr):
+def _narrow(hist_ptr, b, B, GH, W, j, t, lo_e, hi, a_lo, a_hi, target, xmax,
+            NT_: tl.constexpr, BLOCK_GH: tl.constexpr, EARLY: tl.constexpr):
     """Row b's bracket after HIST pass j, from its chunks' sums (plane j) over the thresholds t
-    the pass spread over [lo_e, ...] below hi (A(hi) = a_hi): (lo, hi, A(hi), bmin, bmax,
-    whether another pass narrows it). The next bracket lies between the last threshold with
-    A >= p·Z and the one after it. With EARLY > 0 a bracket whose tokens provably fit EARLY
-    slots ends the passes: each weighs at least exp(lo - x_max), so they number at most
-    (A(lo) - A(hi)) / exp(lo - x_max) (5 % over it for the sums' rounding)."""
+    the pass spread over [lo_e, ...] below hi (A(lo) <= a_lo, A(hi) = a_hi): (lo, hi, a bound
+    on A(lo), A(hi), bmin, bmax, whether another pass narrows it). The next bracket lies
+    between the last threshold with A >= p·Z and the one after it (from lo_e when there is
+    none: its A is bounded by the previous lo's). With EARLY > 0 a bracket whose tokens
+    provably fit EARLY slots ends the passes: each weighs at least exp(lo - x_max), so they
+    number at most (A(lo) - A(hi)) / exp(lo - x_max) (5 % over it for the sums' rounding)."""
     g = tl.arange(0, BLOCK_GH)
     i = tl.arange(0, NT_)
     at = hist_ptr + ((tl.cast(b, tl.int64) + j * B) * GH + g) * W
@@ -377,14 +386,14 @@ def _narrow(hist_ptr, b, B, GH, W, j, t, lo_e, hi, a_hi, target, xmax, NT_: tl.c
     bmax = tl.max(tl.load(at + NT_ + 1, mask=g < GH, other=NEG_INF))
     js = tl.sum((a >= target).to(tl.int32))  # thresholds at or below the cut's logit
     lo = tl.where(js == 0, lo_e, tl.max(tl.where(i == js - 1, t, NEG_INF)))
+    a_lo = tl.where(js == 0, a_lo, tl.max(tl.where(i == js - 1, a, NEG_INF)))
     a_next = tl.max(tl.where(i == js, a, NEG_INF))
     hi = tl.where(js == NT_, hi, tl.max(tl.where(i == js, t, NEG_INF)))
     a_hi = tl.where(js == NT_, a_hi, a_next)
     live = js >= 0
     if EARLY > 0:
-        a_lo = tl.max(tl.where(i == js - 1, a, NEG_INF))
-        live = (js == 0) | ((a_lo - a_hi) * 1.05 > EARLY * tl.exp(lo - xmax))
-    return lo, hi, a_hi, bmin, bmax, live
+        live = (a_lo - a_hi) * 1.05 > EARLY * tl.exp(lo - xmax)
+    return lo, hi, a_lo, a_hi, bmin, bmax, live
 
 
 @triton.jit
@@ -620,7 +629,7 @@ def cut_step_kernel(
                         tl.store(list_ptr + 1 + at, b, mask=at < B)  # (B rows at most)
                         tl.store(keys + CAP, tl.cast(0, tl.int64))  # COMPACT's counter
                         lo = _first_lo(xmax, xmin, target, z, N)
-                        _first_state(hist_ptr, b, GH, W, lo, xmin, xmax)
+                        _first_state(hist_ptr, b, GH, W, lo, z, xmin, xmax)
                         if WINNER:  # HIST 1's thresholds from the records (GUESS)
                             rec_row = rec_ptr + b64 * st_b
                             if USE_PARITY:
@@ -640,7 +649,7 @@ def cut_step_kernel(
                                         inv_temp_ptr, l_ptr, stride_lb, slot_stride,
                                         peer_ptrs_ptr, rank, split, LOGPROBS, RAW, SPLIT, BLOCK_G)
                 elif STEP <= PASSES:  # HIST
-                    lo, hi, a_hi, bmin, bmax = _state(hist_ptr, b, GH, W)
+                    lo, hi, a_lo, a_hi, bmin, bmax = _state(hist_ptr, b, GH, W)
                     lo_e = tl.maximum(lo, bmin)
                     t = _pass_thresholds(STEP, lo_e,
                                          tl.maximum(tl.minimum(tl.minimum(xmax, bmax), hi),
@@ -680,22 +689,17 @@ def cut_step_kernel(
                     arrived = tl.atomic_add(_arrivals_at(hist_ptr, b, GH, W, STEP), 1,
                                             sem="acq_rel")
                     if arrived == GH - 1:
-                        lo, hi, a_hi, bmin, bmax, live = _narrow(
-                            hist_ptr, b, B, GH, W, STEP, t, lo_e, hi, a_hi, target, xmax,
+                        lo, hi, a_lo, a_hi, bmin, bmax, live = _narrow(
+                            hist_ptr, b, B, GH, W, STEP, t, lo_e, hi, a_lo, a_hi, target, xmax,
                             NT, BLOCK_GH, EARLY)
-                        st = _state_at(hist_ptr, b, GH, W)
-                        tl.store(st, lo)
-                        tl.store(st + 1, hi)
-                        tl.store(st + 2, a_hi)
-                        tl.store(st + 3, bmin)
-                        tl.store(st + 4, bmax)
+                        _store_state(hist_ptr, b, GH, W, lo, hi, a_lo, a_hi, bmin, bmax)
                         if STEP < PASSES:
                             if live:
                                 nxt = _pass_list(hist_ptr, B, GH, W, STEP + 1)
                                 at = tl.atomic_add(nxt, 1)
                                 tl.store(nxt + 1 + at, b)
                 elif STEP == COMPACT:
-                    lo, hi, a_hi, bmin, bmax = _state(hist_ptr, b, GH, W)
+                    lo, hi, a_lo, a_hi, bmin, bmax = _state(hist_ptr, b, GH, W)
                     # a slot per selected column from one atomic each (its key is made in
                     # FINISH): a block holds one or two of the bracket's ~100 tokens, so a
                     # per-block count and scan (two block reductions) would cost more
@@ -709,7 +713,7 @@ def cut_step_kernel(
                         pos = tl.atomic_add(counter, one, mask=sel, sem="relaxed")
                         tl.store(keys + pos, (v0 + cols).to(tl.int64), mask=sel & (pos < CAP))
                 elif STEP == FINISH:
-                    lo, hi, a_hi, bmin, bmax = _state(hist_ptr, b, GH, W)
+                    lo, hi, a_lo, a_hi, bmin, bmax = _state(hist_ptr, b, GH, W)
                     n = tl.load(keys + CAP)
                     kept = tl.cast(0.0, tl.float32)
                     if n <= SHORT:
