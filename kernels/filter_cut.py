@@ -24,10 +24,14 @@ A(t*) >= p·Z. The row is split into G chunks; one launch per STEP, each program
   HIST j   (j = 1..PASSES) the bracket [lo, hi) that holds t*, with A(lo) >= p·Z > A(hi):
            NT thresholds spread over the logits the bracket can hold; per chunk the mass in
            [t_i, hi) for each and the smallest and largest logit in the bracket. The next
-           bracket lies between the last threshold with A >= p·Z and the one after it: the
-           row's last chunk to finish the pass (an arrival counter) chooses it from the
-           chunks' sums, stores it, and lists the row for the next pass unless it ended
-           there, so a pass takes only the rows still narrowing. The first bracket is
+           bracket lies between the last threshold with A >= p·Z and the one after it.
+  NARROW j per row, after HIST j: that choice from the chunks' sums, stored with a bound
+           on A(lo) (A at the previous lo when the cut lies below the first threshold), and
+           the row listed for HIST j + 1 unless its passes end here, so a pass and its
+           NARROW take only the rows still narrowing and no later step replays the passes.
+           (In HIST's last chunk to arrive instead, the choice's code raised the HIST
+           kernel from 80 to 128 registers: 2 programs of 8 warps per SM instead of 3.)
+           The first bracket is
            [lo, inf) with lo the largest of x_min, x_max - RANGE (the tokens below weigh at
            most V·e^-RANGE < 1e-9 of Z, and p <= 1 - 2^-24) and x_max + ln((1-p)·Z / N)
            - 1/2 (_first_lo): a top-p cut never lies lower. With EARLY > 0 a bracket whose
@@ -101,8 +105,11 @@ FINISH = tl.constexpr(PASSES.value + 2)
 SAMPLE = tl.constexpr(PASSES.value + 3)
 FINAL = tl.constexpr(PASSES.value + 4)
 SELECT = tl.constexpr(PASSES.value + 5)  # (launched between STATS and HIST 1)
+NARROW = tl.constexpr(PASSES.value + 6)  # NARROW + j - 1 after HIST j
 INF = tl.constexpr(float("inf"))
-CUT_STEPS = (SELECT.value,) + tuple(range(1, FINISH.value + 1))  # only top-p rows take them
+# (only top-p rows take them)
+CUT_STEPS = ((SELECT.value,) + sum(((j, NARROW.value + j - 1) for j in range(1, PASSES.value + 1)),
+                                   ()) + (COMPACT.value, FINISH.value))
 
 
 @triton.jit
@@ -319,15 +326,8 @@ def _hist_slice(x, hi, lo_e, xmax, t, acc, nmin, nmax):
 @triton.jit
 def _state_at(hist_ptr, b, GH, W):
     """Row b's bracket between the passes, after its window (_window_at): lo, hi, a bound on
-    A(lo), A(hi) and the range [bmin, bmax] the last pass saw inside its bracket (fp32),
-    then one arrival counter per HIST pass (int32)."""
+    A(lo), A(hi) and the range [bmin, bmax] the last pass saw inside its bracket."""
     return _window_at(hist_ptr, b, GH, W) + 2
-
-
-@triton.jit
-def _arrivals_at(hist_ptr, b, GH, W, j):
-    """Pass j's arrival counter of row b (_state_at): its chunks that summed their part."""
-    return (_state_at(hist_ptr, b, GH, W) + 6).to(tl.pointer_type(tl.int32), bitcast=True) + j - 1
 
 
 @triton.jit
@@ -360,11 +360,9 @@ def _state(hist_ptr, b, GH, W):
 @triton.jit
 def _first_state(hist_ptr, b, GH, W, lo, z, xmin, xmax):
     """SELECT: row b's bracket before HIST 1, [lo, inf) with A(lo) <= Z, A(inf) = 0 and
-    every logit in [xmin, xmax]; the passes' arrival counters zeroed."""
+    every logit in [xmin, xmax]."""
     _store_state(hist_ptr, b, GH, W, lo, tl.cast(INF, tl.float32), z, tl.cast(0.0, tl.float32),
                  xmin, xmax)
-    for j in tl.static_range(PASSES):
-        tl.store(_arrivals_at(hist_ptr, b, GH, W, 1) + j, 0)
 
 
 @triton.jit
@@ -394,6 +392,25 @@ def _narrow(hist_ptr, b, B, GH, W, j, t, lo_e, hi, a_lo, a_hi, target, xmax,
     if EARLY > 0:
         live = (a_lo - a_hi) * 1.05 > EARLY * tl.exp(lo - xmax)
     return lo, hi, a_lo, a_hi, bmin, bmax, live
+
+
+@triton.jit
+def _narrow_row(hist_ptr, b, B, GH, W, j, target, xmax, GUESS: tl.constexpr, NT_: tl.constexpr,
+                BLOCK_GH: tl.constexpr, EARLY: tl.constexpr):
+    """NARROW after HIST pass j, row b: its next bracket (_narrow, from the bracket the pass
+    started from) stored, and the row listed for pass j + 1 unless the passes end here."""
+    lo, hi, a_lo, a_hi, bmin, bmax = _state(hist_ptr, b, GH, W)
+    lo_e = tl.maximum(lo, bmin)
+    t = _pass_thresholds(j, lo_e, tl.maximum(tl.minimum(tl.minimum(xmax, bmax), hi), lo_e),
+                         _window_at(hist_ptr, b, GH, W), GUESS, NT_)
+    lo, hi, a_lo, a_hi, bmin, bmax, live = _narrow(hist_ptr, b, B, GH, W, j, t, lo_e, hi, a_lo,
+                                                   a_hi, target, xmax, NT_, BLOCK_GH, EARLY)
+    _store_state(hist_ptr, b, GH, W, lo, hi, a_lo, a_hi, bmin, bmax)
+    if j < PASSES:
+        if live:
+            nxt = _pass_list(hist_ptr, B, GH, W, j + 1)
+            at = tl.atomic_add(nxt, 1)
+            tl.store(nxt + 1 + at, b)
 
 
 @triton.jit
@@ -486,8 +503,8 @@ def cut_step_kernel(
     """One STEP (module docstring) for the rows fast_row takes. l [B, N] fp32 logits (row stride
     stride_lb; SLOTTED: [world, B, slot_n] as filter_fallback.fallback_rows_kernel reads them);
     part fp32 [SAMPLE + 1, B, G, W] (W >= max(NT + 2, S + 2, 5)), hist fp32 [PASSES + 1, B, GH,
-    W] then int32 [PASSES - 1, 1 + B] (plane 0: each row's window, bracket and arrival
-    counters; then the lists of the rows HIST 2.. take; SELECT writes them) and keys int64 [B, CAP + 2 + G * S] (slots, counter, cut, the chunks' winners): this
+    W] then int32 [PASSES - 1, 1 + B] (plane 0: each row's window and bracket; then the lists
+    of the rows HIST 2.. take; SELECT and NARROW write them) and keys int64 [B, CAP + 2 + G * S] (slots, counter, cut, the chunks' winners): this
     call's workspace; the cut list, int32 [1 + B] (SELECT's count, then its rows), is at
     win[win_at + 3B] (tpsample/filters.py scratch_words), its count zeroed by STATS or, in
     calls without STATS (XMAX_KNOWN), by the filter kernel; chunk g of a row is
@@ -525,9 +542,13 @@ def cut_step_kernel(
             for j in tl.static_range(2, PASSES + 1):
                 tl.store(_pass_list(hist_ptr, B, GH, W, j), 0)
     if (STEP >= 2) and (STEP <= PASSES):
-        list_ptr = _pass_list(hist_ptr, B, GH, W, STEP)  # the rows still live
-    LISTED: tl.constexpr = (STEP > STATS) and (STEP <= FINISH)  # over SELECT's cut list
-    PER_ROW: tl.constexpr = (STEP == FINISH) or (STEP == FINAL) or (STEP == SELECT)
+        list_ptr = _pass_list(hist_ptr, B, GH, W, STEP)  # the rows still narrowing
+    if STEP > NARROW:
+        list_ptr = _pass_list(hist_ptr, B, GH, W, STEP - NARROW + 1)
+    # over SELECT's cut list (HIST 2.. and their NARROW: the rows still narrowing)
+    LISTED: tl.constexpr = ((STEP > STATS) and (STEP <= FINISH)) or (STEP >= NARROW)
+    PER_ROW: tl.constexpr = ((STEP == FINISH) or (STEP == FINAL) or (STEP == SELECT)
+                             or (STEP >= NARROW))
     owned = (B - rank + split - 1) // split
     if LISTED:
         listed = tl.where(flagged > 0, tl.load(list_ptr), 0)
@@ -682,22 +703,9 @@ def cut_step_kernel(
                     tl.store(mine + tl.arange(0, NT), tl.sum(acc, axis=0))
                     tl.store(mine + NT, tl.min(nmin))
                     tl.store(mine + NT + 1, tl.max(nmax))
-                    # the row's last chunk to arrive narrows its bracket for the next pass
-                    # (acq_rel: every chunk's sums are in place), so no later step replays
-                    # the passes, and a row whose bracket fits the slots leaves the lists
-                    tl.debug_barrier()
-                    arrived = tl.atomic_add(_arrivals_at(hist_ptr, b, GH, W, STEP), 1,
-                                            sem="acq_rel")
-                    if arrived == GH - 1:
-                        lo, hi, a_lo, a_hi, bmin, bmax, live = _narrow(
-                            hist_ptr, b, B, GH, W, STEP, t, lo_e, hi, a_lo, a_hi, target, xmax,
-                            NT, BLOCK_GH, EARLY)
-                        _store_state(hist_ptr, b, GH, W, lo, hi, a_lo, a_hi, bmin, bmax)
-                        if STEP < PASSES:
-                            if live:
-                                nxt = _pass_list(hist_ptr, B, GH, W, STEP + 1)
-                                at = tl.atomic_add(nxt, 1)
-                                tl.store(nxt + 1 + at, b)
+                elif STEP >= NARROW:
+                    _narrow_row(hist_ptr, b, B, GH, W, STEP - NARROW + 1, target, xmax, WINNER,
+                                NT, BLOCK_GH, EARLY)
                 elif STEP == COMPACT:
                     lo, hi, a_lo, a_hi, bmin, bmax = _state(hist_ptr, b, GH, W)
                     # a slot per selected column from one atomic each (its key is made in

@@ -762,7 +762,7 @@ def _cut_steps(hidden, params: RowParams, filters: Filters, out: F.FilteredOutpu
         steps += list(K.CUT_STEPS)
     steps += [K.SAMPLE.value, K.FINAL.value]
     for step in steps:
-        per_row = step in (K.FINISH.value, K.FINAL.value, K.SELECT.value)
+        per_row = step in (K.FINISH.value, K.FINAL.value, K.SELECT.value) or step >= K.NARROW.value
         chunks = GH if 0 < step <= K.COMPACT.value else G
         grid = (max(1, min(programs * _CUT_PROGRAMS.get(step, 1),
                            owned if per_row else owned * chunks)),)
