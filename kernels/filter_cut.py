@@ -24,14 +24,8 @@ A(t*) >= p·Z. The row is split into G chunks; one launch per STEP, each program
   HIST j   (j = 1..PASSES) the bracket [lo, hi) that holds t*, with A(lo) >= p·Z > A(hi):
            NT thresholds spread over the logits the bracket can hold; per chunk the mass in
            [t_i, hi) for each and the smallest and largest logit in the bracket. The next
-           bracket lies between the last threshold with A >= p·Z and the one after it.
-  NARROW j per row, after HIST j: that choice from the chunks' sums, stored with a bound
-           on A(lo) (A at the previous lo when the cut lies below the first threshold), and
-           the row listed for HIST j + 1 unless its passes end here, so a pass and its
-           NARROW take only the rows still narrowing and no later step replays the passes.
-           (In HIST's last chunk to arrive instead, the choice's code raised the HIST
-           kernel from 80 to 128 registers: 2 programs of 8 warps per SM instead of 3.)
-           The first bracket is
+           bracket lies between the last threshold with A >= p·Z and the one after it (every
+           program replays these choices from the partial sums). The first bracket is
            [lo, inf) with lo the largest of x_min, x_max - RANGE (the tokens below weigh at
            most V·e^-RANGE < 1e-9 of Z, and p <= 1 - 2^-24) and x_max + ln((1-p)·Z / N)
            - 1/2 (_first_lo): a top-p cut never lies lower. With EARLY > 0 a bracket whose
@@ -105,11 +99,8 @@ FINISH = tl.constexpr(PASSES.value + 2)
 SAMPLE = tl.constexpr(PASSES.value + 3)
 FINAL = tl.constexpr(PASSES.value + 4)
 SELECT = tl.constexpr(PASSES.value + 5)  # (launched between STATS and HIST 1)
-NARROW = tl.constexpr(PASSES.value + 6)  # NARROW + j - 1 after HIST j
 INF = tl.constexpr(float("inf"))
-# (only top-p rows take them)
-CUT_STEPS = ((SELECT.value,) + sum(((j, NARROW.value + j - 1) for j in range(1, PASSES.value + 1)),
-                                   ()) + (COMPACT.value, FINISH.value))
+CUT_STEPS = (SELECT.value,) + tuple(range(1, FINISH.value + 1))  # only top-p rows take them
 
 
 @triton.jit
@@ -324,93 +315,40 @@ def _hist_slice(x, hi, lo_e, xmax, t, acc, nmin, nmax):
 
 
 @triton.jit
-def _state_at(hist_ptr, b, GH, W):
-    """Row b's bracket between the passes, after its window (_window_at): lo, hi, a bound on
-    A(lo), A(hi) and the range [bmin, bmax] the last pass saw inside its bracket."""
-    return _window_at(hist_ptr, b, GH, W) + 2
-
-
-@triton.jit
-def _pass_list(hist_ptr, B, GH, W, j):
-    """The rows HIST pass j (2..PASSES) takes, int32 [1 + B] (count, rows), after the planes
-    (launchers._cut_steps allocates them): those still narrowing after pass j - 1."""
-    at = hist_ptr + tl.cast(PASSES + 1, tl.int64) * B * GH * W
-    return at.to(tl.pointer_type(tl.int32), bitcast=True) + (j - 2) * (B + 1)
-
-
-@triton.jit
-def _store_state(hist_ptr, b, GH, W, lo, hi, a_lo, a_hi, bmin, bmax):
-    st = _state_at(hist_ptr, b, GH, W)
-    tl.store(st, lo)
-    tl.store(st + 1, hi)
-    tl.store(st + 2, a_lo)
-    tl.store(st + 3, a_hi)
-    tl.store(st + 4, bmin)
-    tl.store(st + 5, bmax)
-
-
-@triton.jit
-def _state(hist_ptr, b, GH, W):
-    """(lo, hi, A(lo) or more, A(hi), bmin, bmax): row b's bracket after the passes it took."""
-    st = _state_at(hist_ptr, b, GH, W)
-    return (tl.load(st), tl.load(st + 1), tl.load(st + 2), tl.load(st + 3), tl.load(st + 4),
-            tl.load(st + 5))
-
-
-@triton.jit
-def _first_state(hist_ptr, b, GH, W, lo, z, xmin, xmax):
-    """SELECT: row b's bracket before HIST 1, [lo, inf) with A(lo) <= Z, A(inf) = 0 and
-    every logit in [xmin, xmax]."""
-    _store_state(hist_ptr, b, GH, W, lo, tl.cast(INF, tl.float32), z, tl.cast(0.0, tl.float32),
-                 xmin, xmax)
-
-
-@triton.jit
-def _narrow(hist_ptr, b, B, GH, W, j, t, lo_e, hi, a_lo, a_hi, target, xmax,
-            NT_: tl.constexpr, BLOCK_GH: tl.constexpr, EARLY: tl.constexpr):
-    """Row b's bracket after HIST pass j, from its chunks' sums (plane j) over the thresholds t
-    the pass spread over [lo_e, ...] below hi (A(lo) <= a_lo, A(hi) = a_hi): (lo, hi, a bound
-    on A(lo), A(hi), bmin, bmax, whether another pass narrows it). The next bracket lies
-    between the last threshold with A >= p·Z and the one after it (from lo_e when there is
-    none: its A is bounded by the previous lo's). With EARLY > 0 a bracket whose tokens
-    provably fit EARLY slots ends the passes: each weighs at least exp(lo - x_max), so they
-    number at most (A(lo) - A(hi)) / exp(lo - x_max) (5 % over it for the sums' rounding)."""
-    g = tl.arange(0, BLOCK_GH)
+def _bracket(part_ptr, b, B, G, W, done, target, z, N, xmax, xmin, NT_: tl.constexpr,
+             BLOCK_G: tl.constexpr, EARLY: tl.constexpr, GUESS: tl.constexpr):
+    """The bracket after `done` HIST passes: (lo, hi, A(hi), the range [bmin, bmax] the last
+    pass saw inside its bracket, which bounds every logit of this one, and whether another
+    pass narrows it). With EARLY > 0 a bracket whose tokens provably fit EARLY slots ends the
+    passes: each weighs at least exp(lo - x_max), so they number at most (A(lo) - A(hi)) /
+    exp(lo - x_max) (5 % over it for the sums' rounding); the later passes skip the row."""
+    lo = _first_lo(xmax, xmin, target, z, N)
+    hi = tl.cast(INF, tl.float32)
+    a_hi = tl.cast(0.0, tl.float32)
+    bmin = xmin
+    bmax = xmax
+    live = b >= 0
+    g = tl.arange(0, BLOCK_G)
     i = tl.arange(0, NT_)
-    at = hist_ptr + ((tl.cast(b, tl.int64) + j * B) * GH + g) * W
-    s = tl.load(at[:, None] + i[None, :], mask=(g < GH)[:, None], other=0.0)
-    a = a_hi + tl.sum(s, axis=0)
-    bmin = tl.min(tl.load(at + NT_, mask=g < GH, other=INF))
-    bmax = tl.max(tl.load(at + NT_ + 1, mask=g < GH, other=NEG_INF))
-    js = tl.sum((a >= target).to(tl.int32))  # thresholds at or below the cut's logit
-    lo = tl.where(js == 0, lo_e, tl.max(tl.where(i == js - 1, t, NEG_INF)))
-    a_lo = tl.where(js == 0, a_lo, tl.max(tl.where(i == js - 1, a, NEG_INF)))
-    a_next = tl.max(tl.where(i == js, a, NEG_INF))
-    hi = tl.where(js == NT_, hi, tl.max(tl.where(i == js, t, NEG_INF)))
-    a_hi = tl.where(js == NT_, a_hi, a_next)
-    live = js >= 0
-    if EARLY > 0:
-        live = (a_lo - a_hi) * 1.05 > EARLY * tl.exp(lo - xmax)
-    return lo, hi, a_lo, a_hi, bmin, bmax, live
-
-
-@triton.jit
-def _narrow_row(hist_ptr, b, B, GH, W, j, target, xmax, GUESS: tl.constexpr, NT_: tl.constexpr,
-                BLOCK_GH: tl.constexpr, EARLY: tl.constexpr):
-    """NARROW after HIST pass j, row b: its next bracket (_narrow, from the bracket the pass
-    started from) stored, and the row listed for pass j + 1 unless the passes end here."""
-    lo, hi, a_lo, a_hi, bmin, bmax = _state(hist_ptr, b, GH, W)
-    lo_e = tl.maximum(lo, bmin)
-    t = _pass_thresholds(j, lo_e, tl.maximum(tl.minimum(tl.minimum(xmax, bmax), hi), lo_e),
-                         _window_at(hist_ptr, b, GH, W), GUESS, NT_)
-    lo, hi, a_lo, a_hi, bmin, bmax, live = _narrow(hist_ptr, b, B, GH, W, j, t, lo_e, hi, a_lo,
-                                                   a_hi, target, xmax, NT_, BLOCK_GH, EARLY)
-    _store_state(hist_ptr, b, GH, W, lo, hi, a_lo, a_hi, bmin, bmax)
-    if j < PASSES:
+    for j in range(1, done + 1):
         if live:
-            nxt = _pass_list(hist_ptr, B, GH, W, j + 1)
-            at = tl.atomic_add(nxt, 1)
-            tl.store(nxt + 1 + at, b)
+            lo_e = tl.maximum(lo, bmin)
+            u = tl.maximum(tl.minimum(tl.minimum(xmax, bmax), hi), lo_e)
+            t = _pass_thresholds(j, lo_e, u, _window_at(part_ptr, b, G, W), GUESS, NT_)
+            at = part_ptr + ((tl.cast(b, tl.int64) + j * B) * G + g) * W
+            s = tl.load(at[:, None] + i[None, :], mask=(g < G)[:, None], other=0.0)
+            a = a_hi + tl.sum(s, axis=0)
+            bmin = tl.min(tl.load(at + NT_, mask=g < G, other=INF))
+            bmax = tl.max(tl.load(at + NT_ + 1, mask=g < G, other=NEG_INF))
+            js = tl.sum((a >= target).to(tl.int32))  # thresholds at or below the cut's logit
+            lo = tl.where(js == 0, lo_e, tl.max(tl.where(i == js - 1, t, NEG_INF)))
+            a_next = tl.max(tl.where(i == js, a, NEG_INF))
+            hi = tl.where(js == NT_, hi, tl.max(tl.where(i == js, t, NEG_INF)))
+            a_hi = tl.where(js == NT_, a_hi, a_next)
+            if EARLY > 0:
+                a_lo = tl.max(tl.where(i == js - 1, a, NEG_INF))
+                live = (js == 0) | ((a_lo - a_hi) * 1.05 > EARLY * tl.exp(lo - xmax))
+    return lo, hi, a_hi, bmin, bmax, live
 
 
 @triton.jit
@@ -503,8 +441,7 @@ def cut_step_kernel(
     """One STEP (module docstring) for the rows fast_row takes. l [B, N] fp32 logits (row stride
     stride_lb; SLOTTED: [world, B, slot_n] as filter_fallback.fallback_rows_kernel reads them);
     part fp32 [SAMPLE + 1, B, G, W] (W >= max(NT + 2, S + 2, 5)), hist fp32 [PASSES + 1, B, GH,
-    W] then int32 [PASSES - 1, 1 + B] (plane 0: each row's window and bracket; then the lists
-    of the rows HIST 2.. take; SELECT and NARROW write them) and keys int64 [B, CAP + 2 + G * S] (slots, counter, cut, the chunks' winners): this
+    W] and keys int64 [B, CAP + 2 + G * S] (slots, counter, cut, the chunks' winners): this
     call's workspace; the cut list, int32 [1 + B] (SELECT's count, then its rows), is at
     win[win_at + 3B] (tpsample/filters.py scratch_words), its count zeroed by STATS or, in
     calls without STATS (XMAX_KNOWN), by the filter kernel; chunk g of a row is
@@ -537,18 +474,8 @@ def cut_step_kernel(
     if STEP == STATS:  # (calls without STATS have it zeroed by the filter kernel)
         if tl.program_id(0) == 0:
             tl.store(list_ptr, 0)  # SELECT's count
-    if STEP == SELECT:
-        if tl.program_id(0) == 0:
-            for j in tl.static_range(2, PASSES + 1):
-                tl.store(_pass_list(hist_ptr, B, GH, W, j), 0)
-    if (STEP >= 2) and (STEP <= PASSES):
-        list_ptr = _pass_list(hist_ptr, B, GH, W, STEP)  # the rows still narrowing
-    if STEP > NARROW:
-        list_ptr = _pass_list(hist_ptr, B, GH, W, STEP - NARROW + 1)
-    # over SELECT's cut list (HIST 2.. and their NARROW: the rows still narrowing)
-    LISTED: tl.constexpr = ((STEP > STATS) and (STEP <= FINISH)) or (STEP >= NARROW)
-    PER_ROW: tl.constexpr = ((STEP == FINISH) or (STEP == FINAL) or (STEP == SELECT)
-                             or (STEP >= NARROW))
+    LISTED: tl.constexpr = (STEP > STATS) and (STEP <= FINISH)  # over SELECT's cut list
+    PER_ROW: tl.constexpr = (STEP == FINISH) or (STEP == FINAL) or (STEP == SELECT)
     owned = (B - rank + split - 1) // split
     if LISTED:
         listed = tl.where(flagged > 0, tl.load(list_ptr), 0)
@@ -649,14 +576,13 @@ def cut_step_kernel(
                         at = tl.atomic_add(list_ptr, 1)
                         tl.store(list_ptr + 1 + at, b, mask=at < B)  # (B rows at most)
                         tl.store(keys + CAP, tl.cast(0, tl.int64))  # COMPACT's counter
-                        lo = _first_lo(xmax, xmin, target, z, N)
-                        _first_state(hist_ptr, b, GH, W, lo, z, xmin, xmax)
                         if WINNER:  # HIST 1's thresholds from the records (GUESS)
                             rec_row = rec_ptr + b64 * st_b
                             if USE_PARITY:
                                 rec_row += (1 - tl.load(parity_ptr)).to(tl.int64) * parity_stride
                             glo, ghi = _guess_window(rec_row, st_slot, st_t, T_rec, N_rec, xmax,
-                                                     lo, p, BLOCK_R)
+                                                     _first_lo(xmax, xmin, target, z, N), p,
+                                                     BLOCK_R)
                             tl.store(_window_at(hist_ptr, b, GH, W), glo)
                             tl.store(_window_at(hist_ptr, b, GH, W) + 1, ghi)
                 elif won:
@@ -670,44 +596,46 @@ def cut_step_kernel(
                                         inv_temp_ptr, l_ptr, stride_lb, slot_stride,
                                         peer_ptrs_ptr, rank, split, LOGPROBS, RAW, SPLIT, BLOCK_G)
                 elif STEP <= PASSES:  # HIST
-                    lo, hi, a_lo, a_hi, bmin, bmax = _state(hist_ptr, b, GH, W)
-                    lo_e = tl.maximum(lo, bmin)
-                    t = _pass_thresholds(STEP, lo_e,
-                                         tl.maximum(tl.minimum(tl.minimum(xmax, bmax), hi),
-                                                    lo_e),
-                                         _window_at(hist_ptr, b, GH, W), WINNER, NT)
-                    # per-lane sums, reduced once (SUB-row slices keep [SUB, NT] in
-                    # registers)
-                    acc = tl.zeros((SUB, NT), dtype=tl.float32)
-                    nmin = tl.full((SUB, 1), INF, tl.float32)
-                    nmax = tl.full((SUB, 1), NEG_INF, tl.float32)
-                    # SUB columns at a time, four slices' loads in flight: the loop
-                    # steps over four slices, each reloaded where it was summed, so no
-                    # register is copied while its load is pending (a rotation xa <- xb
-                    # waits for the load, one memory latency per slice); slices past c1
-                    # are -inf and add nothing
-                    sub = tl.arange(0, SUB)[:, None]
-                    xa = row_x(row, c0 + sub, c1, slots, SLOTTED)
-                    xb = row_x(row, c0 + SUB + sub, c1, slots, SLOTTED)
-                    xc = row_x(row, c0 + 2 * SUB + sub, c1, slots, SLOTTED)
-                    xd = row_x(row, c0 + 3 * SUB + sub, c1, slots, SLOTTED)
-                    for v0 in range(c0, c1, 4 * SUB):
-                        acc, nmin, nmax = _hist_slice(xa, hi, lo_e, xmax, t, acc, nmin, nmax)
-                        xa = row_x(row, v0 + 4 * SUB + sub, c1, slots, SLOTTED)
-                        acc, nmin, nmax = _hist_slice(xb, hi, lo_e, xmax, t, acc, nmin, nmax)
-                        xb = row_x(row, v0 + 5 * SUB + sub, c1, slots, SLOTTED)
-                        acc, nmin, nmax = _hist_slice(xc, hi, lo_e, xmax, t, acc, nmin, nmax)
-                        xc = row_x(row, v0 + 6 * SUB + sub, c1, slots, SLOTTED)
-                        acc, nmin, nmax = _hist_slice(xd, hi, lo_e, xmax, t, acc, nmin, nmax)
-                        xd = row_x(row, v0 + 7 * SUB + sub, c1, slots, SLOTTED)
-                    tl.store(mine + tl.arange(0, NT), tl.sum(acc, axis=0))
-                    tl.store(mine + NT, tl.min(nmin))
-                    tl.store(mine + NT + 1, tl.max(nmax))
-                elif STEP >= NARROW:
-                    _narrow_row(hist_ptr, b, B, GH, W, STEP - NARROW + 1, target, xmax, WINNER,
-                                NT, BLOCK_GH, EARLY)
+                    lo, hi, a_hi, bmin, bmax, live = _bracket(hist_ptr, b, B, GH, W, STEP - 1,
+                                                              target, z, N, xmax, xmin, NT,
+                                                              BLOCK_GH, EARLY, WINNER)
+                    if live:  # (else an earlier pass's bracket fits the slots)
+                        lo_e = tl.maximum(lo, bmin)
+                        t = _pass_thresholds(STEP, lo_e,
+                                             tl.maximum(tl.minimum(tl.minimum(xmax, bmax), hi),
+                                                        lo_e),
+                                             _window_at(hist_ptr, b, GH, W), WINNER, NT)
+                        # per-lane sums, reduced once (SUB-row slices keep [SUB, NT] in
+                        # registers)
+                        acc = tl.zeros((SUB, NT), dtype=tl.float32)
+                        nmin = tl.full((SUB, 1), INF, tl.float32)
+                        nmax = tl.full((SUB, 1), NEG_INF, tl.float32)
+                        # SUB columns at a time, four slices' loads in flight: the loop
+                        # steps over four slices, each reloaded where it was summed, so no
+                        # register is copied while its load is pending (a rotation xa <- xb
+                        # waits for the load, one memory latency per slice); slices past c1
+                        # are -inf and add nothing
+                        sub = tl.arange(0, SUB)[:, None]
+                        xa = row_x(row, c0 + sub, c1, slots, SLOTTED)
+                        xb = row_x(row, c0 + SUB + sub, c1, slots, SLOTTED)
+                        xc = row_x(row, c0 + 2 * SUB + sub, c1, slots, SLOTTED)
+                        xd = row_x(row, c0 + 3 * SUB + sub, c1, slots, SLOTTED)
+                        for v0 in range(c0, c1, 4 * SUB):
+                            acc, nmin, nmax = _hist_slice(xa, hi, lo_e, xmax, t, acc, nmin, nmax)
+                            xa = row_x(row, v0 + 4 * SUB + sub, c1, slots, SLOTTED)
+                            acc, nmin, nmax = _hist_slice(xb, hi, lo_e, xmax, t, acc, nmin, nmax)
+                            xb = row_x(row, v0 + 5 * SUB + sub, c1, slots, SLOTTED)
+                            acc, nmin, nmax = _hist_slice(xc, hi, lo_e, xmax, t, acc, nmin, nmax)
+                            xc = row_x(row, v0 + 6 * SUB + sub, c1, slots, SLOTTED)
+                            acc, nmin, nmax = _hist_slice(xd, hi, lo_e, xmax, t, acc, nmin, nmax)
+                            xd = row_x(row, v0 + 7 * SUB + sub, c1, slots, SLOTTED)
+                        tl.store(mine + tl.arange(0, NT), tl.sum(acc, axis=0))
+                        tl.store(mine + NT, tl.min(nmin))
+                        tl.store(mine + NT + 1, tl.max(nmax))
                 elif STEP == COMPACT:
-                    lo, hi, a_lo, a_hi, bmin, bmax = _state(hist_ptr, b, GH, W)
+                    lo, hi, a_hi, bmin, bmax, _ = _bracket(hist_ptr, b, B, GH, W, PASSES, target, z,
+                                                         N, xmax, xmin, NT, BLOCK_GH, EARLY,
+                                                         WINNER)
                     # a slot per selected column from one atomic each (its key is made in
                     # FINISH): a block holds one or two of the bracket's ~100 tokens, so a
                     # per-block count and scan (two block reductions) would cost more
@@ -721,7 +649,9 @@ def cut_step_kernel(
                         pos = tl.atomic_add(counter, one, mask=sel, sem="relaxed")
                         tl.store(keys + pos, (v0 + cols).to(tl.int64), mask=sel & (pos < CAP))
                 elif STEP == FINISH:
-                    lo, hi, a_lo, a_hi, bmin, bmax = _state(hist_ptr, b, GH, W)
+                    lo, hi, a_hi, bmin, bmax, _ = _bracket(hist_ptr, b, B, GH, W, PASSES, target, z,
+                                                         N, xmax, xmin, NT, BLOCK_GH, EARLY,
+                                                         WINNER)
                     n = tl.load(keys + CAP)
                     kept = tl.cast(0.0, tl.float32)
                     if n <= SHORT:

@@ -34,7 +34,8 @@ POINTERS = dict(l_ptr="*fp32", inv_temp_ptr="*fp32", seed_ptr="*i64", offset_ptr
                 part_ptr="*fp32", keys_ptr="*i64", win_ptr="*i64", rec_ptr="*fp32",
                 parity_ptr="*i32", starts_ptr="*i64", calls_ptr="*i32", peer_ptrs_ptr="*i64",
                 hist_ptr="*fp32")
-STEPS = (K.STATS.value, *K.CUT_STEPS, K.SAMPLE.value, K.FINAL.value)
+STEPS = (K.STATS.value, K.SELECT.value, *range(1, K.PASSES.value + 1), K.COMPACT.value,
+         K.FINISH.value, K.SAMPLE.value, K.FINAL.value)
 runtime, _ = replay._signature(K.cut_step_kernel)
 # (constexprs left out take their defaults; Triton 3.9 wants the attributes dict given)
 DEFAULTS = {n: q.default for n, q in inspect.signature(K.cut_step_kernel.fn).parameters.items()

@@ -714,7 +714,7 @@ def _cut_steps(hidden, params: RowParams, filters: Filters, out: F.FilteredOutpu
                logprobs: bool = True) -> None:
     """kernels/filter_cut.py's steps for the flagged rows with top-p / min-p and no top-k
     (the cut's steps only when the call has top-p). Workspace, per call: fp32 [SAMPLE + 1, B,
-    G, W] and [PASSES + 1, B, GH, W] partial sums (then the later passes' row lists) and int64 [B, CAP + 2 + G·S] keys (G chunks
+    G, W] and [PASSES + 1, B, GH, W] partial sums and int64 [B, CAP + 2 + G·S] keys (G chunks
     per row: at least 8, and two items per program of a full grid at small B; GH: tokens-only
     calls also at most CUT_LIST_CHUNK columns each); the cut list is in out.scratch. winner:
     (records, parity, parity_stride) of a call with merge "max" (kernels/filter_cut.py,
@@ -738,8 +738,7 @@ def _cut_steps(hidden, params: RowParams, filters: Filters, out: F.FilteredOutpu
     W = max(K.NT.value + 2, S + 2, 5)  # (STATS: 5 sums with the winner check)
     dev = hidden.device
     part = torch.empty(K.SAMPLE.value + 1, B, G, W, dtype=torch.float32, device=dev)
-    hist = torch.empty((K.PASSES.value + 1) * B * GH * W + (K.PASSES.value - 1) * (B + 1),
-                       dtype=torch.float32, device=dev)
+    hist = torch.empty(K.PASSES.value + 1, B, GH, W, dtype=torch.float32, device=dev)
     keys = torch.empty(B, K.CAP.value + 2 + G * S, dtype=torch.int64, device=dev)
     source = _row_source(rows, params, filters, vocab_start)
     if use_winner:
@@ -762,7 +761,7 @@ def _cut_steps(hidden, params: RowParams, filters: Filters, out: F.FilteredOutpu
         steps += list(K.CUT_STEPS)
     steps += [K.SAMPLE.value, K.FINAL.value]
     for step in steps:
-        per_row = step in (K.FINISH.value, K.FINAL.value, K.SELECT.value) or step >= K.NARROW.value
+        per_row = step in (K.FINISH.value, K.FINAL.value, K.SELECT.value)
         chunks = GH if 0 < step <= K.COMPACT.value else G
         grid = (max(1, min(programs * _CUT_PROGRAMS.get(step, 1),
                            owned if per_row else owned * chunks)),)
