@@ -213,3 +213,31 @@ def test_filtered_ab_passes_its_cells_on_writes_each_arm_as_it_lands_and_keeps_i
     with pytest.raises(SystemExit):
         filtered_ab.main()
     assert "--cells: unknown ['nope']" in capsys.readouterr().err
+
+
+def test_count_bins_brackets_hold_the_cut_and_a_wrong_lower_bound_does_not():
+    """tools.count_bins: the bracket one count pass leaves has A(lo) >= p·Z > A(hi) and the
+    tokens it counts, on flat and Zipf rows (V = 32,768, windows from the simulated records);
+    weighing each bin's tokens at its top for the lower bound instead (not a bound) puts lo
+    above the cut on some row."""
+    import torch
+
+    from tools import count_bins
+    g = torch.Generator().manual_seed(3)
+    V = 32768
+    rank = torch.log(torch.arange(1, V + 1, dtype=torch.float64))
+    rows = [torch.randn(V, generator=g, dtype=torch.float64) * s for s in (1.0, 2.0, 4.0)]
+    rows += [(-a * rank)[torch.randperm(V, generator=g)] for a in (1.0, 1.3)]
+    wrong = 0
+    for x in rows:
+        for p in (0.5, 0.9, 0.95, 0.99):
+            glo, ghi = count_bins.window(x, p, g)
+            e = torch.exp(x - x.max())
+            target = p * float(e.sum())
+            r = count_bins.count_bracket(x, p, glo, ghi, 512)
+            assert r["tokens"] is not None, (p, glo, ghi)
+            assert float(e[x >= r["lo"]].sum()) >= target > float(e[x >= r["hi"]].sum())
+            assert r["tokens"] == int(((x >= r["lo"]) & (x < r["hi"])).sum())
+            bad = count_bins.count_bracket(x, p, glo, ghi, 512, lower_edge=0.0)
+            wrong += float(e[x >= bad["lo"]].sum()) < target
+    assert wrong > 0
