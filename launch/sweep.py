@@ -11,8 +11,12 @@ space, so a head is a hidden state: Zipf heads -a·ln(rank) (random placement) f
 between the flattest (Gaussian std 1) and the most peaked (a = 2.0) head. Per (head, T, B)
 the same run times the plain call, cuBLAS's matmul alone, matmul + torch sort + top-p 0.9 +
 multinomial, and tpsample with each filter set (one of them, top-p 0.9, also returning
-log-probs: its log Z needs every row's cut, not only the rows whose winner is dropped); it
-prints each head's entropy and nucleus sizes at T. Writes OUT/sweep.json after every cell row (a cut-off run keeps what it timed);
+log-probs: its log Z needs every row's cut, not only the rows whose winner is dropped); where
+`import flashinfer.sampling` works (tools/flashinfer_carry.sh) also matmul + FlashInfer's
+sorting-free sampling kernel for each filter set it has (fi_<set>: top-k and top-p together by
+top_k_top_p_sampling_from_logits with filter_apply_order="joint", one filter by its
+*_sampling_from_probs after a softmax, on the fp32 logits / T); it prints each head's entropy
+and nucleus sizes at T. Writes OUT/sweep.json after every cell row (a cut-off run keeps what it timed);
 the summary line gives the worst cell per batch range next to the typical one (a = 1.6,
 T = 1). --warm N first compiles every kernel of the run in N processes at once (a fresh
 machine otherwise compiles each (B, filter set) in turn, minutes per row).
@@ -46,6 +50,7 @@ FILTERS = {"k50": dict(top_k=50), "p0.9": dict(top_p=0.9), "p0.95": dict(top_p=0
            "k50p0.95m0.05": dict(top_k=50, top_p=0.95, min_p=0.05),
            "p0.9+lp": dict(top_p=0.9, return_logprobs=True)}  # (log Z needs every row's cut)
 TYPICAL = ("zipf1.6", 1.0)
+FI_FILTERS = [f for f in FILTERS if f not in ("k50p0.95m0.05", "p0.9+lp")]  # FlashInfer has these
 
 
 def profiles(V: int) -> torch.Tensor:
@@ -130,6 +135,42 @@ def sort_top_p(h, w, T: float, p: float = 0.9):
     return idx.gather(1, torch.multinomial(s.softmax(-1), 1))
 
 
+@functools.lru_cache(maxsize=None)  # (one import attempt and one log line per process)
+def _flashinfer():
+    try:
+        import flashinfer.sampling as fs
+        return fs
+    except Exception as e:  # noqa: BLE001 - any import failure just skips the baseline
+        log(f"no FlashInfer baseline: {type(e).__name__}: {e}")
+        return None
+
+
+def flashinfer_variants(h, w, T: float) -> dict:
+    """"fi_<set>" -> matmul + FlashInfer's sampling kernel for FI_FILTERS' sets (the fp32 logits
+    / T, as a serving engine hands them over), or {} where `import flashinfer.sampling` fails
+    (no CUDA, or FlashInfer not installed)."""
+    fs = _flashinfer() if h.is_cuda else None
+    if fs is None:
+        return {}
+
+    def logits():
+        x = (h @ w.T).float()
+        return x if T == 1.0 else x.div_(T)
+
+    def one(kw):
+        k, p, m = kw.get("top_k"), kw.get("top_p"), kw.get("min_p")
+        if k and p:
+            return lambda: fs.top_k_top_p_sampling_from_logits(logits(), k, p,
+                                                               filter_apply_order="joint")
+        if k:
+            return lambda: fs.top_k_sampling_from_probs(torch.softmax(logits(), -1), k)
+        if p:
+            return lambda: fs.top_p_sampling_from_probs(torch.softmax(logits(), -1), p)
+        return lambda: fs.min_p_sampling_from_probs(torch.softmax(logits(), -1), m)
+
+    return {f"fi_{f}": one(FILTERS[f]) for f in FI_FILTERS}
+
+
 _WARM_W: dict = {}  # a warm-up worker's weight per (D, V)
 
 
@@ -137,7 +178,8 @@ def _warm_one(task) -> str:
     """One warm-up task in a worker process: one call (name: "plain" or a FILTERS key) on
     random [B, D] × [V, D] tensors (the values do not matter: the kernels compile for the
     shapes, dtypes, B and the filters), so the run's own calls find them in Triton's disk
-    cache. A failure is reported, not raised: the run then compiles that call itself."""
+    cache; "flashinfer" builds FlashInfer's sampling module where it is importable. A failure
+    is reported, not raised: the run then compiles that call itself."""
     D, V, B, name, dtype_name, cuda = task
     t0 = time.perf_counter()
     try:
@@ -148,7 +190,11 @@ def _warm_one(task) -> str:
             _WARM_W.clear()  # (one W per worker; made in dtype: no fp32 copy on the device)
             w = _WARM_W[(D, V)] = torch.randn(V, D, device=device, dtype=dtype).mul_(D ** -0.5)
         h = torch.randn(B, D, device=device, dtype=dtype)
-        tpsample.sample(h, w, seed=1, **({} if name == "plain" else FILTERS[name]))
+        if name == "flashinfer":  # its JIT build (minutes), beside Triton's compiles
+            for fn in flashinfer_variants(h, w, 1.0).values():
+                fn()
+        else:
+            tpsample.sample(h, w, seed=1, **({} if name == "plain" else FILTERS[name]))
         if cuda:
             torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001 - the timed call compiles (or fails) itself
@@ -171,6 +217,8 @@ def warm(args, calls=None) -> None:
     if calls is None:
         calls = [(D, V, B, name) for D, V in args.shapes for B in args.batches
                  for name in ["plain"] + list(FILTERS)]
+        if args.cuda:  # first: the longest single task
+            calls.insert(0, (*args.shapes[0], 2, "flashinfer"))
     tasks = [(*c, args.dtype, args.cuda) for c in calls]
     t0 = time.perf_counter()
     try:  # (a Pool would wait forever for the task of a worker that died)
@@ -206,6 +254,8 @@ def run(args) -> dict:
             for name, kw in FILTERS.items():
                 ms[name] = time_fn(lambda kw=kw: tpsample.sample(
                     h, w, temperature=T, seed=1, offset=next(step), **kw), args.cuda)
+            for name, fn in flashinfer_variants(h, w, T).items():
+                ms[name] = time_fn(fn, args.cuda)
             rows.append(dict(head=head, T=T, B=B, ms=ms, kept=head_kept(head, T, V), **stats_))
             log(f"[D={D} {head} T={T} B={B}] " + " ".join(f"{k}={v:.3f}" for k, v in ms.items())
                 + (f" | H={stats_['entropy']:.2f} n90={stats_['n90']}" if stats_ else ""))
@@ -257,6 +307,12 @@ def summary(meta: dict) -> list[str]:
         beat = [r["ms"]["sort_p0.9"] / r["ms"]["p0.9"] for r in rows if r["B"] >= 16]
         if beat:
             parts.append(f"sort_p0.9 / p0.9 at B>=16: min {min(beat):.2f}")
+        fi = [(r["ms"][f"fi_{f}"] / r["ms"][f], r, f) for r in rows for f in FI_FILTERS
+              if f"fi_{f}" in r["ms"]]
+        if fi:
+            ratio, r, f = min(fi, key=lambda c: c[0])
+            parts.append(f"FlashInfer / tpsample, same filters: min {ratio:.2f} ({f}, "
+                         f"{r['head']}, T={r['T']}, B={r['B']})")
         out.append(f"D={res['D']} V={res['V']}: " + "; ".join(parts))
     return out
 
@@ -280,6 +336,7 @@ def markdown(meta: dict, doc: str, label: str) -> str:
             lines[-1] += (f"{ms['plain']:.3f} | {ms['mm'] / ms['plain']:.2f} | "
                           f"{ms['sort_p0.9'] / ms['plain']:.2f} | "
                           + " | ".join(f"{ms[n] / ms['plain']:.2f}" for n in names) + " |")
+        lines += fi_table(res)
         img = plot(res, doc, label)
         if img:
             lines += ["", f"![{label} D={res['D']} V={res['V']}]({img})"]
@@ -287,8 +344,25 @@ def markdown(meta: dict, doc: str, label: str) -> str:
     return "\n".join(lines)
 
 
+def fi_table(res: dict) -> list[str]:
+    """matmul + FlashInfer's kernel over tpsample's call with the same filters, per cell (> 1:
+    tpsample is faster); [] where the run had no FlashInfer."""
+    rows = [r for r in res["rows"] if any(f"fi_{f}" in r["ms"] for f in FI_FILTERS)]
+    if not rows:
+        return []
+    lines = ["", f"FlashInfer (matmul + its sampling kernel, fi_<set>) / tpsample, the same "
+             f"filter set, D={res['D']}:", "",
+             "| head | T | B | " + " | ".join(FI_FILTERS) + " |", "|---" * (3 + len(FI_FILTERS)) + "|"]
+    for r in rows:
+        ms = r["ms"]
+        lines.append(f"| {r['head']} | {r['T']} | {r['B']} | " + " | ".join(
+            f"{ms[f'fi_{f}'] / ms[f]:.2f}" if f"fi_{f}" in ms else "–" for f in FI_FILTERS) + " |")
+    return lines
+
+
 def plot(res: dict, doc: str, label: str) -> str | None:
-    """cost / plain against entropy, one line per filter set (T = 1, the largest B <= 64)."""
+    """cost / plain against entropy, one line per filter set (T = 1, the largest B <= 64);
+    beside it, where the run had FlashInfer, matmul + FlashInfer's kernel on the same axes."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -300,15 +374,24 @@ def plot(res: dict, doc: str, label: str) -> str | None:
         return None
     B = max(r["B"] for r in rows)
     rows = sorted((r for r in rows if r["B"] == B), key=lambda r: r["entropy"])
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for f in FILTERS:
-        ax.plot([r["entropy"] for r in rows], [r["ms"][f] / r["ms"]["plain"] for r in rows],
-                marker="o", label=f)
-    ax.axhline(1.3, color="grey", ls="--", lw=0.8)
-    ax.set_xlabel("entropy of a row (nats)")
-    ax.set_ylabel("filtered call / plain call")
-    ax.set_title(f"{label}: D={res['D']} V={res['V']} B={B} T=1")
-    ax.legend(fontsize=7, ncol=2)
+    fi = [f for f in FI_FILTERS if all(f"fi_{f}" in r["ms"] for r in rows)]
+    fig, axes = plt.subplots(1, 2 if fi else 1, figsize=(12 if fi else 7, 4), sharey=True,
+                             squeeze=False)
+    panels = [(axes[0][0], list(FILTERS), "", f"tpsample: D={res['D']} V={res['V']} B={B} T=1")]
+    if fi:
+        panels.append((axes[0][1], fi, "fi_", "matmul + FlashInfer, the same filter sets"))
+    colors = {f: f"C{i}" for i, f in enumerate(FILTERS)}
+    for ax, names, prefix, title in panels:
+        for f in names:
+            ax.plot([r["entropy"] for r in rows],
+                    [r["ms"][prefix + f] / r["ms"]["plain"] for r in rows], marker="o",
+                    color=colors[f], label=prefix + f)
+        ax.axhline(1.3, color="grey", ls="--", lw=0.8)
+        ax.set_xlabel("entropy of a row (nats)")
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=7, ncol=2)
+    axes[0][0].set_ylabel("call / tpsample's plain call")
+    fig.suptitle(label, fontsize=10)
     return save_beside_doc(fig, doc, f"{label.lower().replace(' ', '_')}_{res['D']}x{res['V']}")
 
 

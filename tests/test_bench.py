@@ -257,3 +257,30 @@ def test_sweep_warms_in_processes_then_writes_json_doc_and_summary(tmp_path):
     assert {"plain", "mm", "sort_p0.9", "p0.9", "k50p0.95m0.05"} <= set(rows[0]["ms"])
     assert "summary: D=64 V=4096: worst B<=64:" in text
     assert "| zipf1.6 | 1.0 | 4 |" in doc.read_text()
+
+
+def test_sweep_flashinfer_columns_summary_table_and_plot(tmp_path):
+    """A run with FlashInfer's columns (as a GPU run with it installed writes them): the
+    summary names the cell where tpsample's lead over FlashInfer is smallest, a second table
+    gives FlashInfer / tpsample per filter set, the plot has FlashInfer's panel; on CPU
+    tensors there is no FlashInfer variant."""
+    import torch
+    from tpsample.launch import sweep
+    assert sweep.flashinfer_variants(torch.zeros(2, 8), torch.zeros(16, 8), 1.0) == {}
+    rows = []
+    for i, (head, B) in enumerate([("zipf1.6", 16), ("gauss1", 16), ("gauss1", 64)]):
+        ms = {"plain": 1.0, "mm": 1.0, "sort_p0.9": 3.0}
+        ms.update({f: 1.1 + 0.01 * i for f in sweep.FILTERS})
+        ms.update({f"fi_{f}": 2.0 for f in sweep.FI_FILTERS})
+        ms["fi_m0.1"] = 0.9 if (head, B) == ("gauss1", 64) else 2.0
+        rows.append(dict(head=head, T=1.0, B=B, ms=ms, entropy=2.7 + 4 * i, n90=27 * 10 ** i,
+                         kept={f: 10 for f in sweep.FILTERS}))
+    meta = dict(command="python -m tpsample.launch.sweep", device="GPU", torch="t",
+                triton="t", date="d", shapes=[dict(D=64, V=4096, rows=rows)])
+    line = sweep.summary(meta)[0]
+    assert "FlashInfer / tpsample, same filters: min 0.80 (m0.1, gauss1, T=1.0, B=64)" in line
+    text = sweep.markdown(meta, str(tmp_path / "perf.md"), "GPU sweep")
+    assert "| head | T | B | " + " | ".join(sweep.FI_FILTERS) + " |" in text
+    assert "| gauss1 | 1.0 | 64 | " + " | ".join(
+        "0.80" if f == "m0.1" else "1.79" for f in sweep.FI_FILTERS) + " |" in text
+    assert (tmp_path / "img" / "gpu_sweep_64x4096.png").exists()

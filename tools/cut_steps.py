@@ -34,7 +34,8 @@ from tpsample.kernels import filter_cut
 from tpsample.launch.sweep import hidden, sort_top_p, sweep_head
 
 FILTERS = {"p0.9": dict(top_p=0.9), "m0.1": dict(min_p=0.1), "p0.95": dict(top_p=0.95),
-           "k50": dict(top_k=50), "p0.9+lp": dict(top_p=0.9, return_logprobs=True),
+           "p0.99": dict(top_p=0.99), "k50": dict(top_k=50),
+           "m0.02": dict(min_p=0.02), "p0.9+lp": dict(top_p=0.9, return_logprobs=True),
            "pm+lp": dict(top_p=0.9, min_p=0.05, return_logprobs=True)}
 
 

@@ -7,7 +7,7 @@
 Each arm runs in a process of its own with PYTHONPATH=DIR (a `pip install --target DIR .`
 of the code to compare, into a fresh DIR: pip keeps a package already there unless given
 --upgrade), the rounds alternate the arms' order; each process times, per
-head and batch, the plain call and top_k 50 / top_p 0.9 / min_p 0.05 / min_p 0.1 / all
+head and batch, the plain call and top_k 50 / top_p 0.9, 0.95, 0.99 / min_p 0.05 / min_p 0.1 / all
 three / top_p 0.9 with log-probs / top_p 0.9 + min_p 0.05 with log-probs at D = 4096,
 V = 151936 (triton.testing.do_bench medians, ms). Heads: the benchmark's typical head
 (-1.6 ln(rank), a nucleus of ~27 tokens: every row certified) and the sweep's
@@ -29,7 +29,8 @@ import subprocess
 import sys
 import time
 
-CELLS = {"plain": {}, "k50": dict(top_k=50), "p0.9": dict(top_p=0.9), "m0.05": dict(min_p=0.05),
+CELLS = {"plain": {}, "k50": dict(top_k=50), "p0.9": dict(top_p=0.9), "p0.95": dict(top_p=0.95),
+         "p0.99": dict(top_p=0.99), "m0.05": dict(min_p=0.05),
          "m0.1": dict(min_p=0.1), "kpm": dict(top_k=50, top_p=0.9, min_p=0.05),
          "p0.9+lp": dict(top_p=0.9, return_logprobs=True),
          "pm+lp": dict(top_p=0.9, min_p=0.05, return_logprobs=True)}
