@@ -16,7 +16,8 @@ A(t*) >= p·Z. The row is split into G chunks; one launch per STEP, each program
 (row, chunk) items in turn, every partial sum written per chunk and added in a fixed order
 (the tokens do not depend on the grid's timing):
 
-  STATS    per chunk: max, sum of exp(x - chunk max), min finite logit.
+  STATS    per chunk: max, sum of exp(x - chunk max), min finite logit (WINNER: the row
+           max from the filter kernel as every chunk's max, one exp per token).
   SELECT   per row: the rows that need a cut (top-p rows; WINNER: those whose winner is
            not kept) appended to the cut list; HIST, COMPACT and FINISH take only its rows,
            in GH chunks of CH columns (WINNER: more and shorter than the other steps' G
@@ -529,21 +530,28 @@ def cut_step_kernel(
                 lgt = tl.zeros((BLOCK,), tl.float32)  # WINNER: the mass above x_w, ties
                 leq = tl.zeros((BLOCK,), tl.float32)
                 x_w = tl.cast(INF, tl.float32)
-                if WINNER:
+                xr = tl.cast(NEG_INF, tl.float32)
+                if WINNER:  # the row max is the filter kernel's (the largest candidate):
+                    # one exp per token, no running max to rescale by
                     x_w = decode_key(tl.load(win_ptr + win_at + b64))
+                    xr = decode_key(tl.load(win_ptr + win_at + B + b64))
+                    lm = tl.full((BLOCK,), 0.0, tl.float32) + xr
+                safe_r = tl.where(xr > NEG_INF, xr, 0.0)
                 xn = row_x(row, c0 + cols, c1, slots, SLOTTED)
                 for v0 in range(c0, c1, BLOCK):
                     x = xn  # the next block's load in flight while this one is summed
                     xn = row_x(row, v0 + BLOCK + cols, c1, slots, SLOTTED)
-                    up = tl.maximum(lm, x)
-                    safe = tl.where(up > NEG_INF, up, 0.0)
-                    rescale = tl.exp(lm - safe)
-                    ex = tl.exp(x - safe)
-                    ls = ls * rescale + ex
                     if WINNER:
-                        lgt = lgt * rescale + tl.where(x > x_w, ex, 0.0)
+                        ex = tl.exp(x - safe_r)
+                        ls += ex
+                        lgt += tl.where(x > x_w, ex, 0.0)
                         leq += tl.where(x == x_w, 1.0, 0.0)
-                    lm = up
+                    else:
+                        up = tl.maximum(lm, x)
+                        safe = tl.where(up > NEG_INF, up, 0.0)
+                        rescale = tl.exp(lm - safe)
+                        ls = ls * rescale + tl.exp(x - safe)
+                        lm = up
                     lmin = tl.minimum(lmin, tl.where(x > NEG_INF, x, INF))
                 cmax = tl.max(lm)
                 to_cmax = tl.exp(lm - tl.where(cmax > NEG_INF, cmax, 0.0))
@@ -551,7 +559,7 @@ def cut_step_kernel(
                 tl.store(mine + 1, tl.sum(ls * to_cmax))
                 tl.store(mine + 2, tl.min(lmin))
                 if WINNER:
-                    tl.store(mine + 3, tl.sum(lgt * to_cmax))
+                    tl.store(mine + 3, tl.sum(lgt))
                     tl.store(mine + 4, tl.sum(leq))
             else:
                 if XMAX_KNOWN:  # the filter kernel's row max and log Z (no STATS launched)
