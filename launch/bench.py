@@ -83,6 +83,7 @@ import triton
 import triton.testing
 
 import tpsample
+from tpsample.transport import all_gather_flat
 
 BASE = "allgather_multinomial"
 SHORT = {"mm_local": "mm", BASE: "ag_multi", "allgather_gumbel": "ag_gumbel",
@@ -91,7 +92,6 @@ SHORT = {"mm_local": "mm", BASE: "ag_multi", "allgather_gumbel": "ag_gumbel",
 SINGLE_SHAPES = "2048x151936,4096x151936,5120x151936,8192x128256"
 TP_SHAPES = "8192x128256,4096x151936"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated", category=FutureWarning)
 
 
 def log(msg: str):
@@ -687,9 +687,10 @@ def all_ranks(x, dev, op=dist.ReduceOp.MAX, dtype=torch.float64):
 
 
 def gather_rows(t: torch.Tensor) -> torch.Tensor:
-    """all_gather_into_tensor of t [n, ...] → [world, n, ...] (gloo wants dim 0 concatenated)."""
+    """One all-gather of t [n, ...] → [world, n, ...] (gloo wants dim 0 concatenated; torch
+    2.13 renamed all_gather_into_tensor all_gather_single: transport.all_gather_flat)."""
     out = torch.empty(dist.get_world_size() * t.shape[0], *t.shape[1:], dtype=t.dtype, device=t.device)
-    dist.all_gather_into_tensor(out, t.contiguous())
+    all_gather_flat(out, t.contiguous())
     return out.view(-1, *t.shape)
 
 
