@@ -5,7 +5,9 @@
 #   tools/onegpu.sh tests OUT    # the one-GPU tests (tests/gpu, without the multigpu module)
 #   tools/onegpu.sh sweep OUT    # the filtered-call sweep (SHAPES, default 4096x151936; the
 #                                # flat, typical and mixed heads at T = 1, B 16/64/256), its
-#                                # table and plot in OUT/sweep.md
+#                                # table and plot in OUT/sweep.md; FLASHINFER_PARTS=DIR (what
+#                                # tools/flashinfer_carry.sh pack DIR wrote) adds FlashInfer's
+#                                # columns
 #   tools/onegpu.sh verify OUT   # speculative verification against the plain call and a
 #                                # torch rejection sampler (SHAPES as above), OUT/verify.md
 #   tools/onegpu.sh decode OUT   # examples/fast_decode.py at TP1: --check, then the TPOT
@@ -34,6 +36,10 @@ tests)
         2>&1 | tee "$out/tests.log"
     ;;
 sweep)
+    if [ -n "${FLASHINFER_PARTS:-}" ]; then
+        bash tools/flashinfer_carry.sh unpack "$FLASHINFER_PARTS" /tmp/flashinfer
+        eval "$(bash tools/flashinfer_carry.sh env /tmp/flashinfer)"
+    fi
     python -m tpsample.launch.sweep --shapes "$shapes" --temps 1.0 \
         --heads gauss1,zipf1.3,zipf1.6,mixed --batches 16,64,256 --out "$out/sweep" \
         --doc "$out/sweep.md" --label "sweep" 2>&1 | tee "$out/sweep.log"
