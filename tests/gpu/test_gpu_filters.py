@@ -354,9 +354,10 @@ def test_sweep_heads_at_lm_head_shape_equal_the_reference(head, kw):
     """The benchmark sweep's heads (tpsample.launch.sweep: flat Gaussian and Zipf 1.3 rows,
     whose top-p rows all take the exact fallback, the typical Zipf 1.6 and a mixed batch; 16
     distinct rows; top-p 0.99: nearly every row's winner kept by STATS' sums) at D = 4096,
-    V = 151936: every row's token equals the float64 reference's on the same noise, log-probs and log Z within 2e-3. The kernels' fp32 logits differ from
-    the reference's float64 ones by up to ~1e-4, so a row can differ only where two perturbed
-    scores or a kept set's boundary lie that close: ~1e-4 a row (the gap between a row's two
+    V = 151936: every row's token equals the float64 reference's on the same noise, log-probs
+    and log Z within 2e-3. The kernels' fp32 logits differ from the reference's float64 ones
+    by up to ~1e-4, so a row can differ only where two perturbed scores or a kept set's
+    boundary lie that close: ~1e-4 a row (the gap between a row's two
     best Gumbel scores is about Exp(1)), ~0.2 % for the call."""
     from tpsample.launch.sweep import hidden
     from tpsample.reference import reference_sample
