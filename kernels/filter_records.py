@@ -112,6 +112,7 @@ def filter_records_kernel(
     REPLACE: tl.constexpr, USE_PARITY: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_U: tl.constexpr, CAP: tl.constexpr, SORT_A: tl.constexpr, SORT_B: tl.constexpr,
     PDL: tl.constexpr = False, PATHWISE: tl.constexpr = False,
+    WINNER_CERT: tl.constexpr = False,
 ):
     """records [slots, planes, B, T, 4] by strides (st_*: elements); outputs [B, S], [B],
     [B, n_top], flag int32 [B] (1: the row needs the exact fallback). USE_PARITY: the
@@ -126,6 +127,11 @@ def filter_records_kernel(
     scratch[win_at + B + b] and [win_at + 2B + b], for the fast path's winner check and its
     cut (kernels/filter_cut.py, XMAX_KNOWN); the first program zeroes the fast path's cut
     list count (int32 at scratch[win_at + 3B], tpsample/filters.py scratch_words).
+    WINNER_CERT (PATHWISE, REPLACE, S = 1, no top-n, a call that returns tokens only): a row
+    whose candidates do not certify its kept set is certified all the same when its pathwise
+    winner is in the known prefix and kept there (tpsample/filters.py, 2.): it is the kept
+    set's winner; its token is written, its log-prob and log Z are NaN (as the fast path
+    writes them in such a call).
     PDL: a programmatic dependent of the launch before (stage 1 or the exchange), whose
     records it waits for.
     Otherwise reduce_records runs before it (and flips the parity) and writes the unfiltered
@@ -194,17 +200,17 @@ def filter_records_kernel(
         known_prefix(b, row_ptr, scratch, M, bound, xm, logz, logz_raw, finite_row, inv, k, p, m,
                      seed_ptr, offset_ptr, tokens_ptr, logprobs_ptr, logz_ptr, top_tok_ptr,
                      top_lp_ptr, flag_ptr, S, T, N, n_top, st_slot, st_plane, st_t, RAW,
-                     REPLACE, PDL, BLOCK_U, SORT_A, PATHWISE, at_n, n_ok, u_tok0, u_x0)
+                     REPLACE, PDL, BLOCK_U, SORT_A, PATHWISE, at_n, n_ok, u_tok0, u_x0, WINNER_CERT)
     elif M <= SORT_B:
         known_prefix(b, row_ptr, scratch, M, bound, xm, logz, logz_raw, finite_row, inv, k, p, m,
                      seed_ptr, offset_ptr, tokens_ptr, logprobs_ptr, logz_ptr, top_tok_ptr,
                      top_lp_ptr, flag_ptr, S, T, N, n_top, st_slot, st_plane, st_t, RAW,
-                     REPLACE, PDL, BLOCK_U, SORT_B, PATHWISE, at_n, n_ok, u_tok0, u_x0)
+                     REPLACE, PDL, BLOCK_U, SORT_B, PATHWISE, at_n, n_ok, u_tok0, u_x0, WINNER_CERT)
     else:
         known_prefix(b, row_ptr, scratch, M, bound, xm, logz, logz_raw, finite_row, inv, k, p, m,
                      seed_ptr, offset_ptr, tokens_ptr, logprobs_ptr, logz_ptr, top_tok_ptr,
                      top_lp_ptr, flag_ptr, S, T, N, n_top, st_slot, st_plane, st_t, RAW,
-                     REPLACE, PDL, BLOCK_U, CAP, PATHWISE, at_n, n_ok, u_tok0, u_x0)
+                     REPLACE, PDL, BLOCK_U, CAP, PATHWISE, at_n, n_ok, u_tok0, u_x0, WINNER_CERT)
     if PATHWISE and REPLACE:
         tl.store(scratch_ptr + win_at + b, order_key(u_x0, u_tok0))
         tl.store(scratch_ptr + win_at + tl.num_programs(0) + b, order_key(xmax, u_tok0))
@@ -226,10 +232,10 @@ def known_prefix(b, row_ptr, scratch, M, bound, xm, logz, logz_raw, finite_row, 
                  top_lp_ptr, flag_ptr, S, T, N, n_top, st_slot, st_plane, st_t,
                  RAW: tl.constexpr, REPLACE: tl.constexpr, PDL: tl.constexpr,
                  BLOCK_U: tl.constexpr, SORT: tl.constexpr, PATHWISE: tl.constexpr, at_n,
-                 n_ok, u_tok0, u_x0):
+                 n_ok, u_tok0, u_x0, WINNER_CERT: tl.constexpr):
     """The row's known prefix (M keys in scratch, M <= SORT) sorted, the filters and
     certificates over it, the samples and the top-n; writes the row's outputs. PATHWISE:
-    (u_tok0, u_x0) is sample 0's pathwise winner."""
+    (u_tok0, u_x0) is sample 0's pathwise winner; WINNER_CERT: filter_records_kernel's."""
     q = tl.arange(0, SORT)
     ks = tl.sort(tl.load(scratch + q, mask=q < M, other=-1), descending=True)
     valid = ks >= 0
@@ -253,6 +259,12 @@ def known_prefix(b, row_ptr, scratch, M, bound, xm, logz, logz_raw, finite_row, 
     cert_p = (p >= 1.0) | kon | (tl.sum(e) >= target)
     cert_m = mon & (tl.exp(bound - xm) < m) & (cert_k | (p >= 1.0))
     cert = ((kon | pon) & cert_k & cert_p) | cert_m
+    won = cert != cert  # the winner certificate (WINNER_CERT)
+    if WINNER_CERT:
+        # a known token's keep is exact (the prefix before it is known) unless top-p's
+        # target needs an uncertified top-k's mass
+        won = ((tl.sum(((ks == order_key(u_x0, u_tok0.to(tl.float32))) & keep).to(tl.int32))
+                > 0) & ((k <= 0) | (p >= 1.0)) & (cert == 0) & finite_row)
     logz_kept = xm + tl.log(tl.sum(tl.where(keep, e, 0.0)))
     lz = tl.where(filtered & finite_row, logz_kept, logz)  # degenerate rows keep their log Z
     to_raw = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, inv))
@@ -324,6 +336,9 @@ def known_prefix(b, row_ptr, scratch, M, bound, xm, logz, logz_raw, finite_row, 
         else:
             lp = x_tok - lz
         lp = tl.where(tok_out >= 0, lp, NEG_INF)
+        if WINNER_CERT:
+            tok_out = tl.where(won, u_tok0, tok_out)
+            lp = tl.where(won, float("nan"), lp)
         tl.store(tokens_ptr + at_out, tl.where(finite_row, tok_out, -1))
         tl.store(logprobs_ptr + at_out, tl.where(finite_row, lp, float("nan")))
 
@@ -336,8 +351,7 @@ def known_prefix(b, row_ptr, scratch, M, bound, xm, logz, logz_raw, finite_row, 
     tl.store(top_tok_ptr + at_top, tl.where(finite_row, tl.where(valid, ids, 0), -1), mask=q < n_top)
     tl.store(top_lp_ptr + at_top, tl.where(finite_row, top_lp, float("nan")), mask=q < n_top)
     if RAW:
-        tl.store(logz_ptr + b, logz_raw)
-    else:
-        tl.store(logz_ptr + b, lz)
-    fallback = finite_row & ((filtered & (cert == 0)) | (n_top > M))
+        lz = logz_raw
+    tl.store(logz_ptr + b, tl.where(won, float("nan"), lz))
+    fallback = finite_row & ((filtered & (cert == 0) & (won == 0)) | (n_top > M))
     tl.store(flag_ptr + b, fallback.to(tl.int32))

@@ -16,12 +16,17 @@ import triton
 import triton.language as tl
 
 import tpsample
+from tpsample import filters as F
 from tpsample import launchers, replay
+from tpsample import params as P
 from tpsample.api import _pipeline
+from tpsample.plan import DeviceKind, make_plan
+from tpsample.torch_records import records_torch
 from tpsample.filters import cut_list
 from tpsample.kernels import filter_cut
 from tpsample.reference import reference_sample
 
+from cases import lm_head_case
 from dist_utils import run_world
 from stats import ALPHA, chi2_pvalue
 from test_filters import assert_matches_reference, counts, filtered_probs, row_logits
@@ -156,6 +161,87 @@ def test_winner_check_gives_the_cut_paths_tokens(monkeypatch):
                                        min_p=float(kw["min_p"][b]))[plain[b, 0]] > 0
                         for b in range(16)])
     assert 0 < int(kept.sum()) < 16, kept
+
+
+CERT_ROWS = dict(top_k=torch.tensor([0, 0, 0, 0, 50, 60, 0, 0] * 2),
+                 top_p=torch.tensor([0.9, 0.99, 1.0, 0.95, 0.9, 1.0, 0.8, 1.0] * 2),
+                 min_p=torch.tensor([0.0, 0.0, 0.02, 0.01, 0.0, 0.0, 0.0, 0.03] * 2),
+                 temperature=torch.tensor([1.0, 1.0, 1.2, 0.9, 1.0, 1.0, 1.1, 1.0] * 2))
+
+
+def _winner_certified(h, w, kw):
+    """float64, from the rows' logits: which rows the winner certificate clears in a
+    tokens-only call (tpsample/filters.py, 2.): filtered, top-k off or top-p off, the kept set
+    not inside the known prefix (the tokens above tau, the largest 4th-best logit of a
+    128-token tile), and the unfiltered Gumbel-max winner (same noise) known and kept."""
+    B = h.shape[0]
+    plain = reference_sample(h, w, seed=kw["seed"], temperature=kw["temperature"]).tokens[:, 0]
+    out = []
+    for b in range(B):
+        t = float(kw["temperature"][b])
+        x = row_logits(h[b], w, t)
+        tiles = np.pad(x, (0, -x.size % 128), constant_values=-np.inf).reshape(-1, 128)
+        tau = np.sort(tiles, axis=1)[:, -4].max()
+        known = x > tau
+        k, p, m = (float(kw[f][b]) for f in ("top_k", "top_p", "min_p"))
+        kept = filtered_probs(x, top_k=int(k), top_p=p, min_p=m).numpy() > 0
+        out.append(bool((k <= 0 or p >= 1) and (kept & ~known).any() and known[plain[b]]
+                        and kept[plain[b]]))
+    return torch.tensor(out)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_winner_certificate_clears_known_kept_winners(backend, monkeypatch):
+    """A tokens-only call clears the flagged rows whose unfiltered winner is a known token
+    that the row keeps (the winner certificate): exactly the rows a float64 computation from
+    the logits names (some but not all of the flagged rows; never a row with top-k and
+    top-p), and every row's token equals the one the call with log-probs gives, which sends
+    every uncertified row through the exact fallback."""
+    monkeypatch.setattr(launchers, "fallback_programs", lambda t: 5)
+    h, w = lm_head_case("zipf", 1200, seed=4)
+    h = h.expand(16, -1).contiguous()
+    kw = dict(CERT_ROWS, seed=torch.arange(16) * 7 + 2)
+    want = _winner_certified(h, w, kw)
+    assert 0 < int(want.sum()) < 12 and not want[[4, 12]].any(), want
+    pipe = _pipeline(backend, h.device)
+    before = counts(pipe)[1]
+    tok = tpsample.sample(h, w, backend=backend, **kw)
+    tokens_only = counts(pipe)[1] - before
+    before = counts(pipe)[1]
+    full = tpsample.sample(h, w, backend=backend, return_logprobs=True, **kw)
+    assert full.tokens.view(-1).tolist() == tok.tolist()
+    assert (counts(pipe)[1] - before) - tokens_only == int(want.sum())
+    assert tok.tolist() == reference_sample(h, w, **kw).tokens.view(-1).tolist()
+
+
+def test_winner_certificate_kernel_equals_torch_on_the_same_records():
+    """kernels/filter_records.py (WINNER_CERT) and filters.reduce_candidates (winner) on
+    identical records: the same flags, and on every cleared row the pathwise winner as its
+    token with NaN log-prob and log Z; without the certificate the same rows stay flagged."""
+    h, w = lm_head_case("zipf", 1200, seed=4)
+    h = h.expand(16, -1).contiguous()
+    row = P.row_params(h, CERT_ROWS["temperature"], torch.arange(16) * 7 + 2, 0)
+    rec = records_torch(h, w, bias=None, inv_temp=row.inv_temp, seed=row.seed,
+                        offset=row.offset, num_samples=1, n_real=1200, candidates=True)[None]
+    filt = P.filter_params(h, CERT_ROWS["top_k"], CERT_ROWS["top_p"], CERT_ROWS["min_p"], 0, 1,
+                           True, "processed", 1200)
+    plan = make_plan(DeviceKind.of(h.device), B=16, D=h.shape[1], V=1200, dtype=torch.float32,
+                     num_samples=1, candidates=True)
+    base = tpsample.pipeline.merge_records(rec[:, :1], row, "max")
+    winner = base[0][:, 0]
+    plain = launchers.stage2_filtered(plan, rec.clone(), row, filt).fallback.bool()
+    tk = launchers.stage2_filtered(plan, rec.clone(), row, filt, tokens_only=True)
+    tt = F.reduce_candidates(rec, row, filt, 1, base, winner=winner)
+    assert torch.equal(tk.fallback.bool(), tt.fallback)
+    assert torch.equal(F.reduce_candidates(rec, row, filt, 1, base).fallback, plain)
+    cleared = plain & ~tt.fallback
+    assert 0 < int(cleared.sum()) < int(plain.sum())
+    assert not (tt.fallback & ~plain).any()
+    for out in (tk, tt):
+        assert torch.equal(out.tokens[cleared, 0], winner[cleared])
+        assert out.logprobs[cleared].isnan().all() and out.logz[cleared].isnan().all()
+    ok = ~tt.fallback
+    assert torch.equal(tk.tokens[ok], tt.tokens[ok])
 
 
 @pytest.mark.slow

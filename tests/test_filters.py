@@ -98,7 +98,16 @@ def test_chi2_filtered_torch(kind, V, filt, temp):
     cand, fb = (a - b for a, b in zip(counts(pipe), before))
     assert cand == rows
     if kind == "flat":
-        assert fb == rows  # the forced fallback path
+        # no row's kept set is certified: a tokens-only call clears the rows whose winner is
+        # a known, kept token (the winner certificate), the others take the fallback; with
+        # log-probs every row takes it (the forced fallback path), with the same tokens
+        assert 0 < rows - fb < rows // 4
+        before = counts(pipe)
+        out = tpsample.sample(h.expand(rows, -1).contiguous(), w, temperature=temp,
+                              seed=torch.arange(rows), backend="torch", return_logprobs=True,
+                              **filt)
+        assert counts(pipe)[1] - before[1] == rows
+        assert torch.equal(out.tokens, tok)
     else:
         assert fb == 0  # the certified path
 

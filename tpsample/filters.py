@@ -25,6 +25,12 @@ ignore the filters.
              (top-p off, or top-k certified: the known prefix then fell short of p * Z);
              min-p alone has only this certificate
      top-n   n <= M
+     winner  a call that returns tokens only, one sample with replacement, merge "max": the
+             row's unfiltered Gumbel-max winner (its pathwise winner, 3.) is a known token
+             and kept, and top-k is off or top-p is (a known token's keep is then exact: the
+             order before it is known, and top-p's target needs only Z). The kept set's
+             winner is the largest perturbed score among the kept tokens, so it is that
+             token. Its log-prob and log Z are not computed (NaN).
    A row without its certificate takes the fallback (5); never an approximation.
 3. Sampling. Token = argmax over the kept set of (x_i + g_i) with stage 1's token noise
    g_i(seed, offset, sample, id): the Gumbel-max over the kept set, the same token as a
@@ -189,12 +195,14 @@ def candidate_planes(recs: torch.Tensor, num_samples: int) -> tuple[torch.Tensor
 
 
 def reduce_candidates(recs: torch.Tensor, params: RowParams, filters: Filters, num_samples: int,
-                      base) -> FilteredOutput:
+                      base, winner: torch.Tensor | None = None) -> FilteredOutput:
     """Stage 2 of a call with candidate planes, in torch.
 
     recs [slots, planes, B, T, 4] (records.planes); base: (tokens [B, S], logprobs, logz) of
     the call's merge over the sample planes (used for the rows without filters, with
-    replacement). Rows whose fallback flag is set must be recomputed (5. above)."""
+    replacement); winner: int64 [B], the rows' pathwise winners in a call that takes the
+    winner certificate (2. above; launchers.winner_certificate), else None. Rows whose
+    fallback flag is set must be recomputed (5. above)."""
     slots, _, B, T, _ = recs.shape
     S = num_samples
     dev = recs.device
@@ -247,7 +255,14 @@ def reduce_candidates(recs: torch.Tensor, params: RowParams, filters: Filters, n
         top_lp = xs[:, :n] * to_raw[:, None] - logz_raw[:, None]
     else:
         top_lp = torch.where(filtered[:, None] & ~kept[:, :n], NEG_INF, xs[:, :n] - lz[:, None])
-    fallback = ok & ((filtered & ~cert) | ((n > 0) & (known.sum(-1) < n)))
+    won = torch.zeros_like(cert)
+    if winner is not None:  # (one sample, no top-n: a tokens-only call)
+        won = ((known & kept & (ids == winner[:, None])).any(-1) & ((k <= 0) | (p >= 1))
+               & ~cert & filtered & ok)
+        tokens = torch.where(won[:, None], winner[:, None], tokens)
+        logprobs = torch.where(won[:, None], float("nan"), logprobs)
+        logz_out = torch.where(won, float("nan"), logz_out)
+    fallback = ok & ((filtered & ~cert & ~won) | ((n > 0) & (known.sum(-1) < n)))
     # degenerate rows (log Z not finite): token -1, log-probs NaN (tpsample/merge.py)
     tokens = torch.where(ok[:, None], tokens, -1)
     logprobs = torch.where(ok[:, None], logprobs, float("nan"))

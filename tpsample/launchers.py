@@ -483,12 +483,15 @@ def filtered_outputs(B: int, S: int, n: int, device, flat: bool = False) -> F.Fi
 
 def stage2_filtered(plan: Plan, recs: torch.Tensor, params: RowParams, filters: Filters,
                     parity=None, parity_stride: int = 0, *, head: torch.Tensor | None = None,
-                    out: F.FilteredOutput | None = None) -> F.FilteredOutput:
+                    out: F.FilteredOutput | None = None,
+                    tokens_only: bool = False) -> F.FilteredOutput:
     """records [slots, planes, B, T, 4] of a call with candidate planes → stage2 over the
     sample planes (head: recs[:, :S], passed when a replay must know it), then the candidate
     reduce (kernels/filter_records.py) over all planes, into `out` (default: fresh
     filtered_outputs). With merge "max" the filter kernel takes the sample planes' pathwise
-    winners itself (one launch: PATHWISE)."""
+    winners itself (one launch: PATHWISE); tokens_only (the call returns no log-probs): with it,
+    one sample with replacement and no top-n, the winner certificate (tpsample/filters.py,
+    2.) also clears rows whose pathwise winner is known and kept (WINNER_CERT)."""
     slots, _, B, T, _ = recs.shape
     S = plan.num_samples
     head = recs[:, :S] if head is None else head
@@ -515,8 +518,16 @@ def stage2_filtered(plan: Plan, recs: torch.Tensor, params: RowParams, filters: 
               REPLACE=filters.replacement, USE_PARITY=parity is not None,
               K=records.CANDIDATES, BLOCK_N=block_n,
               BLOCK_U=min(1024, max(16, 1 << (N - 1).bit_length())), CAP=cap, SORT_A=sort_a,
-              SORT_B=sort_b, PDL=plan.pdl, PATHWISE=pathwise)
+              SORT_B=sort_b, PDL=plan.pdl, PATHWISE=pathwise,
+              WINNER_CERT=winner_certificate(plan.merge, S, filters, tokens_only))
     return out
+
+
+def winner_certificate(merge: str, S: int, filters: Filters, tokens_only: bool) -> bool:
+    """Whether a filtered call's rows may be certified by their pathwise winner
+    (tpsample/filters.py, 2.): merge "max", one sample with replacement, tokens only."""
+    return merge == "max" and S == 1 and filters.replacement and filters.top_n == 0 \
+        and tokens_only
 
 
 SPLIT_ROWS = True  # (False: every rank gathers and redoes every flagged row; for A/B runs)

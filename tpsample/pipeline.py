@@ -334,7 +334,7 @@ class Pipeline:
         T = tiles if tiles is not None else records.num_tiles(weight.shape[0])
         if self.backend == "torch":
             out = self._filtered_torch(hidden, weight, bias, params, merge, S, n_real,
-                                       vocab_start, T, filters, constraints)
+                                       vocab_start, T, filters, constraints, logprobs)
             side = None
         else:
             if in_capture is None:
@@ -359,9 +359,10 @@ class Pipeline:
 
     def _filtered_torch(self, hidden, weight, bias, params: RowParams, merge: str, S: int,
                         n_real: int, vocab_start: int, T: int, filters: Filters,
-                        constraints: C.Constraints) -> F.FilteredOutput:
+                        constraints: C.Constraints, logprobs: bool = True) -> F.FilteredOutput:
         """The torch backend's records with candidates, the exchange and the candidate
-        reduce (flagged rows left to the host fallback)."""
+        reduce (flagged rows left to the host fallback; logprobs False: a tokens-only call,
+        whose rows the winner certificate may clear)."""
         B, Tx, planes = hidden.shape[0], T + int(constraints.listed), records.planes(S, True)
         mine, full = self.transport.slots(planes * B * Tx * records.WIDTH)
         plan = self.plan(hidden, weight, merge=merge, num_samples=S, need_mass=True,
@@ -376,7 +377,9 @@ class Pipeline:
         self.transport.exchange(mine, full)
         recs = records.records_view(full, planes, B, Tx)
         base = merge_records(recs[:, :S], params, merge if filters.replacement else "max")
-        return F.reduce_candidates(recs, params, filters, S, base)
+        winner = base[0][:, 0] if launchers.winner_certificate(merge, S, filters,
+                                                               not logprobs) else None
+        return F.reduce_candidates(recs, params, filters, S, base, winner=winner)
 
     def _filtered_launches(self, hidden, weight, bias, params, merge, S, n_real, vocab_start,
                            T, filters, constraints: C.Constraints,
@@ -502,7 +505,8 @@ class Pipeline:
                                               self.transport.rank)
         out = launchers.filtered_outputs(hidden.shape[0], S, filters.top_n, hidden.device)
         launchers.stage2_filtered(plan, recs, params, filters,
-                                  *(fanout[1:] if fanout else ()), head=recs[:, :S], out=out)
+                                  *(fanout[1:] if fanout else ()), head=recs[:, :S], out=out,
+                                  tokens_only=not logprobs)
         if on_device:
             launchers.fallback_on_device(hidden, weight, bias, params, filters, out,
                                          later.get("fallback_logits"),
