@@ -375,3 +375,25 @@ def test_sweep_heads_at_lm_head_shape_equal_the_reference(head, kw):
         assert torch.allclose(out.logz.double().cpu(), ref.logz.cpu(), atol=2e-3)
         assert torch.allclose(out.logprobs.view(-1).double().cpu(), ref.logprobs[:, 0].cpu(),
                               atol=2e-3)
+
+
+@pytest.mark.parametrize("head,top_p", [("zipf1.3", 0.95), ("zipf1.6", 0.99)])
+def test_winner_certificate_at_lm_head_shape(head, top_p):
+    """Flat and typical sweep rows whose top-p kept set the candidates cannot certify
+    (D = 4096, V = 151,936, 64 rows): a tokens-only call clears most of them by the winner
+    certificate (the winner is a known token, so kept), so fewer rows take the exact fallback
+    than in the call with log-probs, and every row's token is that call's."""
+    from tpsample import api
+    from tpsample.launch.sweep import hidden
+    w, U = _sweep_head()
+    B = 64
+    h = hidden(U, head, B, torch.bfloat16)
+    seed = torch.arange(B, device="cuda") * 3 + 1
+    api._PIPELINES.clear()
+    full = tpsample.sample(h, w, seed=seed, top_p=top_p, return_logprobs=True)
+    (pipe,) = api._PIPELINES.values()
+    flagged = pipe.fallback_rows
+    only = tpsample.sample(h, w, seed=seed, top_p=top_p)
+    left = pipe.fallback_rows - flagged
+    assert torch.equal(only.view(-1), full.tokens.view(-1))
+    assert flagged >= B // 2 and left <= flagged // 2, (flagged, left)
