@@ -129,8 +129,8 @@ def filter_records_kernel(
     list count (int32 at scratch[win_at + 3B], tpsample/filters.py scratch_words).
     WINNER_CERT (PATHWISE, REPLACE, S = 1, no top-n, a call that returns tokens only): a row
     whose candidates do not certify its kept set is certified all the same when its pathwise
-    winner is in the known prefix and kept there (tpsample/filters.py, 2.): it is the kept
-    set's winner; its token is written, its log-prob and log Z are NaN (as the fast path
+    winner is kept, as the known prefix or min-p alone tells (tpsample/filters.py, 2.): it is
+    the kept set's winner; its token is written, its log-prob and log Z are NaN (as the fast path
     writes them in such a call).
     PDL: a programmatic dependent of the launch before (stage 1 or the exchange), whose
     records it waits for.
@@ -262,9 +262,11 @@ def known_prefix(b, row_ptr, scratch, M, bound, xm, logz, logz_raw, finite_row, 
     won = cert != cert  # the winner certificate (WINNER_CERT)
     if WINNER_CERT:
         # a known token's keep is exact (the prefix before it is known) unless top-p's
-        # target needs an uncertified top-k's mass
-        won = ((tl.sum(((ks == order_key(u_x0, u_tok0.to(tl.float32))) & keep).to(tl.int32))
-                > 0) & ((k <= 0) | (p >= 1.0)) & (cert == 0) & finite_row)
+        # target needs an uncertified top-k's mass; min-p alone tests any token exactly
+        known_kept = tl.sum(((ks == order_key(u_x0, u_tok0.to(tl.float32))) & keep)
+                            .to(tl.int32)) > 0
+        min_p_kept = (k <= 0) & (p >= 1.0) & (tl.exp(u_x0 - xm) >= m)
+        won = ((known_kept & ((k <= 0) | (p >= 1.0))) | min_p_kept) & (cert == 0) & finite_row
     logz_kept = xm + tl.log(tl.sum(tl.where(keep, e, 0.0)))
     lz = tl.where(filtered & finite_row, logz_kept, logz)  # degenerate rows keep their log Z
     to_raw = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, inv))

@@ -29,7 +29,8 @@ from tpsample.reference import reference_sample
 from cases import lm_head_case
 from dist_utils import run_world
 from stats import ALPHA, chi2_pvalue
-from test_filters import assert_matches_reference, counts, filtered_probs, row_logits
+from test_filters import (assert_matches_reference, counts, filtered_probs, row_logits,
+                          winner_cleared)
 
 FLAT = dict(top_p=torch.tensor([0.9, 0.5, 1.0, 0.99, 0.95, 0.3]),
             min_p=torch.tensor([0.0, 0.2, 0.3, 0.0, 0.05, 0.0]),
@@ -171,9 +172,10 @@ CERT_ROWS = dict(top_k=torch.tensor([0, 0, 0, 0, 50, 60, 0, 0] * 2),
 
 def _winner_certified(h, w, kw):
     """float64, from the rows' logits: which rows the winner certificate clears in a
-    tokens-only call (tpsample/filters.py, 2.): filtered, top-k off or top-p off, the kept set
-    not inside the known prefix (the tokens above tau, the largest 4th-best logit of a
-    128-token tile), and the unfiltered Gumbel-max winner (same noise) known and kept."""
+    tokens-only call (tpsample/filters.py, 2.): filtered, the kept set not inside the known
+    prefix (the tokens above tau, the largest 4th-best logit of a 128-token tile), and the
+    unfiltered Gumbel-max winner (same noise) kept and, unless the row has min-p alone,
+    known, with top-k or top-p off."""
     B = h.shape[0]
     plain = reference_sample(h, w, seed=kw["seed"], temperature=kw["temperature"]).tokens[:, 0]
     out = []
@@ -185,8 +187,8 @@ def _winner_certified(h, w, kw):
         known = x > tau
         k, p, m = (float(kw[f][b]) for f in ("top_k", "top_p", "min_p"))
         kept = filtered_probs(x, top_k=int(k), top_p=p, min_p=m).numpy() > 0
-        out.append(bool((k <= 0 or p >= 1) and (kept & ~known).any() and known[plain[b]]
-                        and kept[plain[b]]))
+        out.append(bool((k <= 0 or p >= 1) and (kept & ~known).any() and kept[plain[b]]
+                        and (known[plain[b]] or (k <= 0 and p >= 1))))
     return torch.tensor(out)
 
 
@@ -399,8 +401,9 @@ def _flat_head(V=1024):
 # rows: test_filters.test_chi2_device_fallback_interpreted, which now takes this path)
 @pytest.mark.parametrize("filt,wrong", FLAT_CHI2, ids=["top_p", "min_p", "top_p+min_p"])
 def test_chi2_flat_rows(backend, rows, filt, wrong, monkeypatch):
-    """A flat row (V = 1024, ~6.9 nats; top-p 0.9 keeps ~800 tokens): every row flagged;
-    chi-squared against the float64 filtered distribution at ALPHA, and the same samples
+    """A flat row (V = 1024, ~6.9 nats; top-p 0.9 keeps ~800 tokens): every row flagged, and
+    taken by the fallback unless the winner certificate clears it (a known or, min-p
+    alone, any kept winner: a fixed count, `winner_cleared`); chi-squared against the float64 filtered distribution at ALPHA, and the same samples
     rejected against the negative control."""
     monkeypatch.setattr(launchers, "fallback_programs", lambda t: 64)
     h, w = _flat_head()
@@ -408,7 +411,8 @@ def test_chi2_flat_rows(backend, rows, filt, wrong, monkeypatch):
     before = counts(pipe)
     tok = tpsample.sample(h.expand(rows, -1).contiguous(), w, seed=torch.arange(rows) + 7,
                           backend=backend, **filt)
-    assert counts(pipe)[1] - before[1] == rows
+    cleared = winner_cleared(h, w, torch.arange(rows) + 7, filt)
+    assert 0 < cleared < rows // 2 and counts(pipe)[1] - before[1] == rows - cleared
     logits = row_logits(h, w)
     p = filtered_probs(logits, **filt)
     assert p[tok].min() > 0, "a token outside the kept set"

@@ -71,6 +71,24 @@ def counts(pipe):
     return pipe.candidate_rows, pipe.fallback_rows
 
 
+def winner_cleared(h, w, seeds, filt, temperature=1.0) -> int:
+    """float64: how many of the rows (one hidden state h [D], seeds [R]) a tokens-only call
+    clears by the winner certificate (tpsample/filters.py, 2.) when the candidates do not
+    certify their kept set: the rows whose unfiltered Gumbel-max winner (same noise) is kept
+    and, unless the row has min-p alone, a known token (above tau, the largest 4th-best
+    logit of a 128-token tile), with top-k or top-p off."""
+    x = row_logits(h, w, temperature)
+    k, p = filt.get("top_k", 0), filt.get("top_p", 1.0)
+    tiles = np.pad(x, (0, -x.size % 128), constant_values=-np.inf).reshape(-1, 128)
+    known = x > np.sort(tiles, axis=1)[:, -4].max()
+    kept = filtered_probs(x, **filt).numpy() > 0
+    if not (k <= 0 or p >= 1) or not (kept & ~known).any():
+        return 0
+    plain = reference_sample(h.expand(len(seeds), -1).contiguous(), w, seed=seeds,
+                             temperature=temperature).tokens[:, 0]
+    return int((kept & (known | (k <= 0 and p >= 1)))[plain.numpy()].sum())
+
+
 # ----- exactness: chi-squared, torch path ---------------------------------------------------
 CASES = [  # (kind, V, filters, temperature); the long ones run with -m slow
     pytest.param("zipf", 4096, dict(top_k=20), 1.0, marks=pytest.mark.slow),
@@ -101,7 +119,7 @@ def test_chi2_filtered_torch(kind, V, filt, temp):
         # no row's kept set is certified: a tokens-only call clears the rows whose winner is
         # a known, kept token (the winner certificate), the others take the fallback; with
         # log-probs every row takes it (the forced fallback path), with the same tokens
-        assert 0 < rows - fb < rows // 4
+        assert 0 < rows - fb == winner_cleared(h, w, torch.arange(rows), filt, temp)
         before = counts(pipe)
         out = tpsample.sample(h.expand(rows, -1).contiguous(), w, temperature=temp,
                               seed=torch.arange(rows), backend="torch", return_logprobs=True,
@@ -330,16 +348,24 @@ def test_filter_kernel_takes_the_pathwise_winner_with_ties():
                                              (dict(top_k=5, top_p=0.9), False)])
 def test_certificates_on_a_flat_row(filt, falls_back):
     """A near-uniform row (16 tiles, 8 known tokens): min-p or top-p alone cannot be certified
-    from the candidates (their kept sets reach below tau), top-k can when k <= 8; the fallback still gives exact samples
-    (the chi-squared tests above) and the same tokens as the reference."""
+    from the candidates (their kept sets reach below tau), top-k can when k <= 8; the
+    fallback still gives exact samples (the chi-squared tests above) and the same tokens as
+    the reference. The counts are those of calls with log-probs: a tokens-only call's winner
+    certificate also clears min-p 0.05's rows, whose kept set is nearly the whole row (the
+    same tokens, no fallback)."""
     h, w = lm_head_case("flat", 2048, seed=1)
     hh = h.expand(6, -1).contiguous()
     pipe = _pipeline("torch", h.device)
+    want = reference_sample(hh, w, seed=torch.arange(6), **filt).tokens[:, 0]
     before = counts(pipe)
-    out = tpsample.sample(hh, w, seed=torch.arange(6), backend="torch", **filt)
-    fb = counts(pipe)[1] - before[1]
-    assert fb == (6 if falls_back else 0)
-    assert torch.equal(out, reference_sample(hh, w, seed=torch.arange(6), **filt).tokens[:, 0])
+    out = tpsample.sample(hh, w, seed=torch.arange(6), backend="torch", return_logprobs=True,
+                          **filt)
+    assert counts(pipe)[1] - before[1] == (6 if falls_back else 0)
+    assert torch.equal(out.tokens.view(-1), want)
+    before = counts(pipe)
+    assert torch.equal(tpsample.sample(hh, w, seed=torch.arange(6), backend="torch", **filt), want)
+    if "min_p" in filt:
+        assert counts(pipe)[1] == before[1]
 
 
 def test_filters_that_keep_everything_change_nothing():
@@ -500,9 +526,9 @@ def test_chi2_filtered_interpreted_kernels(filt):
 
 @pytest.mark.slow
 def test_chi2_device_fallback_interpreted():
-    """Every row through the device fallback (a flat row, top-p 0.5 and min-p): chi-squared
-    against the float64 filtered distribution; the same samples must fail against a wrong
-    kept set (top-p 0.65), the negative control."""
+    """Every row through the device fallback but those the winner certificate clears (a flat
+    row, top-p 0.5 and min-p): chi-squared against the float64 filtered distribution; the
+    same samples must fail against a wrong kept set (top-p 0.65), the negative control."""
     h, w = lm_head_case("flat", 64, seed=5)
     rows = 600
     filt = dict(top_p=0.5, min_p=0.3)
@@ -510,7 +536,8 @@ def test_chi2_device_fallback_interpreted():
     before = counts(pipe)
     tok = tpsample.sample(h.expand(rows, -1).contiguous(), w, seed=torch.arange(rows),
                           backend="triton", **filt)
-    assert counts(pipe)[1] - before[1] == rows
+    cleared = winner_cleared(h, w, torch.arange(rows), filt)  # (tokens only)
+    assert 0 < cleared < rows // 2 and counts(pipe)[1] - before[1] == rows - cleared
     p = filtered_probs(row_logits(h, w), **filt)
     assert p[tok].min() > 0, "a token outside the kept set"
     assert chi2_pvalue(tok, p) > ALPHA

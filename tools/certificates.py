@@ -3,7 +3,8 @@
 A certificate depends only on a row's logits and the filters, so this runs on the CPU: for
 each logit distribution, rows with independent draws (token placement random over the
 vocabulary), the candidate records of the torch path, and the share of rows whose kept set
-(or top-n) is not certified.
+(or top-n) is not certified: in a call that returns log-probs, and in one that returns
+tokens only, whose rows the winner certificate may also clear.
 
     python -m tools.certificates [--vocab 151936] [--rows 64] [--json OUT.json]
 
@@ -23,6 +24,7 @@ import json
 import torch
 
 from tpsample import filters as F
+from tpsample import launchers
 from tpsample import params as P
 from tpsample import pipeline
 from tpsample.torch_records import records_torch
@@ -68,22 +70,28 @@ def study(V: int, rows: int) -> dict:
                                    kw.get("top_logprobs", 0), 1, True, "processed", V)
             base = pipeline.merge_records(rec[:, :1], row, "max")
             res = F.reduce_candidates(rec, row, filt, 1, base)
-            rates[name] = float(res.fallback.float().mean())
+            winner = base[0][:, 0] if launchers.winner_certificate("max", 1, filt, True) \
+                else None
+            only = F.reduce_candidates(rec, row, filt, 1, base, winner=winner)
+            rates[name] = [float(res.fallback.float().mean()),
+                           float(only.fallback.float().mean())]
         out[kind] = {"entropy_nats": float(entropy.mean()), "fallback": rates}
         print(f"{kind:7s} entropy {float(entropy.mean()):5.2f} nats  " +
-              "  ".join(f"{n}: {r:.2f}" for n, r in rates.items()), flush=True)
+              "  ".join(f"{n}: {r[0]:.2f} / {r[1]:.2f}" for n, r in rates.items()), flush=True)
     return out
 
 
 def markdown(res: dict, V: int, rows: int) -> str:
     names = list(FILTERS)
     lines = [f"Share of rows that take the exact fallback, V = {V}, {rows} rows per distribution "
-             f"(`python -m tools.certificates`):", "",
+             f"(`python -m tools.certificates`), in a call with log-probs / one that returns "
+             f"tokens only (the winner certificate):", "",
              "| logits | entropy (nats) | " + " | ".join(names) + " |",
              "|---" * (len(names) + 2) + "|"]
     for kind, r in res.items():
         lines.append(f"| {kind} | {r['entropy_nats']:.2f} | "
-                     + " | ".join(f"{r['fallback'][n]:.2f}" for n in names) + " |")
+                     + " | ".join("{:.2f} / {:.2f}".format(*r['fallback'][n]) for n in names)
+                     + " |")
     return "\n".join(lines)
 
 

@@ -26,11 +26,13 @@ ignore the filters.
              min-p alone has only this certificate
      top-n   n <= M
      winner  a call that returns tokens only, one sample with replacement, merge "max": the
-             row's unfiltered Gumbel-max winner (its pathwise winner, 3.) is a known token
-             and kept, and top-k is off or top-p is (a known token's keep is then exact: the
-             order before it is known, and top-p's target needs only Z). The kept set's
-             winner is the largest perturbed score among the kept tokens, so it is that
-             token. Its log-prob and log Z are not computed (NaN).
+             row's unfiltered Gumbel-max winner (its pathwise winner, 3.) is kept, as known
+             either from the known prefix (the winner is a known token there, and top-k is
+             off or top-p is: a known token's keep is then exact, the order before it being
+             known and top-p's target needing only Z) or, with min-p alone, from its own
+             logit (exp(x_w - x_max) >= min_p). The kept set's winner is the largest
+             perturbed score among the kept tokens, so it is that token. Its log-prob and
+             log Z are not computed (NaN).
    A row without its certificate takes the fallback (5); never an approximation.
 3. Sampling. Token = argmax over the kept set of (x_i + g_i) with stage 1's token noise
    g_i(seed, offset, sample, id): the Gumbel-max over the kept set, the same token as a
@@ -257,8 +259,12 @@ def reduce_candidates(recs: torch.Tensor, params: RowParams, filters: Filters, n
         top_lp = torch.where(filtered[:, None] & ~kept[:, :n], NEG_INF, xs[:, :n] - lz[:, None])
     won = torch.zeros_like(cert)
     if winner is not None:  # (one sample, no top-n: a tokens-only call)
-        won = ((known & kept & (ids == winner[:, None])).any(-1) & ((k <= 0) | (p >= 1))
-               & ~cert & filtered & ok)
+        head = recs[:, 0].permute(1, 0, 2, 3).reshape(B, slots * T, 4)  # sample plane 0
+        x_w = torch.where(head[..., 1] == winner[:, None].float(), head[..., 2],
+                          NEG_INF).amax(-1)  # the winner's logit, from its tile's record
+        min_p_kept = (k <= 0) & (p >= 1) & (torch.exp(x_w - xmax) >= m)
+        won = ((((known & kept & (ids == winner[:, None])).any(-1) & ((k <= 0) | (p >= 1)))
+                | min_p_kept) & ~cert & filtered & ok)
         tokens = torch.where(won[:, None], winner[:, None], tokens)
         logprobs = torch.where(won[:, None], float("nan"), logprobs)
         logz_out = torch.where(won, float("nan"), logz_out)
