@@ -454,6 +454,35 @@ def test_tp_flat_rows_equal_one_device(backend, kw):
         assert torch.allclose(o.logz, one.logz, atol=1e-5)
 
 
+def _tp_certified(rank, world, backend):
+    h, w = lm_head_case("zipf", 1200, seed=4)
+    h = h.expand(16, -1).contiguous()
+    V = w.shape[0]
+    lo, hi = rank * V // world, (rank + 1) * V // world
+    s = tpsample.VocabParallelSampler(w[lo:hi].contiguous(), vocab_size=V, vocab_start=lo,
+                                      backend=backend)
+    return s(h, seed=torch.arange(16) * 7 + 2, **CERT_ROWS)
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=SLOW)])
+def test_tp_winner_certificate_equals_one_device(backend):
+    """Two gloo ranks, a tokens-only call on rows that the winner certificate partly clears
+    (the rows of test_winner_certificate_clears_known_kept_winners): every rank's tokens
+    equal the one-device call's, which equal those of the call with log-probs."""
+    outs = run_world(2, _tp_certified, backend)
+    for o in outs:
+        assert not isinstance(o, dict), o
+    h, w = lm_head_case("zipf", 1200, seed=4)
+    h = h.expand(16, -1).contiguous()
+    kw = dict(CERT_ROWS, seed=torch.arange(16) * 7 + 2)
+    one = tpsample.sample(h, w, backend=backend, **kw)
+    assert 0 < int(_winner_certified(h, w, kw).sum()) < 16
+    assert torch.equal(one, tpsample.sample(h, w, backend=backend, return_logprobs=True,
+                                            **kw).tokens.view(-1))
+    for o in outs:
+        assert torch.equal(o, one)
+
+
 @pytest.mark.parametrize("filters,writes", [(dict(top_p=0.9), True), (dict(min_p=0.1), True),
                                             (dict(top_k=50), False),
                                             (dict(top_k=50, top_p=0.9), False),
