@@ -266,7 +266,8 @@ def known_prefix(b, row_ptr, scratch, M, bound, xm, logz, logz_raw, finite_row, 
         known_kept = tl.sum(((ks == order_key(u_x0, u_tok0.to(tl.float32))) & keep)
                             .to(tl.int32)) > 0
         min_p_kept = (k <= 0) & (p >= 1.0) & (tl.exp(u_x0 - xm) >= m)
-        won = ((known_kept & ((k <= 0) | (p >= 1.0))) | min_p_kept) & (cert == 0) & finite_row
+        won = (((known_kept & ((k <= 0) | (p >= 1.0))) | min_p_kept) & (cert == 0) & filtered
+               & finite_row)
     logz_kept = xm + tl.log(tl.sum(tl.where(keep, e, 0.0)))
     lz = tl.where(filtered & finite_row, logz_kept, logz)  # degenerate rows keep their log Z
     to_raw = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, inv))

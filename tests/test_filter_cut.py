@@ -219,10 +219,13 @@ def test_winner_certificate_clears_known_kept_winners(backend, monkeypatch):
 def test_winner_certificate_kernel_equals_torch_on_the_same_records():
     """kernels/filter_records.py (WINNER_CERT) and filters.reduce_candidates (winner) on
     identical records: the same flags, and on every cleared row the pathwise winner as its
-    token with NaN log-prob and log Z; without the certificate the same rows stay flagged."""
+    token with NaN log-prob and log Z; without the certificate the same rows stay flagged. A
+    greedy row (its filters ignored) keeps its argmax and its log-prob."""
     h, w = lm_head_case("zipf", 1200, seed=4)
     h = h.expand(16, -1).contiguous()
-    row = P.row_params(h, CERT_ROWS["temperature"], torch.arange(16) * 7 + 2, 0)
+    temperature = CERT_ROWS["temperature"].clone()
+    temperature[10] = 0.0  # (a min-p row)
+    row = P.row_params(h, temperature, torch.arange(16) * 7 + 2, 0)
     rec = records_torch(h, w, bias=None, inv_temp=row.inv_temp, seed=row.seed,
                         offset=row.offset, num_samples=1, n_real=1200, candidates=True)[None]
     filt = P.filter_params(h, CERT_ROWS["top_k"], CERT_ROWS["top_p"], CERT_ROWS["min_p"], 0, 1,
@@ -244,6 +247,7 @@ def test_winner_certificate_kernel_equals_torch_on_the_same_records():
         assert out.logprobs[cleared].isnan().all() and out.logz[cleared].isnan().all()
     ok = ~tt.fallback
     assert torch.equal(tk.tokens[ok], tt.tokens[ok])
+    assert ok[10] and tk.tokens[10, 0] == winner[10] and tk.logprobs[10].isfinite().all()
 
 
 @pytest.mark.slow
