@@ -31,6 +31,7 @@ from tpsample.torch_records import records_torch
 
 FILTERS = {
     "top_k=50": dict(top_k=50),
+    "top_k=2000": dict(top_k=2000),
     "top_p=0.9": dict(top_p=0.9),
     "top_p=0.95": dict(top_p=0.95),
     "min_p=0.05": dict(min_p=0.05),
