@@ -171,25 +171,12 @@ CERT_ROWS = dict(top_k=torch.tensor([0, 0, 0, 0, 50, 60, 0, 0] * 2),
 
 
 def _winner_certified(h, w, kw):
-    """float64, from the rows' logits: which rows the winner certificate clears in a
-    tokens-only call (tpsample/filters.py, 2.): filtered, the kept set not inside the known
-    prefix (the tokens above tau, the largest 4th-best logit of a 128-token tile), and the
-    unfiltered Gumbel-max winner (same noise) kept and, unless the row has min-p alone,
-    known, with top-k or top-p off."""
-    B = h.shape[0]
-    plain = reference_sample(h, w, seed=kw["seed"], temperature=kw["temperature"]).tokens[:, 0]
-    out = []
-    for b in range(B):
-        t = float(kw["temperature"][b])
-        x = row_logits(h[b], w, t)
-        tiles = np.pad(x, (0, -x.size % 128), constant_values=-np.inf).reshape(-1, 128)
-        tau = np.sort(tiles, axis=1)[:, -4].max()
-        known = x > tau
-        k, p, m = (float(kw[f][b]) for f in ("top_k", "top_p", "min_p"))
-        kept = filtered_probs(x, top_k=int(k), top_p=p, min_p=m).numpy() > 0
-        out.append(bool((k <= 0 or p >= 1) and (kept & ~known).any() and kept[plain[b]]
-                        and (known[plain[b]] or (k <= 0 and p >= 1))))
-    return torch.tensor(out)
+    """bool [B]: the rows of a tokens-only call (per-row filters and temperatures in kw) that
+    the winner certificate clears, each by test_filters.winner_cleared (float64)."""
+    return torch.tensor([bool(winner_cleared(
+        h[b], w, kw["seed"][b:b + 1],
+        dict(top_k=int(kw["top_k"][b]), top_p=float(kw["top_p"][b]), min_p=float(kw["min_p"][b])),
+        float(kw["temperature"][b]))) for b in range(h.shape[0])])
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
@@ -406,9 +393,10 @@ def _flat_head(V=1024):
 @pytest.mark.parametrize("filt,wrong", FLAT_CHI2, ids=["top_p", "min_p", "top_p+min_p"])
 def test_chi2_flat_rows(backend, rows, filt, wrong, monkeypatch):
     """A flat row (V = 1024, ~6.9 nats; top-p 0.9 keeps ~800 tokens): every row flagged, and
-    taken by the fallback unless the winner certificate clears it (a known or, min-p
-    alone, any kept winner: a fixed count, `winner_cleared`); chi-squared against the float64 filtered distribution at ALPHA, and the same samples
-    rejected against the negative control."""
+    taken by the fallback unless the winner certificate clears it (a known or, min-p alone,
+    any kept winner: a fixed count, `winner_cleared`); chi-squared against the float64
+    filtered distribution at ALPHA, and the same samples rejected against the negative
+    control."""
     monkeypatch.setattr(launchers, "fallback_programs", lambda t: 64)
     h, w = _flat_head()
     pipe = _pipeline(backend, h.device)

@@ -78,7 +78,9 @@ def winner_cleared(h, w, seeds, filt, temperature=1.0) -> int:
     and, unless the row has min-p alone, a known token (above tau, the largest 4th-best
     logit of a 128-token tile), with top-k or top-p off."""
     x = row_logits(h, w, temperature)
-    k, p = filt.get("top_k", 0), filt.get("top_p", 1.0)
+    k, p, m = filt.get("top_k", 0), filt.get("top_p", 1.0), filt.get("min_p", 0.0)
+    if k <= 0 and p >= 1 and m <= 0:  # (no filter: nothing to certify)
+        return 0
     tiles = np.pad(x, (0, -x.size % 128), constant_values=-np.inf).reshape(-1, 128)
     known = x > np.sort(tiles, axis=1)[:, -4].max()
     kept = filtered_probs(x, **filt).numpy() > 0
