@@ -525,7 +525,8 @@ def stage2_filtered(plan: Plan, recs: torch.Tensor, params: RowParams, filters: 
 
 def winner_certificate(merge: str, S: int, filters: Filters, tokens_only: bool) -> bool:
     """Whether a filtered call's rows may be certified by their pathwise winner
-    (tpsample/filters.py, 2.): merge "max", one sample with replacement, tokens only."""
+    (tpsample/filters.py, 2.): merge "max", one sample with replacement, no top log-probs,
+    tokens only."""
     return merge == "max" and S == 1 and filters.replacement and filters.top_n == 0 \
         and tokens_only
 
