@@ -36,13 +36,13 @@ if AVAILABLE:
                                store_records, transform)
 
     @gluon.jit
-    def _loader(w_desc, h_desc, w_bufs, h_bufs, ready, empty, mma_done, part_a0, part_a1, part_b0,
+    def _loader(w_desc, h_desc, h2_desc, w_bufs, h_bufs, h2_bufs, ready, empty, mma_done, part_a0, part_a1, part_b0,
                 part_b1, params0, params1, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr, B,
                 n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b, rec_stride_t,
                 peer_ptrs, parity_ptr, trace_ptr, num_tiles, num_b_tiles, k_steps,
                 HAS_BIAS: gl.constexpr, TILE_MASS: gl.constexpr, NUM_PEERS: gl.constexpr,
                 STAGES: gl.constexpr, SINGLE: gl.constexpr, WHICH: gl.constexpr,
-                TRACE: gl.constexpr, CDF: gl.constexpr):
+                TRACE: gl.constexpr, CDF: gl.constexpr, EXTRA_B: gl.constexpr):
         # (worker partitions share one signature: everything after mma_done is the consumer's)
         BLOCK_K: gl.constexpr = w_desc.block_type.shape[4]
         BLOCK_B: gl.constexpr = h_desc.block_type.shape[0]
@@ -54,23 +54,33 @@ if AVAILABLE:
                 s = it % STAGES
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
                 bar = ready.index(s)
-                mbarrier.expect(bar, w_desc.block_type.nbytes + h_desc.block_type.nbytes)
+                if EXTRA_B > 0:
+                    mbarrier.expect(bar, w_desc.block_type.nbytes + h_desc.block_type.nbytes
+                                    + h2_desc.block_type.nbytes)
+                else:
+                    mbarrier.expect(bar, w_desc.block_type.nbytes + h_desc.block_type.nbytes)
                 tma_load(w_desc, [0, v32, 0, 0, k * BLOCK_K], bar, w_bufs.index(s))
                 tma_load(h_desc, [b0, k * BLOCK_K], bar, h_bufs.index(s))
+                if EXTRA_B > 0:  # the batch's rows past the first 128 (num_b_tiles is 1)
+                    tma_load(h2_desc, [b0 + 128, k * BLOCK_K], bar, h2_bufs.index(s))
                 it += 1
 
     @gluon.jit
-    def _consumer(w_desc, h_desc, w_bufs, h_bufs, ready, empty, mma_done, part_a0, part_a1,
+    def _consumer(w_desc, h_desc, h2_desc, w_bufs, h_bufs, h2_bufs, ready, empty, mma_done, part_a0, part_a1,
                   part_b0, part_b1, params0, params1, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr,
                   rec_ptr, B, n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b,
                   rec_stride_t, peer_ptrs, parity_ptr, trace_ptr, num_tiles, num_b_tiles,
                   k_steps, HAS_BIAS: gl.constexpr, TILE_MASS: gl.constexpr,
                   NUM_PEERS: gl.constexpr, STAGES: gl.constexpr, SINGLE: gl.constexpr,
-                  WHICH: gl.constexpr, TRACE: gl.constexpr, CDF: gl.constexpr):
+                  WHICH: gl.constexpr, TRACE: gl.constexpr, CDF: gl.constexpr,
+                  EXTRA_B: gl.constexpr):
         BLOCK_K: gl.constexpr = w_desc.block_type.shape[4]
         BLOCK_B: gl.constexpr = h_desc.block_type.shape[0]
         layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_B, 16])
+        N2: gl.constexpr = EXTRA_B if EXTRA_B > 0 else 32  # (a valid shape when unused)
+        layout2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                          instr_shape=[16, N2, 16])
         if WHICH == 0:  # this consumer's partials and parameters (see _tile_records)
             part_a = part_a0
             part_b = part_b0
@@ -91,17 +101,26 @@ if AVAILABLE:
             if TRACE:
                 gl.store(trace_ptr + 4 * tile + 1, sm_clock())
             acc = gl.zeros([128, BLOCK_B], gl.float32, layout)
+            acc2 = gl.zeros([128, N2], gl.float32, layout2)
             for k in range(k_steps):
                 s = it % STAGES
                 mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                acc = warpgroup_mma(w_bufs.index(s).reshape([128, BLOCK_K]),
-                                    h_bufs.index(s).permute((1, 0)), acc, is_async=True)
-                # the previous step's MMA is done: its slot goes back to the loader
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+                w_tile = w_bufs.index(s).reshape([128, BLOCK_K])
+                acc = warpgroup_mma(w_tile, h_bufs.index(s).permute((1, 0)), acc, is_async=True)
+                # the previous step's MMAs are done: its slot goes back to the loader
+                if EXTRA_B > 0:  # the same W tile against the batch's rows past 128
+                    acc2 = warpgroup_mma(w_tile, h2_bufs.index(s).permute((1, 0)), acc2,
+                                         is_async=True)
+                    acc, acc2 = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc2))
+                else:
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
                 mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=k > 0)
                 it += 1
             mbarrier.arrive(mma_done.index(WHICH))
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            if EXTRA_B > 0:
+                acc, acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc2))
+            else:
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
             if TRACE:
                 gl.store(trace_ptr + 4 * tile + 2, sm_clock())
@@ -110,6 +129,11 @@ if AVAILABLE:
                           inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr, B, n_real, vocab_start,
                           num_samples, rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs,
                           parity_ptr, HAS_BIAS, TILE_MASS, NUM_PEERS, SINGLE, CDF)
+            if EXTRA_B > 0:
+                _tile_records(acc2, part_a, part_b, params, tile, 128, bias_ptr,
+                              inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr, B, n_real, vocab_start,
+                              num_samples, rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs,
+                              parity_ptr, HAS_BIAS, TILE_MASS, NUM_PEERS, SINGLE, CDF)
             if TRACE:
                 gl.store(trace_ptr + 4 * tile + 3, sm_clock())
             j += 1
@@ -151,20 +175,49 @@ if AVAILABLE:
         inverse CDF over the weights its log-mass already computes (_chunk_cdf), and
         _merge_warps picks the warp by mass. The five uniforms per column are drawn once per
         tile with the parameters (_stage_params): no per-token noise."""
-        gl.static_assert(acc.shape[1] == 128, "ping-pong tiles are [128, 128]")
+        N: gl.constexpr = acc.shape[1]
+        gl.static_assert(N == 128 or (SINGLE and (N == 32 or N == 64)),
+                         "ping-pong tiles are [128, 128], or [128, 32 / 64] with one sample")
         gl.static_assert(not CDF or (SINGLE and TILE_MASS), "CDF needs SINGLE and TILE_MASS")
-        # rows 64r + 16w + 8h + j, columns 64c2 + 32c1 + 16c0 + n → (w, j, n, r, h, c2, c1, c0)
-        x = gl.permute(gl.reshape(acc, [2, 4, 2, 8, 2, 2, 2, 16]), [1, 3, 7, 0, 2, 4, 5, 6])
-        k0, k1, k2, k3 = _quarters(x)  # chunks 2·c1 + c0 (+ 4 where c2 = 1)
-        k0, k4 = gl.split(k0)
-        k1, k5 = gl.split(k1)
-        k2, k6 = gl.split(k2)
-        k3, k7 = gl.split(k3)
+        if N == 128:
+            # rows 64r + 16w + 8h + j, columns 64c2 + 32c1 + 16c0 + n
+            # → (w, j, n, r, h, c2, c1, c0)
+            x = gl.permute(gl.reshape(acc, [2, 4, 2, 8, 2, 2, 2, 16]), [1, 3, 7, 0, 2, 4, 5, 6])
+            k0, k1, k2, k3 = _quarters(x)  # chunks 2·c1 + c0 (+ 4 where c2 = 1)
+            k0, k4 = gl.split(k0)
+            k1, k5 = gl.split(k1)
+            k2, k6 = gl.split(k2)
+            k3, k7 = gl.split(k3)
         tile_start = vocab_start + pid_v * 128
         thread_barrier()  # the previous tile's partials and parameters have been read
         _stage_params(params, b0, tile_start, inv_temp_ptr, seed_ptr, offset_ptr, B, CDF)
         thread_barrier()
-        if SINGLE:
+        # a narrow tile's chunks past N / 16 keep the previous tile's partials: _merge_warps
+        # merges them into columns b0 + N ... >= B (the plan's EXTRA_B covers the batch),
+        # which it does not store
+        if N == 32:  # columns 16c0 + n → (w, j, n, r, h, c0)
+            k0, k1 = gl.split(gl.permute(gl.reshape(acc, [2, 4, 2, 8, 2, 16]),
+                                         [1, 3, 5, 0, 2, 4]))
+            for c in range(0, 2):
+                _chunk_one_sample(k0, c, part_a, part_b, params, pid_v, bias_ptr, n_real,
+                                  tile_start, HAS_BIAS, TILE_MASS, CDF)
+                k0, k1 = k1, k0
+            thread_barrier()
+            _merge_warps(part_a, part_b, params, pid_v, b0, 0, tile_start, rec_ptr, B,
+                         rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr,
+                         TILE_MASS, NUM_PEERS, CDF)
+        elif N == 64:  # columns 32c1 + 16c0 + n → (w, j, n, r, h, c1, c0)
+            k0, k1, k2, k3 = _quarters(gl.permute(gl.reshape(acc, [2, 4, 2, 8, 2, 2, 16]),
+                                                  [1, 3, 6, 0, 2, 4, 5]))
+            for c in range(0, 4):
+                _chunk_one_sample(k0, c, part_a, part_b, params, pid_v, bias_ptr, n_real,
+                                  tile_start, HAS_BIAS, TILE_MASS, CDF)
+                k0, k1, k2, k3 = k1, k2, k3, k0
+            thread_barrier()
+            _merge_warps(part_a, part_b, params, pid_v, b0, 0, tile_start, rec_ptr, B,
+                         rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr,
+                         TILE_MASS, NUM_PEERS, CDF)
+        elif SINGLE:
             for c in range(0, 8):  # rotate the chunks not yet done through the registers
                 _chunk_one_sample(k0, c, part_a, part_b, params, pid_v, bias_ptr, n_real,
                                   tile_start, HAS_BIAS, TILE_MASS, CDF)
@@ -490,6 +543,7 @@ if AVAILABLE:
         HAS_BIAS: gl.constexpr, TILE_MASS: gl.constexpr, STAGES: gl.constexpr,
         LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, SINGLE: gl.constexpr = False,
         NUM_PEERS: gl.constexpr = 0, TRACE: gl.constexpr = False, CDF: gl.constexpr = False,
+        EXTRA_B: gl.constexpr = 0, h2_desc=None,
     ):
         """Records [S, B, T, 4] of the [128, 128] tiles (vocabulary × batch) of this program;
         see the module docstring. num_warps must be 4 (consumer 0). w_desc: the view
@@ -504,6 +558,12 @@ if AVAILABLE:
         w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape,
                                            w_desc.layout)
         h_bufs = gl.allocate_shared_memory(h_desc.dtype, [STAGES, BLOCK_B, BLOCK_K], h_desc.layout)
+        if EXTRA_B > 0:
+            h2_bufs = gl.allocate_shared_memory(h2_desc.dtype, [STAGES, EXTRA_B, BLOCK_K],
+                                                h2_desc.layout)
+        else:  # (unused: the partitions' shared signature needs a value)
+            h2_desc = h_desc
+            h2_bufs = h_bufs
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mma_done = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -525,21 +585,24 @@ if AVAILABLE:
         # (the argument tuples are spelled out: a tuple variable loses the constexprs)
         gl.warp_specialize([
             (_consumer, (
-            w_desc, h_desc, w_bufs, h_bufs, ready, empty, mma_done, part_a0, part_a1, part_b0, part_b1,
+            w_desc, h_desc, h2_desc, w_bufs, h_bufs, h2_bufs, ready, empty, mma_done, part_a0,
+            part_a1, part_b0, part_b1,
             params0, params1, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr, B, n_real,
             vocab_start, num_samples, rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs,
             parity_ptr, trace_ptr, num_tiles, num_b_tiles, k_steps, HAS_BIAS, TILE_MASS, NUM_PEERS,
-            STAGES, SINGLE, 0, TRACE, CDF)),
+            STAGES, SINGLE, 0, TRACE, CDF, EXTRA_B)),
             (_consumer, (
-            w_desc, h_desc, w_bufs, h_bufs, ready, empty, mma_done, part_a0, part_a1, part_b0, part_b1,
+            w_desc, h_desc, h2_desc, w_bufs, h_bufs, h2_bufs, ready, empty, mma_done, part_a0,
+            part_a1, part_b0, part_b1,
             params0, params1, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr, B, n_real,
             vocab_start, num_samples, rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs,
             parity_ptr, trace_ptr, num_tiles, num_b_tiles, k_steps, HAS_BIAS, TILE_MASS, NUM_PEERS,
-            STAGES, SINGLE, 1, TRACE, CDF)),
+            STAGES, SINGLE, 1, TRACE, CDF, EXTRA_B)),
             (_loader, (
-            w_desc, h_desc, w_bufs, h_bufs, ready, empty, mma_done, part_a0, part_a1, part_b0, part_b1,
+            w_desc, h_desc, h2_desc, w_bufs, h_bufs, h2_bufs, ready, empty, mma_done, part_a0,
+            part_a1, part_b0, part_b1,
             params0, params1, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr, B, n_real,
             vocab_start, num_samples, rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs,
             parity_ptr, trace_ptr, num_tiles, num_b_tiles, k_steps, HAS_BIAS, TILE_MASS, NUM_PEERS,
-            STAGES, SINGLE, 1, TRACE, CDF)),
+            STAGES, SINGLE, 1, TRACE, CDF, EXTRA_B)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

@@ -36,11 +36,11 @@ def test_shipped_tables_hold_only_what_the_plan_reads(name):
     data = json.loads((P.CONFIG_DIR / f"{name}.json").read_text())
     assert set(data) <= {"device", "buckets", "by_max_d"}
     keys = {"strategy", "BLOCK_B", "BLOCK_D", "NUM_STAGES", "num_warps", "EPI_B", "TMA",
-            "NOISE_STEP", "NOISE_CHUNKS", "NOISE_EVERY", "BLOCK_K"}
+            "NOISE_STEP", "NOISE_CHUNKS", "NOISE_EVERY", "BLOCK_K", "EXTRA_B"}
     configs = list(data["buckets"].values()) + [c for o in data["by_max_d"].values() for c in o.values()]
     for cfg in configs:
         assert cfg["strategy"] in ("fused", "ws", "pp") and set(cfg) <= keys, cfg
-    for B in (1, 8, 32, 64, 128, 256):  # every shipped cell resolves without a fallback
+    for B in (1, 8, 32, 64, 128, 160, 192, 256):  # every shipped cell: no fallback
         p = plan(DeviceKind("cuda", name, (9, 0), 132, gluon_missing=None), B=B)
         assert p.strategy in ("fused", "ws", "pp") and not p.fallbacks, str(p)
 
@@ -195,3 +195,26 @@ def test_the_side_output_transpose_costs_a_stage_only_where_shared_memory_runs_o
         cfg = dict(NUM_STAGES=stages, EPI_B=32)
         assert L._ws_stages(cfg, block_b, 64, limit) == want, (stages, block_b)
         assert L._ws_stages(cfg, block_b, 64, limit + 65536) == stages  # (room: no drop)
+
+
+def test_pp_second_row_tile_covers_the_batch_past_128_rows():
+    """A pp config with EXTRA_B (the most rows past 128 its second accumulator takes) gets
+    the smallest of 32 / 64 that covers B - 128 rows, none where B <= 128 or B > 128 +
+    EXTRA_B; calls that tile cannot take (more samples, candidates, a mask) get 64-row ws."""
+    dev = DeviceKind("cuda", None, (9, 0), 132, gluon_missing=None)
+    cfg = dict(strategy="pp", BLOCK_B=128, NUM_STAGES=5, num_warps=4, EXTRA_B=64)
+    def extra(B, **kw):
+        p = plan(dev, B=B, config=cfg, **kw)
+        return p.strategy, p.cfg.get("EXTRA_B")
+    assert [extra(B) for B in (100, 128, 129, 160, 161, 192, 193, 256)] == [
+        ("pp", None), ("pp", None), ("pp", 32), ("pp", 32), ("pp", 64), ("pp", 64),
+        ("pp", None), ("pp", None)]
+    assert extra(160, merge="cdf") == ("pp", None)  # (its epilogue spills with the tile)
+    for kw in (dict(num_samples=2), dict(candidates=True), dict(masked=True),
+               dict(candidates=True, replacement=False)):
+        p = plan(dev, B=160, config=cfg, **kw)
+        assert p.strategy in ("ws", "logits") and "EXTRA_B" not in p.cfg, (kw, str(p))
+        assert "second row tile" in p.fallbacks[0][1]
+    assert plan(dev, B=160, config=cfg, candidates=True).cfg["BLOCK_B"] == 64
+    with pytest.raises(ValueError, match="EXTRA_B"):
+        plan(dev, B=160, config=dict(cfg, EXTRA_B=48))

@@ -105,10 +105,11 @@ def gluon_compile(strategy: str, num_samples: int = 1, need_mass: bool = False, 
         plan = with_options(plan, trace=True)
         trace = torch.empty(trace_rows, 4, dtype=torch.int64)
     launch = {}
-    saved = replay.run_kernel, launchers._num_sms
+    saved = replay.run_kernel, launchers._num_sms, launchers._smem_of
     replay.run_kernel = lambda fn, grid, args, constexprs, options: launch.update(
         fn=fn, args=args, constexprs=constexprs, options=options)  # (run_named calls it)
     launchers._num_sms = lambda device: 132
+    launchers._smem_of = lambda device: HOPPER_SMEM_PER_BLOCK
     try:
         launchers.stage1(plan, hidden, weight, None, RowParams(row, seed, seed), out, n_real=V,
                          fanout=fanout, trace=trace,
@@ -118,12 +119,15 @@ def gluon_compile(strategy: str, num_samples: int = 1, need_mass: bool = False, 
                                torch.empty(B, V // 32)) if listed else None,
                          side=torch.empty(B, V) if side else None)
     finally:
-        replay.run_kernel, launchers._num_sms = saved
+        replay.run_kernel, launchers._num_sms, launchers._smem_of = saved
     kernel = launch["fn"]
     names = [n for n in inspect.signature(kernel.fn).parameters if n not in launch["constexprs"]]
     sig = dict.fromkeys(launch["constexprs"], "constexpr")
+    consts = dict(launch["constexprs"])
     for name, arg in zip(names, launch["args"]):
-        if isinstance(arg, GluonDescriptor):
+        if arg is None:  # (as a launch specializes it)
+            sig[name], consts[name] = "constexpr", None
+        elif isinstance(arg, GluonDescriptor):
             sig[name] = f"tensordesc<bf16{list(arg.block_shape)},{arg.layout!r}>"
         elif isinstance(arg, torch.Tensor):
             sig[name] = {torch.float32: "*fp32", torch.int64: "*i64", torch.int32: "*i32"}[arg.dtype]
@@ -132,10 +136,11 @@ def gluon_compile(strategy: str, num_samples: int = 1, need_mass: bool = False, 
     order = list(inspect.signature(kernel.fn).parameters)
     attrs = {(order.index(n),): [["tt.divisibility", 16]] for n in names
              if sig[n].startswith("*") or n == "stride_side"}
-    return triton.compile(GluonASTSource(kernel, {n: sig[n] for n in order}, launch["constexprs"],
-                                         attrs),
+    return triton.compile(GluonASTSource(kernel, {n: sig[n] for n in order}, consts, attrs),
                           target=GPUTarget("cuda", arch, 32), options=launch["options"])
 
+
+HOPPER_SMEM_PER_BLOCK = 232448  # shared memory per block (opt-in), sm_90
 
 INSTRUCTION = re.compile(r"\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)(\S*)(.*)")
 
@@ -251,7 +256,13 @@ def main(argv=None):
                      ("pp 6 stages, one sample", dict(strategy="pp")),
                      ("pp 6 stages, one sample, log-masses", dict(strategy="pp", need_mass=True)),
                      ("pp 6 stages, two samples", dict(strategy="pp", num_samples=2)),
-                     ("pp 6 stages, one sample, cdf", dict(strategy="pp", need_mass=True, cdf=True))):
+                     ("pp 6 stages, one sample, cdf", dict(strategy="pp", need_mass=True, cdf=True)),
+                     ("pp 160 rows (EXTRA_B 32), one sample", dict(strategy="pp", B=160, EXTRA_B=64)),
+                     ("pp 160 rows (EXTRA_B 32), log-masses",
+                      dict(strategy="pp", B=160, EXTRA_B=64, need_mass=True)),
+                     ("pp 192 rows (EXTRA_B 64), one sample", dict(strategy="pp", B=192, EXTRA_B=64)),
+                     ("pp 192 rows (EXTRA_B 64), cdf",
+                      dict(strategy="pp", B=192, EXTRA_B=64, need_mass=True, cdf=True))):
         ops = gluon_ops(arch=a.arch, **kw)
         print(f"{name}: {sum(ops.values())} instructions in the binary, spilled words "
               f"LDL {ops['LDL']} / STL {ops['STL']} (MUFU {ops['MUFU']}, HGMMA {ops['HGMMA']})")

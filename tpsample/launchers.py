@@ -48,6 +48,12 @@ def _smem_per_block(index: int) -> int:
     return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
 
 
+def _smem_of(device: torch.device) -> int:
+    """Shared memory per block (opt-in) of a CUDA device, bytes."""
+    return _smem_per_block(device.index if device.index is not None
+                           else torch.cuda.current_device())
+
+
 @functools.lru_cache(maxsize=None)
 def _mm_out_fp32_supported() -> bool:
     try:
@@ -333,9 +339,7 @@ def _ws(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start, pe
     side_rows = side is not None and WS_SIDE_ROWS and k_steps <= WS_SIDE_ROWS_MAX_K_STEPS
     stages = cfg["NUM_STAGES"]
     if side_rows:
-        index = hidden.device.index
-        stages = _ws_stages(cfg, block_b, block_k, _smem_per_block(
-            index if index is not None else torch.cuda.current_device()))
+        stages = _ws_stages(cfg, block_b, block_k, _smem_of(hidden.device))
     constexprs = dict(
         HAS_BIAS=bias is not None, TILE_MASS=plan.need_mass, STAGES=stages,
         EPI_B=cfg["EPI_B"], LOADER_REGS=WS_LOADER_REGS, MMA_REGS=168 if mma_warps == 4 else 160,
@@ -360,11 +364,21 @@ def _ws(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start, pe
 
 
 @functools.lru_cache(maxsize=64)
-def _pp_layouts(dtype: torch.dtype, block_k: int):
+def _pp_layouts(dtype: torch.dtype, block_k: int, extra_b: int = 0):
     from triton.experimental.gluon import language as gl
     gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
     return (gl.NVMMASharedLayout.get_default_for([2, 4, 2, 8, block_k], gdt),
-            gl.NVMMASharedLayout.get_default_for([128, block_k], gdt))
+            gl.NVMMASharedLayout.get_default_for([128, block_k], gdt),
+            gl.NVMMASharedLayout.get_default_for([extra_b, block_k], gdt) if extra_b else None)
+
+
+def pp_stages(cfg: dict, block_k: int, limit: int, cdf: bool = False) -> int:
+    """The config's pipeline stages, fewer where a stage with the second row tile's
+    [EXTRA_B, BLOCK_K] would not fit in `limit` bytes of shared memory (beside the two
+    consumers' partials and parameters)."""
+    per_stage = (128 + 128 + cfg.get("EXTRA_B", 0)) * block_k * 2
+    fixed = 2 * (8 * 4 * 16 * (2 + 4) * 4 + (128 if cdf else 64) * 16 * 4) + SMEM_SLACK
+    return max(2, min(cfg["NUM_STAGES"], (limit - fixed) // per_stage))
 
 
 def _pp(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start, peers, parity,
@@ -372,34 +386,47 @@ def _pp(plan, cfg, hidden, weight, *, bias, params, out, n_real, vocab_start, pe
     """The ping-pong Hopper kernel (kernels/gluon_pingpong.py): a persistent grid of one
     program per SM over [128, 128] tiles, two consumer warpgroups taking turns. W [V_rows, D]
     is handed to TMA as the view [2, V_rows / 32, 2, 8, D] (row 32t + 4j + 2r + h at
-    [r, t, h, j]), so a thread's accumulator rows are one Philox group."""
+    [r, t, h, j]), so a thread's accumulator rows are one Philox group. cfg EXTRA_B (129 to
+    128 + EXTRA_B rows, plan._resolve): one tile per 128 W rows, the batch's first 128 rows
+    and the rest in a second [128, EXTRA_B] accumulator from the same W tile, so W goes from
+    L2 to shared memory once instead of once per 128 rows."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
     B, D = hidden.shape
     V_rows = weight.shape[0]
     block_k = cfg["BLOCK_K"]
-    w_layout, h_layout = _pp_layouts(hidden.dtype, block_k)
+    extra = cfg.get("EXTRA_B", 0)
+    if extra and not 128 < B <= 128 + extra:
+        raise ValueError(f"a ping-pong plan with EXTRA_B={extra} takes 129 to {128 + extra} "
+                         f"rows, got {B}")
+    w_layout, h_layout, h2_layout = _pp_layouts(hidden.dtype, block_k, extra)
     row = weight.stride(0)
     w_desc = GluonDescriptor(weight, [2, V_rows // 32, 2, 8, D],
                              [2 * row, 32 * row, row, 4 * row, 1], [2, 4, 2, 8, block_k], w_layout)
     h_desc = GluonDescriptor(hidden, list(hidden.shape), list(hidden.stride()), [128, block_k],
                              h_layout)
-    nb = cdiv(B, 128)
+    extra_args = {"h2_desc": None}
+    stages = cfg["NUM_STAGES"]
+    if extra:
+        extra_args["h2_desc"] = GluonDescriptor(hidden, list(hidden.shape),
+                                                list(hidden.stride()), [extra, block_k], h2_layout)
+        stages = pp_stages(cfg, block_k, _smem_of(hidden.device), plan.cdf)
+    nb = 1 if extra else cdiv(B, 128)
     tiles = out.shape[2] * nb
     if plan.trace and (trace is None or trace.shape != (tiles, 4) or trace.dtype != torch.int64):
         raise ValueError(f"a plan with trace=True needs trace int64 [{tiles}, 4] for this call")
     grid = (min(tiles, _num_sms(hidden.device)),)
     constexprs = dict(
-        HAS_BIAS=bias is not None, TILE_MASS=plan.need_mass, STAGES=cfg["NUM_STAGES"],
+        HAS_BIAS=bias is not None, TILE_MASS=plan.need_mass, STAGES=stages,
         LOADER_REGS=PP_LOADER_REGS, CONSUMER_REGS=PP_CONSUMER_REGS,
         SINGLE=plan.num_samples == 1, NUM_PEERS=0 if peers is None else peers.shape[-1],
-        TRACE=plan.trace, CDF=plan.cdf)
+        TRACE=plan.trace, CDF=plan.cdf, EXTRA_B=extra)
     # 4 warps per consumer and 4 for the loader's warpgroup: the register file split evenly
     # before setmaxnreg moves the loader's to the consumers
     run_named(gluon_pingpong.pp_records_kernel, grid, dict(num_warps=4, maxnreg=PP_MAXNREG),
               w_desc=w_desc, h_desc=h_desc, trace_ptr=trace if plan.trace else params.seed,
               num_tiles=tiles, num_b_tiles=nb, k_steps=cdiv(D, block_k),
               **_records_args(plan, bias, params, out, n_real=n_real, vocab_start=vocab_start,
-                              peers=peers, parity=parity), **constexprs)
+                              peers=peers, parity=parity), **extra_args, **constexprs)
     return out
 
 

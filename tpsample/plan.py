@@ -12,7 +12,8 @@ Stage-1 strategies (kernels/):
     fused   the matmul inside the Triton kernel, logits never leave registers
             (fused_sample.fused_sample_records_kernel); B <= 64
     ws      Hopper, warp-specialized Gluon kernel (gluon_sample.py); B >= 64
-    pp      Hopper, ping-pong Gluon kernel, [128, 128] tiles (gluon_pingpong.py); B >= 128
+    pp      Hopper, ping-pong Gluon kernel, [128, 128] tiles (gluon_pingpong.py); B >= 128;
+            with EXTRA_B, 129 to 128 + EXTRA_B rows in [128, 128 + 32 / 64] tiles
     logits  cuBLAS writes fp32 logits, one Triton pass turns them into records; where ws
             or pp do not apply
     torch   the chunked torch path (tpsample/torch_records.py): CPU tensors
@@ -38,6 +39,9 @@ DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp
 # what replaces a strategy that does not apply
 PP_TO_WS = dict(strategy="ws", BLOCK_B=128, NUM_STAGES=5, EPI_B=64, num_warps=8)
 CDF_PP = dict(strategy="pp", BLOCK_B=128, NUM_STAGES=5, num_warps=4)  # cdf where a table says ws
+# where a pp config with a second row tile (EXTRA_B: 129-192 rows) does not apply: 64-row
+# blocks (the H200 table's choice there before that tile existed)
+WIDE_TO_WS = dict(strategy="ws", BLOCK_B=64, EPI_B=32, NUM_STAGES=6, num_warps=4)
 TO_LOGITS = dict(strategy="logits", BLOCK_B=64, num_warps=8)
 # the records pass with candidate planes: its per-tile top-4 wants narrow row blocks (H100,
 # D = 4096, stage 1 at B = 64 / 256: 0.521 / 0.759 ms against 0.559 / 0.887 with TO_LOGITS)
@@ -292,9 +296,17 @@ def make_plan(device: DeviceKind, *, B: int, D: int, V: int, dtype: torch.dtype,
     if cfg["strategy"] == "pp":
         if cfg.get("BLOCK_B", 128) != 128:
             raise ValueError(f"config BLOCK_B of the ping-pong kernel must be 128, got {cfg['BLOCK_B']!r}")
+        if cfg.get("EXTRA_B", 0) not in (0, 32, 64):
+            raise ValueError(f"config EXTRA_B of the ping-pong kernel must be 0, 32 or 64, got "
+                             f"{cfg['EXTRA_B']!r}")
         why = gluon_refusal(device, dtype, V, layout, pp=True)
         if why:
             cfg = fall(PP_TO_WS, why)
+        elif cfg.get("EXTRA_B") and 128 < B <= 128 + cfg["EXTRA_B"] and (
+                num_samples != 1 or candidates or not replacement or masked):
+            cfg = fall(WIDE_TO_WS if not gluon_refusal(device, dtype, V, layout, pp=False)
+                       else TO_LOGITS, "the ping-pong kernel's second row tile takes one sample, "
+                       "without candidates or a mask")
     if merge == "cdf" and cfg["strategy"] in ("pp", "ws"):  # ws has no cdf epilogue
         why = gluon_refusal(device, dtype, V, layout, pp=True)
         if num_samples != 1:
@@ -350,6 +362,11 @@ def _resolve(cfg: dict, device: DeviceKind, B: int, D: int, dtype, merge: str, n
     if strategy in ("ws", "pp"):
         cfg.setdefault("BLOCK_K", WS_BLOCK_K)
         cfg.setdefault("NUM_STAGES", 5)
+        if strategy == "pp":  # the rows past 128 in a second accumulator where they fit
+            # (not with the cdf records: their epilogue spills with it, Triton 3.6 and 3.9)
+            rest, most = B - 128, cfg.pop("EXTRA_B", 0)
+            if 0 < rest <= most and num_samples == 1 and merge != "cdf":
+                cfg["EXTRA_B"] = max(32, next_pow2(rest))
         if strategy == "ws":
             cfg.setdefault("EPI_B", 64)
         return cfg

@@ -112,21 +112,25 @@ def pp_case(B, D, with_bias, seed):
 
 
 @pytest.mark.skipif(not hopper(), reason="the ping-pong kernel is Hopper-only")
-@pytest.mark.parametrize("B,S,with_bias,need_mass,D,vocab_start",
-                         [(200, 2, True, True, 96, 0), (256, 1, False, True, 96, 0),
-                          (130, 1, True, False, 256, 4096), (256, 1, True, True, 4096, 4096),
-                          (1, 1, False, True, 96, 0)])
-def test_pp_kernel_records_equal_ws_records(B, S, with_bias, need_mass, D, vocab_start):
+@pytest.mark.parametrize("B,S,with_bias,need_mass,D,vocab_start,extra",
+                         [(200, 2, True, True, 96, 0, 0), (256, 1, False, True, 96, 0, 0),
+                          (130, 1, True, False, 256, 4096, 0), (256, 1, True, True, 4096, 4096, 0),
+                          (1, 1, False, True, 96, 0, 0), (130, 1, True, True, 96, 0, 32),
+                          (160, 1, False, False, 4096, 4096, 32),
+                          (161, 1, True, True, 256, 0, 64), (192, 1, False, False, 96, 4096, 64)])
+def test_pp_kernel_records_equal_ws_records(B, S, with_bias, need_mass, D, vocab_start, extra):
     """The ping-pong kernel (kernels/gluon_pingpong.py) draws the same noise from the same
     logits as the ws kernel: best score, token and logit of every record are bit-identical
     (S = 1 takes its chunk loop, S = 2 the unrolled sample loop; D = 96 ends on a partial TMA
-    box; B = 130 and 200 end on a partial batch tile). Its log-masses are merged per warp, so
+    box; B = 130 and 200 end on a partial batch tile; extra: the rows past 128 in the second
+    [128, 32 / 64] accumulator, partial there too). Its log-masses are merged per warp, so
     they agree to rounding. Also through the P2P fan-out path (two local stand-in peers)."""
     V, h, w, bias, temp, p = pp_case(B, D, with_bias, seed=B * 7 + S)
     kw = dict(bias=bias, inv_temp=p.inv_temp, seed=p.seed, offset=p.offset, num_samples=S,
               n_real=V - 29, vocab_start=vocab_start, need_mass=need_mass)
-    pp = dict(strategy="pp", BLOCK_B=128, NUM_STAGES=6, num_warps=4)
-    assert kc.stage1_plan(h, w, vocab_start=vocab_start, config=pp).strategy == "pp"
+    pp = dict(strategy="pp", BLOCK_B=128, NUM_STAGES=6, num_warps=4, EXTRA_B=64 if extra else 0)
+    plan = kc.stage1_plan(h, w, vocab_start=vocab_start, config=pp)
+    assert plan.strategy == "pp" and plan.cfg["EXTRA_B"] == extra
     ws = kc.fused_records(h, w, config=dict(strategy="ws", BLOCK_B=128, NUM_STAGES=5, EPI_B=64,
                                                 num_warps=8), **kw)
     got = kc.fused_records(h, w, config=pp, **kw)
@@ -147,9 +151,10 @@ def test_pp_kernel_records_equal_ws_records(B, S, with_bias, need_mass, D, vocab
 
 
 @pytest.mark.skipif(not hopper(), reason="the ping-pong kernel is Hopper-only")
-@pytest.mark.parametrize("B,with_bias,D,vocab_start", [(256, True, 96, 0), (130, False, 256, 4096),
-                                                       (1, True, 4096, 0)])
-def test_pp_cdf_records_match_torch_records(B, with_bias, D, vocab_start):
+@pytest.mark.parametrize("B,with_bias,D,vocab_start,extra",
+                         [(256, True, 96, 0, 0), (130, False, 256, 4096, 0), (1, True, 4096, 0, 0),
+                          (150, True, 256, 0, 64)])
+def test_pp_cdf_records_match_torch_records(B, with_bias, D, vocab_start, extra):
     """The ping-pong kernel's cdf records against the torch path's on the
     same bf16 inputs (fp32 logits there): the same tokens but where rounding of the logits or
     of a running sum moves an interval boundary across a uniform (expected: none in these
@@ -159,7 +164,7 @@ def test_pp_cdf_records_match_torch_records(B, with_bias, D, vocab_start):
     V, h, w, bias, temp, p = pp_case(B, D, with_bias, seed=B * 11 + D)
     kw = dict(bias=bias, inv_temp=p.inv_temp, seed=p.seed, offset=p.offset, num_samples=1,
               n_real=V - 29, vocab_start=vocab_start)
-    pp = dict(strategy="pp", BLOCK_B=128, NUM_STAGES=5, num_warps=4)
+    pp = dict(strategy="pp", BLOCK_B=128, NUM_STAGES=5, num_warps=4, EXTRA_B=extra)
     got = kc.fused_records(h, w, config=pp, cdf=True, **kw)
     want = records_torch(h, w, cdf=True, **kw)
     same = got[..., 1] == want[..., 1]

@@ -53,6 +53,8 @@ GLUON_VARIANTS = {
     "pp_mass": ("dict(strategy='pp', need_mass=True)", 3488),
     "pp_two_samples": ("dict(strategy='pp', num_samples=2)", 13768),
     "pp_cdf": ("dict(strategy='pp', need_mass=True, cdf=True)", 2832),
+    "pp_160_rows": ("dict(strategy='pp', B=160, EXTRA_B=64)", 4992),
+    "pp_160_rows_mass": ("dict(strategy='pp', B=160, EXTRA_B=64, need_mass=True)", 6064),
     "ws_masked": ("dict(strategy='ws', masked=True)", 3800),
     "ws_listed": ("dict(strategy='ws', listed=True)", 4112),
     "ws_candidates": ("dict(strategy='ws', candidates=True, need_mass=True)", 6584),
