@@ -17,6 +17,12 @@ records the other keeps the tensor cores busy, and the ring's phases stay unambi
 slot of the previous tile is loaded before anyone waits on the next). There is no fp32
 hand-off through shared memory (the ws kernel's 64 KB buffer and its store/load passes).
 
+A second row tile (EXTRA_B = 32 or 64, 129 to 128 + EXTRA_B rows, one sample): the loader
+also brings the batch's rows past 128 ([EXTRA_B, BLOCK_K] per stage) and each consumer runs
+two wgmmas per K step on the same W tile, into [128, 128] and [128, EXTRA_B] accumulators,
+then makes both tiles' records. W then goes from L2 to shared memory once per tile instead
+of once per 128 rows, the traffic that bounds this kernel at 129-255 rows (docs/design.md).
+
 Philox groups in registers: a wgmma accumulator [128, N] gives each thread the rows
 64r + 16w + 8h + j (r, h ∈ {0, 1}; w the warp, j = lane // 4). The loader's TMA view puts
 token 32w + 4j + 2r + h of the tile at that row, so a thread's four rows with the same
@@ -537,13 +543,13 @@ if AVAILABLE:
 
     @gluon.jit(do_not_specialize=["B"])
     def pp_records_kernel(
-        w_desc, h_desc, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr,
+        w_desc, h_desc, h2_desc, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr,
         B, n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b, rec_stride_t,
         peer_ptrs, parity_ptr, trace_ptr, num_tiles, num_b_tiles, k_steps,
         HAS_BIAS: gl.constexpr, TILE_MASS: gl.constexpr, STAGES: gl.constexpr,
         LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, SINGLE: gl.constexpr = False,
         NUM_PEERS: gl.constexpr = 0, TRACE: gl.constexpr = False, CDF: gl.constexpr = False,
-        EXTRA_B: gl.constexpr = 0, h2_desc=None,
+        EXTRA_B: gl.constexpr = 0,
     ):
         """Records [S, B, T, 4] of the [128, 128] tiles (vocabulary × batch) of this program;
         see the module docstring. num_warps must be 4 (consumer 0). w_desc: the view
@@ -552,7 +558,9 @@ if AVAILABLE:
         TRACE: trace_ptr [num_tiles, 4] int64 ← the tile's consumer's SM clock (clock64)
         before its wait for the other's MMAs, before its first MMA, once its MMAs are done
         and once its records are out (a plan with trace=True: tools/probe.py). CDF: the "cdf" merge's records
-        (_tile_records; SINGLE and TILE_MASS only)."""
+        (_tile_records; SINGLE and TILE_MASS only). EXTRA_B > 0 (SINGLE, num_b_tiles 1,
+        128 < B <= 128 + EXTRA_B): the rows past 128 through h2_desc (block [EXTRA_B,
+        BLOCK_K]) into a second accumulator (module docstring); h2_desc is None otherwise."""
         BLOCK_K: gl.constexpr = w_desc.block_type.shape[4]
         BLOCK_B: gl.constexpr = h_desc.block_type.shape[0]
         w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape,

@@ -40,9 +40,13 @@ def test_shipped_tables_hold_only_what_the_plan_reads(name):
     configs = list(data["buckets"].values()) + [c for o in data["by_max_d"].values() for c in o.values()]
     for cfg in configs:
         assert cfg["strategy"] in ("fused", "ws", "pp") and set(cfg) <= keys, cfg
-    for B in (1, 8, 32, 64, 128, 160, 192, 256):  # every shipped cell: no fallback
-        p = plan(DeviceKind("cuda", name, (9, 0), 132, gluon_missing=None), B=B)
-        assert p.strategy in ("fused", "ws", "pp") and not p.fallbacks, str(p)
+    for B in (1, 8, 32, 64, 128, 160, 192, 256):  # every shipped cell: no fallback (but
+        for need_mass in (False, True):  # the 64-row second tile's with log-masses)
+            p = plan(DeviceKind("cuda", name, (9, 0), 132, gluon_missing=None), B=B,
+                     need_mass=need_mass)
+            spills = name == "h200" and B == 192 and need_mass
+            assert p.strategy in ("fused", "ws", "pp"), str(p)
+            assert bool(p.fallbacks) == spills and (not spills or "spills" in str(p)), str(p)
 
 
 def test_h100_table_choices():
@@ -204,17 +208,20 @@ def test_pp_second_row_tile_covers_the_batch_past_128_rows():
     dev = DeviceKind("cuda", None, (9, 0), 132, gluon_missing=None)
     cfg = dict(strategy="pp", BLOCK_B=128, NUM_STAGES=5, num_warps=4, EXTRA_B=64)
     def extra(B, **kw):
-        p = plan(dev, B=B, config=cfg, **kw)
+        p = plan(dev, B=B, config=cfg, **dict(dict(need_mass=False), **kw))
         return p.strategy, p.cfg.get("EXTRA_B")
     assert [extra(B) for B in (100, 128, 129, 160, 161, 192, 193, 256)] == [
         ("pp", None), ("pp", None), ("pp", 32), ("pp", 32), ("pp", 64), ("pp", 64),
         ("pp", None), ("pp", None)]
-    assert extra(160, merge="cdf") == ("pp", None)  # (its epilogue spills with the tile)
+    assert extra(160, merge="cdf", need_mass=True) == ("pp", None)  # (its epilogue spills with the tile)
     for kw in (dict(num_samples=2), dict(candidates=True), dict(masked=True),
                dict(candidates=True, replacement=False)):
         p = plan(dev, B=160, config=cfg, **kw)
         assert p.strategy in ("ws", "logits") and "EXTRA_B" not in p.cfg, (kw, str(p))
         assert "second row tile" in p.fallbacks[0][1]
     assert plan(dev, B=160, config=cfg, candidates=True).cfg["BLOCK_B"] == 64
+    assert extra(160, need_mass=True) == ("pp", 32)  # (no spills with the log-masses)
+    p = plan(dev, B=161, config=cfg, need_mass=True)  # (64 rows: spills, so 64-row ws)
+    assert p.strategy == "ws" and "spills" in p.fallbacks[0][1]
     with pytest.raises(ValueError, match="EXTRA_B"):
         plan(dev, B=160, config=dict(cfg, EXTRA_B=48))

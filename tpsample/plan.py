@@ -302,11 +302,15 @@ def make_plan(device: DeviceKind, *, B: int, D: int, V: int, dtype: torch.dtype,
         why = gluon_refusal(device, dtype, V, layout, pp=True)
         if why:
             cfg = fall(PP_TO_WS, why)
-        elif cfg.get("EXTRA_B") and 128 < B <= 128 + cfg["EXTRA_B"] and (
-                num_samples != 1 or candidates or not replacement or masked):
-            cfg = fall(WIDE_TO_WS if not gluon_refusal(device, dtype, V, layout, pp=False)
-                       else TO_LOGITS, "the ping-pong kernel's second row tile takes one sample, "
-                       "without candidates or a mask")
+        elif cfg.get("EXTRA_B") and 128 < B <= 128 + cfg["EXTRA_B"]:
+            why = ("the ping-pong kernel's second row tile takes one sample, without candidates "
+                   "or a mask" if num_samples != 1 or candidates or not replacement or masked
+                   else "the ping-pong kernel's 64-row second tile spills with the log-masses "
+                   "(54 words, Triton 3.6)" if B > 160 and need_mass and merge != "cdf"
+                   else None)
+            if why:
+                cfg = fall(WIDE_TO_WS if not gluon_refusal(device, dtype, V, layout, pp=False)
+                           else TO_LOGITS, why)
     if merge == "cdf" and cfg["strategy"] in ("pp", "ws"):  # ws has no cdf epilogue
         why = gluon_refusal(device, dtype, V, layout, pp=True)
         if num_samples != 1:

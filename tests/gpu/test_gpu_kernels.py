@@ -130,7 +130,7 @@ def test_pp_kernel_records_equal_ws_records(B, S, with_bias, need_mass, D, vocab
               n_real=V - 29, vocab_start=vocab_start, need_mass=need_mass)
     pp = dict(strategy="pp", BLOCK_B=128, NUM_STAGES=6, num_warps=4, EXTRA_B=64 if extra else 0)
     plan = kc.stage1_plan(h, w, vocab_start=vocab_start, config=pp)
-    assert plan.strategy == "pp" and plan.cfg["EXTRA_B"] == extra
+    assert plan.strategy == "pp" and plan.cfg.get("EXTRA_B", 0) == extra
     ws = kc.fused_records(h, w, config=dict(strategy="ws", BLOCK_B=128, NUM_STAGES=5, EPI_B=64,
                                                 num_warps=8), **kw)
     got = kc.fused_records(h, w, config=pp, **kw)

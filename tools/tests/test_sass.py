@@ -55,6 +55,7 @@ GLUON_VARIANTS = {
     "pp_cdf": ("dict(strategy='pp', need_mass=True, cdf=True)", 2832),
     "pp_160_rows": ("dict(strategy='pp', B=160, EXTRA_B=64)", 4992),
     "pp_160_rows_mass": ("dict(strategy='pp', B=160, EXTRA_B=64, need_mass=True)", 6064),
+    "pp_192_rows": ("dict(strategy='pp', B=192, EXTRA_B=64)", 5192),
     "ws_masked": ("dict(strategy='ws', masked=True)", 3800),
     "ws_listed": ("dict(strategy='ws', listed=True)", 4112),
     "ws_candidates": ("dict(strategy='ws', candidates=True, need_mass=True)", 6584),
@@ -65,6 +66,10 @@ GLUON = ("from tools import sass\n"
          + "".join(f"ops = sass.gluon_ops(**{kw})\n"
                    f"print('{name}', ops['LDL'] + ops['STL'], ops['HGMMA'], sum(ops.values()))\n"
                    for name, (kw, _) in GLUON_VARIANTS.items()))
+# Spilled words a variant is known to have, per Triton version (3.7 and 3.8: the largest):
+# the 64-row second tile of pp beside its 128-row accumulator (its calls were still 9 %
+# faster than 64-row ws on the H200; tpsample.plan keeps it from log-mass calls, 54 words).
+SPILLS = {"pp_192_rows": {"3.6": 30, "3.9": 80}}
 # Against the 3.6 build: ptxas schedules differ by a few instructions a binary across versions;
 # a rise past this is a changed kernel, not a scheduling difference.
 BUILD_RATIO = 0.03
@@ -127,7 +132,8 @@ def test_contention_microbenchmark_keeps_the_instructions_it_times(tmp_path):
 @pytest.mark.skipif(not os.path.exists(NVDISASM), reason="Triton ships no nvdisasm here")
 def test_hopper_kernels_compile_without_spills(tmp_path):
     """ws and pp as tpsample.launchers launches them (shipped register budgets) compile for sm_90
-    with this Triton, with no spilled words, one sample or two, pp with the cdf records (an
+    with this Triton, with no spilled words (pp's 64-row second tile: at most SPILLS), one
+    sample or two, pp with the cdf records (an
     earlier pp's S > 1 path spilled 134 words), ws with the allowed-token mask and with the
     candidate planes (64-column chunks spilled 110 words); each binary
     within BUILD_RATIO of its instruction count in the Triton 3.6 build."""
@@ -135,7 +141,9 @@ def test_hopper_kernels_compile_without_spills(tmp_path):
     assert [r[0] for r in rows] == list(GLUON_VARIANTS), rows
     for name, spilled, hgmma, total in rows:
         spilled, hgmma, total = int(spilled), int(hgmma), int(total)
-        assert spilled == 0 and hgmma > 0, (name, spilled, hgmma)
+        known = SPILLS.get(name, {})
+        assert spilled <= known.get(VERSION, max(known.values(), default=0)) and hgmma > 0, (
+            name, spilled, hgmma)
         ref = OTHER_BUILDS.get(name, {}).get(VERSION, GLUON_VARIANTS[name][1])
         assert abs(total / ref - 1) <= BUILD_RATIO, f"{name}: {total} instructions, reference: {ref}"
 
