@@ -201,6 +201,22 @@ def test_the_side_output_transpose_costs_a_stage_only_where_shared_memory_runs_o
         assert L._ws_stages(cfg, block_b, 64, limit + 65536) == stages  # (room: no drop)
 
 
+def test_pp_second_row_tile_stages_fit_shared_memory():
+    """pp's stages with the second row tile: each adds [EXTRA_B, BLOCK_K] of hidden
+    states, so an H200's 227 KB holds five at 32 rows and four at 64 (the shipped
+    NUM_STAGES 5); without the tile the config's own count (six fit at 128 rows)."""
+    from tpsample import launchers as L
+    limit = 232448
+    cfg = dict(NUM_STAGES=5)
+    assert L.pp_stages(dict(cfg, EXTRA_B=32), 64, limit) == 5
+    assert L.pp_stages(dict(cfg, EXTRA_B=64), 64, limit) == 4
+    assert L.pp_stages(dict(cfg, EXTRA_B=64), 64, limit, cdf=True) == 4
+    assert L.pp_stages(dict(NUM_STAGES=6), 64, limit) == 6
+    for extra, stages in ((0, 6), (32, 5), (64, 4)):  # what the kernel allocates fits
+        smem = stages * (256 + extra) * 64 * 2 + 2 * (8 * 4 * 16 * 6 * 4 + 64 * 16 * 4)
+        assert smem + L.SMEM_SLACK <= limit
+
+
 def test_pp_second_row_tile_covers_the_batch_past_128_rows():
     """A pp config with EXTRA_B (the most rows past 128 its second accumulator takes) gets
     the smallest of 32 / 64 that covers B - 128 rows, none where B <= 128 or B > 128 +
