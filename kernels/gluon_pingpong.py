@@ -42,10 +42,11 @@ if AVAILABLE:
                                store_records, transform)
 
     @gluon.jit
-    def _loader(w_desc, h_desc, h2_desc, w_bufs, h_bufs, h2_bufs, ready, empty, mma_done, part_a0, part_a1, part_b0,
-                part_b1, params0, params1, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr, B,
-                n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b, rec_stride_t,
-                peer_ptrs, parity_ptr, trace_ptr, num_tiles, num_b_tiles, k_steps,
+    def _loader(w_desc, h_desc, h2_desc, w_bufs, h_bufs, h2_bufs, ready, empty, mma_done,
+                part_a0, part_a1, part_b0, part_b1, params0, params1, bias_ptr, inv_temp_ptr,
+                seed_ptr, offset_ptr, rec_ptr, B, n_real, vocab_start, num_samples,
+                rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr, trace_ptr,
+                num_tiles, num_b_tiles, k_steps,
                 HAS_BIAS: gl.constexpr, TILE_MASS: gl.constexpr, NUM_PEERS: gl.constexpr,
                 STAGES: gl.constexpr, SINGLE: gl.constexpr, WHICH: gl.constexpr,
                 TRACE: gl.constexpr, CDF: gl.constexpr, EXTRA_B: gl.constexpr):
@@ -72,11 +73,11 @@ if AVAILABLE:
                 it += 1
 
     @gluon.jit
-    def _consumer(w_desc, h_desc, h2_desc, w_bufs, h_bufs, h2_bufs, ready, empty, mma_done, part_a0, part_a1,
-                  part_b0, part_b1, params0, params1, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr,
-                  rec_ptr, B, n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b,
-                  rec_stride_t, peer_ptrs, parity_ptr, trace_ptr, num_tiles, num_b_tiles,
-                  k_steps, HAS_BIAS: gl.constexpr, TILE_MASS: gl.constexpr,
+    def _consumer(w_desc, h_desc, h2_desc, w_bufs, h_bufs, h2_bufs, ready, empty, mma_done,
+                  part_a0, part_a1, part_b0, part_b1, params0, params1, bias_ptr, inv_temp_ptr,
+                  seed_ptr, offset_ptr, rec_ptr, B, n_real, vocab_start, num_samples,
+                  rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr, trace_ptr,
+                  num_tiles, num_b_tiles, k_steps, HAS_BIAS: gl.constexpr, TILE_MASS: gl.constexpr,
                   NUM_PEERS: gl.constexpr, STAGES: gl.constexpr, SINGLE: gl.constexpr,
                   WHICH: gl.constexpr, TRACE: gl.constexpr, CDF: gl.constexpr,
                   EXTRA_B: gl.constexpr):
@@ -557,10 +558,11 @@ if AVAILABLE:
         [128, BLOCK_K]. NUM_PEERS > 0: the records go to every peer, as in ws_records_kernel.
         TRACE: trace_ptr [num_tiles, 4] int64 ← the tile's consumer's SM clock (clock64)
         before its wait for the other's MMAs, before its first MMA, once its MMAs are done
-        and once its records are out (a plan with trace=True: tools/probe.py). CDF: the "cdf" merge's records
-        (_tile_records; SINGLE and TILE_MASS only). EXTRA_B > 0 (SINGLE, num_b_tiles 1,
-        128 < B <= 128 + EXTRA_B): the rows past 128 through h2_desc (block [EXTRA_B,
-        BLOCK_K]) into a second accumulator (module docstring); h2_desc is None otherwise."""
+        and once its records are out (a plan with trace=True: tools/probe.py). CDF: the
+        "cdf" merge's records (_tile_records; SINGLE and TILE_MASS only). EXTRA_B > 0
+        (SINGLE, num_b_tiles 1, 128 < B <= 128 + EXTRA_B): the rows past 128 through h2_desc
+        (block [EXTRA_B, BLOCK_K]) into a second accumulator (module docstring); h2_desc is
+        None otherwise."""
         BLOCK_K: gl.constexpr = w_desc.block_type.shape[4]
         BLOCK_B: gl.constexpr = h_desc.block_type.shape[0]
         w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape,
