@@ -1,7 +1,7 @@
 """The benchmark: tpsample against unfused LM-head sampling, on one device or under TP.
 
     python -m tpsample.launch.bench [--shapes 2048x151936,4096x151936,8192x128256]
-        [--batches 1,2,4,...,128,160,192,256] [--merge max|logmass|cdf] [--out DIR] [--passes N]
+        [--batches 1,2,4,...,224,256] [--merge max|logmass|cdf] [--out DIR] [--passes N]
         [--no-compile] [--variants mm,tpsample,...] [--doc docs/performance.md --label H100]
     torchrun --nproc-per-node=N -m tpsample.launch.bench [--shapes 8192x128256,4096x151936]
         [--batches 1,16,64,256] [--iters 100] [--transports symm_mem,nccl] [--no-graph]
@@ -279,7 +279,7 @@ def plot_single(res: dict, doc: str, label: str, title: str, main: str = "tpsamp
         ax.plot(*zip(*pts), marker="o", label=n, lw=2.5 if n == main else 1.5)
     ax.axhline(res["floor_ms"], ls="--", color="k", label=f"floor ({res['floor_ms']:.3f} ms)")
     ax.set_xscale("log", base=2)
-    ax.set_xticks(Bs, [str(b) for b in Bs])
+    ax.set_xticks(Bs, [str(b) for b in Bs], fontsize=8, rotation=90)  # (sizes between powers of 2)
     ax.set_ylim(bottom=0)
     ax.set(xlabel="batch size B", ylabel="median time (ms)", title=f"{title}: D={res['D']}, V={res['V']}")
     ax.grid(alpha=0.3)
@@ -1022,7 +1022,7 @@ def parse_args(argv=None):
     p.add_argument("--mode", choices=["single", "tp"],
                    help="default: tp under torchrun (WORLD_SIZE set), else single")
     p.add_argument("--shapes", help=f"DxV,... (single: {SINGLE_SHAPES}; tp: {TP_SHAPES}; CPU 256x8192)")
-    p.add_argument("--batches", help="B,... (single: 1,2,4,...,128,160,192,256; tp: 1,16,64,256; CPU 1,4,16)")
+    p.add_argument("--batches", help="B,... (single: 1,2,4,8,16,24,...,224,256; tp: 1,16,64,256; CPU 1,4,16)")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--merge", default="max", choices=["max", "logmass", "cdf"],
                    help="the merge tpsample samples with")
@@ -1054,9 +1054,10 @@ def parse_args(argv=None):
     tp = a.mode == "tp"
     default_shapes = (TP_SHAPES if tp else SINGLE_SHAPES) if a.cuda else "256x8192"
     a.shapes = [tuple(int(x) for x in s.lower().split("x")) for s in (a.shapes or default_shapes).split(",")]
-    # (single: the powers of two, and 160 / 192 for the regime between the 128- and 256-row
-    # kernels, docs/design.md)
-    default_b = ("1,16,64,256" if tp else "1,2,4,8,16,32,64,128,160,192,256") if a.cuda else "1,4,16"
+    # (single: the powers of two, and sizes between the kernels' row blocks, where a block
+    # reaches past the batch, docs/design.md)
+    default_b = ("1,16,64,256" if tp else "1,2,4,8,16,24,32,48,64,96,128,144,160,176,192,224,256"
+                 ) if a.cuda else "1,4,16"
     a.batches = [int(b) for b in (a.batches or default_b).split(",")]
     a.iters = a.iters or (100 if a.cuda else 20)
     a.passes = a.passes or (2 if a.cuda else 1)
