@@ -239,5 +239,7 @@ def test_pp_second_row_tile_covers_the_batch_past_128_rows():
     assert extra(160, need_mass=True) == ("pp", 32)  # (no spills with the log-masses)
     p = plan(dev, B=161, config=cfg, need_mass=True)  # (64 rows: spills, so 64-row ws)
     assert p.strategy == "ws" and "spills" in p.fallbacks[0][1]
+    p = plan(dev, B=160, V=151936 - 16, config=cfg)  # (pp needs V % 32: 64-row ws, as before)
+    assert p.strategy == "ws" and p.cfg["BLOCK_B"] == 64 and "multiple of 32" in p.fallbacks[0][1]
     with pytest.raises(ValueError, match="EXTRA_B"):
         plan(dev, B=160, config=dict(cfg, EXTRA_B=48))

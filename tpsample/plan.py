@@ -300,17 +300,15 @@ def make_plan(device: DeviceKind, *, B: int, D: int, V: int, dtype: torch.dtype,
             raise ValueError(f"config EXTRA_B of the ping-pong kernel must be 0, 32 or 64, got "
                              f"{cfg['EXTRA_B']!r}")
         why = gluon_refusal(device, dtype, V, layout, pp=True)
-        if why:
-            cfg = fall(PP_TO_WS, why)
-        elif cfg.get("EXTRA_B") and 128 < B <= 128 + cfg["EXTRA_B"]:
+        wide = bool(cfg.get("EXTRA_B")) and 128 < B <= 128 + cfg["EXTRA_B"]
+        if wide and not why:
             why = ("the ping-pong kernel's second row tile takes one sample, without candidates "
                    "or a mask" if num_samples != 1 or candidates or not replacement or masked
                    else "the ping-pong kernel's 64-row second tile spills with the log-masses "
                    "(54 words, Triton 3.6)" if B > 160 and need_mass and merge != "cdf"
                    else None)
-            if why:
-                cfg = fall(WIDE_TO_WS if not gluon_refusal(device, dtype, V, layout, pp=False)
-                           else TO_LOGITS, why)
+        if why:  # (ws's own refusal below takes it on to the records pass)
+            cfg = fall(WIDE_TO_WS if wide else PP_TO_WS, why)
     if merge == "cdf" and cfg["strategy"] in ("pp", "ws"):  # ws has no cdf epilogue
         why = gluon_refusal(device, dtype, V, layout, pp=True)
         if num_samples != 1:
