@@ -3,6 +3,8 @@
 # (compiling included):
 #
 #   tools/onegpu.sh tests OUT    # the one-GPU tests (tests/gpu, without the multigpu module)
+#   tools/onegpu.sh bench OUT    # the plain-call benchmark (SHAPES; its default batches, the
+#                                # sizes between the kernels' row blocks included), OUT/bench.md
 #   tools/onegpu.sh sweep OUT    # the filtered-call sweep (SHAPES, default 4096x151936; the
 #                                # flat, typical and mixed heads at T = 1, B 16/64/256), its
 #                                # table and plot in OUT/sweep.md; FLASHINFER_PARTS=DIR (what
@@ -24,7 +26,7 @@
 # markdown under OUT; each part prints its table last.
 set -euo pipefail
 
-part=${1:?part: tests, sweep, verify, decode, host or reuse}
+part=${1:?part: tests, bench, sweep, verify, decode, host or reuse}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONSAFEPATH=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
@@ -34,6 +36,10 @@ case "$part" in
 tests)
     python -m pytest -q -ra -m "gpu or not gpu" tests/gpu --ignore=tests/gpu/test_multigpu.py \
         2>&1 | tee "$out/tests.log"
+    ;;
+bench)
+    python -m tpsample.launch.bench --shapes "$shapes" --no-compile --out "$out/bench" \
+        --doc "$out/bench.md" --label "bench" 2>&1 | tee "$out/bench.log"
     ;;
 sweep)
     if [ -n "${FLASHINFER_PARTS:-}" ]; then
