@@ -108,7 +108,8 @@ if AVAILABLE:
             if TRACE:
                 gl.store(trace_ptr + 4 * tile + 1, sm_clock())
             acc = gl.zeros([128, BLOCK_B], gl.float32, layout)
-            acc2 = gl.zeros([128, N2], gl.float32, layout2)
+            if EXTRA_B > 0:
+                acc2 = gl.zeros([128, N2], gl.float32, layout2)
             for k in range(k_steps):
                 s = it % STAGES
                 mbarrier.wait(ready.index(s), (it // STAGES) & 1)

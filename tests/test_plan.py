@@ -210,11 +210,7 @@ def test_pp_second_row_tile_stages_fit_shared_memory():
     cfg = dict(NUM_STAGES=5)
     assert L.pp_stages(dict(cfg, EXTRA_B=32), 64, limit) == 5
     assert L.pp_stages(dict(cfg, EXTRA_B=64), 64, limit) == 4
-    assert L.pp_stages(dict(cfg, EXTRA_B=64), 64, limit, cdf=True) == 4
     assert L.pp_stages(dict(NUM_STAGES=6), 64, limit) == 6
-    for extra, stages in ((0, 6), (32, 5), (64, 4)):  # what the kernel allocates fits
-        smem = stages * (256 + extra) * 64 * 2 + 2 * (8 * 4 * 16 * 6 * 4 + 64 * 16 * 4)
-        assert smem + L.SMEM_SLACK <= limit
 
 
 def test_pp_second_row_tile_covers_the_batch_past_128_rows():

@@ -165,6 +165,9 @@ def test_pp_cdf_records_match_torch_records(B, with_bias, D, vocab_start, extra)
     kw = dict(bias=bias, inv_temp=p.inv_temp, seed=p.seed, offset=p.offset, num_samples=1,
               n_real=V - 29, vocab_start=vocab_start)
     pp = dict(strategy="pp", BLOCK_B=128, NUM_STAGES=5, num_warps=4, EXTRA_B=extra)
+    # (a config with the second row tile: cdf calls take two 128-row blocks, as the plan says)
+    assert "EXTRA_B" not in kc.stage1_plan(h, w, vocab_start=vocab_start, config=pp,
+                                           cdf=True).cfg
     got = kc.fused_records(h, w, config=pp, cdf=True, **kw)
     want = records_torch(h, w, cdf=True, **kw)
     same = got[..., 1] == want[..., 1]
