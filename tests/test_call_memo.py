@@ -13,6 +13,7 @@ import tpsample
 from tpsample import call_memo as CM
 from tpsample import knobs
 from tpsample.call_graphs import CallGraph, CallGraphs
+from tpsample.drawn_seeds import row_seed
 from tpsample.parallel import VocabParallelSampler
 from tpsample.spec import sampling_spec
 
@@ -117,9 +118,9 @@ def stored(memo, seed=None, offset=5, bias=None, filtered=False, bound=("weight"
     sig = CM.signature(h, w, bias, seed, offset, SCALARS, out)
     draws = []
 
-    def draw(n, device, out=None):
-        draws.append(n)
-        return torch.full((n,), 100 * len(draws), dtype=torch.int64, out=out)
+    def draw(device):  # (a base: the graph's input gets drawn_seeds.row_seeds(base, B))
+        draws.append(device)
+        return 100 * len(draws)
     memo.store(sig, pipe, spec, seed, offset, bias, bias, draw, out)
     return sig, pipe, w, draws
 
@@ -156,10 +157,12 @@ def test_a_hit_replays_the_graph_with_this_calls_hidden_offset_and_seeds(cpu_mem
     assert len(cpu_memo.entries) == 1 and pipe.replays == 1
     h = torch.full((B, D), 2.0)
     tokens = cpu_memo.call(sig, h, None, 9)
-    assert draws == [B] and cpu_memo.hits == 1 and pipe.replays == 2
-    assert tokens.tolist() == [8 + 100 + 9] * B  # row sums 8, drawn seeds 100, offset 9
+    assert draws == [pipe.device] and cpu_memo.hits == 1 and pipe.replays == 2
+    # row sums 8, the seeds drawn from base 100, offset 9
+    assert tokens.tolist() == [8 + row_seed(100, b) + 9 for b in range(B)]
     again = cpu_memo.call(sig, h, None, 10)
-    assert again.tolist() == [8 + 200 + 10] * B and again.data_ptr() != tokens.data_ptr()
+    assert again.tolist() == [8 + row_seed(200, b) + 10 for b in range(B)]
+    assert again.data_ptr() != tokens.data_ptr()
     # the offset and the seeds written into the graph's own inputs, not bound
     assert pipe.graphs.graphs and set(next(iter(pipe.graphs.graphs.values())).copied) >= {
         "hidden", "seed", "offset"}
@@ -176,7 +179,8 @@ def test_a_hit_with_out_returns_it_holding_the_tokens(cpu_memo, copied):
     graph = next(iter(pipe.graphs.graphs.values()))
     assert graph.sinks == {"tokens": ("out", copied)}
     res = cpu_memo.call(sig, torch.full((B, D), 2.0), None, 9)
-    assert res is out and out.tolist() == [8 + 100 + 9] * B and cpu_memo.hits == 1
+    assert res is out and out.tolist() == [8 + row_seed(100, b) + 9 for b in range(B)]
+    assert cpu_memo.hits == 1
 
 
 def test_a_filtered_hit_counts_and_watches_as_the_full_path(cpu_memo):
@@ -257,9 +261,9 @@ def test_a_bound_tensor_elsewhere_drops_the_graph_before_any_seed_is_drawn(cpu_m
     step whichever path each rank took."""
     sig, pipe, w, draws = stored(cpu_memo, bound=("weight", "offset"), offset=5)
     tokens = cpu_memo.call(sig, torch.ones(B, D), None, 5)  # offset 5: the bound tensor
-    assert tokens.tolist() == [4 + 100 + 5] * B
+    assert tokens.tolist() == [4 + row_seed(100, b) + 5 for b in range(B)]
     assert cpu_memo.call(sig, torch.ones(B, D), None, 6) is None  # another offset tensor
-    assert draws == [B] and not cpu_memo.entries and not pipe.graphs.graphs
+    assert draws == [pipe.device] and not cpu_memo.entries and not pipe.graphs.graphs
 
 
 @pytest.mark.parametrize("fn", [tpsample.sample, VocabParallelSampler.__call__])
@@ -275,20 +279,3 @@ def test_the_signature_covers_every_argument(fn):
     assert params <= names | {"weight"} and params - names <= {"weight"}, params - names
 
 
-def test_seeds_drawn_into_a_graphs_input_equal_a_new_draw():
-    """The memo draws seed=None's row seeds into the graph's input (random_); the full path
-    draws a new tensor (randint): the same values from the same generator state."""
-    import types
-    from tpsample import api
-    from tpsample.parallel import VocabParallelSampler
-    cpu = torch.device("cpu")
-    for B in (1, 7):
-        out = torch.empty(B, dtype=torch.int64)
-        torch.manual_seed(3)
-        new = api._draw_seed(B, cpu)
-        torch.manual_seed(3)
-        assert api._draw_seed(B, cpu, out) is out and torch.equal(out, new)
-        tp = [types.SimpleNamespace(generator=torch.Generator().manual_seed(4)) for _ in range(2)]
-        new = VocabParallelSampler._draw_seed(tp[0], B, cpu)
-        assert torch.equal(VocabParallelSampler._draw_seed(tp[1], B, cpu, out), new)
-        assert int(new.min()) >= 0 and int(new.max()) < (1 << 62)

@@ -155,7 +155,7 @@ def measure(fns: dict, world: int, rank: int, tag: str, B: int, graphs: bool,
     its host-timed calls the memo served (0 where they took the full path)."""
     out = []
     for name, fn in fns.items():
-        if only and name.removesuffix("_nomemo") not in only:
+        if only and name.removesuffix("_nomemo").removesuffix("_noargs") not in only:
             continue
         for _ in range(5):
             fn()
@@ -203,6 +203,28 @@ def memo_arms(fns: dict) -> dict:
     for name, fn in fns.items():
         out[name + "_nomemo"] = off(fn)
         out[name] = fn
+    return out
+
+
+def args_arms(fns: dict, reset) -> dict:
+    """Each call kind also with TPSAMPLE_GRAPH_ARGS off (<kind>_noargs, measured first): the
+    A/B of tpsample/graph_args.py in the same run. A graph keeps the setting it was captured
+    with, so reset() drops every graph and memo entry whenever the calls switch arms."""
+    from tpsample import knobs
+    arm = [None]
+
+    def with_args(fn, on: bool):
+        def call():
+            if arm[0] is not on:
+                reset()
+                arm[0] = on
+            with knobs.overridden(GRAPH_ARGS=on):
+                return fn()
+        return call
+    out = {}
+    for name, fn in fns.items():
+        out[name + "_noargs"] = with_args(fn, False)
+        out[name] = with_args(fn, True)
     return out
 
 
@@ -283,6 +305,14 @@ def report(arms: list[str]) -> str:
     return "\n".join(lines)
 
 
+def reset_one_gpu() -> None:
+    """tpsample.sample's graphs and memo entries dropped (captured again by later calls)."""
+    for pipe in tpsample.api._PIPELINES.values():
+        if pipe.graphs is not None:
+            pipe.graphs.clear()
+    tpsample.api._MEMO.clear()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--report", nargs="+", default=None, metavar="LABEL=JSON")
@@ -295,6 +325,8 @@ def main():
                     help="under torchrun, only the VocabParallelSampler calls")
     ap.add_argument("--ab-memo", action="store_true",
                     help="each kind also with TPSAMPLE_MEMO off (<kind>_nomemo), same run")
+    ap.add_argument("--ab-args", action="store_true",
+                    help="each kind also with TPSAMPLE_GRAPH_ARGS off (<kind>_noargs), same run")
     ap.add_argument("--dims", default="4096", help="hidden sizes D, comma-separated")
     args = ap.parse_args()
     if args.report:
@@ -322,6 +354,8 @@ def main():
             for B in batches:
                 fns = kinds(lambda h, **kw: tpsample.sample(h, W, **kw), B, dev, 1,
                             lambda h3, d, **kw: tpsample.verify_drafts(h3, W, d, **kw))
+                if args.ab_args:
+                    fns = args_arms(fns, reset_one_gpu)
                 res += [dict(r, D=D) for r in measure(
                     memo_arms(fns) if args.ab_memo else fns, 1, 0, "tp1",
                     B, not args.no_graph, not args.no_profile, only, tpsample.api._MEMO)]
@@ -339,6 +373,8 @@ def main():
                 res.append({"call": f"tp{world}_mm_local", "B": B, "D": D, "host_us": 0.0,
                             "eager_ms": t.item(), "tokens": 0})
                 fns = kinds(s, B, dev, world, s.verify_drafts)
+                if args.ab_args:
+                    fns = args_arms(fns, lambda: (s.memo.clear(), s.pipeline.graphs.clear()))
                 res += [dict(r, D=D) for r in measure(
                     memo_arms(fns) if args.ab_memo else fns, world, rank, f"tp{world}", B,
                     not args.no_graph, not args.no_profile, only, s.memo)]

@@ -19,6 +19,8 @@
 #   tools/onegpu.sh host OUT     # tools.host_cost: host µs per call kind, the call memo off and on
 #   tools/onegpu.sh reuse OUT    # tools.host_cost with TPSAMPLE_REUSE_OUTPUTS=0 and =1, one
 #                                # process each, twice in turn (the graphs' output slots)
+#   tools/onegpu.sh args OUT     # tools.host_cost with TPSAMPLE_GRAPH_ARGS=0 and =1 in one
+#                                # process (a decode loop's inputs read by the graph)
 #
 # Run from the repository root with tpsample importable (PYTHONPATH or an install; the source
 # tree's tpsample/ has no kernels, so it is kept off sys.path: PYTHONSAFEPATH, and the
@@ -26,7 +28,7 @@
 # markdown under OUT; each part prints its table last.
 set -euo pipefail
 
-part=${1:?part: tests, bench, sweep, verify, decode, host or reuse}
+part=${1:?part: tests, bench, sweep, verify, decode, host, args or reuse}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONSAFEPATH=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
@@ -77,6 +79,11 @@ host)
         --out "$out/host" 2>&1 | tee "$out/host.log"
     python -m tools.host_cost --report ="$out/host/host_cost.json" | tee "$out/host.md"
     ;;
+args)
+    python -m tools.host_cost --batches 1,64,256 --no-profile --no-graph --ab-args \
+        --kinds plain,plain_fresh_h,loop,loop_out,loop_keep,top_p0.9 \
+        --out "$out/args" 2>&1 | tee "$out/args.log"
+    ;;
 reuse)
     arms=()
     for round in 1 2; do
@@ -91,5 +98,5 @@ reuse)
     python -m tools.host_cost --report "${arms[@]}" | tee "$out/reuse.md"
     ;;
 *)
-    echo "unknown part $part (tests, sweep, verify, decode, host or reuse)"; exit 2 ;;
+    echo "unknown part $part (tests, bench, sweep, verify, decode, host, args or reuse)"; exit 2 ;;
 esac

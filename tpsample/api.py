@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from . import knobs
+from . import drawn_seeds, knobs
 from . import params as P
 from . import verify as VF
 from .call_memo import CallMemo, signature
@@ -156,17 +156,14 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, *, temperature: float | t
         need_mass=return_logprobs or merge != "max", in_capture=in_capture,
         tokens_out=P.sink(out))
     if sig is not None and pipe.last_graph is not None:
-        _MEMO.store(sig, pipe, spec, seed, offset, given_bias, bias, _draw_seed, out)
+        _MEMO.store(sig, pipe, spec, seed, offset, given_bias, bias, _draw_base, out)
     return P.write_out(P.package(tokens, logprobs, logz, num_samples, return_logprobs, top), out)
 
 
-def _draw_seed(B: int, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The row seeds of a call with seed=None, as params.row_params draws them (into out,
-    int64 [B] on device, where given: the same values; `random_` parses fewer arguments
-    than randint(out=), ~2 µs of a repeated call's host time)."""
-    if out is not None:
-        return out.random_(0, P.SEED_HIGH)
-    return torch.randint(0, P.SEED_HIGH, (B,), dtype=torch.int64, device=device)
+def _draw_base(device: torch.device) -> int:
+    """The base of a memoised call's seeds for seed=None, as params.row_params draws them
+    (tpsample/drawn_seeds.py: torch's default generator of the device)."""
+    return drawn_seeds.next_base(drawn_seeds.default_generator(device))
 
 
 def verify_drafts(hidden: torch.Tensor, weight: torch.Tensor, draft_tokens: torch.Tensor, *,

@@ -50,7 +50,7 @@ import weakref
 
 import torch
 
-from . import knobs
+from . import drawn_seeds, graph_args, knobs
 
 CAPTURE_AT = 3  # the call of a key that captures its graph (earlier ones re-issue launches)
 MAX_CAPTURES = 4  # per key: a graph whose bound tensor moves is dropped and captured
@@ -82,10 +82,11 @@ class CallGraph:
     (the per-call name it goes into, whether copied there after the replay)}; live: False
     once its CallGraphs dropped it."""
     __slots__ = ("graph", "inputs", "bound", "bound_ptrs", "copied", "outputs", "sinks", "lock",
-                 "live", "slots", "__weakref__")
+                 "live", "slots", "args", "__weakref__")
 
     def __init__(self):
         self.lock, self.live, self.sinks, self.slots = threading.Lock(), True, {}, ()
+        self.args = None  # tpsample/graph_args.GraphArgs: the copied hidden / offset / seed
 
     def __call__(self, tensors: dict, returned: tuple[str, ...]) -> dict | None:
         """Replay with this call's tensors; {name: a fresh clone, or the call's sink
@@ -103,17 +104,23 @@ class CallGraph:
                 return False
         return True
 
-    def run(self, tensors: dict, returned: tuple[str, ...], fills: dict | None = None) -> dict:
-        """The replay of a call that binds (see binds). fills: {name: fill(input)} for
-        copied inputs written in place instead (one launch where a copy would follow the
-        launch that made the tensor: tpsample/call_memo.py's offsets and drawn seeds)."""
-        inputs, sinks = self.inputs, self.sinks
+    def run(self, tensors: dict, returned: tuple[str, ...], values: dict | None = None) -> dict:
+        """The replay of a call that binds (see binds). values: {"offset": int, "seed": a
+        drawn base (tpsample/drawn_seeds.py)} for copied inputs the call has as such
+        (tpsample/call_memo.py), in place of tensors[name]. The hidden states, offset and
+        seeds go through the graph's GraphArgs where it has one; other copied inputs are
+        copied (one launch each)."""
+        inputs, sinks, args = self.inputs, self.sinks, self.args
         with self.lock:
             for name in self.copied:
-                if fills is not None and name in fills:
-                    fills[name](inputs[name])
-                elif name not in SINKS:
+                if name in SINKS or (args is not None and name in args.names):
+                    continue
+                if values is not None and name in values:
+                    _fill(inputs[name], name, values[name])
+                else:
                     inputs[name].copy_(tensors[name])
+            if args is not None:
+                args.write(tensors, values)
             slot = self._free_slot() if self.slots else None
             if slot is None:
                 self.graph.replay()
@@ -139,6 +146,17 @@ class CallGraph:
             if slot.free():
                 return slot
         return None
+
+
+def _fill(t: torch.Tensor, name: str, value) -> None:
+    """A copied input written from a value (a graph without GraphArgs)."""
+    if name == "seed":
+        host = torch.from_numpy(drawn_seeds.row_seeds(value, t.shape[0]))
+        if t.is_cuda:  # (pinned: the copy does not wait for the stream)
+            host = host.pin_memory()
+        t.copy_(host, non_blocking=True)
+    else:
+        t.fill_(value)
 
 
 class CallGraphs:
@@ -233,6 +251,13 @@ class CallGraphs:
         if self.graphs.get(key) is graph:
             del self.graphs[key]
 
+    def clear(self) -> None:
+        """Every graph dropped and every key's count started afresh."""
+        self._drop_all()
+        self.seen.clear()
+        self.captures.clear()
+        self.moved.clear()
+
     def _drop_all(self) -> None:
         for g in self.graphs.values():
             g.live = False  # (tpsample/call_memo.py keeps using a graph only while live)
@@ -245,13 +270,20 @@ class CallGraphs:
         g.bound = tuple(n for n, t in tensors.items() if t is not None and n in bound)
         g.bound_ptrs = tuple(tensors[n].data_ptr() for n in g.bound)
         g.copied = tuple(n for n, t in tensors.items() if t is not None and n not in bound)
+        g.args = graph_args.for_graph(g, g.inputs, g.copied, self.device) if knobs.GRAPH_ARGS \
+            else None
         g.graph = torch.cuda.CUDAGraph()
         current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(current)  # (the owned inputs' allocations are ordered on current)
         with torch.cuda.stream(side):
+            if g.args is not None:  # (compiled and loaded outside the capture)
+                g.args.skip()
+                g.args.launch(g.inputs)
             g.graph.capture_begin(capture_error_mode="thread_local")
             try:
+                if g.args is not None:
+                    g.args.launch(g.inputs)
                 g.outputs = launch(side.cuda_stream, g.inputs)
             finally:
                 g.graph.capture_end()
@@ -280,6 +312,8 @@ class CallGraphs:
         with torch.cuda.stream(side):
             slot.graph.capture_begin(pool=g.graph.pool(), capture_error_mode="thread_local")
             try:
+                if g.args is not None:
+                    g.args.launch(g.inputs)
                 slot.outputs = launch(side.cuda_stream, g.inputs, own)
             finally:
                 slot.graph.capture_end()

@@ -12,10 +12,11 @@ signature to that graph and the tensors the graph read:
                 call)
 
 A call with a known signature skips validation, the SamplingSpec, the plan and replay keys
-and the graph lookup: it writes an int offset and the seeds it draws for seed=None straight
-into the graph's inputs (one launch each, where the full path makes a tensor and the graph
-copies it; the same values), copies the hidden states and replays. The tokens are the full
-path's: the same graph, the same values in its inputs.
+and the graph lookup: it hands the graph the hidden states, the int offset itself and, for
+seed=None, a drawn base (tpsample/drawn_seeds.py) in place of the tensors the full path would
+make, and replays; the graph reads them from its GraphArgs slot (tpsample/graph_args.py: no
+launch for them). The tokens are the full path's: the same graph, the same values in its
+inputs.
 
 What is memoised is what the full path would validate the same way every call: tensor
 arguments whose contents the full path range-checks per call (temperature, top_k / top_p /
@@ -105,27 +106,26 @@ class CallMemo:
             return None  # (its fallback moved to the host: the full path takes it there)
         tensors = dict(e.tensors)
         tensors["hidden"] = hidden
-        B = hidden.shape[0]
-        fills = None
+        values = None
         if e.int_offset:
             if not -(1 << 63) <= offset < (1 << 63):
                 return None  # (the full path raises, naming it)
-            if "offset" in graph.copied:  # into the graph's input: a fill, not full + copy
-                fills = {"offset": lambda t: t.fill_(offset)}
+            if "offset" in graph.copied:  # (the value itself: tpsample/graph_args.py)
+                values = {"offset": offset}
             else:  # (bound: the cached tensor of this value, as the full path passes)
-                tensors["offset"] = P._filled(B, offset, torch.int64, e.device, False)
+                tensors["offset"] = P._filled(hidden.shape[0], offset, torch.int64, e.device,
+                                              False)
         if not graph.binds(tensors):  # a bound tensor lies elsewhere: as the full path
             pipe.graphs.drop(e.gkey, graph, tensors)  # would, drop the graph (before any
             self.entries.pop(sig, None)  # seed is drawn: the full path draws them then)
             return None
-        if e.draw is not None:  # drawn into the graph's input (never bound: see store),
-            fills = dict(fills or {}, seed=lambda t: e.draw(B, e.device, t))  # the same
-            # values as the full path's draw into a new tensor
-        out = graph.run(tensors, e.returned, fills)
+        if e.draw is not None:  # (a base the graph derives the row seeds from: the same
+            values = dict(values or {}, seed=e.draw(e.device))  # values as the full path's draw)
+        out = graph.run(tensors, e.returned, values)
         self.hits += 1
         top = None
         if e.filtered:  # as the full path's filtered graph call counts and watches
-            pipe.candidate_rows += B
+            pipe.candidate_rows += hidden.shape[0]
             pipe.fallback.watch()
             top = (out["top_tokens"], out["top_logprobs"]) if "top_tokens" in out else None
         return P.package(out["tokens"], out.get("logprobs"), out.get("logz"), e.num_samples,
@@ -136,8 +136,8 @@ class CallMemo:
         """After a full call with signature `sig` (not None) whose launches went through
         the pipeline's graph (pipeline.last_graph): keep it where a repeat can skip to the
         graph. seed / offset / bias / out: the call's arguments; checked_bias:
-        params.check_bias's result; draw(B, device, out=None): the seeds the full path draws
-        for seed=None (into `out` where given)."""
+        params.check_bias's result; draw(device): the base of the seeds the full path draws for
+        seed=None (tpsample/drawn_seeds.next_base on the call's generator)."""
         last = pipeline.last_graph
         if last is None or not knobs.MEMO or spec.constrained:
             return

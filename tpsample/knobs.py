@@ -47,6 +47,10 @@ KNOBS = (
          "output slots, written in place, once no tensor refers to that slot's earlier "
          "outputs (no copy; tpsample/call_graphs.py); 0: copies of the graph's outputs "
          "every call"),
+    Knob("TPSAMPLE_GRAPH_ARGS", "1", ("0", "1"),
+         "1: a call's CUDA graph reads new hidden states, an int offset and drawn seeds from "
+         "a slot in pinned memory the call writes (tpsample/graph_args.py: no launch for "
+         "them); 0: they are copied into the graph's inputs, one launch each"),
     Knob("TPSAMPLE_GLUON", "1", ("0", "1"),
          "0: never the Hopper Gluon kernels (ws, pp); the cuBLAS + records-pass path runs "
          "where the plan would take them"),
@@ -94,10 +98,11 @@ GRAPHS = VALUES["TPSAMPLE_GRAPHS"] != "0"
 GRAPHS_FILTERED = VALUES["TPSAMPLE_GRAPHS"] == "1"
 MEMO = VALUES["TPSAMPLE_MEMO"] == "1"
 REUSE_OUTPUTS = VALUES["TPSAMPLE_REUSE_OUTPUTS"] == "1"
+GRAPH_ARGS = VALUES["TPSAMPLE_GRAPH_ARGS"] == "1"
 GLUON = VALUES["TPSAMPLE_GLUON"] == "1"
 CHECK_TENSORS = VALUES["TPSAMPLE_CHECK_TENSORS"] == "1"
 SWITCHES = ("REPLAY", "DIRECT_LAUNCH", "GRAPHS", "GRAPHS_FILTERED", "MEMO", "REUSE_OUTPUTS",
-            "GLUON", "CHECK_TENSORS")
+            "GRAPH_ARGS", "GLUON", "CHECK_TENSORS")
 
 
 @contextlib.contextmanager

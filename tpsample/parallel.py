@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from . import constraints as C
-from . import knobs
+from . import drawn_seeds, knobs
 from . import params as P
 from . import verify as VF
 from .call_memo import CallMemo, signature
@@ -247,9 +247,9 @@ class VocabParallelSampler:
         given_bias, given_seed = bias, seed
         bias = P.check_bias(bias, self.weight.shape[0], hidden.device)
         B = hidden.shape[0]
-        if seed is None:
-            seed = self._draw_seed(B, self.device)
         capturing = P.capturing(hidden.device)
+        if seed is None:
+            seed = self._draw_seed(B, self.device, capturing)
         spec = sampling_spec(hidden, vocab_size=self.vocab_size, rows=self.rows_total,
                              merge=self.merge, temperature=temperature, seed=seed,
                              offset=offset, num_samples=num_samples,
@@ -272,18 +272,18 @@ class VocabParallelSampler:
             in_capture=capturing, tokens_out=P.sink(out))
         if sig is not None and self.pipeline.last_graph is not None:
             self.memo.store(sig, self.pipeline, spec, given_seed, offset, given_bias, bias,
-                            self._draw_seed, out)
+                            self._draw_base, out)
         return P.write_out(P.package(tokens, logprobs, logz, num_samples, return_logprobs, top),
                            out)
 
-    def _draw_seed(self, B: int, device: torch.device,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+    def _draw_seed(self, B: int, device: torch.device, in_capture: bool = False) -> torch.Tensor:
         """The row seeds of a call with seed=None, from the generator every rank shares
-        (into out, int64 [B], where given: the same values, as tpsample.api's)."""
-        if out is not None:
-            return out.random_(0, P.SEED_HIGH, generator=self.generator)
-        return torch.randint(0, P.SEED_HIGH, (B,), dtype=torch.int64, device=device,
-                             generator=self.generator)
+        (tpsample/drawn_seeds.py, as tpsample.api's from torch's default generator)."""
+        return drawn_seeds.draw(B, device, self.generator, in_capture)
+
+    def _draw_base(self, device: torch.device) -> int:
+        """The base of a memoised call's seeds for seed=None (the same values as _draw_seed)."""
+        return drawn_seeds.next_base(self.generator)
 
     def verify_drafts(self, hidden: torch.Tensor, draft_tokens: torch.Tensor, *,
                       draft_probs: torch.Tensor | None = None,

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import knobs
+from . import drawn_seeds, knobs
 from .records import MAX_SAMPLES, MAX_VOCAB
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -181,7 +181,7 @@ def row_params(hidden: torch.Tensor, temperature, seed, offset,
         raise TypeError(f"temperature must be a float or a Tensor[B], got {type(temperature).__name__}")
 
     if seed is None:
-        seed_t = torch.randint(0, SEED_HIGH, (B,), dtype=torch.int64, device=dev)
+        seed_t = drawn_seeds.draw(B, dev, None, in_capture)
     elif isinstance(seed, torch.Tensor):
         seed_t = _per_row_tensor("seed", seed, B, dev, (torch.int64,))
     elif isinstance(seed, int) and not isinstance(seed, bool):

@@ -298,6 +298,48 @@ def test_memoised_calls_equal_the_full_path(kw, monkeypatch):
                 assert (x is None and y is None) or torch.equal(x, y), i
 
 
+@pytest.mark.parametrize("kw", [dict(), dict(top_p=0.9), dict(seed="tensor")])
+def test_graph_args_give_the_tokens_of_copied_inputs_round_the_ring(kw, monkeypatch):
+    """A decode loop of 2 · RING_SLOTS + 9 steps with no host synchronisation (new hidden
+    states, the step as an int offset, seed=None drawn per call, or new seed tensors)
+    through graphs that read them from their GraphArgs slot (tpsample/graph_args.py): every
+    step's tokens equal the same loop with TPSAMPLE_GRAPH_ARGS=0 (each input copied into
+    the graph's own, one launch each), the memo served the steps after the capture (new
+    seed tensors: the full path, through the graph with the tensors' addresses), and the
+    ring went round more than twice."""
+    from tpsample import api, graph_args, knobs
+    kw = dict(kw)
+    tensor_seed = kw.pop("seed", None) == "tensor"
+    B, steps = 24, 2 * graph_args.RING_SLOTS + 9
+    w, hs = head_and_states(7, B, 5, False)
+
+    def run(on: bool):
+        monkeypatch.setattr(knobs, "GRAPH_ARGS", on)
+        api._PIPELINES.clear()
+        api._MEMO.clear()
+        torch.manual_seed(0)  # (the drawn seeds)
+        hits = api._MEMO.hits
+        outs = []
+        for step in range(steps):
+            seed = (torch.full((B,), step % 3, dtype=torch.int64, device="cuda")
+                    if tensor_seed else None)
+            outs.append(tpsample.sample(hs[step % 5] * (1 + step / 64), w, seed=seed,
+                                        offset=step, **kw))
+        torch.cuda.synchronize()
+        (pipe,) = api._PIPELINES.values()
+        graphs = list(pipe.graphs.graphs.values())
+        assert graphs and all((g.args is not None) == on for g in graphs)
+        if on:
+            assert max(g.args.issued for g in graphs) > 2 * graph_args.RING_SLOTS
+        return outs, api._MEMO.hits - hits
+
+    want, _ = run(False)
+    got, hits = run(True)
+    assert hits >= steps - 4 or tensor_seed  # (a new seed tensor: the full path's graph)
+    for i, (a, b) in enumerate(zip(want, got)):
+        assert torch.equal(a, b), i
+
+
 @pytest.mark.parametrize("kw", [dict(), dict(return_logprobs=True), dict(top_p=0.9),
                                 dict(num_samples=2)])
 def test_returned_tokens_reuse_a_slot_only_once_nothing_holds_it(kw, monkeypatch):
