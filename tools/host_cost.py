@@ -247,17 +247,21 @@ def floor_ops(B: int, dev) -> dict:
             "graph_replay": host_us(g.replay), "clone": host_us(lambda: x.clone())}
 
 
+AB_SUFFIXES = (("_nomemo", "memo"), ("_noargs", "graph args"))
+
+
 def host_cell(r: dict, label: str) -> str:
     """Host µs; with the memo on, and the share of the timed calls it served."""
     share = r.get("memo_share")
-    tail = f" ({share:.0%} memo)" if share is not None and label.endswith("memo on") else ""
+    tail = (f" ({share:.0%} memo)" if share is not None
+            and label.endswith(("memo on", "graph args on")) else "")
     return f"{r['host_us']:.1f}{tail}"
 
 
 def report(arms: list[str]) -> str:
     """A markdown table of saved runs (LABEL=PATH each, e.g. the same command with
     TPSAMPLE_GRAPHS=0 and =1; one run with --ab-memo gives the arms "memo off" and "memo
-    on"): host µs and eager / graph ms per call kind and B, and under TP the bound
+    on", one with --ab-args "graph args off" and "on"): host µs and eager / graph ms per call kind and B, and under TP the bound
     1.2 × mm_local + 20 µs beside the eager ms."""
     runs = []
     for arm in arms:
@@ -269,7 +273,9 @@ def report(arms: list[str]) -> str:
     mm: dict = {}
     labels: list = []
     for label, res in runs:
-        ab = any(r["call"].endswith("_nomemo") for r in res)
+        # (the arms of one run: --ab-memo's <kind>_nomemo, --ab-args's <kind>_noargs)
+        ab = next((suffix for suffix, _ in AB_SUFFIXES
+                   if any(r["call"].endswith(suffix) for r in res)), None)
         for r in res:
             if r["call"] == "floor":
                 continue
@@ -278,13 +284,13 @@ def report(arms: list[str]) -> str:
                 continue
             call, lab = r["call"], label
             if ab:
-                off = call.endswith("_nomemo")
-                call = call.removesuffix("_nomemo")
-                lab = f"{label} memo {'off' if off else 'on'}".strip()
+                off = call.endswith(ab)
+                call = call.removesuffix(ab)
+                lab = f"{label} {dict(AB_SUFFIXES)[ab]} {'off' if off else 'on'}".strip()
             if lab not in labels:
                 labels.append(lab)
             rows.setdefault((r.get("D", 4096), call, r["B"]), {})[lab] = r
-    labels.sort(key=lambda lab: (lab.split(" memo ")[0], not lab.endswith("off")))
+    labels.sort(key=lambda lab: (lab.rsplit(" ", 1)[0], not lab.endswith("off")))
     head = ["D", "call", "B"] + [f"host µs {lab}" for lab in labels] + \
         [f"eager / graph ms {lab}" for lab in labels] + (["TP bound ms"] if mm else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

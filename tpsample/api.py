@@ -51,8 +51,10 @@ def sample(hidden: torch.Tensor, weight: torch.Tensor, *, temperature: float | t
         temperature: float or Tensor[B] (any float dtype); 0 means greedy (argmax) for that
             row. T below 2**-64 is greedy (the limit T -> 0+), T above 2**64 samples at
             2**64 (the limit T -> inf: uniform over the real vocabulary).
-        seed: None (drawn from torch's default generator, one per row), int (every row)
-            or Tensor[B] int64. Rows with equal (seed, offset) get the same noise.
+        seed: None (drawn from torch's default generator, one per row: on CUDA derived on
+            the host from its Philox seed and offset, tpsample/drawn_seeds.py, so
+            torch.manual_seed repeats them), int (every row) or Tensor[B] int64. Rows with
+            equal (seed, offset) get the same noise.
         offset: int or Tensor[B] int64, e.g. the decode step.
         bias: optional Tensor[V] (used as float32), added before the temperature.
         vocab_size: rows [0, vocab_size) of weight are real tokens (padded vocabulary).

@@ -74,8 +74,9 @@ class VocabParallelSampler:
 
     seed=None: a generator seeded identically on every rank at construction (rank 0 draws
     the base seed from torch's default generator and broadcasts it once) draws the row
-    seeds; since all ranks make the same calls with the same B, their draws agree without
-    any per-call communication or host sync. When capturing a CUDA graph pass explicit
+    seeds (on CUDA from its Philox state on the host: tpsample/drawn_seeds.py); since all
+    ranks make the same calls with the same B, their draws agree without any per-call
+    communication or host sync. When capturing a CUDA graph pass explicit
     seed/offset tensors (update them in place between replays).
     """
 

@@ -152,6 +152,21 @@ def test_host_cost_report_pairs_the_memo_arms_with_the_tp_bound(tmp_path):
     assert lines[-1].startswith("Floor (host µs): empty 3.0")
 
 
+def test_host_cost_report_pairs_the_graph_args_arms(tmp_path):
+    """One --ab-args run: <kind>_noargs and <kind> become "graph args off" / "on" columns."""
+    import json
+    from tools import host_cost
+    rows = [dict(call="tp1_loop_noargs", B=1, D=4096, host_us=80.0, eager_ms=0.36, tokens=3,
+                 memo_share=1.0),
+            dict(call="tp1_loop", B=1, D=4096, host_us=25.0, eager_ms=0.33, tokens=4,
+                 memo_share=1.0)]
+    path = tmp_path / "host_cost.json"
+    path.write_text(json.dumps(rows))
+    lines = host_cost.report([f"={path}"]).splitlines()
+    assert "host µs graph args off | host µs graph args on" in lines[0]
+    assert lines[2] == "| 4096 | tp1_loop | 1 | 80.0 | 25.0 (100% memo) | 0.360 / – | 0.330 / – |"
+
+
 def test_tp_filtered_summary_names_the_worst_cell_and_the_split_ab():
     from tools import tp_filtered
     rows = [{"head": "zipf1.3", "B": 16, "world": 4, "plain": 0.1, "k50": 0.13, "p0.9": 0.16,
