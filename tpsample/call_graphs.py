@@ -119,9 +119,9 @@ class CallGraph:
                     _fill(inputs[name], name, values[name])
                 else:
                     inputs[name].copy_(tensors[name])
-            if args is not None:
-                args.write(tensors, values)
             slot = self._free_slot() if self.slots else None
+            if args is not None:  # (just before the replay: each replay reads one slot)
+                args.write(tensors, values)
             if slot is None:
                 self.graph.replay()
                 outputs = self.outputs

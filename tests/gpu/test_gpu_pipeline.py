@@ -301,6 +301,32 @@ def test_memoised_calls_equal_the_full_path(kw, monkeypatch):
                 assert (x is None and y is None) or torch.equal(x, y), i
 
 
+def test_drawn_seeds_follow_the_cuda_generators_state():
+    """seed=None on CUDA: the row seeds are drawn_seeds.row_seeds of a base taken from the
+    default generator's Philox seed and offset (moved on by 4 per draw), repeat after
+    torch.manual_seed, differ between draws, and leave torch's own draws after them alone
+    (the generator's offset moved, not reused)."""
+    from tpsample import drawn_seeds as DS
+    dev = torch.device("cuda")
+    torch.manual_seed(5)
+    gen = DS.default_generator(dev)
+    off = gen.get_offset()
+    first = DS.draw(6, dev)
+    assert gen.get_offset() == off + DS.OFFSET_STEP
+    second = DS.draw(6, dev)
+    torch.manual_seed(5)
+    base = DS.next_base(DS.default_generator(dev))
+    assert first.tolist() == DS.row_seeds(base, 6).tolist()
+    assert not torch.equal(first, second) and int(first.min()) >= 0
+    torch.manual_seed(5)
+    assert torch.equal(DS.draw(6, dev), first)
+    torch.manual_seed(5)
+    plain = torch.rand(8, device=dev)
+    torch.manual_seed(5)
+    DS.draw(6, dev)
+    assert not torch.equal(torch.rand(8, device=dev), plain)  # (the offset moved on)
+
+
 @pytest.mark.parametrize("kw", [dict(), dict(top_p=0.9), dict(seed="tensor")])
 def test_graph_args_give_the_tokens_of_copied_inputs_round_the_ring(kw, monkeypatch):
     """A decode loop of 2 · RING_SLOTS + 9 steps with no host synchronisation (new hidden
