@@ -38,8 +38,8 @@ if AVAILABLE:
                                warpgroup_mma, warpgroup_mma_wait)
 
     from .fused_sample import CDF_PICK_STREAM, CDF_STREAM, TWO_POW_M23, philox
-    from .gluon_sample import (_exp_or_0, _nan_max, best_lane, noise_coef, sm_clock,
-                               store_records, transform)
+    from .gluon_sample import (_exp_or_0, _nan_max, best_lane, block_start, noise_coef,
+                               sm_clock, store_records, transform)
 
     @gluon.jit
     def _loader(w_desc, h_desc, h2_desc, w_bufs, h_bufs, h2_bufs, ready, empty, mma_done,
@@ -56,7 +56,7 @@ if AVAILABLE:
         it = 0
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             v32 = (tile // num_b_tiles) * 4  # the tile's first 32-row group
-            b0 = (tile % num_b_tiles) * BLOCK_B
+            b0 = block_start(tile % num_b_tiles, BLOCK_B, B)
             for k in range(k_steps):
                 s = it % STAGES
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
@@ -133,12 +133,13 @@ if AVAILABLE:
             if TRACE:
                 gl.store(trace_ptr + 4 * tile + 2, sm_clock())
             _tile_records(acc, part_a, part_b, params, tile // num_b_tiles,
+                          block_start(tile % num_b_tiles, BLOCK_B, B),
                           (tile % num_b_tiles) * BLOCK_B, bias_ptr,
                           inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr, B, n_real, vocab_start,
                           num_samples, rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs,
                           parity_ptr, HAS_BIAS, TILE_MASS, NUM_PEERS, SINGLE, CDF)
             if EXTRA_B > 0:
-                _tile_records(acc2, part_a, part_b, params, tile, 128, bias_ptr,
+                _tile_records(acc2, part_a, part_b, params, tile, 128, 128, bias_ptr,
                               inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr, B, n_real, vocab_start,
                               num_samples, rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs,
                               parity_ptr, HAS_BIAS, TILE_MASS, NUM_PEERS, SINGLE, CDF)
@@ -156,12 +157,13 @@ if AVAILABLE:
         return x00, x01, x10, x11
 
     @gluon.jit
-    def _tile_records(acc, part_a, part_b, params, pid_v, b0, bias_ptr, inv_temp_ptr, seed_ptr,
-                      offset_ptr, rec_ptr, B, n_real, vocab_start, num_samples, rec_stride_s,
-                      rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr, HAS_BIAS: gl.constexpr,
-                      TILE_MASS: gl.constexpr, NUM_PEERS: gl.constexpr, SINGLE: gl.constexpr,
-                      CDF: gl.constexpr):
-        """Records of the tile (pid_v, columns [b0, b0 + 128)) from the accumulator
+    def _tile_records(acc, part_a, part_b, params, pid_v, b0, b_lo, bias_ptr, inv_temp_ptr,
+                      seed_ptr, offset_ptr, rec_ptr, B, n_real, vocab_start, num_samples,
+                      rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr,
+                      HAS_BIAS: gl.constexpr, TILE_MASS: gl.constexpr, NUM_PEERS: gl.constexpr,
+                      SINGLE: gl.constexpr, CDF: gl.constexpr):
+        """Records of the tile (pid_v, columns [max(b0, b_lo), b0 + 128): the columns below b_lo
+        are the previous row block's, see gluon_sample.block_start) from the accumulator
         acc [128, 128] in wgmma layout, in 8 chunks of 16 columns (per-column keys and scales
         for 4 columns per thread).
 
@@ -211,7 +213,7 @@ if AVAILABLE:
                                   tile_start, HAS_BIAS, TILE_MASS, CDF)
                 k0, k1 = k1, k0
             thread_barrier()
-            _merge_warps(part_a, part_b, params, pid_v, b0, 0, tile_start, rec_ptr, B,
+            _merge_warps(part_a, part_b, params, pid_v, b0, b_lo, 0, tile_start, rec_ptr, B,
                          rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr,
                          TILE_MASS, NUM_PEERS, CDF)
         elif N == 64:  # columns 32c1 + 16c0 + n → (w, j, n, r, h, c1, c0)
@@ -222,7 +224,7 @@ if AVAILABLE:
                                   tile_start, HAS_BIAS, TILE_MASS, CDF)
                 k0, k1, k2, k3 = k1, k2, k3, k0
             thread_barrier()
-            _merge_warps(part_a, part_b, params, pid_v, b0, 0, tile_start, rec_ptr, B,
+            _merge_warps(part_a, part_b, params, pid_v, b0, b_lo, 0, tile_start, rec_ptr, B,
                          rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr,
                          TILE_MASS, NUM_PEERS, CDF)
         elif SINGLE:
@@ -231,7 +233,7 @@ if AVAILABLE:
                                   tile_start, HAS_BIAS, TILE_MASS, CDF)
                 k0, k1, k2, k3, k4, k5, k6, k7 = k1, k2, k3, k4, k5, k6, k7, k0
             thread_barrier()
-            _merge_warps(part_a, part_b, params, pid_v, b0, 0, tile_start, rec_ptr, B,
+            _merge_warps(part_a, part_b, params, pid_v, b0, b_lo, 0, tile_start, rec_ptr, B,
                          rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr,
                          TILE_MASS, NUM_PEERS, CDF)
         else:
@@ -254,7 +256,7 @@ if AVAILABLE:
                 _chunk_noise(l6, 6, part_b, params, s, tile_start, TILE_MASS)
                 _chunk_noise(l7, 7, part_b, params, s, tile_start, TILE_MASS)
                 thread_barrier()
-                _merge_warps(part_a, part_b, params, pid_v, b0, s, tile_start, rec_ptr, B,
+                _merge_warps(part_a, part_b, params, pid_v, b0, b_lo, s, tile_start, rec_ptr, B,
                              rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr,
                              TILE_MASS, NUM_PEERS, False)
 
@@ -478,9 +480,9 @@ if AVAILABLE:
         return gl.where(take2, b2, b1), gl.where(take2, i2, i1), gl.where(take2, l2, l1)
 
     @gluon.jit
-    def _merge_warps(part_a, part_b, params, pid_v, b0, s, tile_start, rec_ptr, B, rec_stride_s,
-                     rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr, TILE_MASS: gl.constexpr,
-                     NUM_PEERS: gl.constexpr, CDF: gl.constexpr):
+    def _merge_warps(part_a, part_b, params, pid_v, b0, b_lo, s, tile_start, rec_ptr, B,
+                     rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr,
+                     TILE_MASS: gl.constexpr, NUM_PEERS: gl.constexpr, CDF: gl.constexpr):
         """Sample s's records of the tile's 128 columns from the 4 warps' partials: a thread
         holds one column's four. The same values as one reduction over the column (the best
         score, the smallest row among equal scores, its logit); the log-mass is merged from
@@ -538,7 +540,7 @@ if AVAILABLE:
         lse = gl.convert_layout(gl.reshape(lse, [128]), col_l)
         token = (tile_start + idx.to(gl.int32)).to(gl.float32)
         offs_b = b0 + gl.arange(0, 128, layout=col_l)
-        mask_b = offs_b < B
+        mask_b = (offs_b < B) & (offs_b >= b_lo)
         rec = offs_b.to(gl.int64) * rec_stride_b + pid_v.to(gl.int64) * rec_stride_t
         store_records(rec_ptr, peer_ptrs, parity_ptr, rec + s * rec_stride_s, best, token, logit,
                       lse, mask_b, NUM_PEERS, 4)

@@ -32,14 +32,22 @@ if AVAILABLE:
     from .gluon_compat import gl, gluon, mbarrier, tma_load, warpgroup_mma, warpgroup_mma_wait
 
     @gluon.jit
+    def block_start(i, BLOCK_B: gl.constexpr, B):
+        """The first batch row row block i loads: i · BLOCK_B, except that the last block of a
+        batch of at least BLOCK_B rows ends at its last row. Its rows before i · BLOCK_B are
+        the previous block's (computed again, not stored): a TMA box partly past the tensor
+        cost about a tile more than one inside it (docs/design.md, the missing-row cost)."""
+        return gl.minimum(i * BLOCK_B, gl.maximum(B - BLOCK_B, 0))
+
+    @gluon.jit
     def _loader(w_desc, h_desc, w_bufs, h_bufs, ready, empty, acc_buf, acc_ready, acc_empty,
-                num_tiles, num_b_tiles, k_steps, BLOCK_V: gl.constexpr, BLOCK_B: gl.constexpr,
+                num_tiles, num_b_tiles, k_steps, B, BLOCK_V: gl.constexpr, BLOCK_B: gl.constexpr,
                 BLOCK_K: gl.constexpr, STAGES: gl.constexpr, MMA_WARPS: gl.constexpr):
         # (worker partitions share one signature: the acc_* and MMA_* arguments are the mma's)
         it = 0
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             v0 = (tile // num_b_tiles) * BLOCK_V
-            b0 = (tile % num_b_tiles) * BLOCK_B
+            b0 = block_start(tile % num_b_tiles, BLOCK_B, B)
             for k in range(k_steps):
                 s = it % STAGES
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
@@ -51,7 +59,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _mma(w_desc, h_desc, w_bufs, h_bufs, ready, empty, acc_buf, acc_ready, acc_empty,
-             num_tiles, num_b_tiles, k_steps, BLOCK_V: gl.constexpr, BLOCK_B: gl.constexpr,
+             num_tiles, num_b_tiles, k_steps, B, BLOCK_V: gl.constexpr, BLOCK_B: gl.constexpr,
              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, MMA_WARPS: gl.constexpr):
         # 4 warps: one warpgroup owns all BLOCK_V rows; 8: two warpgroups of 64 rows each
         # (for BLOCK_B = 256, whose accumulator one warpgroup cannot hold)
@@ -91,13 +99,14 @@ if AVAILABLE:
         n = 0
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             pid_v = tile // num_b_tiles
-            b0 = (tile % num_b_tiles) * BLOCK_B
+            b_lo = (tile % num_b_tiles) * BLOCK_B  # (the rows this block stores start here)
+            b0 = block_start(tile % num_b_tiles, BLOCK_B, B)
             mbarrier.wait(acc_ready, n & 1)
             # column chunks of EPI_B keep the per-thread state small (no spills)
             for c in gl.static_range(BLOCK_B // EPI_B):
-                if b0 + c * EPI_B < B:
+                if (b0 + c * EPI_B < B) & (b0 + (c + 1) * EPI_B > b_lo):
                     _chunk_records(acc_buf.slice(c * EPI_B, EPI_B, dim=1), pid_v, b0 + c * EPI_B,
-                                   bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr, B,
+                                   b_lo, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr, B,
                                    n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b,
                                    rec_stride_t, peer_ptrs, parity_ptr, mask_ptr, stride_mask,
                                    first_ptr, held_ptr, side_ptr, stride_side, HAS_BIAS,
@@ -107,8 +116,8 @@ if AVAILABLE:
             n += 1
 
     @gluon.jit
-    def _store_side(side_ptr, stride_side, offs_b, mask_b, row0, l0, l1, l2, l3, b0, B, v0,
-                    EPI_WARPS: gl.constexpr, ALONG_ROWS: gl.constexpr):
+    def _store_side(side_ptr, stride_side, offs_b, mask_b, row0, l0, l1, l2, l3, b0, b_lo, B,
+                    v0, EPI_WARPS: gl.constexpr, ALONG_ROWS: gl.constexpr):
         """side[b, row0 + a] = l_a (NaN as -inf) for the [Q, EPI_B] lanes, as one vector of
         four per thread: the joined [Q, EPI_B, 4] keeps a thread's four values in its
         registers, and the pointers are built in that layout so the store is 16 bytes wide
@@ -130,7 +139,7 @@ if AVAILABLE:
             b3 = gl.expand_dims(gl.expand_dims(b1, 0), 2) + b0
             k3 = gl.expand_dims(gl.expand_dims(k1, 0), 0)
             at = b3.to(gl.int64) * stride_side + (v0 + 4 * q3 + k3)
-            gl.store(side_ptr + at, v, mask=(b3 < B) & (q3 >= 0) & (k3 >= 0))
+            gl.store(side_ptr + at, v, mask=(b3 < B) & (b3 >= b_lo) & (q3 >= 0) & (k3 >= 0))
         else:
             lay3: gl.constexpr = v.type.layout
             lay2: gl.constexpr = gl.SliceLayout(2, lay3)
@@ -143,7 +152,8 @@ if AVAILABLE:
                      mask=gl.expand_dims(live, 2) & (k3 >= 0))
 
     @gluon.jit
-    def _chunk_records(view, pid_v, b0, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr, B,
+    def _chunk_records(view, pid_v, b0, b_lo, bias_ptr, inv_temp_ptr, seed_ptr, offset_ptr,
+                       rec_ptr, B,
                        n_real, vocab_start, num_samples, rec_stride_s, rec_stride_b, rec_stride_t,
                        peer_ptrs, parity_ptr, mask_ptr, stride_mask, first_ptr, held_ptr,
                        side_ptr, stride_side,
@@ -151,8 +161,9 @@ if AVAILABLE:
                        BLOCK_V: gl.constexpr, EPI_B: gl.constexpr, EPI_WARPS: gl.constexpr,
                        HAS_MASK: gl.constexpr, CANDIDATES: gl.constexpr, RAW_MASS: gl.constexpr,
                        HELD: gl.constexpr, SIDE: gl.constexpr, SIDE_ROWS: gl.constexpr):
-        """Records of columns [b0, b0 + EPI_B) of the tile in `view` [BLOCK_V, EPI_B] (rows in
-        lane order: row a·Q + q holds token 4q + a, see the loader), stored at rec_ptr or, with
+        """Records of columns [max(b0, b_lo), b0 + EPI_B) of the tile in `view` [BLOCK_V, EPI_B]
+        (columns below b_lo are the previous row block's: see block_start; rows in lane order:
+        row a·Q + q holds token 4q + a, see the loader), stored at rec_ptr or, with
         NUM_PEERS > 0, into every peer's slot (see fused_sample.sample_and_store). CANDIDATES > 0:
         also the candidate planes and the raw plane after the sample planes, as
         fused_sample.tile_records_epilogue writes them (tpsample/records.py). HELD: the raw
@@ -167,7 +178,7 @@ if AVAILABLE:
         col_l: gl.constexpr = gl.SliceLayout(0, lane_l)
         q = gl.expand_dims(gl.arange(0, Q, layout=gl.SliceLayout(1, lane_l)), 1)  # [Q, 1]
         offs_b = b0 + gl.arange(0, EPI_B, layout=col_l)
-        mask_b = offs_b < B
+        mask_b = (offs_b < B) & (offs_b >= b_lo)
         inv_t = gl.load(inv_temp_ptr + offs_b, mask=mask_b, other=1.0)
         coef = gl.expand_dims(noise_coef(inv_t), 0)
         scale = gl.expand_dims(gl.where(inv_t == 0.0, 1.0, inv_t), 0)
@@ -190,7 +201,7 @@ if AVAILABLE:
         l2 = _lane(view, 2, lane_l, row0, scale, bias_ptr, n_real, HAS_BIAS, bits, HAS_MASK)
         l3 = _lane(view, 3, lane_l, row0, scale, bias_ptr, n_real, HAS_BIAS, bits, HAS_MASK)
         if SIDE:  # a thread's four lanes are four adjacent tokens: one 16-byte store
-            _store_side(side_ptr, stride_side, offs_b, mask_b, row0, l0, l1, l2, l3, b0, B,
+            _store_side(side_ptr, stride_side, offs_b, mask_b, row0, l0, l1, l2, l3, b0, b_lo, B,
                         pid_v * BLOCK_V, EPI_WARPS, SIDE_ROWS)
         # the tile max, NaN if any logit of the column is NaN (see fused_sample.py)
         m = gl.reduce(_nan_max(_nan_max(l0, l1), _nan_max(l2, l3)), 0, _nan_max)
@@ -471,9 +482,9 @@ if AVAILABLE:
                          HAS_BIAS, TILE_MASS, NUM_PEERS, BLOCK_V, BLOCK_B, EPI_B, gl.num_warps(),
                          HAS_MASK, CANDIDATES, RAW_MASS, HELD, SIDE, SIDE_ROWS)),
             (_mma, (w_desc, h_desc, w_bufs, h_bufs, ready, empty, acc_buf, acc_ready, acc_empty,
-                    num_tiles, num_b_tiles, k_steps, BLOCK_V, BLOCK_B, BLOCK_K, STAGES,
+                    num_tiles, num_b_tiles, k_steps, B, BLOCK_V, BLOCK_B, BLOCK_K, STAGES,
                     MMA_WARPS)),
             (_loader, (w_desc, h_desc, w_bufs, h_bufs, ready, empty, acc_buf, acc_ready, acc_empty,
-                       num_tiles, num_b_tiles, k_steps, BLOCK_V, BLOCK_B, BLOCK_K, STAGES,
+                       num_tiles, num_b_tiles, k_steps, B, BLOCK_V, BLOCK_B, BLOCK_K, STAGES,
                        MMA_WARPS)),
         ], [MMA_WARPS, 1], [MMA_REGS, LOADER_REGS])

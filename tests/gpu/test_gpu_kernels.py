@@ -98,6 +98,37 @@ def test_ws_kernel_chi2_and_hybrid_records(merge):
     assert chi2_pvalue(tokens, exact_probs(h, w, temperature=0.9)) > ALPHA
 
 
+@pytest.mark.skipif(not hopper(), reason="the Gluon kernels are Hopper-only")
+@pytest.mark.parametrize("B,cfg", [
+    (129, dict(strategy="ws", BLOCK_B=64, NUM_STAGES=6, EPI_B=32, num_warps=4)),
+    (170, dict(strategy="ws", BLOCK_B=64, NUM_STAGES=6, EPI_B=32, num_warps=4)),
+    (200, dict(strategy="pp", BLOCK_B=128, NUM_STAGES=5, num_warps=4)),
+    (300, dict(strategy="pp", BLOCK_B=128, NUM_STAGES=5, num_warps=4)),
+    (300, WS128)])
+def test_the_last_row_block_inside_the_batch_stores_only_its_own_rows(B, cfg):
+    """A batch that does not fill its last row block: that block loads the batch's last
+    BLOCK_B rows (gluon_sample.block_start) and stores only the rows past the previous
+    block. Every row's records (distinct hidden states and seeds per row) are the records
+    pass's over cuBLAS logits (the same noise): the tokens but at near-ties, the log-masses
+    to rounding; no row is left unwritten (the buffer starts as NaN)."""
+    V, D = 2048, 256
+    g = torch.Generator(device="cuda").manual_seed(B)
+    w = (torch.randn(V, D, device="cuda", generator=g) * 0.05).bfloat16()
+    h = torch.randn(B, D, device="cuda", generator=g).bfloat16()
+    p = row_params(h, 0.9, torch.arange(B, device="cuda") * 7919 + 1, 4)
+    kw = dict(bias=None, inv_temp=p.inv_temp, seed=p.seed, offset=p.offset, num_samples=1,
+              n_real=V - 29, need_mass=True)
+    assert kc.stage1_plan(h, w, config=cfg).strategy == cfg["strategy"]
+    T = records.num_tiles(V)
+    out = records.records_view(torch.full((B * T * 4,), float("nan"), device="cuda"), 1, B, T,
+                               tile_major=True)
+    got = kc.fused_records(h, w, out=out, config=cfg, **kw)
+    want = kc.fused_records(h, w, config=dict(strategy="logits", BLOCK_B=64, num_warps=8), **kw)
+    assert not got.isnan().any()
+    assert (got[..., 1] == want[..., 1]).float().mean() > 0.999
+    assert (got[..., 3] - want[..., 3]).abs().max() < 1e-4
+
+
 def pp_case(B, D, with_bias, seed):
     """bf16 h [B, D] and W [V, D] (V = 151936 at D >= 4096, else 2048: a multiple of 32), an
     optional bias, temperatures with every 7th row greedy, and their row parameters."""
