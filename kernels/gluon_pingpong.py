@@ -56,7 +56,10 @@ if AVAILABLE:
         it = 0
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             v32 = (tile // num_b_tiles) * 4  # the tile's first 32-row group
-            b0 = block_start(tile % num_b_tiles, BLOCK_B, B)
+            if EXTRA_B > 0:  # (one row block: nothing to move)
+                b0 = 0
+            else:
+                b0 = block_start(tile % num_b_tiles, BLOCK_B, B)
             for k in range(k_steps):
                 s = it % STAGES
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
@@ -132,17 +135,21 @@ if AVAILABLE:
             mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
             if TRACE:
                 gl.store(trace_ptr + 4 * tile + 2, sm_clock())
-            _tile_records(acc, part_a, part_b, params, tile // num_b_tiles,
-                          block_start(tile % num_b_tiles, BLOCK_B, B),
+            if EXTRA_B > 0:  # (one row block)
+                b0 = 0
+            else:
+                b0 = block_start(tile % num_b_tiles, BLOCK_B, B)
+            _tile_records(acc, part_a, part_b, params, tile // num_b_tiles, b0,
                           (tile % num_b_tiles) * BLOCK_B, bias_ptr,
                           inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr, B, n_real, vocab_start,
                           num_samples, rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs,
-                          parity_ptr, HAS_BIAS, TILE_MASS, NUM_PEERS, SINGLE, CDF)
+                          parity_ptr, HAS_BIAS, TILE_MASS, NUM_PEERS, SINGLE, CDF,
+                          EXTRA_B == 0)
             if EXTRA_B > 0:
                 _tile_records(acc2, part_a, part_b, params, tile, 128, 128, bias_ptr,
                               inv_temp_ptr, seed_ptr, offset_ptr, rec_ptr, B, n_real, vocab_start,
                               num_samples, rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs,
-                              parity_ptr, HAS_BIAS, TILE_MASS, NUM_PEERS, SINGLE, CDF)
+                              parity_ptr, HAS_BIAS, TILE_MASS, NUM_PEERS, SINGLE, CDF, False)
             if TRACE:
                 gl.store(trace_ptr + 4 * tile + 3, sm_clock())
             j += 1
@@ -161,9 +168,10 @@ if AVAILABLE:
                       seed_ptr, offset_ptr, rec_ptr, B, n_real, vocab_start, num_samples,
                       rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr,
                       HAS_BIAS: gl.constexpr, TILE_MASS: gl.constexpr, NUM_PEERS: gl.constexpr,
-                      SINGLE: gl.constexpr, CDF: gl.constexpr):
+                      SINGLE: gl.constexpr, CDF: gl.constexpr, LOWER: gl.constexpr = True):
         """Records of the tile (pid_v, columns [max(b0, b_lo), b0 + 128): the columns below b_lo
-        are the previous row block's, see gluon_sample.block_start) from the accumulator
+        are the previous row block's, see gluon_sample.block_start; LOWER False: no such columns,
+        b_lo unused) from the accumulator
         acc [128, 128] in wgmma layout, in 8 chunks of 16 columns (per-column keys and scales
         for 4 columns per thread).
 
@@ -215,7 +223,7 @@ if AVAILABLE:
             thread_barrier()
             _merge_warps(part_a, part_b, params, pid_v, b0, b_lo, 0, tile_start, rec_ptr, B,
                          rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr,
-                         TILE_MASS, NUM_PEERS, CDF)
+                         TILE_MASS, NUM_PEERS, CDF, LOWER)
         elif N == 64:  # columns 32c1 + 16c0 + n → (w, j, n, r, h, c1, c0)
             k0, k1, k2, k3 = _quarters(gl.permute(gl.reshape(acc, [2, 4, 2, 8, 2, 2, 16]),
                                                   [1, 3, 6, 0, 2, 4, 5]))
@@ -226,7 +234,7 @@ if AVAILABLE:
             thread_barrier()
             _merge_warps(part_a, part_b, params, pid_v, b0, b_lo, 0, tile_start, rec_ptr, B,
                          rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr,
-                         TILE_MASS, NUM_PEERS, CDF)
+                         TILE_MASS, NUM_PEERS, CDF, LOWER)
         elif SINGLE:
             for c in range(0, 8):  # rotate the chunks not yet done through the registers
                 _chunk_one_sample(k0, c, part_a, part_b, params, pid_v, bias_ptr, n_real,
@@ -235,7 +243,7 @@ if AVAILABLE:
             thread_barrier()
             _merge_warps(part_a, part_b, params, pid_v, b0, b_lo, 0, tile_start, rec_ptr, B,
                          rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr,
-                         TILE_MASS, NUM_PEERS, CDF)
+                         TILE_MASS, NUM_PEERS, CDF, LOWER)
         else:
             l0 = _chunk_logits(k0, 0, part_a, params, pid_v, bias_ptr, n_real, HAS_BIAS, TILE_MASS)
             l1 = _chunk_logits(k1, 1, part_a, params, pid_v, bias_ptr, n_real, HAS_BIAS, TILE_MASS)
@@ -258,7 +266,7 @@ if AVAILABLE:
                 thread_barrier()
                 _merge_warps(part_a, part_b, params, pid_v, b0, b_lo, s, tile_start, rec_ptr, B,
                              rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr,
-                             TILE_MASS, NUM_PEERS, False)
+                             TILE_MASS, NUM_PEERS, False, LOWER)
 
     @gluon.jit
     def _chunk_one_sample(x, c, part_a, part_b, params, pid_v, bias_ptr, n_real, tile_start,
@@ -482,7 +490,8 @@ if AVAILABLE:
     @gluon.jit
     def _merge_warps(part_a, part_b, params, pid_v, b0, b_lo, s, tile_start, rec_ptr, B,
                      rec_stride_s, rec_stride_b, rec_stride_t, peer_ptrs, parity_ptr,
-                     TILE_MASS: gl.constexpr, NUM_PEERS: gl.constexpr, CDF: gl.constexpr):
+                     TILE_MASS: gl.constexpr, NUM_PEERS: gl.constexpr, CDF: gl.constexpr,
+                     LOWER: gl.constexpr):
         """Sample s's records of the tile's 128 columns from the 4 warps' partials: a thread
         holds one column's four. The same values as one reduction over the column (the best
         score, the smallest row among equal scores, its logit); the log-mass is merged from
@@ -540,7 +549,10 @@ if AVAILABLE:
         lse = gl.convert_layout(gl.reshape(lse, [128]), col_l)
         token = (tile_start + idx.to(gl.int32)).to(gl.float32)
         offs_b = b0 + gl.arange(0, 128, layout=col_l)
-        mask_b = (offs_b < B) & (offs_b >= b_lo)
+        if LOWER:
+            mask_b = (offs_b < B) & (offs_b >= b_lo)
+        else:
+            mask_b = offs_b < B
         rec = offs_b.to(gl.int64) * rec_stride_b + pid_v.to(gl.int64) * rec_stride_t
         store_records(rec_ptr, peer_ptrs, parity_ptr, rec + s * rec_stride_s, best, token, logit,
                       lse, mask_b, NUM_PEERS, 4)
