@@ -80,9 +80,10 @@ host)
     python -m tools.host_cost --report ="$out/host/host_cost.json" | tee "$out/host.md"
     ;;
 args)
-    python -m tools.host_cost --batches 1,64,256 --no-profile --no-graph --ab-args \
-        --kinds plain,plain_fresh_h,loop,loop_out,loop_keep,top_p0.9 \
+    python -m tools.host_cost --batches 1,64 --no-profile --no-graph --ab-args \
+        --kinds plain_fresh_h,loop,loop_out,loop_keep,top_p0.9 \
         --out "$out/args" 2>&1 | tee "$out/args.log"
+    python -m tools.host_cost --report ="$out/args/host_cost.json" | tee "$out/args.md"
     ;;
 reuse)
     arms=()
