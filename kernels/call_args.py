@@ -41,6 +41,27 @@ def mix64(z):
 
 
 @triton.jit
+def _rows(word, flags, BY_VALUE: tl.constexpr, BY_PTR: tl.constexpr, out, B,
+          SEED: tl.constexpr):
+    """out[b] for b < B from one slot word: by value (the int itself, or with SEED the seed
+    derived from a drawn base) or from the int64 tensor at the address it holds."""
+    if (flags & (BY_VALUE | BY_PTR)) != 0:
+        w = tl.load(word, volatile=True)
+        r = tl.arange(0, ROWS)
+        for start in range(0, B, ROWS):
+            m = start + r < B
+            if (flags & BY_VALUE) != 0:
+                if SEED:
+                    z = w.to(tl.uint64, bitcast=True) + (start + r + 1).to(tl.uint64) * GOLDEN
+                    v = (mix64(z) >> 2).to(tl.int64, bitcast=True)
+                else:
+                    v = tl.full([ROWS], 0, tl.int64) + w
+            else:
+                v = tl.load(w.to(tl.pointer_type(tl.int64)) + start + r, mask=m)
+            tl.store(out + start + r, v, mask=m)
+
+
+@triton.jit
 def call_args_kernel(ring, consumed, state, hidden_out, offset_out, seed_out, n_hidden, B,
                      K: tl.constexpr, HAS_HIDDEN: tl.constexpr, HAS_OFFSET: tl.constexpr,
                      HAS_SEED: tl.constexpr, HEAD: tl.constexpr, COPY: tl.constexpr):
@@ -72,27 +93,9 @@ def call_args_kernel(ring, consumed, state, hidden_out, offset_out, seed_out, n_
             tl.store(state + 1, flags)
             tl.store(state + 2, src)
     if HEAD:
-        r = tl.arange(0, ROWS)
         if HAS_OFFSET:
-            if (flags & (OFFSET_VALUE | OFFSET_PTR)) != 0:
-                w = tl.load(slot + 2, volatile=True)
-                for start in range(0, B, ROWS):
-                    m = start + r < B
-                    if (flags & OFFSET_VALUE) != 0:
-                        v = tl.full([ROWS], 0, tl.int64) + w
-                    else:
-                        v = tl.load(w.to(tl.pointer_type(tl.int64)) + start + r, mask=m)
-                    tl.store(offset_out + start + r, v, mask=m)
+            _rows(slot + 2, flags, OFFSET_VALUE, OFFSET_PTR, offset_out, B, False)
         if HAS_SEED:
-            if (flags & (SEED_BASE | SEED_PTR)) != 0:
-                w = tl.load(slot + 3, volatile=True)
-                for start in range(0, B, ROWS):
-                    m = start + r < B
-                    if (flags & SEED_BASE) != 0:
-                        z = w.to(tl.uint64, bitcast=True) + (start + r + 1).to(tl.uint64) * GOLDEN
-                        v = (mix64(z) >> 2).to(tl.int64, bitcast=True)
-                    else:
-                        v = tl.load(w.to(tl.pointer_type(tl.int64)) + start + r, mask=m)
-                    tl.store(seed_out + start + r, v, mask=m)
+            _rows(slot + 3, flags, SEED_BASE, SEED_PTR, seed_out, B, True)
         tl.store(state, c + 1)
         tl.atomic_xchg(consumed.to(tl.pointer_type(tl.int64)), c + 1, sem="release", scope="sys")

@@ -72,6 +72,11 @@ class _Pool:
 POOL = _Pool()
 
 
+# per-row inputs: (name, slot word, flag for a tensor's address, flag for a value)
+_ROW_WORDS = (("offset", 2, CA.OFFSET_PTR.value, CA.OFFSET_VALUE.value),
+              ("seed", 3, CA.SEED_PTR.value, CA.SEED_BASE.value))
+
+
 class GraphArgs:
     """The ring of one graph. names: the inputs among NAMES the graph copies per call (the
     others are bound or absent); launch(inputs) runs the kernel (before the capture, once,
@@ -115,22 +120,11 @@ class GraphArgs:
         if "hidden" in self.names:
             slot[0] = tensors["hidden"].data_ptr()
             flags |= CA.HIDDEN_PTR.value
-        if "offset" in self.names:
-            v = None if values is None else values.get("offset")
-            if v is None:
-                slot[2] = tensors["offset"].data_ptr()
-                flags |= CA.OFFSET_PTR.value
-            else:
-                slot[2] = v
-                flags |= CA.OFFSET_VALUE.value
-        if "seed" in self.names:
-            v = None if values is None else values.get("seed")
-            if v is None:
-                slot[3] = tensors["seed"].data_ptr()
-                flags |= CA.SEED_PTR.value
-            else:
-                slot[3] = drawn_seeds.signed(v)
-                flags |= CA.SEED_BASE.value
+        for name, word, by_ptr, by_value in _ROW_WORDS:
+            if name in self.names:
+                v = None if values is None else values.get(name)
+                slot[word] = tensors[name].data_ptr() if v is None else drawn_seeds.signed(v)
+                flags |= by_ptr if v is None else by_value
         slot[1] = flags
         self.issued = n + 1
 
