@@ -136,7 +136,7 @@ if AVAILABLE:
             if TRACE:
                 gl.store(trace_ptr + 4 * tile + 2, sm_clock())
             if EXTRA_B > 0:  # (one row block)
-                b0 = 0
+                b0 = (tile % num_b_tiles) * BLOCK_B
             else:
                 b0 = block_start(tile % num_b_tiles, BLOCK_B, B)
             _tile_records(acc, part_a, part_b, params, tile // num_b_tiles, b0,
