@@ -476,6 +476,8 @@ def test_filtered_call_graph_wiring(monkeypatch):
     seed, offset = torch.zeros(B, dtype=torch.int64), torch.full((B,), 3)
     base = dict(inv_temp=None, seed=seed, offset=offset, bias=None)
     later = dict(top_k=None, top_p=filters.top_p, min_p=None)
+    pipe._with_gate(later)  # (a one-device call with a side output: the stream's gate)
+    assert later["gate"] is pipe.gates.get(None)
     for i in range(CG.CAPTURE_AT + 2):
         h = torch.full((B, 2), float(i))
         seed.fill_(i)

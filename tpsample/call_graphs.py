@@ -50,7 +50,7 @@ import weakref
 
 import torch
 
-from . import drawn_seeds, graph_args, knobs
+from . import drawn_seeds, fallback_gate, graph_args, knobs
 
 CAPTURE_AT = 3  # the call of a key that captures its graph (earlier ones re-issue launches)
 MAX_CAPTURES = 4  # per key: a graph whose bound tensor moves is dropped and captured
@@ -284,7 +284,8 @@ class CallGraphs:
             try:
                 if g.args is not None:
                     g.args.launch(g.inputs)
-                g.outputs = launch(side.cuda_stream, g.inputs)
+                with fallback_gate.capturing(g.graph):
+                    g.outputs = launch(side.cuda_stream, g.inputs)
             finally:
                 g.graph.capture_end()
         g.sinks = {SINKS[n]: (n, n in g.copied) for n in SINKS if tensors.get(n) is not None}
@@ -314,7 +315,8 @@ class CallGraphs:
             try:
                 if g.args is not None:
                     g.args.launch(g.inputs)
-                slot.outputs = launch(side.cuda_stream, g.inputs, own)
+                with fallback_gate.capturing(slot.graph):
+                    slot.outputs = launch(side.cuda_stream, g.inputs, own)
             finally:
                 slot.graph.capture_end()
         slot.own = frozenset(own)
