@@ -218,7 +218,12 @@ class CallGraphs:
         owns) on a side stream, and keep it under `key`. The graph has not run yet. None if
         the capture fails (with a warning): the key then keeps re-issuing its launches."""
         try:
-            g = self._capture(tensors, bound, launch)
+            try:
+                g = self._capture(tensors, bound, launch)
+            except Exception as e:  # noqa: BLE001 - once more without the fallback's node
+                if not fallback_gate.failed_with_node(e):
+                    raise
+                g = self._capture(tensors, bound, launch)
         except Exception as e:  # noqa: BLE001 - the launches still work without a graph
             self.captures[key] = MAX_CAPTURES
             warnings.warn(f"tpsample: CUDA-graph capture of a repeated call failed ({e}); its "

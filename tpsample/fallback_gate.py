@@ -19,12 +19,16 @@ graph launch every kernel as before (the gate is set and cleared, read by nobody
 kernels in the body still test the flags themselves, so a gate that stayed set would cost
 only the launches it could have skipped.
 
-TPSAMPLE_FALLBACK_GATE=0 captures the launches without the conditional node.
+TPSAMPLE_FALLBACK_GATE=0 captures the launches without the conditional node. A capture
+that fails after opening one (a driver or torch without what the node needs) turns the
+gate off for the process, with one warning, and is tried again without it
+(tpsample/call_graphs.py).
 """
 from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 
 import torch
 
@@ -33,7 +37,9 @@ from . import knobs
 # torch exposes conditional nodes on its graphs (torch.cond in CUDA graphs uses them)
 SUPPORTED = hasattr(getattr(torch._C, "_CUDAGraph", None), "begin_capture_to_if_node")
 
-_CAPTURE = threading.local()  # .graph: the CUDAGraph being captured here; .opened: a stack
+_CAPTURE = threading.local()  # .graph: the CUDAGraph being captured here; .opened: a stack;
+# .any: whether the last capture on this thread opened a node
+FAILED: str | None = None  # the error of a capture with a node: no more nodes in this process
 
 
 class Gates:
@@ -55,8 +61,9 @@ def capturing(graph):
     """Within the block, `graph` (a torch.cuda.CUDAGraph) is being captured on this thread:
     open_body puts the launches up to close_body into a conditional node of it."""
     before = getattr(_CAPTURE, "graph", None), getattr(_CAPTURE, "opened", None)
-    _CAPTURE.graph = graph if SUPPORTED and knobs.FALLBACK_GATE else None
+    _CAPTURE.graph = graph if SUPPORTED and knobs.FALLBACK_GATE and FAILED is None else None
     _CAPTURE.opened = []
+    _CAPTURE.any = False
     try:
         yield
     finally:
@@ -70,6 +77,7 @@ def open_body(gate: torch.Tensor) -> torch.Tensor:
     graph = getattr(_CAPTURE, "graph", None)
     opened = graph is not None and gate.is_cuda
     if opened:
+        _CAPTURE.any = True
         graph.begin_capture_to_if_node(gate)
     if graph is not None:
         _CAPTURE.opened.append(opened)
@@ -81,3 +89,18 @@ def close_body(gate: torch.Tensor) -> torch.Tensor:
     if getattr(_CAPTURE, "graph", None) is not None and _CAPTURE.opened.pop():
         _CAPTURE.graph.end_capture_to_conditional_node()
     return gate
+
+
+def failed_with_node(error: Exception) -> bool:
+    """After a failed capture on this thread: whether it had opened a conditional node. If
+    so, no later capture in this process opens one (one warning), and the caller may try
+    the capture again."""
+    global FAILED
+    if not getattr(_CAPTURE, "any", False):
+        return False
+    _CAPTURE.any = False
+    FAILED = f"{type(error).__name__}: {error}"
+    warnings.warn(f"tpsample: a CUDA-graph capture with a conditional node failed ({FAILED}); "
+                  "filtered calls' graphs run their exact fallback's launches in every replay "
+                  "instead", RuntimeWarning, stacklevel=3)
+    return True
