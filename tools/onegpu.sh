@@ -21,6 +21,8 @@
 #                                # process each, twice in turn (the graphs' output slots)
 #   tools/onegpu.sh args OUT     # tools.host_cost with TPSAMPLE_GRAPH_ARGS=0 and =1 in one
 #                                # process (a decode loop's inputs read by the graph)
+#   tools/onegpu.sh cond OUT     # tools.conditional_node: empty launches in a CUDA-graph
+#                                # conditional node against plain ones (OUT/cond.log)
 #
 # Run from the repository root with tpsample importable (PYTHONPATH or an install; the source
 # tree's tpsample/ has no kernels, so it is kept off sys.path: PYTHONSAFEPATH, and the
@@ -28,7 +30,7 @@
 # markdown under OUT; each part prints its table last.
 set -euo pipefail
 
-part=${1:?part: tests, bench, sweep, verify, decode, host, args or reuse}
+part=${1:?part: tests, bench, sweep, verify, decode, host, args, reuse or cond}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONSAFEPATH=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
@@ -98,6 +100,9 @@ reuse)
     done
     python -m tools.host_cost --report "${arms[@]}" | tee "$out/reuse.md"
     ;;
+cond)
+    python -m tools.conditional_node --out "$out/cond" 2>&1 | tee "$out/cond.log"
+    ;;
 *)
-    echo "unknown part $part (tests, bench, sweep, verify, decode, host, args or reuse)"; exit 2 ;;
+    echo "unknown part $part (tests, bench, sweep, verify, decode, host, args, reuse or cond)"; exit 2 ;;
 esac
