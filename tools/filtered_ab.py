@@ -13,8 +13,9 @@ V = 151936 (triton.testing.do_bench medians, ms). Heads: the benchmark's typical
 (-1.6 ln(rank), a nucleus of ~27 tokens: every row certified) and the sweep's
 (tpsample.launch.sweep: gauss1 and zipf1.3 are flat, every top-p row falls back). Last,
 each cell's mean per arm, the ratio to the first arm, and whether every arm drew the same
-tokens (a call at offset 0 per cell). Run it from the checkout with the checkout on
-PYTHONPATH where PYTHONSAFEPATH is set (`python -m` then does not add the working directory).
+tokens (a call at offset 0 per cell, one seed per row). Run it from the checkout with the
+checkout on PYTHONPATH where PYTHONSAFEPATH is set (`python -m` then does not add the
+working directory).
 
 A fresh GPU machine compiles every kernel of every cell in each arm's first process (about
 two minutes an arm for all eight cells at D = 4096): `--cells` keeps the cells a change
@@ -54,12 +55,15 @@ def worker(batches, heads, cells):
                 sweep = sweep_head(4096, 151936, torch.bfloat16, "cuda")
             w, U = sweep
             h = hidden(U, head, B, torch.bfloat16)
+        # a seed per row: with one int seed every row draws the same noise, and the rows of
+        # one head (logits ~0.001 apart) the same token, which the comparison would not tell apart
+        seed = torch.arange(B, device="cuda") * 7919 + 3
         for name, kw in ((n, CELLS[n]) for n in cells):
-            fn = lambda kw=kw: tpsample.sample(h, w, seed=3, offset=next(step), **kw)  # noqa: E731
+            fn = lambda kw=kw: tpsample.sample(h, w, seed=seed, offset=next(step), **kw)  # noqa: E731
             fn()
             cell = f"{name}@{head}@{B}"
             out[cell] = triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
-            got = tpsample.sample(h, w, seed=3, offset=0, **kw)
+            got = tpsample.sample(h, w, seed=seed, offset=0, **kw)
             tokens[cell] = (got.tokens if kw.get("return_logprobs") else got).view(-1).tolist()
     print(json.dumps({"ms": out, "tokens": tokens}))
 
