@@ -203,6 +203,11 @@ def _warm_one(task) -> str:
     return f"D={D} V={V} B={B} {name} ({time.perf_counter() - t0:.0f} s)"
 
 
+def row_seeds(B: int, device) -> torch.Tensor:
+    """int64 [B]: the timed calls' seeds, one per row."""
+    return torch.arange(B, device=device, dtype=torch.int64) * 7919 + 1
+
+
 def warm(args, calls=None) -> None:
     """Compile every kernel the run will launch in args.warm worker processes at once (on a
     fresh machine each (B, filter set) otherwise compiles in turn inside the timed loop's
@@ -246,14 +251,18 @@ def run(args) -> dict:
         meta["shapes"].append({"D": D, "V": V, "rows": rows})
         for head, T, B in itertools.product(args.heads, args.temps, args.batches):
             h = hidden(U, head, B, dtype)
+            # a seed per row: with one seed every row draws the same noise, so a head's rows
+            # (logits ~0.001 apart) would be certified or fall back together, never in their
+            # proportions
+            seed = row_seeds(B, device)
             stats_ = row_stats((h[:1].float() @ w.float().T)[0] / T) if head != "mixed" else {}
-            ms = {"plain": time_fn(lambda: tpsample.sample(h, w, temperature=T, seed=1,
+            ms = {"plain": time_fn(lambda: tpsample.sample(h, w, temperature=T, seed=seed,
                                                            offset=next(step)), args.cuda),
                   "mm": time_fn(lambda: h @ w.T, args.cuda),
                   "sort_p0.9": time_fn(lambda: sort_top_p(h, w, T), args.cuda)}
             for name, kw in FILTERS.items():
                 ms[name] = time_fn(lambda kw=kw: tpsample.sample(
-                    h, w, temperature=T, seed=1, offset=next(step), **kw), args.cuda)
+                    h, w, temperature=T, seed=seed, offset=next(step), **kw), args.cuda)
             for name, fn in flashinfer_variants(h, w, T).items():
                 ms[name] = time_fn(fn, args.cuda)
             rows.append(dict(head=head, T=T, B=B, ms=ms, kept=head_kept(head, T, V), **stats_))

@@ -67,19 +67,21 @@ def main():
     for head in a.heads.split(","):
         for B in map(int, a.batches.split(",")):
             h = hidden(U, head, B, torch.bfloat16)
+            seed = torch.arange(B, device=h.device, dtype=torch.int64) * 7919 + 1  # per row
             row = {"head": head, "B": B}
-            row["plain"] = do_bench(lambda: tpsample.sample(h, w, seed=1), rep=200)
+            row["plain"] = do_bench(lambda: tpsample.sample(h, w, seed=seed), rep=200)
             row["sort"] = do_bench(lambda: sort_top_p(h, w, 1.0), rep=200)
             for fname in a.filters.split(","):
                 kw = F[fname]
                 keys_seen.clear()
-                tpsample.sample(h, w, seed=1, **kw)
+                tpsample.sample(h, w, seed=seed, **kw)
                 torch.cuda.synchronize()
                 if keys_seen:
                     n = keys_seen[0].float()
                     row[fname + "_bracket"] = [float(n.min()), float(n.median()), float(n.max())]
-                row[fname] = do_bench(lambda kw=kw: tpsample.sample(h, w, seed=1, **kw), rep=200)
-                row[fname + "_kernels"] = kernel_times(lambda kw=kw: tpsample.sample(h, w, seed=1, **kw))
+                row[fname] = do_bench(lambda kw=kw: tpsample.sample(h, w, seed=seed, **kw), rep=200)
+                row[fname + "_kernels"] = kernel_times(
+                    lambda kw=kw: tpsample.sample(h, w, seed=seed, **kw))
             res.append(row)
             print(json.dumps({k: v for k, v in row.items() if not k.endswith("_kernels")}), flush=True)
             for fname in a.filters.split(","):

@@ -128,21 +128,22 @@ def main():
         kw = FILTERS[filt]
         for B in map(int, a.batches.split(",")):
             h = hidden(U, head, B, torch.bfloat16)
+            seed = torch.arange(B, device=h.device, dtype=torch.int64) * 7919 + 1  # per row
             if a.ncu:
                 for _ in range(2):
-                    tpsample.sample(h, w, seed=1, **kw)
+                    tpsample.sample(h, w, seed=seed, **kw)
                 torch.cuda.synchronize()
                 torch.cuda.profiler.start()
-                tpsample.sample(h, w, seed=1, **kw)
+                tpsample.sample(h, w, seed=seed, **kw)
                 torch.cuda.synchronize()
                 torch.cuda.profiler.stop()
                 continue
             row = {"head": head, "B": B, "filter": filt}
-            row["plain"] = do_bench(lambda: tpsample.sample(h, w, seed=1), rep=100)
-            row["call"] = do_bench(lambda: tpsample.sample(h, w, seed=1, **kw), rep=100)
+            row["plain"] = do_bench(lambda: tpsample.sample(h, w, seed=seed), rep=100)
+            row["call"] = do_bench(lambda: tpsample.sample(h, w, seed=seed, **kw), rep=100)
             row["sort"] = do_bench(lambda: sort_top_p(h, w, 1.0), rep=100)
-            ref = tokens(tpsample.sample(h, w, seed=1, **kw)).clone()
-            out, log = capture(lambda: tpsample.sample(h, w, seed=1, **kw))
+            ref = tokens(tpsample.sample(h, w, seed=seed, **kw)).clone()
+            out, log = capture(lambda: tpsample.sample(h, w, seed=seed, **kw))
             steps = []
             for i, (k, grid, args, const, opts) in enumerate(log):
                 t = timed_alone(log, i, lambda: k[grid](*args, **const, **opts), 20)

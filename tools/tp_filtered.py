@@ -61,35 +61,36 @@ def main():
     unsplit = (tpsample.VocabParallelSampler(shard, vocab_size=a.V, transport="symm_mem",
                                              check_inputs=False) if a.ab_split else None)
 
-    def call_unsplit(h, kw):
+    def call_unsplit(h, kw, seed):
         launchers.SPLIT_ROWS = False  # (read when a call's launches are recorded)
         try:
-            return unsplit(h, seed=1, **kw)
+            return unsplit(h, seed=seed, **kw)
         finally:
             launchers.SPLIT_ROWS = True
     res = []
     for head in a.heads.split(","):
         for B in map(int, a.batches.split(",")):
             h = hidden(U, head, B, torch.bfloat16)
+            seed = torch.arange(B, device=h.device, dtype=torch.int64) * 7919 + 1  # per row
             row = {"head": head, "B": B, "world": world}
-            row["plain"] = time_calls(lambda: sampler(h, seed=1), dev, a.iters)
+            row["plain"] = time_calls(lambda: sampler(h, seed=seed), dev, a.iters)
             for name, kw in FILTERS.items():
                 before = sampler.pipeline.fallback_rows
-                sampler(h, seed=1, **kw)
+                sampler(h, seed=seed, **kw)
                 torch.cuda.synchronize()
                 flagged = sampler.pipeline.fallback_rows - before
-                row[name] = time_calls(lambda kw=kw: sampler(h, seed=1, **kw), dev, a.iters)
+                row[name] = time_calls(lambda kw=kw: sampler(h, seed=seed, **kw), dev, a.iters)
                 if a.ab_graphs:
                     with knobs.overridden(GRAPHS_FILTERED=False):
                         row[name + "_reissued"] = time_calls(
-                            lambda kw=kw: sampler(h, seed=1, **kw), dev, a.iters)
+                            lambda kw=kw: sampler(h, seed=seed, **kw), dev, a.iters)
                 split = ("k" not in name and world > 1
                          and B >= launchers.SPLIT_MIN_ROWS * world)
                 if a.ab_split and split:
-                    row[name + "_unsplit"] = time_calls(lambda kw=kw: call_unsplit(h, kw), dev,
-                                                        a.iters)
-                    row[name + "_same_tokens"] = bool(torch.equal(sampler(h, seed=1, **kw),
-                                                                  call_unsplit(h, kw)))
+                    row[name + "_unsplit"] = time_calls(
+                        lambda kw=kw: call_unsplit(h, kw, seed), dev, a.iters)
+                    row[name + "_same_tokens"] = bool(torch.equal(sampler(h, seed=seed, **kw),
+                                                                  call_unsplit(h, kw, seed)))
                 # received per rank: the peers' records (the sample and candidate planes) and
                 # the side-output shards of the flagged rows it redoes (module docstring)
                 tiles = -(-per // records.TILE)
