@@ -242,6 +242,30 @@ def test_sweep_warm_task_reports_a_failure():
     assert "FAILED" in sweep._warm_one((64, 1000, 2, "no_such_filter", "fp32", False))
 
 
+def test_sweep_times_every_call_with_a_seed_per_row(tmp_path, monkeypatch):
+    """One seed for a call's rows would give them the same noise (it is keyed by seed,
+    offset and token id): a head's rows, ~0.001 apart, would then be certified or fall back
+    together. Every timed call passes distinct seeds, one per row."""
+    import torch
+    from tpsample.launch import bench, sweep
+    seeds = []
+
+    def fake_sample(h, w, seed=None, **kw):
+        seeds.append((h.shape[0], seed))
+        return torch.zeros(h.shape[0], dtype=torch.int64)
+    monkeypatch.setattr(sweep.tpsample, "sample", fake_sample)
+    monkeypatch.setattr(sweep, "time_fn", lambda fn, cuda: (fn(), 1.0)[1])
+    monkeypatch.setattr(sweep, "sort_top_p", lambda h, w, T: None)
+    monkeypatch.setattr(sweep, "measure_bandwidth", lambda device: 1.0)
+    monkeypatch.setattr(bench, "measure_bandwidth", lambda device: 1.0)
+    sweep.run(sweep.parse_args(["--shapes", "16x300", "--batches", "1,4", "--heads", "zipf1.6",
+                                "--temps", "1.0", "--warm", "0", "--out", str(tmp_path)]))
+    assert {B for B, _ in seeds} == {1, 4} and len(seeds) == 2 * (1 + len(sweep.FILTERS))
+    for B, seed in seeds:
+        assert isinstance(seed, torch.Tensor) and seed.shape == (B,)
+        assert len(set(seed.tolist())) == B
+
+
 @pytest.mark.slow
 def test_sweep_warms_in_processes_then_writes_json_doc_and_summary(tmp_path):
     """python -m tpsample.launch.sweep on the CPU with --warm 2: the warm-up runs every batch
