@@ -247,7 +247,7 @@ def test_sweep_times_every_call_with_a_seed_per_row(tmp_path, monkeypatch):
     offset and token id): a head's rows, ~0.001 apart, would then be certified or fall back
     together. Every timed call passes distinct seeds, one per row."""
     import torch
-    from tpsample.launch import bench, sweep
+    from tpsample.launch import sweep
     seeds = []
 
     def fake_sample(h, w, seed=None, **kw):
@@ -257,7 +257,6 @@ def test_sweep_times_every_call_with_a_seed_per_row(tmp_path, monkeypatch):
     monkeypatch.setattr(sweep, "time_fn", lambda fn, cuda: (fn(), 1.0)[1])
     monkeypatch.setattr(sweep, "sort_top_p", lambda h, w, T: None)
     monkeypatch.setattr(sweep, "measure_bandwidth", lambda device: 1.0)
-    monkeypatch.setattr(bench, "measure_bandwidth", lambda device: 1.0)
     sweep.run(sweep.parse_args(["--shapes", "16x300", "--batches", "1,4", "--heads", "zipf1.6",
                                 "--temps", "1.0", "--warm", "0", "--out", str(tmp_path)]))
     assert {B for B, _ in seeds} == {1, 4} and len(seeds) == 2 * (1 + len(sweep.FILTERS))

@@ -20,7 +20,7 @@ from triton.testing import do_bench
 import tpsample
 from tpsample import replay
 from tpsample.kernels import filter_cut
-from tpsample.launch.sweep import hidden, sort_top_p, sweep_head
+from tpsample.launch.sweep import hidden, row_seeds, sort_top_p, sweep_head
 
 
 def kernel_times(fn):
@@ -67,7 +67,7 @@ def main():
     for head in a.heads.split(","):
         for B in map(int, a.batches.split(",")):
             h = hidden(U, head, B, torch.bfloat16)
-            seed = torch.arange(B, device=h.device, dtype=torch.int64) * 7919 + 1  # per row
+            seed = row_seeds(B, h.device)
             row = {"head": head, "B": B}
             row["plain"] = do_bench(lambda: tpsample.sample(h, w, seed=seed), rep=200)
             row["sort"] = do_bench(lambda: sort_top_p(h, w, 1.0), rep=200)

@@ -31,7 +31,7 @@ import tpsample
 from tpsample import replay as replay_mod
 from tpsample.filters import cut_list
 from tpsample.kernels import filter_cut
-from tpsample.launch.sweep import hidden, sort_top_p, sweep_head
+from tpsample.launch.sweep import hidden, row_seeds, sort_top_p, sweep_head
 
 FILTERS = {"p0.9": dict(top_p=0.9), "m0.1": dict(min_p=0.1), "p0.95": dict(top_p=0.95),
            "p0.99": dict(top_p=0.99), "k50": dict(top_k=50),
@@ -128,7 +128,7 @@ def main():
         kw = FILTERS[filt]
         for B in map(int, a.batches.split(",")):
             h = hidden(U, head, B, torch.bfloat16)
-            seed = torch.arange(B, device=h.device, dtype=torch.int64) * 7919 + 1  # per row
+            seed = row_seeds(B, h.device)
             if a.ncu:
                 for _ in range(2):
                     tpsample.sample(h, w, seed=seed, **kw)

@@ -55,8 +55,8 @@ def worker(batches, heads, cells):
                 sweep = sweep_head(4096, 151936, torch.bfloat16, "cuda")
             w, U = sweep
             h = hidden(U, head, B, torch.bfloat16)
-        # a seed per row: with one int seed every row draws the same noise, and the rows of
-        # one head (logits ~0.001 apart) the same token, which the comparison would not tell apart
+        # a seed per row (as the sweep's row_seeds, written here: an arm may predate it): with
+        # one int seed every row draws the same noise, and a head's rows the same token
         seed = torch.arange(B, device="cuda") * 7919 + 3
         for name, kw in ((n, CELLS[n]) for n in cells):
             fn = lambda kw=kw: tpsample.sample(h, w, seed=seed, offset=next(step), **kw)  # noqa: E731

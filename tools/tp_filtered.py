@@ -32,7 +32,7 @@ import torch.distributed as dist
 import tpsample
 from tpsample import knobs, launchers, records
 from tpsample.launch.bench import time_calls
-from tpsample.launch.sweep import hidden, sweep_head
+from tpsample.launch.sweep import hidden, row_seeds, sweep_head
 
 FILTERS = {"k50": dict(top_k=50), "p0.9": dict(top_p=0.9), "m0.1": dict(min_p=0.1)}
 
@@ -71,7 +71,7 @@ def main():
     for head in a.heads.split(","):
         for B in map(int, a.batches.split(",")):
             h = hidden(U, head, B, torch.bfloat16)
-            seed = torch.arange(B, device=h.device, dtype=torch.int64) * 7919 + 1  # per row
+            seed = row_seeds(B, h.device)
             row = {"head": head, "B": B, "world": world}
             row["plain"] = time_calls(lambda: sampler(h, seed=seed), dev, a.iters)
             for name, kw in FILTERS.items():
