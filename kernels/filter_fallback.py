@@ -242,10 +242,10 @@ def fallback_rows_kernel(
     l_ptr, stride_lb, N, vocab_start, inv_temp_ptr, seed_ptr, offset_ptr, top_k_ptr, top_p_ptr,
     min_p_ptr, tokens_ptr, logprobs_ptr, logz_ptr, top_tok_ptr, top_lp_ptr, flag_ptr,
     scratch_ptr, count_ptr, S, n_top, starts_ptr, slot_n, slot_stride, calls_ptr, rank, world,
-    HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_M: tl.constexpr, RAW: tl.constexpr,
+    gate_ptr, HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_M: tl.constexpr, RAW: tl.constexpr,
     REPLACE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, CAP: tl.constexpr,
     PDL: tl.constexpr = False, SLOTTED: tl.constexpr = False, FAST: tl.constexpr = False,
-    SPLIT: tl.constexpr = False,
+    SPLIT: tl.constexpr = False, GATE: tl.constexpr = False,
 ):
     """Rows b with flag[b] != 0: logits l [B, N] (fallback_logits_kernel) → their tokens,
     log-probs and log Z [B, S] / [B] when the row is filtered, and their top-n [B, n_top]
@@ -257,10 +257,15 @@ def fallback_rows_kernel(
     (calls[0] < 0) the flagged rows get the degenerate outputs (token -1, NaN log-probs).
     FAST: the rows that fast_row takes are left to kernels/filter_cut.py. SPLIT (with FAST
     and SLOTTED): those rows were redone by their owner (rank b % world), which sent their
-    outputs here (send_outputs): the rows this rank does not own copy them (split_outputs)."""
+    outputs here (send_outputs): the rows this rank does not own copy them (split_outputs).
+    GATE: program 0 clears gate (bool [1]), which the filter kernel set if it flagged a row
+    (tpsample/fallback_gate.py)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
+    if GATE:
+        if b == 0:
+            tl.store(gate_ptr, tl.cast(0, tl.int1))
     slots = (slot_n, slot_stride, starts_ptr)
     flagged = tl.load(flag_ptr + b) != 0
     if SLOTTED:

@@ -108,16 +108,18 @@ def filter_records_kernel(
     rec_ptr, st_slot, st_plane, st_b, st_t, inv_temp_ptr, seed_ptr, offset_ptr,
     top_k_ptr, top_p_ptr, min_p_ptr, tokens_ptr, logprobs_ptr, logz_ptr, top_tok_ptr,
     top_lp_ptr, flag_ptr, scratch_ptr, win_at, S, T, N, n_top, parity_ptr, parity_stride,
-    HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_M: tl.constexpr, RAW: tl.constexpr,
+    gate_ptr, HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_M: tl.constexpr, RAW: tl.constexpr,
     REPLACE: tl.constexpr, USE_PARITY: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_U: tl.constexpr, CAP: tl.constexpr, SORT_A: tl.constexpr, SORT_B: tl.constexpr,
     PDL: tl.constexpr = False, PATHWISE: tl.constexpr = False,
-    WINNER_CERT: tl.constexpr = False,
+    WINNER_CERT: tl.constexpr = False, GATE: tl.constexpr = False,
 ):
     """records [slots, planes, B, T, 4] by strides (st_*: elements); outputs [B, S], [B],
     [B, n_top], flag int32 [B] (1: the row needs the exact fallback). USE_PARITY: the
     fan-out's two buffers. The known prefix is sorted in SORT_A, SORT_B or CAP slots, the
-    fewest that hold it (SORT_A <= SORT_B <= CAP, powers of 2).
+    fewest that hold it (SORT_A <= SORT_B <= CAP, powers of 2). GATE: gate (bool [1]) is
+    set when a row is flagged (tpsample/fallback_gate.py; the fallback's rows kernel clears
+    it).
 
     PATHWISE (merge "max"): this kernel is the call's whole stage 2. Rows without filters
     take sample s's pathwise winner over sample plane s (pathwise_winner: reduce_records'
@@ -200,17 +202,20 @@ def filter_records_kernel(
         known_prefix(b, row_ptr, scratch, M, bound, xm, logz, logz_raw, finite_row, inv, k, p, m,
                      seed_ptr, offset_ptr, tokens_ptr, logprobs_ptr, logz_ptr, top_tok_ptr,
                      top_lp_ptr, flag_ptr, S, T, N, n_top, st_slot, st_plane, st_t, RAW,
-                     REPLACE, PDL, BLOCK_U, SORT_A, PATHWISE, at_n, n_ok, u_tok0, u_x0, WINNER_CERT)
+                     REPLACE, PDL, BLOCK_U, SORT_A, PATHWISE, at_n, n_ok, u_tok0, u_x0, WINNER_CERT,
+                     gate_ptr, GATE)
     elif M <= SORT_B:
         known_prefix(b, row_ptr, scratch, M, bound, xm, logz, logz_raw, finite_row, inv, k, p, m,
                      seed_ptr, offset_ptr, tokens_ptr, logprobs_ptr, logz_ptr, top_tok_ptr,
                      top_lp_ptr, flag_ptr, S, T, N, n_top, st_slot, st_plane, st_t, RAW,
-                     REPLACE, PDL, BLOCK_U, SORT_B, PATHWISE, at_n, n_ok, u_tok0, u_x0, WINNER_CERT)
+                     REPLACE, PDL, BLOCK_U, SORT_B, PATHWISE, at_n, n_ok, u_tok0, u_x0, WINNER_CERT,
+                     gate_ptr, GATE)
     else:
         known_prefix(b, row_ptr, scratch, M, bound, xm, logz, logz_raw, finite_row, inv, k, p, m,
                      seed_ptr, offset_ptr, tokens_ptr, logprobs_ptr, logz_ptr, top_tok_ptr,
                      top_lp_ptr, flag_ptr, S, T, N, n_top, st_slot, st_plane, st_t, RAW,
-                     REPLACE, PDL, BLOCK_U, CAP, PATHWISE, at_n, n_ok, u_tok0, u_x0, WINNER_CERT)
+                     REPLACE, PDL, BLOCK_U, CAP, PATHWISE, at_n, n_ok, u_tok0, u_x0, WINNER_CERT,
+                     gate_ptr, GATE)
     if PATHWISE and REPLACE:
         tl.store(scratch_ptr + win_at + b, order_key(u_x0, u_tok0))
         tl.store(scratch_ptr + win_at + tl.num_programs(0) + b, order_key(xmax, u_tok0))
@@ -232,7 +237,7 @@ def known_prefix(b, row_ptr, scratch, M, bound, xm, logz, logz_raw, finite_row, 
                  top_lp_ptr, flag_ptr, S, T, N, n_top, st_slot, st_plane, st_t,
                  RAW: tl.constexpr, REPLACE: tl.constexpr, PDL: tl.constexpr,
                  BLOCK_U: tl.constexpr, SORT: tl.constexpr, PATHWISE: tl.constexpr, at_n,
-                 n_ok, u_tok0, u_x0, WINNER_CERT: tl.constexpr):
+                 n_ok, u_tok0, u_x0, WINNER_CERT: tl.constexpr, gate_ptr, GATE: tl.constexpr):
     """The row's known prefix (M keys in scratch, M <= SORT) sorted, the filters and
     certificates over it, the samples and the top-n; writes the row's outputs. PATHWISE:
     (u_tok0, u_x0) is sample 0's pathwise winner; WINNER_CERT: filter_records_kernel's."""
@@ -358,3 +363,5 @@ def known_prefix(b, row_ptr, scratch, M, bound, xm, logz, logz_raw, finite_row, 
     tl.store(logz_ptr + b, tl.where(won, float("nan"), lz))
     fallback = finite_row & ((filtered & (cert == 0) & (won == 0)) | (n_top > M))
     tl.store(flag_ptr + b, fallback.to(tl.int32))
+    if GATE:
+        tl.store(gate_ptr, fallback, mask=fallback)

@@ -476,6 +476,8 @@ def test_filtered_call_graph_wiring(monkeypatch):
     seed, offset = torch.zeros(B, dtype=torch.int64), torch.full((B,), 3)
     base = dict(inv_temp=None, seed=seed, offset=offset, bias=None)
     later = dict(top_k=None, top_p=filters.top_p, min_p=None)
+    pipe._with_gate(later)  # (a one-device call with a side output: the stream's gate)
+    assert later["gate"] is pipe.gates.get(None)
     for i in range(CG.CAPTURE_AT + 2):
         h = torch.full((B, 2), float(i))
         seed.fill_(i)
@@ -508,3 +510,41 @@ def test_a_failed_capture_warns_once_and_the_key_keeps_its_launches(monkeypatch)
     with pytest.warns(RuntimeWarning, match="capture of a repeated call failed"):
         assert graphs.capture("k", call, frozenset({"seed"}), lambda stream, named: {}) is None
     assert all(graphs.due("k", call) is None for _ in range(2 * CG.CAPTURE_AT))
+
+
+def test_a_capture_whose_conditional_node_fails_is_taken_again_without_it(monkeypatch):
+    """A driver or torch that cannot capture the fallback's conditional node
+    (tpsample/fallback_gate.py): one warning, the node off for the process, and the same
+    capture again without it (the key gets its graph); a capture that fails without a node
+    is given up as before."""
+    from tpsample import call_graphs as CG
+    from tpsample import fallback_gate
+    _fake_cuda(monkeypatch)
+    monkeypatch.setattr(fallback_gate, "SUPPORTED", True)
+    monkeypatch.setattr(fallback_gate, "FAILED", None)
+
+    class NoNodes(_Tape):
+        def begin_capture_to_if_node(self, pred):
+            raise RuntimeError("conditional nodes not supported")
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", NoNodes)
+
+    class Gate:
+        is_cuda = True
+    gate = Gate()
+    opened = []
+
+    def launch(stream, named, outputs=None):
+        opened.append(fallback_gate.open_body(gate) is gate)
+        fallback_gate.close_body(gate)
+        return {}
+    graphs = CG.CallGraphs(torch.device("cpu"))
+    call = dict(seed=torch.zeros(2, dtype=torch.int64))
+    with pytest.warns(RuntimeWarning, match="conditional node failed"):
+        assert graphs.capture("k", call, frozenset({"seed"}), launch) is not None
+    assert fallback_gate.FAILED is not None and opened[:2] == [True, True]
+    assert graphs.captures["k"] == 1
+
+    def broken(stream, named, outputs=None):
+        raise RuntimeError("not the node")
+    with pytest.warns(RuntimeWarning, match="capture of a repeated call failed"):
+        assert graphs.capture("k2", call, frozenset({"seed"}), broken) is None

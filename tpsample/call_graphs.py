@@ -50,7 +50,7 @@ import weakref
 
 import torch
 
-from . import drawn_seeds, graph_args, knobs
+from . import drawn_seeds, fallback_gate, graph_args, knobs
 
 CAPTURE_AT = 3  # the call of a key that captures its graph (earlier ones re-issue launches)
 MAX_CAPTURES = 4  # per key: a graph whose bound tensor moves is dropped and captured
@@ -218,7 +218,12 @@ class CallGraphs:
         owns) on a side stream, and keep it under `key`. The graph has not run yet. None if
         the capture fails (with a warning): the key then keeps re-issuing its launches."""
         try:
-            g = self._capture(tensors, bound, launch)
+            try:
+                g = self._capture(tensors, bound, launch)
+            except Exception as e:  # noqa: BLE001 - once more without the fallback's node
+                if not fallback_gate.failed_with_node(e):
+                    raise
+                g = self._capture(tensors, bound, launch)
         except Exception as e:  # noqa: BLE001 - the launches still work without a graph
             self.captures[key] = MAX_CAPTURES
             warnings.warn(f"tpsample: CUDA-graph capture of a repeated call failed ({e}); its "
@@ -284,7 +289,8 @@ class CallGraphs:
             try:
                 if g.args is not None:
                     g.args.launch(g.inputs)
-                g.outputs = launch(side.cuda_stream, g.inputs)
+                with fallback_gate.capturing(g.graph):
+                    g.outputs = launch(side.cuda_stream, g.inputs)
             finally:
                 g.graph.capture_end()
         g.sinks = {SINKS[n]: (n, n in g.copied) for n in SINKS if tensors.get(n) is not None}
@@ -314,7 +320,8 @@ class CallGraphs:
             try:
                 if g.args is not None:
                     g.args.launch(g.inputs)
-                slot.outputs = launch(side.cuda_stream, g.inputs, own)
+                with fallback_gate.capturing(slot.graph):
+                    slot.outputs = launch(side.cuda_stream, g.inputs, own)
             finally:
                 slot.graph.capture_end()
         slot.own = frozenset(own)

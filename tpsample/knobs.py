@@ -51,6 +51,10 @@ KNOBS = (
          "1: a call's CUDA graph reads new hidden states, an int offset and drawn seeds from "
          "a slot in pinned memory the call writes (tpsample/graph_args.py: no launch for "
          "them); 0: they are copied into the graph's inputs, one launch each"),
+    Knob("TPSAMPLE_FALLBACK_GATE", "1", ("0", "1"),
+         "1: in a filtered call's CUDA graph (one GPU) the exact fallback's launches run "
+         "inside a conditional node, skipped when the call flags no row "
+         "(tpsample/fallback_gate.py); 0: they run in every replay"),
     Knob("TPSAMPLE_GLUON", "1", ("0", "1"),
          "0: never the Hopper Gluon kernels (ws, pp); the cuBLAS + records-pass path runs "
          "where the plan would take them"),
@@ -99,10 +103,11 @@ GRAPHS_FILTERED = VALUES["TPSAMPLE_GRAPHS"] == "1"
 MEMO = VALUES["TPSAMPLE_MEMO"] == "1"
 REUSE_OUTPUTS = VALUES["TPSAMPLE_REUSE_OUTPUTS"] == "1"
 GRAPH_ARGS = VALUES["TPSAMPLE_GRAPH_ARGS"] == "1"
+FALLBACK_GATE = VALUES["TPSAMPLE_FALLBACK_GATE"] == "1"
 GLUON = VALUES["TPSAMPLE_GLUON"] == "1"
 CHECK_TENSORS = VALUES["TPSAMPLE_CHECK_TENSORS"] == "1"
 SWITCHES = ("REPLAY", "DIRECT_LAUNCH", "GRAPHS", "GRAPHS_FILTERED", "MEMO", "REUSE_OUTPUTS",
-            "GRAPH_ARGS", "GLUON", "CHECK_TENSORS")
+            "GRAPH_ARGS", "FALLBACK_GATE", "GLUON", "CHECK_TENSORS")
 
 
 @contextlib.contextmanager

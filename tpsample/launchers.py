@@ -21,7 +21,7 @@ from typing import Callable, NamedTuple
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import records
+from . import fallback_gate, records
 from . import filters as F
 from .kernels import (filter_cut, filter_fallback, filter_records, fused_sample, gluon_pingpong, gluon_sample,
                       listed_records as listed_records_kernel, reduce_records)
@@ -511,14 +511,16 @@ def filtered_outputs(B: int, S: int, n: int, device, flat: bool = False) -> F.Fi
 def stage2_filtered(plan: Plan, recs: torch.Tensor, params: RowParams, filters: Filters,
                     parity=None, parity_stride: int = 0, *, head: torch.Tensor | None = None,
                     out: F.FilteredOutput | None = None,
-                    tokens_only: bool = False) -> F.FilteredOutput:
+                    tokens_only: bool = False,
+                    gate: torch.Tensor | None = None) -> F.FilteredOutput:
     """records [slots, planes, B, T, 4] of a call with candidate planes → stage2 over the
     sample planes (head: recs[:, :S], passed when a replay must know it), then the candidate
     reduce (kernels/filter_records.py) over all planes, into `out` (default: fresh
     filtered_outputs). With merge "max" the filter kernel takes the sample planes' pathwise
     winners itself (one launch: PATHWISE); tokens_only (the call returns no log-probs): with it,
     one sample with replacement and no top-n, the winner certificate (tpsample/filters.py,
-    2.) also clears rows whose pathwise winner is known and kept (WINNER_CERT)."""
+    2.) also clears rows whose pathwise winner is known and kept (WINNER_CERT). gate (bool [1],
+    tpsample/fallback_gate.py): set when a row is flagged."""
     slots, _, B, T, _ = recs.shape
     S = plan.num_samples
     head = recs[:, :S] if head is None else head
@@ -541,12 +543,13 @@ def stage2_filtered(plan: Plan, recs: torch.Tensor, params: RowParams, filters: 
               tokens_ptr=tokens, logprobs_ptr=logprobs, logz_ptr=logz, top_tok_ptr=top_tok,
               top_lp_ptr=top_lp, flag_ptr=flag, scratch_ptr=scratch, win_at=B * F.KNOWN_CAP,
               S=S, T=T, N=N, n_top=n, parity_ptr=parity if parity is not None else params.seed,
-              parity_stride=parity_stride, RAW=filters.raw,
-              REPLACE=filters.replacement, USE_PARITY=parity is not None,
+              parity_stride=parity_stride, gate_ptr=gate if gate is not None else flag,
+              RAW=filters.raw, REPLACE=filters.replacement, USE_PARITY=parity is not None,
               K=records.CANDIDATES, BLOCK_N=block_n,
               BLOCK_U=min(1024, max(16, 1 << (N - 1).bit_length())), CAP=cap, SORT_A=sort_a,
               SORT_B=sort_b, PDL=plan.pdl, PATHWISE=pathwise,
-              WINNER_CERT=winner_certificate(plan.merge, S, filters, tokens_only))
+              WINNER_CERT=winner_certificate(plan.merge, S, filters, tokens_only),
+              GATE=gate is not None)
     return out
 
 
@@ -594,7 +597,7 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
                        side: torch.Tensor | None = None, winner: bool = False,
                        logprobs: bool = True,
                        recs: torch.Tensor | None = None, parity=None,
-                       parity_stride: int = 0) -> None:
+                       parity_stride: int = 0, gate: torch.Tensor | None = None) -> None:
     """The exact fallback of one device's call, after stage2_filtered and with no host
     synchronisation (kernels/filter_fallback.py, kernels/filter_cut.py): the rows flagged in
     out.fallback get their outputs redone in `out` from their logits; count (int32 [1])
@@ -617,7 +620,11 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
     least SPLIT_MIN_ROWS rows per rank): each flagged row is gathered to and redone on one
     rank, b % world, which sends its outputs to the others after the cut; a second exchange
     then makes them visible (the gathered bytes and the cut's work per rank divided by world,
-    for one more exchange: at B = 1 that exchange is all it changes)."""
+    for one more exchange: at B = 1 that exchange is all it changes). gate (one device,
+    tpsample/fallback_gate.py: the gate stage2_filtered set): in a call's CUDA graph these
+    launches run only when it is set; the rows kernel clears it."""
+    if gate is not None:
+        run_step(fallback_gate.open_body, (gate,))
     B, D = hidden.shape
     if gather is not None:
         logits = gather.own
@@ -702,7 +709,11 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
               REPLACE=filters.replacement, BLOCK=min(1024, 1 << (rows["N"] - 1).bit_length()),
               BLOCK_N=max(16, 1 << max(n - 1, 0).bit_length()), CAP=F.KNOWN_CAP,
               rank=owners["rank"], world=owners["split"],
-              PDL=pdl and gather is None, SLOTTED=gather is not None, FAST=fast, SPLIT=split)
+              gate_ptr=gate if gate is not None else count,
+              PDL=pdl and gather is None, SLOTTED=gather is not None, FAST=fast, SPLIT=split,
+              GATE=gate is not None)
+    if gate is not None:
+        run_step(fallback_gate.close_body, (gate,))
 
 
 def _row_source(rows: dict, params: RowParams, filters: Filters, vocab_start: int) -> dict:

@@ -26,7 +26,7 @@ import torch
 
 from . import constraints as C
 from . import filters as F
-from . import launchers, merge, records, replay
+from . import fallback_gate, launchers, merge, records, replay
 from .params import NO_FILTERS, Filters, RowParams
 from .spec import SamplingSpec
 from .plan import DeviceKind, Layout, Plan, make_plan
@@ -83,6 +83,7 @@ class Pipeline:
             self.shard_starts = torch.tensor(shard_starts if shard_starts is not None else [0],
                                              dtype=torch.int64, device=device)
         self.fallback = FallbackChoice(device, deterministic=self.gather_fallback)
+        self.gates = fallback_gate.Gates(device)  # (one device's fast-path calls)
         # (graph key, graph, the tensors it read, returned names, filtered, whether its
         # fallback may move to the host) of the last run() that went through a graph, else
         # None: what tpsample/call_memo.py keeps
@@ -481,6 +482,8 @@ class Pipeline:
         """(later: the stage-2 launches' per-call tensors beyond per_call, gathered: the
         transport's rows_gather views or None) of a filtered call."""
         later = dict(top_k=filters.top_k, top_p=filters.top_p, min_p=filters.min_p)
+        if on_device and per_call["side"] is not None:
+            self._with_gate(later)
         gathered = None
         if on_device and self.gather_fallback:  # the flagged rows' logit shards, gathered
             # (before key2: a grown buffer changes the transport's key)
@@ -489,6 +492,14 @@ class Pipeline:
             later["fallback_logits"] = torch.empty(B, T * records.TILE, dtype=torch.float32,
                                                    device=per_call["hidden"].device)
         return later, gathered
+
+    def _with_gate(self, later: dict) -> None:
+        """later with the gate of the current stream (tpsample/fallback_gate.py), in a
+        one-device call whose fallback reads its stage 1's side output."""
+        if not self.gather_fallback:
+            dev = self.device
+            later["gate"] = self.gates.get(replay.current_stream(dev.index)
+                                           if dev.type == "cuda" else None)
 
     def _filtered_stage2(self, plan: Plan, recs, hidden, weight, bias, params: RowParams,
                          filters: Filters, merge: str, S: int, n_real: int, vocab_start: int,
@@ -506,7 +517,7 @@ class Pipeline:
         out = launchers.filtered_outputs(hidden.shape[0], S, filters.top_n, hidden.device)
         launchers.stage2_filtered(plan, recs, params, filters,
                                   *(fanout[1:] if fanout else ()), head=recs[:, :S], out=out,
-                                  tokens_only=not logprobs)
+                                  tokens_only=not logprobs, gate=later.get("gate"))
         if on_device:
             launchers.fallback_on_device(hidden, weight, bias, params, filters, out,
                                          later.get("fallback_logits"),
@@ -516,7 +527,8 @@ class Pipeline:
                                          gather=gather, side=per_call["side"],
                                          winner=merge == "max", logprobs=logprobs, recs=recs,
                                          parity=fanout[1] if fanout else None,
-                                         parity_stride=fanout[2] if fanout else 0)
+                                         parity_stride=fanout[2] if fanout else 0,
+                                         gate=later.get("gate"))
         return out
 
     def _slots_first(self, numel: int):
@@ -555,6 +567,8 @@ class Pipeline:
         output, the records, the fallback's logits and the outputs live in the graph's
         pool; the graph is captured from the stage-2 replay these launches would take."""
         later = dict(top_k=filters.top_k, top_p=filters.top_p, min_p=filters.min_p)
+        if side_out:
+            self._with_gate(later)
         n = T * records.TILE
         if self.gather_fallback:  # (a grown buffer changes the transport's key)
             self.transport.rows_gather(B, n)

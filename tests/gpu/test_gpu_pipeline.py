@@ -215,6 +215,54 @@ def test_repeated_filtered_calls_through_their_graph_equal_reissued_launches(kw,
             assert (x is None and y is None) or torch.equal(x, y), (i, f)
 
 
+@pytest.mark.parametrize("logprobs", [False, True], ids=["tokens", "logprobs"])
+def test_a_graph_skips_its_fallback_only_where_no_row_is_flagged(logprobs, monkeypatch):
+    """A one-GPU top-p call's graph holds its fallback's launches in a conditional node
+    (tpsample/fallback_gate.py). Calls through one graph that alternate between flat rows
+    (all flagged), peaked rows (none) and a batch with one flat row give, call by call, the
+    tokens (log-probs, log Z) of re-issued launches, with the gate and without it; the
+    gate is clear after each run and the device counted the same fallback rows."""
+    from tpsample import api, fallback_gate, knobs, replay
+    assert fallback_gate.SUPPORTED  # (torch >= 2.6 on CUDA 12.4+: what this test is for)
+    B = 24
+    w, hs = head_and_states(9, B, 4, flat=False)
+    scale = torch.ones(B, 1, device="cuda", dtype=torch.bfloat16)
+    scale[3] = 0.02
+    kinds = [0.02, 8.0, scale * 8.0, 8.0, 0.02, 0.02, scale * 8.0, 8.0, 8.0, 0.02]
+    states = [hs[i % len(hs)] * k for i, k in enumerate(kinds)]
+
+    def run(graphs: bool, gate: bool):
+        monkeypatch.setattr(knobs, "GRAPHS", graphs)
+        monkeypatch.setattr(knobs, "GRAPHS_FILTERED", graphs)
+        monkeypatch.setattr(knobs, "FALLBACK_GATE", gate)
+        api._PIPELINES.clear()
+        seed = torch.zeros(B, dtype=torch.int64, device="cuda")
+        outs = []
+        for i, h in enumerate(states):
+            seed.fill_(i)
+            outs.append(tpsample.sample(h, w, seed=seed, offset=2, top_p=0.9,
+                                        return_logprobs=logprobs))
+        torch.cuda.synchronize()
+        (pipe,) = api._PIPELINES.values()
+        gate_now = pipe.gates.get(replay.current_stream(torch.cuda.current_device()))
+        assert not gate_now.item()
+        return outs, pipe
+
+    want, plain = run(False, True)
+    rows = plain.fallback_rows
+    assert 0 < rows < B * len(states)
+    for gate in (True, False):
+        got, pipe = run(True, gate)
+        assert sum(pipe.graphs.captures.values()) == 1
+        assert pipe.fallback_rows == rows, gate
+        for i, (a, b) in enumerate(zip(want, got)):
+            if not logprobs:
+                assert torch.equal(a, b), (gate, i)
+                continue
+            for f in ("tokens", "logprobs", "logz"):
+                assert torch.equal(getattr(a, f), getattr(b, f)), (gate, i, f)
+
+
 @pytest.mark.parametrize("memo", [False, True])
 def test_a_top_k_call_leaves_its_graph_while_its_fallback_is_on_the_host(memo, monkeypatch):
     """A call outside the cut's fast path (top-k: its fallback may move to the host, which
