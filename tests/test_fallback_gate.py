@@ -83,45 +83,96 @@ def test_top_k_calls_take_no_gate(monkeypatch):
     assert not any(what == "step" for what, _ in seen)
 
 
-class _Graph:
-    def __init__(self):
-        self.calls = []
+class _Maker:
+    """A stand-in NodeMaker: its nodes log enter / leave (a real one needs a GPU)."""
+    calls: list = []
 
-    def begin_capture_to_if_node(self, pred):
-        self.calls.append(("begin", pred))
+    def __init__(self, device):
+        self.device = device
 
-    def end_capture_to_conditional_node(self):
-        self.calls.append(("end",))
+    def __call__(self, gate):
+        calls = self.calls
+
+        class Node:
+            stream, outer = 11, None
+            body = type("Body", (), {"cuda_stream": 22})()
+
+            def enter(self):
+                calls.append(("enter", gate))
+
+            def leave(self):
+                calls.append(("leave",))
+        return Node()
 
 
 class _Gate:
     is_cuda = True
 
 
-def test_inside_a_capture_the_steps_open_and_close_one_conditional_node(monkeypatch):
-    monkeypatch.setattr(fallback_gate, "SUPPORTED", True)
-    g, gate = _Graph(), _Gate()
+CUDA = torch.device("cuda", 0)
+
+
+@pytest.fixture
+def maker(monkeypatch):
+    monkeypatch.setattr(fallback_gate, "NodeMaker", _Maker)
+    monkeypatch.setattr(fallback_gate, "available", lambda: None)
+    monkeypatch.setattr(fallback_gate, "FAILED", None)
+    _Maker.calls = []
+    return _Maker
+
+
+def test_inside_a_capture_the_steps_open_and_close_one_conditional_node(maker, monkeypatch):
+    gate = _Gate()
     assert fallback_gate.open_body(gate) is gate  # (no capture: nothing)
     fallback_gate.close_body(gate)
-    with fallback_gate.capturing(g):
+    assert fallback_gate.next_stream(5) == 5
+    with fallback_gate.capturing(CUDA):
         fallback_gate.open_body(gate)
+        assert fallback_gate.next_stream(5) == 22  # (a replay's launches: into the body)
         fallback_gate.close_body(gate)
-        with fallback_gate.capturing(None):  # (a nested block without a graph)
+        assert fallback_gate.next_stream(22) == 11  # (and back out)
+        with fallback_gate.capturing(torch.device("cpu")):  # (a nested block, no node)
             fallback_gate.open_body(gate)
             fallback_gate.close_body(gate)
         fallback_gate.open_body(torch.zeros(1, dtype=torch.bool))  # (a CPU gate: no node)
+        assert fallback_gate.next_stream(5) == 5
         fallback_gate.close_body(gate)
-    assert g.calls == [("begin", gate), ("end",)]
-    g.calls.clear()
-    with knobs.overridden(FALLBACK_GATE=False), fallback_gate.capturing(g):
+    assert maker.calls == [("enter", gate), ("leave",)]
+    maker.calls.clear()
+    with knobs.overridden(FALLBACK_GATE=False), fallback_gate.capturing(CUDA):
         fallback_gate.open_body(gate)
         fallback_gate.close_body(gate)
-    assert g.calls == []
-    monkeypatch.setattr(fallback_gate, "SUPPORTED", False)  # (a torch without them)
-    with fallback_gate.capturing(g):
+    assert maker.calls == []
+    monkeypatch.setattr(fallback_gate, "available", lambda: "no cuda.bindings")
+    with fallback_gate.capturing(CUDA):  # (without the CUDA wheels: silently none)
         fallback_gate.open_body(gate)
         fallback_gate.close_body(gate)
-    assert g.calls == []
+    assert maker.calls == [] and fallback_gate.FAILED == "no cuda.bindings"
+
+
+def test_a_capture_that_fails_inside_the_body_leaves_it(maker, monkeypatch):
+    """abandon() (before the graph's capture ends) leaves the open body once; the torch
+    stream goes back to the node's outer one."""
+    streams = []
+    monkeypatch.setattr(torch.cuda, "set_stream", streams.append)
+    gate = _Gate()
+    with pytest.raises(RuntimeError, match="inside"):
+        with fallback_gate.capturing(CUDA):
+            fallback_gate.open_body(gate)
+            try:
+                raise RuntimeError("inside")
+            finally:
+                fallback_gate.abandon()
+    assert maker.calls == [("enter", gate), ("leave",)] and streams == [None]
+
+
+def test_the_set_kernel_links_without_a_gpu():
+    """NVRTC's PTX of the one-thread set kernel links with libcudadevrt.a (skipped where
+    cuda.bindings or the CUDA wheels are missing, as on a CPU-only install)."""
+    if fallback_gate.available() is not None:
+        pytest.skip(fallback_gate.available())
+    cubin = fallback_gate.set_condition_cubin("sm_90")
+    assert cubin[:4] == b"\x7fELF"
 
 
 COMPILE = r'''

@@ -520,13 +520,22 @@ def test_a_capture_whose_conditional_node_fails_is_taken_again_without_it(monkey
     from tpsample import call_graphs as CG
     from tpsample import fallback_gate
     _fake_cuda(monkeypatch)
-    monkeypatch.setattr(fallback_gate, "SUPPORTED", True)
+    monkeypatch.setattr(fallback_gate, "available", lambda: None)
     monkeypatch.setattr(fallback_gate, "FAILED", None)
+    capturing = fallback_gate.capturing  # (as on a GPU: this test's graphs are on the CPU)
+    monkeypatch.setattr(fallback_gate, "capturing",
+                        lambda device: capturing(torch.device("cuda", 0)))
 
-    class NoNodes(_Tape):
-        def begin_capture_to_if_node(self, pred):
-            raise RuntimeError("conditional nodes not supported")
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", NoNodes)
+    class NoNodes:
+        def __init__(self, device):
+            pass
+
+        def __call__(self, gate):
+            class Node:
+                def enter(self):
+                    raise RuntimeError("conditional nodes not supported")
+            return Node()
+    monkeypatch.setattr(fallback_gate, "NodeMaker", NoNodes)
 
     class Gate:
         is_cuda = True

@@ -285,18 +285,20 @@ class CallGraphs:
             if g.args is not None:  # (compiled and loaded outside the capture)
                 g.args.skip()
                 g.args.launch(g.inputs)
-            g.graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                if g.args is not None:
-                    g.args.launch(g.inputs)
-                with fallback_gate.capturing(g.graph):
+            with fallback_gate.capturing(self.device):
+                g.graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    if g.args is not None:
+                        g.args.launch(g.inputs)
                     g.outputs = launch(side.cuda_stream, g.inputs)
-            finally:
-                g.graph.capture_end()
+                finally:
+                    fallback_gate.abandon()
+                    g.graph.capture_end()
         g.sinks = {SINKS[n]: (n, n in g.copied) for n in SINKS if tensors.get(n) is not None}
         if knobs.REUSE_OUTPUTS and _use_count is not None and not g.sinks:
             try:
-                g.slots = tuple(self._capture_slot(g, launch, side) for _ in range(OUTPUT_SLOTS))
+                g.slots = tuple(self._capture_slot(g, launch, side, self.device)
+                                for _ in range(OUTPUT_SLOTS))
             except Exception as e:  # noqa: BLE001 - the first graph works without slots
                 warnings.warn(f"tpsample: CUDA-graph capture of a call's output slots failed "
                               f"({e}); its outputs are copied per call instead", RuntimeWarning,
@@ -307,7 +309,7 @@ class CallGraphs:
         return g
 
     @staticmethod
-    def _capture_slot(g: CallGraph, launch, side) -> Slot:
+    def _capture_slot(g: CallGraph, launch, side, device) -> Slot:
         """g's launches captured again, on the side stream and in g's pool, with the
         returnable outputs going to tensors of the slot's own (allocated outside the pool;
         slot.idle is set by _capture)."""
@@ -316,14 +318,15 @@ class CallGraphs:
                if g.outputs.get(n) is not None and g.outputs[n].numel()}
         slot.graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(side):
-            slot.graph.capture_begin(pool=g.graph.pool(), capture_error_mode="thread_local")
-            try:
-                if g.args is not None:
-                    g.args.launch(g.inputs)
-                with fallback_gate.capturing(slot.graph):
+            with fallback_gate.capturing(device):
+                slot.graph.capture_begin(pool=g.graph.pool(), capture_error_mode="thread_local")
+                try:
+                    if g.args is not None:
+                        g.args.launch(g.inputs)
                     slot.outputs = launch(side.cuda_stream, g.inputs, own)
-            finally:
-                slot.graph.capture_end()
+                finally:
+                    fallback_gate.abandon()
+                    slot.graph.capture_end()
         slot.own = frozenset(own)
         slot.storages = tuple(t.untyped_storage() for t in own.values())
         return slot

@@ -623,8 +623,6 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
     for one more exchange: at B = 1 that exchange is all it changes). gate (one device,
     tpsample/fallback_gate.py: the gate stage2_filtered set): in a call's CUDA graph these
     launches run only when it is set; the rows kernel clears it."""
-    if gate is not None:
-        run_step(fallback_gate.open_body, (gate,))
     B, D = hidden.shape
     if gather is not None:
         logits = gather.own
@@ -652,6 +650,12 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
     split = (SPLIT_ROWS and gather is not None and side is not None and fast and fan[1] > 1
              and B >= SPLIT_MIN_ROWS * fan[1]
              and filters.top_k is None and (c is None or not c.listed) and 2 * S + 1 <= N)
+    workspace = None
+    if gate is not None:  # (one device, side: nothing is allocated inside the node's body)
+        if fast:
+            workspace = _cut_workspace(hidden, S, N, 1, winner and recs is not None and S == 1,
+                                       logprobs)
+        run_step(fallback_gate.open_body, (gate,))
     if side is None or gather is not None:  # (one device with side: the logits are there)
         run_named(filter_fallback.fallback_logits_kernel,
                   (min(tiles, fallback_programs(hidden)),), launch,
@@ -698,7 +702,7 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
                    dict(launch, num_warps=8), aligned=gather is None and vocab_start % 4 == 0,
                    slotted=gather is not None, owners=owners, split=split,
                    winner=(recs, parity, parity_stride) if winner and recs is not None else None,
-                   logprobs=logprobs)
+                   logprobs=logprobs, workspace=workspace)
     if split:  # the owners' outputs, sent after their cut
         gather.exchange(out.fallback)
     run_named(filter_fallback.fallback_rows_kernel, (B,), dict(launch, num_warps=8),
@@ -758,10 +762,34 @@ EARLY_FROM_B = 128
 EARLY_SMALL = filter_cut.MID.value
 
 
+def _cut_workspace(hidden: torch.Tensor, S: int, N: int, split: int, use_winner: bool,
+                   logprobs: bool) -> dict:
+    """_cut_steps' chunking (G chunks of C columns, GH of CH for HIST and COMPACT, W sums,
+    the read's block) and workspace (part, hist, keys) for B = hidden.shape[0] rows of N
+    columns, split between `split` ranks."""
+    B = hidden.shape[0]
+    K = filter_cut
+    block = min(2048, 1 << (N - 1).bit_length())  # a read per step: 2048 columns a pass
+    G = max(8, cdiv(fallback_programs(hidden), cdiv(B, split))) if hidden.is_cuda else 4
+    C = cdiv(cdiv(N, G), block) * block
+    G = cdiv(N, C)
+    GH, CH = G, C  # HIST and COMPACT over the cut list
+    if use_winner and not logprobs:
+        GH = max(G, cdiv(N, CUT_LIST_CHUNK))
+        CH = cdiv(cdiv(N, GH), block) * block
+        GH = cdiv(N, CH)
+    W = max(K.NT.value + 2, S + 2, 5)  # (STATS: 5 sums with the winner check)
+    dev = hidden.device
+    return dict(G=G, C=C, GH=GH, CH=CH, W=W, block=block,
+                part=torch.empty(K.SAMPLE.value + 1, B, G, W, dtype=torch.float32, device=dev),
+                hist=torch.empty(K.PASSES.value + 1, B, GH, W, dtype=torch.float32, device=dev),
+                keys=torch.empty(B, K.CAP.value + 2 + G * S, dtype=torch.int64, device=dev))
+
+
 def _cut_steps(hidden, params: RowParams, filters: Filters, out: F.FilteredOutput, count,
                rows: dict, vocab_start: int, block_f: int, launch: dict, *, aligned: bool,
                slotted: bool, owners: dict, split: bool, winner: tuple | None = None,
-               logprobs: bool = True) -> None:
+               logprobs: bool = True, workspace: dict | None = None) -> None:
     """kernels/filter_cut.py's steps for the flagged rows with top-p / min-p and no top-k
     (the cut's steps only when the call has top-p). Workspace, per call: fp32 [SAMPLE + 1, B,
     G, W] and [PASSES + 1, B, GH, W] partial sums and int64 [B, CAP + 2 + G·S] keys (G chunks
@@ -770,26 +798,16 @@ def _cut_steps(hidden, params: RowParams, filters: Filters, out: F.FilteredOutpu
     (records, parity, parity_stride) of a call with merge "max" (kernels/filter_cut.py,
     WINNER); logprobs: the call returns log-probs (LOGPROBS: every top-p row's cut).
     owners: the rows this rank redoes, b = rank + k · split; split: it sends their outputs
-    (kernels/filter_cut.py, SPLIT)."""
+    (kernels/filter_cut.py, SPLIT). workspace: _cut_workspace's, allocated before (default:
+    here)."""
     B, S, N = out.fallback.shape[0], out.tokens.shape[1], rows["N"]
     K = filter_cut
-    block = min(2048, 1 << (N - 1).bit_length())  # a read per step: 2048 columns a pass
+    use_winner = winner is not None and S == 1
+    ws = workspace or _cut_workspace(hidden, S, N, owners["split"], use_winner, logprobs)
+    G, C, GH, CH, W, block = ws["G"], ws["C"], ws["GH"], ws["CH"], ws["W"], ws["block"]
+    part, hist, keys = ws["part"], ws["hist"], ws["keys"]
     programs = fallback_programs(hidden)
     owned = cdiv(B, owners["split"])
-    G = max(8, cdiv(programs, owned)) if hidden.is_cuda else 4
-    C = cdiv(cdiv(N, G), block) * block
-    G = cdiv(N, C)
-    use_winner = winner is not None and S == 1
-    GH, CH = G, C  # HIST and COMPACT over the cut list
-    if use_winner and not logprobs:
-        GH = max(G, cdiv(N, CUT_LIST_CHUNK))
-        CH = cdiv(cdiv(N, GH), block) * block
-        GH = cdiv(N, CH)
-    W = max(K.NT.value + 2, S + 2, 5)  # (STATS: 5 sums with the winner check)
-    dev = hidden.device
-    part = torch.empty(K.SAMPLE.value + 1, B, G, W, dtype=torch.float32, device=dev)
-    hist = torch.empty(K.PASSES.value + 1, B, GH, W, dtype=torch.float32, device=dev)
-    keys = torch.empty(B, K.CAP.value + 2 + G * S, dtype=torch.int64, device=dev)
     source = _row_source(rows, params, filters, vocab_start)
     if use_winner:
         recs, parity, parity_stride = winner

@@ -83,7 +83,9 @@ def _signature(fn) -> tuple[tuple, frozenset]:
 
 def run_step(fn, args: tuple):
     """fn(*args) for a torch step between launches (the hybrid's GEMM); logged as
-    (fn, None, None, args, result) so a replay re-runs it and feeds its new result on."""
+    (fn, None, None, args, result) so a replay re-runs it and feeds its new result on. A
+    step fn with a `next_stream(stream) -> stream` attribute may move a replay's later
+    launches to another stream (tpsample/fallback_gate.py)."""
     result = fn(*args)
     log = getattr(_RECORDER, "log", None)
     if log is not None:
@@ -187,6 +189,9 @@ class Replay:
             if compiled is None:
                 tensors[extra] = fn(*args)
                 addresses = None  # (a step's result is a new named tensor)
+                moves = getattr(fn, "next_stream", None)
+                if moves is not None:  # (tpsample/fallback_gate.py: into a node's body)
+                    stream = moves(stream)
             else:
                 gx, gy, gz = extra
                 compiled.run(gx, gy, gz, stream, compiled.function, compiled.packed_metadata,
