@@ -18,7 +18,7 @@ from test_filter_cut import flat_rows
 
 
 def _calls(monkeypatch):
-    """Spies: the list of (what, value) each filter-kernel launch, fallback step and gate
+    """The gate on (TPSAMPLE_FALLBACK_GATE=1). Spies: the list of (what, value) each filter-kernel launch, fallback step and gate
     step appends, in launch order (the gate's value read right after the filter kernel)."""
     seen = []
     run_kernel, run_step, stage2 = replay.run_kernel, launchers.run_step, launchers.stage2_filtered
@@ -40,6 +40,7 @@ def _calls(monkeypatch):
     monkeypatch.setattr(launchers, "run_step", step)
     monkeypatch.setattr(launchers, "stage2_filtered", filtered)
     monkeypatch.setattr(launchers, "fallback_programs", lambda t: 5)
+    monkeypatch.setattr(knobs, "FALLBACK_GATE", True)
     return seen
 
 
@@ -71,6 +72,16 @@ def test_the_gate_steps_bracket_the_fallback_launches_only(monkeypatch):
     assert inside[-1] is filter_fallback.fallback_rows_kernel
     assert set(inside[:-1]) == {filter_cut.cut_step_kernel}
     assert closed == len(order) - 1
+
+
+def test_the_knob_off_takes_no_gate(monkeypatch):
+    """TPSAMPLE_FALLBACK_GATE=0 (the default): no gate, no steps, the kernels as before."""
+    seen = _calls(monkeypatch)
+    monkeypatch.setattr(knobs, "FALLBACK_GATE", False)
+    h, w = flat_rows(V=900, B=2)
+    tpsample.sample(h, w, seed=torch.arange(2), backend="triton", top_p=0.9)
+    assert [v for what, v in seen if what == "gate"] == [None]
+    assert not any(what == "step" for what, _ in seen)
 
 
 def test_top_k_calls_take_no_gate(monkeypatch):
@@ -117,6 +128,7 @@ def maker(monkeypatch):
     monkeypatch.setattr(fallback_gate, "NodeMaker", _Maker)
     monkeypatch.setattr(fallback_gate, "available", lambda: None)
     monkeypatch.setattr(fallback_gate, "FAILED", None)
+    monkeypatch.setattr(knobs, "FALLBACK_GATE", True)
     _Maker.calls = []
     return _Maker
 

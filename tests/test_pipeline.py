@@ -5,6 +5,7 @@ import types
 import pytest
 import torch
 
+from tpsample import knobs
 from tpsample import fallback_choice as FC
 from tpsample import filters as F
 from tpsample.host_fallback import redo_rows_on_host
@@ -476,6 +477,7 @@ def test_filtered_call_graph_wiring(monkeypatch):
     seed, offset = torch.zeros(B, dtype=torch.int64), torch.full((B,), 3)
     base = dict(inv_temp=None, seed=seed, offset=offset, bias=None)
     later = dict(top_k=None, top_p=filters.top_p, min_p=None)
+    monkeypatch.setattr(knobs, "FALLBACK_GATE", True)
     pipe._with_gate(later)  # (a one-device call with a side output: the stream's gate)
     assert later["gate"] is pipe.gates.get(None)
     for i in range(CG.CAPTURE_AT + 2):
@@ -522,6 +524,7 @@ def test_a_capture_whose_conditional_node_fails_is_taken_again_without_it(monkey
     _fake_cuda(monkeypatch)
     monkeypatch.setattr(fallback_gate, "available", lambda: None)
     monkeypatch.setattr(fallback_gate, "FAILED", None)
+    monkeypatch.setattr(knobs, "FALLBACK_GATE", True)
     capturing = fallback_gate.capturing  # (as on a GPU: this test's graphs are on the CPU)
     monkeypatch.setattr(fallback_gate, "capturing",
                         lambda device: capturing(torch.device("cuda", 0)))

@@ -1,12 +1,13 @@
 """Same-run A/B of two installs of tpsample on filtered and plain calls (CUDA only).
 
-    python -m tools.filtered_ab --arm old:DIR_A --arm new:DIR_B [--rounds 2]
+    python -m tools.filtered_ab --arm old:DIR_A --arm new:DIR_B[:VAR=VALUE,...] [--rounds 2]
         [--heads typical,gauss1,zipf1.3] [--batches 1,16,64,256] [--cells plain,p0.9+lp]
         [--budget SECONDS] [--out ab.json]
 
 Each arm runs in a process of its own with PYTHONPATH=DIR (a `pip install --target DIR .`
 of the code to compare, into a fresh DIR: pip keeps a package already there unless given
---upgrade), the rounds alternate the arms' order; each process times, per
+--upgrade), with the arm's VAR=VALUE in its environment (e.g. two settings of a knob on one
+install), the rounds alternate the arms' order; each process times, per
 head and batch, the plain call and top_k 50 / top_p 0.9, 0.95, 0.99 / min_p 0.05 / min_p 0.1 / all
 three / top_p 0.9 with log-probs / top_p 0.9 + min_p 0.05 with log-probs at D = 4096,
 V = 151936 (triton.testing.do_bench medians, ms). Heads: the benchmark's typical head
@@ -68,9 +69,20 @@ def worker(batches, heads, cells):
     print(json.dumps({"ms": out, "tokens": tokens}))
 
 
+def parse_arms(specs: list) -> tuple[list, dict]:
+    """--arm values NAME:DIR[:VAR=VALUE,...] -> ([[name, dir], ...], {name: {VAR: VALUE}})."""
+    arms, env = [], {}
+    for spec in specs:
+        name, path, *extra = spec.split(":", 2)
+        arms.append([name, path])
+        env[name] = dict(kv.split("=", 1) for kv in extra[0].split(",")) if extra else {}
+    return arms, env
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--arm", action="append", required=True, help="NAME:DIR")
+    p.add_argument("--arm", action="append", required=True,
+                   help="NAME:DIR[:VAR=VALUE,...] (environment variables of that arm's process)")
     p.add_argument("--batches", default="1,16,64,256")
     p.add_argument("--heads", default="typical", help="typical and / or tpsample.launch.sweep "
                    "heads (gauss1, zipf1.3, ...), comma-separated")
@@ -88,7 +100,7 @@ def main():
         p.error(f"--cells: unknown {unknown}; known: {', '.join(CELLS)}")
     if a.worker:
         return worker(batches, a.heads.split(","), cells)
-    arms = [x.split(":", 1) for x in a.arm]
+    arms, arm_env = parse_arms(a.arm)
     res = {n: [] for n, _ in arms}
     start = time.time()
     last = 0.0
@@ -99,7 +111,7 @@ def main():
         t_round = time.time()
         for name, path in (arms if r % 2 == 0 else arms[::-1]):
             t = time.time()
-            env = dict(os.environ, PYTHONPATH=path)
+            env = dict(os.environ, PYTHONPATH=path, **arm_env[name])
             # (run as a file from /: the checkout's own tpsample/ must not shadow the install)
             o = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", "--arm",
                                 "x:x", "--batches", a.batches, "--heads", a.heads, "--cells",

@@ -23,6 +23,9 @@
 #                                # process (a decode loop's inputs read by the graph)
 #   tools/onegpu.sh cond OUT     # tools.conditional_node: empty launches in a CUDA-graph
 #                                # conditional node against plain ones (OUT/cond.log)
+#   tools/onegpu.sh gate OUT     # cond, the fallback gate's GPU test, and TPSAMPLE_FALLBACK_GATE
+#                                # 0 against 1 (tools.filtered_ab, INSTALL=DIR: this
+#                                # checkout's pip --target install; BUDGET seconds, default 300)
 #
 # Run from the repository root with tpsample importable (PYTHONPATH or an install; the source
 # tree's tpsample/ has no kernels, so it is kept off sys.path: PYTHONSAFEPATH, and the
@@ -30,7 +33,7 @@
 # markdown under OUT; each part prints its table last.
 set -euo pipefail
 
-part=${1:?part: tests, bench, sweep, verify, decode, host, args, reuse or cond}
+part=${1:?part: tests, bench, sweep, verify, decode, host, args, reuse, cond or gate}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONSAFEPATH=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
@@ -103,6 +106,19 @@ reuse)
 cond)
     python -m tools.conditional_node --out "$out/cond" 2>&1 | tee "$out/cond.log"
     ;;
+gate)
+    # the experiment above, the gate's GPU test, then a same-run A/B of the install at
+    # INSTALL (a pip --target directory) with TPSAMPLE_FALLBACK_GATE=0 and =1
+    install=${INSTALL:?INSTALL: the pip --target directory of this checkout}
+    timeout 120 python -m tools.conditional_node --replays 200 --out "$out/cond" 2>&1 \
+        | tee "$out/cond.log"
+    timeout 300 python -m pytest -q -x -m "gpu or not gpu" tests/gpu/test_gpu_pipeline.py \
+        -k skips_its_fallback 2>&1 | tee "$out/gate_test.log"
+    python -m tools.filtered_ab --arm "off:$install:TPSAMPLE_FALLBACK_GATE=0" \
+        --arm "on:$install:TPSAMPLE_FALLBACK_GATE=1" --rounds 2 --heads typical,gauss1 \
+        --batches 64,256 --cells plain,p0.9,m0.1,p0.9+lp --budget "${BUDGET:-300}" \
+        --out "$out/gate_ab.json" 2>&1 | tee "$out/gate_ab.log"
+    ;;
 *)
-    echo "unknown part $part (tests, bench, sweep, verify, decode, host, args, reuse or cond)"; exit 2 ;;
+    echo "unknown part $part (tests, bench, sweep, verify, decode, host, args, reuse, cond or gate)"; exit 2 ;;
 esac

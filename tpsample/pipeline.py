@@ -26,7 +26,7 @@ import torch
 
 from . import constraints as C
 from . import filters as F
-from . import fallback_gate, launchers, merge, records, replay
+from . import fallback_gate, knobs, launchers, merge, records, replay
 from .params import NO_FILTERS, Filters, RowParams
 from .spec import SamplingSpec
 from .plan import DeviceKind, Layout, Plan, make_plan
@@ -495,8 +495,9 @@ class Pipeline:
 
     def _with_gate(self, later: dict) -> None:
         """later with the gate of the current stream (tpsample/fallback_gate.py), in a
-        one-device call whose fallback reads its stage 1's side output."""
-        if not self.gather_fallback:
+        one-device call whose fallback reads its stage 1's side output (TPSAMPLE_FALLBACK_GATE
+        on)."""
+        if knobs.FALLBACK_GATE and not self.gather_fallback:
             dev = self.device
             later["gate"] = self.gates.get(replay.current_stream(dev.index)
                                            if dev.type == "cuda" else None)

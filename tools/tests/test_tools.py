@@ -230,6 +230,24 @@ def test_filtered_ab_passes_its_cells_on_writes_each_arm_as_it_lands_and_keeps_i
     assert "--cells: unknown ['nope']" in capsys.readouterr().err
 
 
+def test_filtered_ab_arms_take_environment_variables(monkeypatch):
+    """NAME:DIR:VAR=VALUE,... puts those variables in that arm's workers only."""
+    assert filtered_ab.parse_arms(["off:/a:TPSAMPLE_FALLBACK_GATE=0,X=1=2", "on:/a"]) == (
+        [["off", "/a"], ["on", "/a"]], {"off": {"TPSAMPLE_FALLBACK_GATE": "0", "X": "1=2"},
+                                         "on": {}})
+    envs = []
+
+    def fake_run(cmd, env, **kw):
+        envs.append((env["PYTHONPATH"], env.get("TPSAMPLE_FALLBACK_GATE")))
+        return types.SimpleNamespace(stdout=json.dumps({"ms": {"c": 1.0}, "tokens": {"c": [1]}}))
+    monkeypatch.setattr(filtered_ab.subprocess, "run", fake_run)
+    monkeypatch.delenv("TPSAMPLE_FALLBACK_GATE", raising=False)
+    monkeypatch.setattr(sys, "argv", ["filtered_ab", "--arm", "off:/a:TPSAMPLE_FALLBACK_GATE=0",
+                                      "--arm", "on:/a:TPSAMPLE_FALLBACK_GATE=1", "--rounds", "1"])
+    filtered_ab.main()
+    assert envs == [("/a", "0"), ("/a", "1")]
+
+
 def test_count_bins_brackets_hold_the_cut_and_a_wrong_lower_bound_does_not():
     """tools.count_bins: the bracket one count pass leaves has A(lo) >= p·Z > A(hi) and the
     tokens it counts, on flat and Zipf rows (V = 32,768, windows from the simulated records);
