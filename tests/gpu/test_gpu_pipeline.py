@@ -119,6 +119,24 @@ def test_sample_replay_equals_a_dispatched_call(B, S, with_bias, force, monkeypa
         assert a.shape == b.shape and torch.equal(a, b)
 
 
+def _calls(monkeypatch, graphs: bool, states, w, **kw):
+    """tpsample.sample on each of `states` (seed tensor i at call i, one object: the graph
+    binds it) with TPSAMPLE_GRAPHS and _FILTERED on or off, from a fresh pipeline: (the
+    outputs, the pipeline)."""
+    from tpsample import api, knobs
+    monkeypatch.setattr(knobs, "GRAPHS", graphs)
+    monkeypatch.setattr(knobs, "GRAPHS_FILTERED", graphs)
+    api._PIPELINES.clear()
+    seed = torch.zeros(states[0].shape[0], dtype=torch.int64, device="cuda")
+    outs = []
+    for i, h in enumerate(states):
+        seed.fill_(i)
+        outs.append(tpsample.sample(h, w, seed=seed, **kw))
+    torch.cuda.synchronize()
+    (pipe,) = api._PIPELINES.values()
+    return outs, pipe
+
+
 @pytest.mark.parametrize("B,S,logprobs", [(1, 1, False), (64, 1, True), (33, 2, False)])
 def test_repeated_calls_through_their_graph_equal_reissued_launches(B, S, logprobs, monkeypatch):
     """From a key's third replayed call the pipeline replays one CUDA graph
@@ -182,7 +200,6 @@ def test_repeated_filtered_calls_through_their_graph_equal_reissued_launches(kw,
     device: it moves to the host at a call set by when a CUDA event completes, so two runs
     could switch at different calls (the same tokens, log-probs that differ in the last
     bits); the next test moves it."""
-    from tpsample import api, knobs
     from tpsample.fallback_choice import FallbackChoice
     monkeypatch.setattr(FallbackChoice, "device_now", lambda self, hidden, in_capture: True)
     kw = dict(kw)
@@ -191,18 +208,8 @@ def test_repeated_filtered_calls_through_their_graph_equal_reissued_launches(kw,
     w, hs = head_and_states(5, B, 8, flat)
 
     def run(graphs: bool):
-        monkeypatch.setattr(knobs, "GRAPHS", graphs)
-        monkeypatch.setattr(knobs, "GRAPHS_FILTERED", graphs)
-        api._PIPELINES.clear()
-        seed = torch.zeros(B, dtype=torch.int64, device="cuda")
-        outs = []
-        for i, h in enumerate(hs):
-            seed.fill_(i)
-            outs.append(tpsample.sample(h, w, temperature=1.2, seed=seed, offset=1,
-                                        return_logprobs=True, **kw))
-        torch.cuda.synchronize()
-        (pipe,) = api._PIPELINES.values()
-        return outs, pipe
+        return _calls(monkeypatch, graphs, hs, w, temperature=1.2, offset=1,
+                      return_logprobs=True, **kw)
 
     want, _ = run(False)
     got, pipe = run(True)
@@ -222,7 +229,7 @@ def test_a_graph_skips_its_fallback_only_where_no_row_is_flagged(logprobs, monke
     (all flagged), peaked rows (none) and a batch with one flat row give, call by call, the
     tokens (log-probs, log Z) of re-issued launches, with the gate and without it; the
     gate is clear after each run and the device counted the same fallback rows."""
-    from tpsample import api, fallback_gate, knobs, replay
+    from tpsample import fallback_gate, knobs, replay
     why = fallback_gate.available()
     assert why is None, why  # (cuda.bindings and torch's CUDA wheels: what this test is for)
     entered = []
@@ -237,18 +244,9 @@ def test_a_graph_skips_its_fallback_only_where_no_row_is_flagged(logprobs, monke
     states = [hs[i % len(hs)] * k for i, k in enumerate(kinds)]
 
     def run(graphs: bool, gate: bool):
-        monkeypatch.setattr(knobs, "GRAPHS", graphs)
-        monkeypatch.setattr(knobs, "GRAPHS_FILTERED", graphs)
         monkeypatch.setattr(knobs, "FALLBACK_GATE", gate)
-        api._PIPELINES.clear()
-        seed = torch.zeros(B, dtype=torch.int64, device="cuda")
-        outs = []
-        for i, h in enumerate(states):
-            seed.fill_(i)
-            outs.append(tpsample.sample(h, w, seed=seed, offset=2, top_p=0.9,
-                                        return_logprobs=logprobs))
-        torch.cuda.synchronize()
-        (pipe,) = api._PIPELINES.values()
+        outs, pipe = _calls(monkeypatch, graphs, states, w, offset=2, top_p=0.9,
+                            return_logprobs=logprobs)
         gate_now = pipe.gates.get(replay.current_stream(torch.cuda.current_device()))
         assert not gate_now.item()
         return outs, pipe
