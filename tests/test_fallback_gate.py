@@ -75,7 +75,7 @@ def test_the_gate_steps_bracket_the_fallback_launches_only(monkeypatch):
 
 
 def test_the_knob_off_takes_no_gate(monkeypatch):
-    """TPSAMPLE_FALLBACK_GATE=0 (the default): no gate, no steps, the kernels as before."""
+    """TPSAMPLE_FALLBACK_GATE=0: no gate, no steps, the kernels as without the gate."""
     seen = _calls(monkeypatch)
     monkeypatch.setattr(knobs, "FALLBACK_GATE", False)
     h, w = flat_rows(V=900, B=2)

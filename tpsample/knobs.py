@@ -51,10 +51,10 @@ KNOBS = (
          "1: a call's CUDA graph reads new hidden states, an int offset and drawn seeds from "
          "a slot in pinned memory the call writes (tpsample/graph_args.py: no launch for "
          "them); 0: they are copied into the graph's inputs, one launch each"),
-    Knob("TPSAMPLE_FALLBACK_GATE", "0", ("0", "1"),
-         "1 (experimental: not yet run on a GPU): in a filtered call's CUDA graph (one GPU) "
-         "the exact fallback's launches run inside a conditional node, skipped when the call "
-         "flags no row (tpsample/fallback_gate.py); 0: they run in every replay"),
+    Knob("TPSAMPLE_FALLBACK_GATE", "1", ("0", "1"),
+         "1: in a filtered call's CUDA graph (one GPU) the exact fallback's launches run "
+         "inside a conditional node, skipped when the call flags no row (needs cuda.bindings; "
+         "tpsample/fallback_gate.py); 0: they run in every replay"),
     Knob("TPSAMPLE_GLUON", "1", ("0", "1"),
          "0: never the Hopper Gluon kernels (ws, pp); the cuBLAS + records-pass path runs "
          "where the plan would take them"),
