@@ -100,6 +100,7 @@ class _Maker:
 
     def __init__(self, device):
         self.device = device
+        self.calls.append(("made", device))
 
     def __call__(self, gate):
         calls = self.calls
@@ -149,8 +150,12 @@ def test_inside_a_capture_the_steps_open_and_close_one_conditional_node(maker, m
         fallback_gate.open_body(torch.zeros(1, dtype=torch.bool))  # (a CPU gate: no node)
         assert fallback_gate.next_stream(5) == 5
         fallback_gate.close_body(gate)
-    assert maker.calls == [("enter", gate), ("leave",)]
+    assert maker.calls == [("made", CUDA), ("enter", gate), ("leave",)]
     maker.calls.clear()
+    with fallback_gate.capturing(None):  # (a capture without a gate: plain calls)
+        fallback_gate.open_body(gate)
+        fallback_gate.close_body(gate)
+    assert maker.calls == []
     with knobs.overridden(FALLBACK_GATE=False), fallback_gate.capturing(CUDA):
         fallback_gate.open_body(gate)
         fallback_gate.close_body(gate)
@@ -175,7 +180,7 @@ def test_a_capture_that_fails_inside_the_body_leaves_it(maker, monkeypatch):
                 raise RuntimeError("inside")
             finally:
                 fallback_gate.abandon()
-    assert maker.calls == [("enter", gate), ("leave",)] and streams == [None]
+    assert maker.calls == [("made", CUDA), ("enter", gate), ("leave",)] and streams == [None]
 
 
 def test_the_set_kernel_links_without_a_gpu():

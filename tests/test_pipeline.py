@@ -480,6 +480,10 @@ def test_filtered_call_graph_wiring(monkeypatch):
     monkeypatch.setattr(knobs, "FALLBACK_GATE", True)
     pipe._with_gate(later)  # (a one-device call with a side output: the stream's gate)
     assert later["gate"] is pipe.gates.get(None)
+    gated = []
+    capture = pipe.graphs.capture
+    monkeypatch.setattr(pipe.graphs, "capture", lambda *a, **k: (gated.append(k.get("gated")),
+                                                                  capture(*a, **k))[1])
     for i in range(CG.CAPTURE_AT + 2):
         h = torch.full((B, 2), float(i))
         seed.fill_(i)
@@ -491,7 +495,9 @@ def test_filtered_call_graph_wiring(monkeypatch):
         if out is not None:
             assert torch.equal(out.tokens, _want(h, seed, offset)), i
             assert torch.equal(out.logprobs, filters.top_p) and out.top_tokens is None
-    # captured once, and once per output slot, each capture with its own side output
+    # captured once (its node prepared: the launches hold the gate's steps), and once per
+    # output slot, each capture with its own side output
+    assert gated == [True]
     assert len(sides) == 1 + CG.OUTPUT_SLOTS and all(x is not None for x in sides)
     assert len({x.data_ptr() for x in sides}) == len(sides)
     # a stage 2 of another layout was never recorded: no graph for that key

@@ -211,19 +211,22 @@ class CallGraphs:
             return None
         return bound
 
-    def capture(self, key, tensors: dict, bound: frozenset, launch) -> CallGraph | None:
+    def capture(self, key, tensors: dict, bound: frozenset, launch,
+                gated: bool = False) -> CallGraph | None:
         """Capture launch(stream, inputs, outputs=None) -> {name: output tensor} (outputs:
         {name: tensor} the launches write in place of fresh ones) with `tensors` (None
         entries stay None; bound ones as they are, the others copied into tensors the graph
         owns) on a side stream, and keep it under `key`. The graph has not run yet. None if
-        the capture fails (with a warning): the key then keeps re-issuing its launches."""
+        the capture fails (with a warning): the key then keeps re-issuing its launches.
+        gated: the launches hold a fallback gate's steps (tpsample/fallback_gate.py), whose
+        node is prepared for the capture."""
         try:
             try:
-                g = self._capture(tensors, bound, launch)
+                g = self._capture(tensors, bound, launch, gated)
             except Exception as e:  # noqa: BLE001 - once more without the fallback's node
                 if not fallback_gate.failed_with_node(e):
                     raise
-                g = self._capture(tensors, bound, launch)
+                g = self._capture(tensors, bound, launch, gated)
         except Exception as e:  # noqa: BLE001 - the launches still work without a graph
             self.captures[key] = MAX_CAPTURES
             warnings.warn(f"tpsample: CUDA-graph capture of a repeated call failed ({e}); its "
@@ -268,7 +271,7 @@ class CallGraphs:
             g.live = False  # (tpsample/call_memo.py keeps using a graph only while live)
         self.graphs.clear()
 
-    def _capture(self, tensors: dict, bound: frozenset, launch) -> CallGraph:
+    def _capture(self, tensors: dict, bound: frozenset, launch, gated: bool) -> CallGraph:
         g = CallGraph()
         g.inputs = {n: (t if t is None or n in bound else torch.empty_like(t))
                     for n, t in tensors.items()}
@@ -285,7 +288,7 @@ class CallGraphs:
             if g.args is not None:  # (compiled and loaded outside the capture)
                 g.args.skip()
                 g.args.launch(g.inputs)
-            with fallback_gate.capturing(self.device):
+            with fallback_gate.capturing(self.device if gated else None):
                 g.graph.capture_begin(capture_error_mode="thread_local")
                 try:
                     if g.args is not None:
@@ -297,7 +300,8 @@ class CallGraphs:
         g.sinks = {SINKS[n]: (n, n in g.copied) for n in SINKS if tensors.get(n) is not None}
         if knobs.REUSE_OUTPUTS and _use_count is not None and not g.sinks:
             try:
-                g.slots = tuple(self._capture_slot(g, launch, side, self.device)
+                g.slots = tuple(self._capture_slot(g, launch, side,
+                                                    self.device if gated else None)
                                 for _ in range(OUTPUT_SLOTS))
             except Exception as e:  # noqa: BLE001 - the first graph works without slots
                 warnings.warn(f"tpsample: CUDA-graph capture of a call's output slots failed "

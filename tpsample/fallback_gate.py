@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import glob
 import os
 import threading
@@ -89,8 +90,9 @@ def _check(result):
     return values[0] if len(values) == 1 else values
 
 
+@functools.cache
 def available() -> str | None:
-    """None where conditional nodes can be made here, else why not."""
+    """None where conditional nodes can be made here, else why not (asked once)."""
     try:
         from cuda.bindings import driver, nvjitlink, nvrtc, runtime  # noqa: F401
     except ImportError as e:
@@ -204,14 +206,16 @@ class NodeMaker:
 
 
 @contextlib.contextmanager
-def capturing(device: torch.device):
-    """Around a CUDA-graph capture on `device` (entered before it begins): within the block,
-    open_body puts the launches up to close_body into a conditional node of the graph."""
+def capturing(device: torch.device | None):
+    """Around a CUDA-graph capture on `device` (entered before it begins; None: a capture
+    without a gate, which prepares no node): within the block, open_body puts the launches
+    up to close_body into a conditional node of the graph."""
     global FAILED
     before = (getattr(_CAPTURE, "maker", None), getattr(_CAPTURE, "nodes", None),
               getattr(_CAPTURE, "moved_to", None))
     maker = None
-    if knobs.FALLBACK_GATE and FAILED is None and device.type == "cuda":
+    gated = device is not None and device.type == "cuda"
+    if knobs.FALLBACK_GATE and FAILED is None and gated:
         FAILED = available()  # (without the CUDA wheels: no node, silently)
         if FAILED is None:
             try:

@@ -607,7 +607,7 @@ class Pipeline:
                 stage2(stream, records=full, sample_records=full, **out, **named,
                        side=side, **extra)
                 return out
-            graph = self.graphs.capture(gkey, named, bound, launch)
+            graph = self.graphs.capture(gkey, named, bound, launch, gated="gate" in later)
             if graph is None:
                 return None
         returned = _RETURNED[logprobs] + (_TOP if filters.top_n else ())
