@@ -70,7 +70,8 @@ def fallback_logits_kernel(h_ptr, w_ptr, bias_ptr, inv_temp_ptr, flag_ptr, out_p
                            BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
                            HAS_MASK: tl.constexpr = False, PDL: tl.constexpr = False,
                            FANOUT: tl.constexpr = False, FROM_SIDE: tl.constexpr = False,
-                           BLOCK_R: tl.constexpr = 32, SPLIT: tl.constexpr = False):
+                           BLOCK_R: tl.constexpr = 32, SPLIT: tl.constexpr = False,
+                           BLOCK_M: tl.constexpr = 16, F32_DOT: tl.constexpr = False):
     """out[b, tile] = (h[b] . W[tile] + bias) * (1/T_b), -inf from n_real on, for the rows
     b with flag[b] != 0 (out: fp32 [B, n_tiles * BLOCK_V]; other rows are not written); the
     programs take the tiles in turn (a grid of about two per SM: a call without a flagged row
@@ -86,7 +87,9 @@ def fallback_logits_kernel(h_ptr, w_ptr, bias_ptr, inv_temp_ptr, flag_ptr, out_p
     side_ptr (fp32 [B, n_tiles * BLOCK_V], row stride stride_side: the transformed logits
     stage 1 wrote, mask applied) instead of recomputed, BLOCK_R rows per step. SPLIT (with
     FANOUT and FROM_SIDE): row b goes only to its owner, rank b % world, which alone redoes
-    it (kernels/filter_cut.py, SPLIT)."""
+    it (kernels/filter_cut.py, SPLIT). Recomputed rows: BLOCK_M at a time by tl.dot, on
+    float32 operands without TF32 where F32_DOT (float32 inputs; bfloat16 under the
+    interpreter, whose dot does not take it), else on the inputs' dtype."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -110,43 +113,56 @@ def fallback_logits_kernel(h_ptr, w_ptr, bias_ptr, inv_temp_ptr, flag_ptr, out_p
                     store_to_every_rank(out_ptr, at, l, peer_ptrs_ptr, world, keep2)
                 else:
                     tl.store(out_ptr + at, l, mask=keep2)
-        else:
-            for b in range(B):
-                if tl.load(flag_ptr + b) != 0:
-                    l = _recomputed_logits(h_ptr, w_ptr, bias_ptr, inv_temp_ptr, b, offs_v,
-                                           mask_v, n_real, D, stride_hb, stride_wv, mask_ptr,
-                                           stride_mask, vocab_start, HAS_BIAS, BLOCK_D, HAS_MASK)
-                    at = tl.cast(b, tl.int64) * stride_ob + offs_v
+        else:  # BLOCK_M rows per step, by the tensor cores: the tile's W is read from
+            for b0 in range(0, B, BLOCK_M):  # L2 once per step, not once per row
+                rows = b0 + tl.arange(0, BLOCK_M)
+                keep = tl.load(flag_ptr + rows, mask=rows < B, other=0) != 0
+                if tl.sum(keep.to(tl.int32)) > 0:
+                    l = _recomputed_logits(h_ptr, w_ptr, bias_ptr, inv_temp_ptr, rows, keep,
+                                           offs_v, mask_v, n_real, D, stride_hb, stride_wv,
+                                           mask_ptr, stride_mask, vocab_start, HAS_BIAS,
+                                           BLOCK_D, HAS_MASK, F32_DOT)
+                    keep2 = keep[:, None] & (offs_v[None, :] >= 0)
+                    at = rows.to(tl.int64)[:, None] * stride_ob + offs_v[None, :]
                     if FANOUT:
-                        store_to_every_rank(out_ptr, at, l, peer_ptrs_ptr, world)
+                        store_to_every_rank(out_ptr, at, l, peer_ptrs_ptr, world, keep2)
                     else:
-                        tl.store(out_ptr + at, l)
+                        tl.store(out_ptr + at, l, mask=keep2)
 
 
 @triton.jit
-def _recomputed_logits(h_ptr, w_ptr, bias_ptr, inv_temp_ptr, b, offs_v, mask_v, n_real, D,
-                       stride_hb, stride_wv, mask_ptr, stride_mask, vocab_start,
-                       HAS_BIAS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_MASK: tl.constexpr):
-    """Row b's transformed logits of the tile offs_v, recomputed from h and W (fp32 sums)."""
-    acc = tl.zeros(offs_v.shape, dtype=tl.float32)
+def _recomputed_logits(h_ptr, w_ptr, bias_ptr, inv_temp_ptr, rows, keep, offs_v, mask_v, n_real,
+                       D, stride_hb, stride_wv, mask_ptr, stride_mask, vocab_start,
+                       HAS_BIAS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_MASK: tl.constexpr,
+                       F32_DOT: tl.constexpr):
+    """The transformed logits [rows, tile offs_v] (rows: int32 [BLOCK_M], keep: the rows to
+    compute), recomputed from h and W by tl.dot: fp32 sums of the exact products (F32_DOT:
+    float32 operands without TF32, as stage 1 takes float32 inputs), in another order than
+    stage 1's."""
+    acc = tl.zeros((rows.shape[0], offs_v.shape[0]), dtype=tl.float32)
+    rows64 = rows.to(tl.int64)
     for d0 in range(0, D, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
-        hv = tl.load(h_ptr + tl.cast(b, tl.int64) * stride_hb + offs_d, mask=mask_d,
-                     other=0.0).to(tl.float32)
+        hv = tl.load(h_ptr + rows64[:, None] * stride_hb + offs_d[None, :],
+                     mask=keep[:, None] & mask_d[None, :], other=0.0)
         wv = tl.load(w_ptr + offs_v[:, None].to(tl.int64) * stride_wv + offs_d[None, :],
-                     mask=mask_v[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(wv * hv[None, :], axis=1)
+                     mask=mask_v[:, None] & mask_d[None, :], other=0.0)
+        if F32_DOT:
+            acc = tl.dot(hv.to(tl.float32), tl.trans(wv.to(tl.float32)), acc,
+                         input_precision="ieee")
+        else:
+            acc = tl.dot(hv, tl.trans(wv), acc)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_v, mask=mask_v, other=0.0)
+        acc += tl.load(bias_ptr + offs_v, mask=mask_v, other=0.0)[None, :]
     if HAS_MASK:
         gid = vocab_start + offs_v
-        word = tl.load(mask_ptr + tl.cast(b, tl.int64) * stride_mask + (gid >> 5),
-                       mask=offs_v < n_real, other=0)
-        acc = tl.where(((word >> (gid & 31)) & 1) != 0, acc, NEG_INF)
-    inv = tl.load(inv_temp_ptr + b)
-    l = acc * tl.where(inv == 0.0, 1.0, inv)
-    return tl.where(offs_v < n_real, l, NEG_INF)
+        word = tl.load(mask_ptr + rows64[:, None] * stride_mask + (gid >> 5)[None, :],
+                       mask=keep[:, None] & (offs_v < n_real)[None, :], other=0)
+        acc = tl.where(((word >> (gid & 31)[None, :]) & 1) != 0, acc, NEG_INF)
+    inv = tl.load(inv_temp_ptr + rows, mask=keep, other=1.0)
+    l = acc * tl.where(inv == 0.0, 1.0, inv)[:, None]
+    return tl.where((offs_v < n_real)[None, :], l, NEG_INF)
 
 
 @triton.jit

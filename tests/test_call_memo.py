@@ -65,7 +65,7 @@ class Pipe:
         self.candidate_rows = 0
         self.bound = bound
 
-    def graph_call(self, tensors: dict, filtered: bool = False, asks: bool = False):
+    def graph_call(self, tensors: dict, filtered: bool = False, asks=None):
         """As Pipeline._graph_call after a capture: the graph kept under a key, replayed,
         and last_graph set."""
         g = CallGraph()
@@ -105,7 +105,7 @@ def cpu_memo(monkeypatch):
 
 
 def stored(memo, seed=None, offset=5, bias=None, filtered=False, bound=("weight",), out=None,
-           asks=False, **kw):
+           asks=None, **kw):
     """A memo holding one call (hidden [B, D] of ones) that went through its graph."""
     h, w = torch.ones(B, D), torch.zeros(V, D)
     spec = spec_of(h, seed=1 if seed is None else seed, offset=offset, **kw)
@@ -194,13 +194,30 @@ def test_a_hit_whose_fallback_may_move_to_the_host_asks_the_fallback_choice(cpu_
     """A filtered call outside the cut's fast path (top-k here) goes through its graph only
     while its fallback stays on the device: the memo asks the pipeline's FallbackChoice
     first, as the full path does, and leaves a host-mode call to the full path."""
-    sig, pipe, _, _ = stored(cpu_memo, filtered=True, asks=True, top_k=5)
+    sig, pipe, _, _ = stored(cpu_memo, filtered=True, asks="device", top_k=5)
     assert cpu_memo.call(sig, torch.ones(B, D), None, 5) is not None
     assert pipe.fallback.asked == 1 and pipe.replays == 2 and cpu_memo.hits == 1
     pipe.fallback.on_device = False
     assert cpu_memo.call(sig, torch.ones(B, D), None, 6) is None
     assert pipe.fallback.asked == 2 and pipe.replays == 2 and cpu_memo.hits == 1
     assert sig in cpu_memo.entries  # (kept: the fallback may come back to the device)
+
+
+@pytest.mark.parametrize("kept", ["side", "lazy"])
+def test_a_fast_path_hit_follows_the_side_output_choice(kept, cpu_memo):
+    """A call on the cut's fast path was captured with or without the side output: the memo
+    replays its graph only while the pipeline's choice (lazy_side, asked once per call) is
+    still the one it was captured under, and leaves the other case to the full path."""
+    sig, pipe, _, _ = stored(cpu_memo, filtered=True, asks=kept, top_p=0.9)
+    asked = []
+    lazy = [kept == "lazy"]
+    pipe.lazy_side = lambda hidden, in_capture: (asked.append(in_capture), lazy[0])[1]
+    assert cpu_memo.call(sig, torch.ones(B, D), None, 5) is not None
+    assert asked == [False] and pipe.fallback.asked == 0 and cpu_memo.hits == 1
+    lazy[0] = not lazy[0]
+    assert cpu_memo.call(sig, torch.ones(B, D), None, 6) is None
+    assert len(asked) == 2 and cpu_memo.hits == 1 and pipe.replays == 2
+    assert sig in cpu_memo.entries
 
 
 @pytest.mark.parametrize("case", ["constrained", "converted bias", "seed copied", "no graph",

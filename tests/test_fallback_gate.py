@@ -12,6 +12,7 @@ import torch
 import tpsample
 from tpsample import fallback_gate, knobs, launchers, replay
 from tpsample.api import _pipeline
+from tpsample.fallback_choice import FallbackChoice
 from tpsample.kernels import filter_cut, filter_fallback, filter_records
 
 from test_filter_cut import flat_rows
@@ -84,14 +85,28 @@ def test_the_knob_off_takes_no_gate(monkeypatch):
     assert not any(what == "step" for what, _ in seen)
 
 
-def test_top_k_calls_take_no_gate(monkeypatch):
-    """A call with top-k writes no side output: its fallback is not gated (its graph, where
-    it has one, may move to the host)."""
+@pytest.mark.parametrize("filters,lazy", [(dict(top_k=50, top_p=0.9), False),
+                                          (dict(top_p=0.9, min_p=0.01), True)],
+                         ids=["top-k", "no-side-output"])
+def test_recomputed_rows_are_gated_with_their_logits_kernel(filters, lazy, monkeypatch):
+    """A call whose flagged rows' logits are recomputed from W (top-k; or the cut's fast
+    path without the side output, FallbackChoice.side_output): the logits kernel is inside
+    the bracket too, first, and the gate is clear after the call."""
     seen = _calls(monkeypatch)
-    h, w = flat_rows(V=900, B=2)
-    tpsample.sample(h, w, seed=torch.arange(2), backend="triton", top_k=50, top_p=0.9)
-    assert [v for what, v in seen if what == "gate"] == [None]
-    assert not any(what == "step" for what, _ in seen)
+    if lazy:
+        monkeypatch.setattr(FallbackChoice, "side_output", lambda self, h, c: False)
+    h, w = flat_rows(V=900, B=4)
+    tpsample.sample(h, w, seed=torch.arange(4) + 3, backend="triton", **filters)
+    assert [v for what, v in seen if what == "gate"] == [(True, True)]
+    order = [v for what, v in seen if what != "gate"]
+    opened = order.index(fallback_gate.open_body)
+    closed = order.index(fallback_gate.close_body)
+    assert order[opened - 1] is filter_records.filter_records_kernel
+    inside = order[opened + 1:closed]
+    assert inside[0] is filter_fallback.fallback_logits_kernel
+    assert inside[-1] is filter_fallback.fallback_rows_kernel
+    assert set(inside[1:-1]) == ({filter_cut.cut_step_kernel} if lazy else set())
+    assert not _pipeline("triton", h.device).gates.get(None).item()
 
 
 class _Maker:

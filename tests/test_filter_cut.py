@@ -99,6 +99,34 @@ def test_fast_path_matches_reference(extra, sizes, tier, monkeypatch):
             "early-mid": ((n > 16) & (n <= mid)).all()}[tier], n
 
 
+@pytest.mark.parametrize("logprobs", [False, True], ids=["tokens", "logprobs"])
+def test_fast_path_without_the_side_output_matches_reference(logprobs, monkeypatch):
+    """A call whose stage 1 skips the side output (FallbackChoice.side_output: no row was
+    flagged lately) and then flags rows: their logits are recomputed from W, no side output
+    is written, and the tokens (log-probs, log Z) equal the reference's."""
+    from tpsample.fallback_choice import FallbackChoice
+    monkeypatch.setattr(FallbackChoice, "side_output", lambda self, h, c: False)
+    monkeypatch.setattr(launchers, "fallback_programs", lambda t: 5)
+    sides = []
+    stage1 = launchers.stage1
+
+    def spy(*args, side=None, **kw):
+        sides.append(side is not None)
+        return stage1(*args, side=side, **kw)
+    monkeypatch.setattr(launchers, "stage1", spy)
+    h, w = flat_rows()
+    kw = dict(FLAT, seed=torch.arange(6) * 13 + 1)
+    pipe = _pipeline("triton", h.device)
+    before = counts(pipe)
+    out = tpsample.sample(h, w, backend="triton", return_logprobs=logprobs, **kw)
+    assert sides == [False] and counts(pipe)[1] > before[1]
+    ref = reference_sample(h, w, **kw)
+    if logprobs:
+        assert_matches_reference(out, ref)
+    else:
+        assert torch.equal(out, ref.tokens[:, 0])
+
+
 @pytest.mark.slow
 def test_fast_path_leaves_other_rows_to_the_bisection_kernel(monkeypatch):
     """A call with top-k on some rows: the rows without it take the fast path, the others

@@ -526,11 +526,53 @@ def test_chi2_filtered_interpreted_kernels(filt):
     assert chi2_pvalue(tok, p) > ALPHA
 
 
+def test_fallback_logits_kernel_recomputes_exactly_the_flagged_rows():
+    """kernels/filter_fallback.py's logits kernel without the side output: the flagged rows
+    of a batch larger than its row block (bias, a grammar mask, per-row temperatures with a
+    greedy row, padded vocabulary, float32 and bfloat16), recomputed by tl.dot, equal the
+    float64 transformed logits within fp32 sums; rows not flagged are not written."""
+    from tpsample.kernels import filter_fallback
+    g = torch.Generator().manual_seed(4)
+    B, D, V, n_real, tile = 37, 48, 700, 650, 128
+    n_tiles = -(-V // tile)
+    for dtype in (torch.float32, torch.bfloat16):
+        h = torch.randn(B, D, generator=g).to(dtype)
+        w = torch.randn(V, D, generator=g).to(dtype)
+        bias = torch.randn(V, generator=g)
+        inv = 1 / (torch.rand(B, generator=g) + 0.5)
+        inv[5] = 0.0  # greedy: its logits at T = 1
+        mask = torch.randint(-2**31, 2**31 - 1, (B, (n_real + 31) // 32), generator=g,
+                             dtype=torch.int64).to(torch.int32)
+        flags = (torch.rand(B, generator=g) < 0.4).to(torch.int32)
+        flags[[0, 5, 36]] = 1
+        out = torch.full((B, n_tiles * tile), 7.0)
+        filter_fallback.fallback_logits_kernel[(3,)](
+            h, w, bias, inv, flags, out, B, V, n_real, D, h.stride(0), w.stride(0),
+            out.stride(0), mask, mask.stride(0), 0, flags, 1, flags, n_tiles, out, 0,
+            HAS_BIAS=True, BLOCK_V=tile, BLOCK_D=32, BLOCK_F=64, HAS_MASK=True,
+            F32_DOT=dtype == torch.float32 or not h.is_cuda)
+        want = (h.double() @ w.double().T + bias.double()) * torch.where(inv == 0, 1.0,
+                                                                           inv).double()[:, None]
+        ids = torch.arange(V)
+        allowed = (mask[:, ids.clamp(max=n_real - 1) // 32] >> (ids % 32)) & 1
+        want = torch.where((allowed != 0) & (ids < n_real), want, float("-inf"))
+        f = flags.bool()
+        got = out[:, :V].double()
+        assert torch.equal(torch.isinf(got[f]), torch.isinf(want[f]))
+        fin = torch.isfinite(want[f])
+        torch.testing.assert_close(got[f][fin], want[f][fin], rtol=1e-5, atol=1e-4)
+        assert (out[~f] == 7.0).all() and (out[f][:, V:] == float("-inf")).all()
+
+
 @pytest.mark.slow
-def test_chi2_device_fallback_interpreted():
+@pytest.mark.parametrize("side", [True, False], ids=["side-output", "recomputed"])
+def test_chi2_device_fallback_interpreted(side, monkeypatch):
     """Every row through the device fallback but those the winner certificate clears (a flat
-    row, top-p 0.5 and min-p): chi-squared against the float64 filtered distribution; the
-    same samples must fail against a wrong kept set (top-p 0.65), the negative control."""
+    row, top-p 0.5 and min-p), its logits from stage 1's side output or recomputed from W
+    (FallbackChoice.side_output): chi-squared against the float64 filtered distribution;
+    the same samples must fail against a wrong kept set (top-p 0.65), the negative control."""
+    from tpsample.fallback_choice import FallbackChoice
+    monkeypatch.setattr(FallbackChoice, "side_output", lambda self, h, c: side)
     h, w = lm_head_case("flat", 64, seed=5)
     rows = 600
     filt = dict(top_p=0.5, min_p=0.3)

@@ -91,6 +91,7 @@ def test_deterministic_reads_switch_every_rank_at_the_same_call(monkeypatch):
 
 def test_local_choice_goes_to_the_host_once_the_count_grew(monkeypatch):
     monkeypatch.setattr(FC.torch.cuda, "Event", _Event)
+    monkeypatch.setattr(FC, "LOCAL_READ_EVERY", 1)
     choice = FC.FallbackChoice(torch.device("cpu"), deterministic=False)
     counter = choice.counter()
     hidden = types.SimpleNamespace(is_cuda=True)
@@ -100,6 +101,73 @@ def test_local_choice_goes_to_the_host_once_the_count_grew(monkeypatch):
     assert choice.device_now(hidden, False)  # reads the copy taken before the growth
     choice.watch()  # copies 2
     assert not choice.device_now(hidden, False) and choice.host_mode
+
+
+def test_one_device_copies_the_count_every_few_calls(monkeypatch):
+    """A copy of the count and its event cost ~25 µs of host time: one device copies it at
+    most every LOCAL_READ_EVERY-th call, and a growth is still seen by the calls after."""
+    copies = []
+
+    class Counted(_Event):
+        def record(self):
+            copies.append(1)
+    monkeypatch.setattr(FC.torch.cuda, "Event", Counted)
+    choice = FC.FallbackChoice(torch.device("cpu"), deterministic=False)
+    counter = choice.counter()
+    hidden = types.SimpleNamespace(is_cuda=True)
+    every = FC.LOCAL_READ_EVERY
+    assert every > 1
+    paths = []
+    for call in range(4 * every):
+        paths.append(choice.device_now(hidden, False))
+        if call == every + 1:
+            counter += 1
+        choice.watch()
+    assert len(copies) == 4
+    switch = paths.index(False)
+    assert 2 * every <= switch <= 2 * every + 1 and not any(paths[switch:])
+
+
+def test_side_output_goes_after_clean_calls_and_comes_back_on_a_flagged_row(monkeypatch):
+    """The cut's fast path writes the side output until SIDE_LAZY_AFTER calls in a row saw
+    no flagged row, skips it from then on, and writes it again from the call after the
+    device count is seen to grow; such a miss doubles the wait (up to its cap). Inside a
+    capture, under TP and with TPSAMPLE_LAZY_SIDE=0 it is always written."""
+    monkeypatch.setattr(FC.torch.cuda, "Event", _Event)
+    monkeypatch.setattr(knobs, "LAZY_SIDE", True)
+    monkeypatch.setattr(FC, "SIDE_LAZY_AFTER", 4)
+    monkeypatch.setattr(FC, "SIDE_LAZY_AFTER_MAX", 16)
+    monkeypatch.setattr(FC, "LOCAL_READ_EVERY", 1)
+    choice = FC.FallbackChoice(torch.device("cpu"), deterministic=False)
+    counter = choice.counter()
+    hidden = types.SimpleNamespace(is_cuda=True)
+
+    def calls(n, flag_at=()):
+        sides = []
+        for i in range(n):
+            sides.append(choice.side_output(hidden, False))
+            if i in flag_at:
+                counter.add_(1)
+            choice.watch()
+        return sides
+    assert calls(6) == [True] * 4 + [False] * 2
+    # a flagged row at the next call: seen by the call after it (the copy is read then)
+    assert calls(3, flag_at=(0,)) == [False, True, True]
+    assert choice.lazy_after == 8 and choice.clean_calls == 2
+    assert calls(8) == [True] * 6 + [False] * 2
+    for _ in range(3):  # misses double the wait up to SIDE_LAZY_AFTER_MAX
+        calls(choice.lazy_after + 2)
+        calls(2, flag_at=(0,))
+    assert choice.lazy_after == 16
+    side = choice.side
+    assert choice.side_output(hidden, True)  # (inside a capture)
+    monkeypatch.setattr(knobs, "LAZY_SIDE", False)
+    assert choice.side_output(hidden, False) and choice.side == side
+    tp = FC.FallbackChoice(torch.device("cpu"), deterministic=True)
+    monkeypatch.setattr(knobs, "LAZY_SIDE", True)
+    assert all(tp.side_output(hidden, False) for _ in range(10))
+    assert FC.FallbackChoice(torch.device("cpu"), False).side_output(
+        types.SimpleNamespace(is_cuda=False), False)
 
 
 def test_host_fallback_redoes_exactly_the_flagged_rows():

@@ -26,6 +26,9 @@
 #   tools/onegpu.sh gate OUT     # cond, the fallback gate's GPU test, and TPSAMPLE_FALLBACK_GATE
 #                                # 0 against 1 (tools.filtered_ab, INSTALL=DIR: this
 #                                # checkout's pip --target install; BUDGET seconds, default 300)
+#   tools/onegpu.sh knob OUT     # KNOB=TPSAMPLE_... 0 against 1 on INSTALL (tools.filtered_ab:
+#                                # HEADS, BATCHES, CELLS, BUDGET), after the tests/gpu tests
+#                                # TESTS selects (a pytest -k expression; none when unset)
 #
 # Run from the repository root with tpsample importable (PYTHONPATH or an install; the source
 # tree's tpsample/ has no kernels, so it is kept off sys.path: PYTHONSAFEPATH, and the
@@ -33,7 +36,7 @@
 # markdown under OUT; each part prints its table last.
 set -euo pipefail
 
-part=${1:?part: tests, bench, sweep, verify, decode, host, args, reuse, cond or gate}
+part=${1:?part: tests, bench, sweep, verify, decode, host, args, reuse, cond, gate or knob}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONSAFEPATH=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
@@ -119,6 +122,18 @@ gate)
         --batches 64,256 --cells plain,p0.9,m0.1,p0.9+lp --budget "${BUDGET:-300}" \
         --out "$out/gate_ab.json" 2>&1 | tee "$out/gate_ab.log"
     ;;
+knob)
+    install=${INSTALL:?INSTALL: the pip --target directory of this checkout}
+    knob=${KNOB:?KNOB: the TPSAMPLE_ knob to compare at 0 and 1}
+    if [ -n "${TESTS:-}" ]; then
+        timeout 240 python -m pytest -q -x -m "gpu or not gpu" tests/gpu -k "$TESTS" 2>&1 \
+            | tee "$out/knob_tests.log"
+    fi
+    python -m tools.filtered_ab --arm "off:$install:$knob=0" --arm "on:$install:$knob=1" \
+        --rounds 2 --heads "${HEADS:-typical,gauss1}" --batches "${BATCHES:-64,256}" \
+        --cells "${CELLS:-plain,p0.9,m0.1,p0.9+lp}" --budget "${BUDGET:-300}" \
+        --out "$out/knob_ab.json" 2>&1 | tee "$out/knob_ab.log"
+    ;;
 *)
-    echo "unknown part $part (tests, bench, sweep, verify, decode, host, args, reuse, cond or gate)"; exit 2 ;;
+    echo "unknown part $part (tests, bench, sweep, verify, decode, host, args, reuse, cond, gate or knob)"; exit 2 ;;
 esac

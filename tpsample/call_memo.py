@@ -73,7 +73,7 @@ class Entry:
     its hidden states, offset and seeds), the outputs it returns, and the conditions it was
     captured under."""
     __slots__ = ("pipeline", "gkey", "graph", "tensors", "returned", "filtered",
-                 "asks_fallback", "stream", "transport_key", "device", "draw", "int_offset",
+                 "fallback", "stream", "transport_key", "device", "draw", "int_offset",
                  "num_samples", "return_logprobs", "refs")
 
 
@@ -102,8 +102,11 @@ class CallMemo:
                 or pipe.transport.key() != e.transport_key):
             self.entries.pop(sig, None)
             return None
-        if e.asks_fallback and not pipe.fallback.device_now(hidden, False):
-            return None  # (its fallback moved to the host: the full path takes it there)
+        if e.fallback == "device":
+            if not pipe.fallback.device_now(hidden, False):
+                return None  # (its fallback moved to the host: the full path takes it there)
+        elif e.fallback is not None and pipe.lazy_side(hidden, False) != (e.fallback == "lazy"):
+            return None  # (the side output comes or goes: the full path takes the other graph)
         tensors = dict(e.tensors)
         tensors["hidden"] = hidden
         values = None
@@ -147,12 +150,13 @@ class CallMemo:
             return
         if isinstance(offset, torch.Tensor) and spec.row.offset is not offset:
             return
-        gkey, graph, tensors, returned, filtered, asks = last
+        gkey, graph, tensors, returned, filtered, fallback = last
         if seed is None and "seed" in graph.bound:  # (drawn seeds are new tensors per call)
             return
         e = Entry()
         e.pipeline, e.gkey, e.returned, e.filtered = pipeline, gkey, returned, filtered
-        e.asks_fallback = asks
+        e.fallback = fallback  # None, "device" (asks FallbackChoice.device_now), "side" or
+        # "lazy" (a call on the cut's fast path with or without the side output)
         e.graph = weakref.ref(graph)
         e.tensors = {n: t for n, t in tensors.items() if n != "hidden"}
         e.device = pipeline.device

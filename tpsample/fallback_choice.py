@@ -3,12 +3,15 @@
 The device fallback (kernels/filter_fallback.py, kernels/filter_cut.py) needs no host
 synchronisation; the host's (tpsample/host_fallback.py) is faster for rows that keep
 falling back without the side output. FallbackChoice keeps the device's count of fallback
-rows, reads it back without blocking, and decides per call (see device_now)."""
+rows, reads it back without blocking, and decides per call (see device_now), and whether a
+call on the cut's fast path has its stage 1 write the side output (see side_output)."""
 from __future__ import annotations
 
 import collections
 
 import torch
+
+from . import knobs
 
 
 class FallbackChoice:
@@ -25,6 +28,10 @@ class FallbackChoice:
         self._copy = None
         self.reads = DeterministicReads(FALLBACK_READ_LAG, FALLBACK_READ_EVERY) \
             if deterministic else None
+        self.watched = 0  # calls watch() saw (see watch)
+        self.side = True  # see side_output
+        self.clean_calls = 0
+        self.lazy_after = SIDE_LAZY_AFTER
 
     def counter(self) -> torch.Tensor:
         """The device count the fallback kernels add their rows to."""
@@ -55,20 +62,59 @@ class FallbackChoice:
                 self.host_mode = True
                 self.reads.drain()
             return not self.host_mode
+        self._poll()
+        return not self.host_mode
+
+    def side_output(self, hidden, in_capture: bool) -> bool:
+        """Whether this call on the cut's fast path (top-p / min-p without top-k, one device)
+        has its stage 1 write the side output, the rows' fp32 logits (B·V·4 bytes: ~7 % of
+        the call at B = 64), which its flagged rows are redone from; without it they are
+        recomputed from W (kernels/filter_fallback.py: one tensor-core pass over W for all
+        of them, about one more W read).
+
+        Rows are flagged only where the candidates cannot certify the kept set (large
+        nuclei: flat rows), so the side output is dropped once SIDE_LAZY_AFTER calls in a
+        row (counted here) saw no flagged row, and written again from the call after one is
+        seen (the device count, read back without blocking as device_now reads it): a
+        call that drops it and then flags a row pays the recompute. Each such miss doubles
+        the calls to wait the next time (up to SIDE_LAZY_AFTER_MAX), so a mix of flat and
+        peaked batches settles on the side output. Always written inside the caller's
+        CUDA-graph capture (its replays cannot change course), under tensor parallelism
+        (every rank must decide alike) and with TPSAMPLE_LAZY_SIDE=0. Both give the same
+        tokens up to fp32 near-ties (the recomputed logits are summed in another order)."""
+        if self.deterministic or in_capture or not hidden.is_cuda or not knobs.LAZY_SIDE:
+            return True
+        self._poll()
+        self.clean_calls += 1
+        if self.side and self.clean_calls > self.lazy_after:
+            self.side = False
+        return self.side
+
+    def _poll(self) -> None:
+        """Read the count copied back by watch() once it is ready (never waits)."""
         if self._seen is not None and self._seen[0].query():
             event, copy, before = self._seen
             self._seen = None
             if int(copy.item()) > before:
                 self.host_mode = True
-        return not self.host_mode
+                self.flagged()
+
+    def flagged(self) -> None:
+        """A call flagged rows: the side output from the next call on (see side_output)."""
+        if not self.side:
+            self.lazy_after = min(2 * self.lazy_after, SIDE_LAZY_AFTER_MAX)
+        self.side = True
+        self.clean_calls = 0
 
     def watch(self) -> None:
         """Copy the device fallback count back without blocking (read by the next calls;
-        eager CUDA calls only)."""
+        eager CUDA calls only): every LOCAL_READ_EVERY-th call at most (a copy and its event
+        cost ~25 µs of host time), so a growth is seen within about that many calls."""
         if self.deterministic:
             self.reads.push(self.device_rows)
             return
-        if self._seen is not None:
+        self.watched += 1
+        if self._seen is not None or self.watched % LOCAL_READ_EVERY:
             return
         if self._copy is None:
             self._copy = torch.zeros(1, dtype=torch.int32,
@@ -80,7 +126,10 @@ class FallbackChoice:
         self._seen = (event, self._copy, before)
 
 
-FALLBACK_READ_EVERY = 8  # calls between two copies of the device fallback count
+SIDE_LAZY_AFTER = 64  # calls without a flagged row before the side output is dropped
+SIDE_LAZY_AFTER_MAX = 1 << 14  # (after misses: see FallbackChoice.side_output)
+FALLBACK_READ_EVERY = 8  # calls between two copies of the device fallback count (TP)
+LOCAL_READ_EVERY = 8  # (one device: the most often it is copied)
 FALLBACK_READ_LAG = 2  # copies between a copy and its (blocking) read
 
 

@@ -55,6 +55,11 @@ KNOBS = (
          "1: in a filtered call's CUDA graph (one GPU) the exact fallback's launches run "
          "inside a conditional node, skipped when the call flags no row (needs cuda.bindings; "
          "tpsample/fallback_gate.py); 0: they run in every replay"),
+    Knob("TPSAMPLE_LAZY_SIDE", "1", ("0", "1"),
+         "1: a one-GPU call with top-p / min-p and no top-k writes its rows' fp32 logits for "
+         "the exact fallback only while recent calls flagged rows, and otherwise recomputes "
+         "a flagged row's logits (tpsample/fallback_choice.py side_output); 0: it always "
+         "writes them"),
     Knob("TPSAMPLE_GLUON", "1", ("0", "1"),
          "0: never the Hopper Gluon kernels (ws, pp); the cuBLAS + records-pass path runs "
          "where the plan would take them"),
@@ -104,10 +109,11 @@ MEMO = VALUES["TPSAMPLE_MEMO"] == "1"
 REUSE_OUTPUTS = VALUES["TPSAMPLE_REUSE_OUTPUTS"] == "1"
 GRAPH_ARGS = VALUES["TPSAMPLE_GRAPH_ARGS"] == "1"
 FALLBACK_GATE = VALUES["TPSAMPLE_FALLBACK_GATE"] == "1"
+LAZY_SIDE = VALUES["TPSAMPLE_LAZY_SIDE"] == "1"
 GLUON = VALUES["TPSAMPLE_GLUON"] == "1"
 CHECK_TENSORS = VALUES["TPSAMPLE_CHECK_TENSORS"] == "1"
 SWITCHES = ("REPLAY", "DIRECT_LAUNCH", "GRAPHS", "GRAPHS_FILTERED", "MEMO", "REUSE_OUTPUTS",
-            "GRAPH_ARGS", "FALLBACK_GATE", "GLUON", "CHECK_TENSORS")
+            "GRAPH_ARGS", "FALLBACK_GATE", "LAZY_SIDE", "GLUON", "CHECK_TENSORS")
 
 
 @contextlib.contextmanager

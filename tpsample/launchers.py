@@ -651,7 +651,7 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
              and B >= SPLIT_MIN_ROWS * fan[1]
              and filters.top_k is None and (c is None or not c.listed) and 2 * S + 1 <= N)
     workspace = None
-    if gate is not None:  # (one device, side: nothing is allocated inside the node's body)
+    if gate is not None:  # (one device: nothing is allocated inside the node's body)
         if fast:
             workspace = _cut_workspace(hidden, S, N, 1, winner and recs is not None and S == 1,
                                        logprobs)
@@ -668,7 +668,8 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
                   peer_ptrs_ptr=fan[0], world=fan[1], calls_ptr=fan[2], n_tiles=tiles,
                   side_ptr=side_ptr, stride_side=stride_side, HAS_BIAS=bias is not None,
                   BLOCK_V=records.TILE, BLOCK_D=64, BLOCK_F=block_f, HAS_MASK=mask is not None,
-                  PDL=pdl, FANOUT=gather is not None, FROM_SIDE=side is not None, SPLIT=split)
+                  PDL=pdl, FANOUT=gather is not None, FROM_SIDE=side is not None, SPLIT=split,
+                  F32_DOT=hidden.dtype == torch.float32 or not hidden.is_cuda)
     if c is not None and c.listed:
         K = c.ids.shape[1]
         allowed = allowed_or_eff

@@ -83,10 +83,11 @@ class Pipeline:
             self.shard_starts = torch.tensor(shard_starts if shard_starts is not None else [0],
                                              dtype=torch.int64, device=device)
         self.fallback = FallbackChoice(device, deterministic=self.gather_fallback)
-        self.gates = fallback_gate.Gates(device)  # (one device's fast-path calls)
-        # (graph key, graph, the tensors it read, returned names, filtered, whether its
-        # fallback may move to the host) of the last run() that went through a graph, else
-        # None: what tpsample/call_memo.py keeps
+        self.gates = fallback_gate.Gates(device)  # (one device's filtered calls)
+        # (graph key, graph, the tensors it read, returned names, filtered, what its fallback
+        # depends on: None, "device" (FallbackChoice.device_now), "side" / "lazy" (the side
+        # output written or not: lazy_side)) of the last run() that went through a graph,
+        # else None: what tpsample/call_memo.py keeps
         self.last_graph = None
 
     @property
@@ -124,7 +125,7 @@ class Pipeline:
                 return None
         out = self.graphs.replay(key, graph, per_call, returned)
         if out is not None:
-            self.last_graph = (key, graph, per_call, returned, False, False)
+            self.last_graph = (key, graph, per_call, returned, False, None)
         return out
 
     def _outputs(self, B: int, S: int, device, stream: int, logprobs: bool) -> dict:
@@ -406,10 +407,12 @@ class Pipeline:
         tile_major = fanout is not None  # (one device: row-major, docs/design.md)
         per_call = self._call_tensors(hidden, weight, bias, params, constraints, vocab_start)
         # stage 1 also writes the transformed logits (B·V·4 bytes, `side`) in calls whose
-        # rows fall back on heavy tails (top-p / min-p without top-k): the exact fallback
-        # then reads them instead of W. Other filtered calls rarely fall back and skip the
-        # write (it cost top_k 50 3-5 % at B <= 64, docs/design.md).
-        side_out = fast_fallback(filters)
+        # rows fall back on heavy tails (top-p / min-p without top-k), while recent such
+        # calls flagged rows (lazy_side): the exact fallback then reads them instead of W.
+        # Other filtered calls rarely fall back and skip the write (it cost top_k 50 3-5 %
+        # at B <= 64, docs/design.md).
+        fast = fast_fallback(filters)
+        side_out = fast and not self.lazy_side(hidden, in_capture)
         key = stage2s = stream = plan = log1 = None
         on_device = None
         if hidden.is_cuda and replay.Replay.usable():
@@ -424,7 +427,7 @@ class Pipeline:
                 # (a call whose fallback has moved to the host re-issues its launches)
                 if (self.graphs is not None and self.graphs.usable(in_capture, filtered=True)
                         and not constraints.listed):
-                    on_device = self._on_device(side_out, hidden, in_capture)
+                    on_device = self._on_device(fast, hidden, in_capture)
                     if on_device:
                         out = self._filtered_graph_call(key, stage1, stage2s, per_call, filters,
                                                         side_out, B, S, T, numel, stream,
@@ -447,7 +450,7 @@ class Pipeline:
                                    fanout=fanout[:2] if fanout else None)
 
         if on_device is None:
-            on_device = self._on_device(side_out, hidden, in_capture)
+            on_device = self._on_device(fast, hidden, in_capture)
         later, gathered = self._fallback_buffers(on_device, filters, per_call, B, T)
         key2 = None if key is None else self._key2(on_device, filters, per_call, later, logprobs)
         stage2 = None if stage2s is None else stage2s.get(key2)
@@ -482,7 +485,7 @@ class Pipeline:
         """(later: the stage-2 launches' per-call tensors beyond per_call, gathered: the
         transport's rows_gather views or None) of a filtered call."""
         later = dict(top_k=filters.top_k, top_p=filters.top_p, min_p=filters.min_p)
-        if on_device and per_call["side"] is not None:
+        if on_device:
             self._with_gate(later)
         gathered = None
         if on_device and self.gather_fallback:  # the flagged rows' logit shards, gathered
@@ -495,8 +498,7 @@ class Pipeline:
 
     def _with_gate(self, later: dict) -> None:
         """later with the gate of the current stream (tpsample/fallback_gate.py), in a
-        one-device call whose fallback reads its stage 1's side output (TPSAMPLE_FALLBACK_GATE
-        on)."""
+        one-device call whose fallback runs on the device (TPSAMPLE_FALLBACK_GATE on)."""
         if knobs.FALLBACK_GATE and not self.gather_fallback:
             dev = self.device
             later["gate"] = self.gates.get(replay.current_stream(dev.index)
@@ -539,12 +541,18 @@ class Pipeline:
         uses it (a graph replay does not)."""
         return None if self.transport.world == 1 else self.transport.slots(numel)
 
-    def _on_device(self, side_out: bool, hidden, in_capture) -> bool:
+    def _on_device(self, fast: bool, hidden, in_capture) -> bool:
         """Whether this filtered call's exact fallback runs on the device (decided once per
-        call: FallbackChoice counts the calls it is asked about). The side output's calls
-        always take the device path (kernels/filter_cut.py)."""
+        call: FallbackChoice counts the calls it is asked about). Calls on the cut's fast
+        path (fast_fallback) always take the device path (kernels/filter_cut.py)."""
         return ((self.transport.world == 1 or self.gather_fallback)
-                and (side_out or self.fallback.device_now(hidden, in_capture)))
+                and (fast or self.fallback.device_now(hidden, in_capture)))
+
+    def lazy_side(self, hidden, in_capture) -> bool:
+        """Whether a one-device call on the cut's fast path skips the side output
+        (FallbackChoice.side_output decides; counted per call)."""
+        return (self.transport.world == 1 and self.backend != "torch"
+                and not self.fallback.side_output(hidden, in_capture))
 
     def _key2(self, on_device: bool, filters: Filters, per_call: dict, later: dict,
               logprobs: bool) -> tuple:
@@ -568,8 +576,7 @@ class Pipeline:
         output, the records, the fallback's logits and the outputs live in the graph's
         pool; the graph is captured from the stage-2 replay these launches would take."""
         later = dict(top_k=filters.top_k, top_p=filters.top_p, min_p=filters.min_p)
-        if side_out:
-            self._with_gate(later)
+        self._with_gate(later)
         n = T * records.TILE
         if self.gather_fallback:  # (a grown buffer changes the transport's key)
             self.transport.rows_gather(B, n)
@@ -614,7 +621,9 @@ class Pipeline:
         out = self.graphs.replay(gkey, graph, named, returned)
         if out is None:
             return None
-        self.last_graph = (gkey, graph, named, returned, True, not side_out)
+        fast = fast_fallback(filters)
+        self.last_graph = (gkey, graph, named, returned, True,
+                           ("side" if side_out else "lazy") if fast else "device")
         return F.FilteredOutput(*(out.get(f) for f in _OUT_NAMES))
 
 

@@ -268,6 +268,46 @@ def test_a_graph_skips_its_fallback_only_where_no_row_is_flagged(logprobs, monke
                 assert torch.equal(getattr(a, f), getattr(b, f)), (gate, i, f)
 
 
+@pytest.mark.parametrize("logprobs", [False, True], ids=["tokens", "logprobs"])
+def test_a_graph_without_the_side_output_recomputes_its_flagged_rows(logprobs, monkeypatch):
+    """Top-p calls whose stage 1 skips the side output (FallbackChoice.side_output says
+    so): through one gated graph, alternating flat, peaked and mixed batches, each call's
+    flagged rows recomputed from W by the logits kernel give the tokens of re-issued
+    launches that read the side output (log-probs and log Z within fp32 rounding: the
+    recomputed logits are summed in another order); no side output is allocated."""
+    from tpsample import knobs, launchers
+    from tpsample.fallback_choice import FallbackChoice
+    B = 24
+    w, hs = head_and_states(9, B, 4, flat=False)
+    scale = torch.ones(B, 1, device="cuda", dtype=torch.bfloat16)
+    scale[3] = 0.02
+    kinds = [0.02, 8.0, scale * 8.0, 8.0, 0.02, 0.02, scale * 8.0, 8.0, 8.0, 0.02]
+    states = [hs[i % len(hs)] * k for i, k in enumerate(kinds)]
+    monkeypatch.setattr(knobs, "FALLBACK_GATE", True)
+    want, plain = _calls(monkeypatch, False, states, w, offset=2, top_p=0.9,
+                         return_logprobs=logprobs)
+    sides = []
+    stage1 = launchers.stage1
+
+    def spy(*args, side=None, **kw):
+        sides.append(side is not None)
+        return stage1(*args, side=side, **kw)
+    monkeypatch.setattr(launchers, "stage1", spy)
+    monkeypatch.setattr(FallbackChoice, "side_output", lambda self, h, c: False)
+    got, pipe = _calls(monkeypatch, True, states, w, offset=2, top_p=0.9,
+                       return_logprobs=logprobs)
+    assert sum(pipe.graphs.captures.values()) == 1 and not any(sides)
+    assert pipe.fallback_rows == plain.fallback_rows
+    for i, (a, b) in enumerate(zip(want, got)):
+        if not logprobs:
+            assert torch.equal(a, b), i
+            continue
+        assert torch.equal(a.tokens, b.tokens), i
+        for f in ("logprobs", "logz"):
+            torch.testing.assert_close(getattr(b, f), getattr(a, f), rtol=1e-5, atol=1e-4,
+                                       equal_nan=True)
+
+
 @pytest.mark.parametrize("memo", [False, True])
 def test_a_top_k_call_leaves_its_graph_while_its_fallback_is_on_the_host(memo, monkeypatch):
     """A call outside the cut's fast path (top-k: its fallback may move to the host, which
