@@ -91,3 +91,48 @@ def test_every_cut_step_compiles_for_sm90(tmp_path):
     # less STATS in the 4 with log-probs, and min-p alone with the filter kernel's row max:
     # 4 x SAMPLE, FINAL
     assert int(out.stdout.split()[-1]) == 8 * (9 + 9 + 3) - 4 * 3 + 8
+
+
+LOGITS = r'''
+import inspect
+import itertools
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tpsample import replay
+from tpsample.kernels import filter_fallback as K
+
+runtime, _ = replay._signature(K.fallback_logits_kernel)
+DEFAULTS = {n: q.default for n, q in
+            inspect.signature(K.fallback_logits_kernel.fn).parameters.items()
+            if q.default is not inspect.Parameter.empty and "constexpr" in str(q.annotation)}
+done = 0
+for dtype, has_mask, fanout in itertools.product(("bf16", "fp16", "fp32"), (False, True),
+                                                 (False, True)):
+    pointers = dict(h_ptr=f"*{dtype}", w_ptr=f"*{dtype}", bias_ptr="*fp32",
+                    inv_temp_ptr="*fp32", flag_ptr="*i32", out_ptr="*fp32", mask_ptr="*i32",
+                    peer_ptrs_ptr="*i64", calls_ptr="*i32", side_ptr="*fp32")
+    c = dict(HAS_BIAS=True, BLOCK_V=128, BLOCK_D=64, BLOCK_F=256, HAS_MASK=has_mask, PDL=True,
+             FANOUT=fanout, FROM_SIDE=False, F32_DOT=dtype == "fp32")
+    sig = {n: pointers.get(n, "i32") for n in runtime} | {k: "constexpr" for k in DEFAULTS | c}
+    try:
+        triton.compile(ASTSource(K.fallback_logits_kernel, sig, DEFAULTS | c, {}),
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    except Exception as e:
+        raise SystemExit(f"{dtype} HAS_MASK {has_mask} FANOUT {fanout}: {str(e)[-1500:]}")
+    done += 1
+print(done)
+'''
+
+
+@pytest.mark.slow
+def test_the_recomputed_logits_compile_for_sm90(tmp_path):
+    """kernels/filter_fallback.py's logits kernel where it recomputes rows by tl.dot (the
+    interpreter's dot is numpy's): bfloat16, float16 and float32 inputs, with and without the
+    mask and the tensor-parallel fan-out."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    out = subprocess.run([sys.executable, "-c", LOGITS], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert int(out.stdout.split()[-1]) == 12
