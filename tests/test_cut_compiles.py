@@ -18,13 +18,30 @@ import pytest
 
 pytest.importorskip("triton.backends.nvidia")
 
-COMPILE = r'''
+PRELUDE = r'''
 import inspect
 import itertools
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from tpsample import replay
+
+
+def compile_sm90(kernel, pointers, consts, warps, what):
+    # the kernel for sm_90 with these constexprs (the others: their defaults; Triton 3.9
+    # wants them given); an error ends the process, naming `what`
+    runtime, _ = replay._signature(kernel)
+    defaults = {n: q.default for n, q in inspect.signature(kernel.fn).parameters.items()
+                if q.default is not inspect.Parameter.empty and "constexpr" in str(q.annotation)}
+    sig = {n: pointers.get(n, "i32") for n in runtime} | {k: "constexpr" for k in defaults | consts}
+    try:
+        triton.compile(ASTSource(kernel, sig, defaults | consts, {}),
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+    except Exception as e:
+        raise SystemExit(f"{what}: {str(e)[-1500:]}")
+'''
+
+COMPILE = PRELUDE + r'''
 from tpsample.kernels import filter_cut as K
 
 # the element types of the pointers tpsample/launchers.py (_cut_steps) passes
@@ -36,10 +53,6 @@ POINTERS = dict(l_ptr="*fp32", inv_temp_ptr="*fp32", seed_ptr="*i64", offset_ptr
                 hist_ptr="*fp32")
 STEPS = (K.STATS.value, K.SELECT.value, *range(1, K.PASSES.value + 1), K.COMPACT.value,
          K.FINISH.value, K.SAMPLE.value, K.FINAL.value)
-runtime, _ = replay._signature(K.cut_step_kernel)
-# (constexprs left out take their defaults; Triton 3.9 wants the attributes dict given)
-DEFAULTS = {n: q.default for n, q in inspect.signature(K.cut_step_kernel.fn).parameters.items()
-            if q.default is not inspect.Parameter.empty and "constexpr" in str(q.annotation)}
 done = 0
 for tp, (winner, lp), raw, (has_p, has_m) in itertools.product(
         (False, True), ((False, False), (True, False), (True, True)), (False, True),
@@ -55,13 +68,9 @@ for tp, (winner, lp), raw, (has_p, has_m) in itertools.product(
                  BLOCK_G=8, BLOCK_F=256, PDL=True, BLOCK_GH=8, BLOCK_R=2048, BLOCK_TC=32,
                  SLOTTED=tp, SPLIT=tp, WINNER=winner, LOGPROBS=lp, RAW=raw, STEP=step,
                  EARLY=K.CAP.value if tp else 0, XMAX_KNOWN=lp)
-        sig = {n: POINTERS.get(n, "i32") for n in runtime} | {k: "constexpr" for k in DEFAULTS | c}
-        try:
-            triton.compile(ASTSource(K.cut_step_kernel, sig, DEFAULTS | c, {}),
-                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
-        except Exception as e:
-            raise SystemExit(f"STEP {step} SLOTTED {tp} WINNER {winner} LOGPROBS {lp} RAW {raw}"
-                             f" HAS_P {has_p} HAS_M {has_m}: {str(e)[-1500:]}")
+        compile_sm90(K.cut_step_kernel, POINTERS, c, 8,
+                     f"STEP {step} SLOTTED {tp} WINNER {winner} LOGPROBS {lp} RAW {raw}"
+                     f" HAS_P {has_p} HAS_M {has_m}")
         done += 1
 for tp, lp, step in itertools.product((False, True), (False, True), (K.SAMPLE.value,
                                                                       K.FINAL.value)):
@@ -69,43 +78,35 @@ for tp, lp, step in itertools.product((False, True), (False, True), (K.SAMPLE.va
              BLOCK_G=8, BLOCK_F=256, PDL=True, BLOCK_GH=8, BLOCK_R=2048, BLOCK_TC=32,
              SLOTTED=tp, SPLIT=tp, WINNER=True, LOGPROBS=lp, RAW=False, XMAX_KNOWN=True,
              STEP=step, EARLY=0)
-    sig = {n: POINTERS.get(n, "i32") for n in runtime} | {k: "constexpr" for k in DEFAULTS | c}
-    try:
-        triton.compile(ASTSource(K.cut_step_kernel, sig, DEFAULTS | c, {}),
-                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
-    except Exception as e:
-        raise SystemExit(f"XMAX_KNOWN STEP {step} SLOTTED {tp} LOGPROBS {lp}: {str(e)[-1500:]}")
+    compile_sm90(K.cut_step_kernel, POINTERS, c, 8,
+                 f"XMAX_KNOWN STEP {step} SLOTTED {tp} LOGPROBS {lp}")
     done += 1
 print(done)
 '''
 
 
-@pytest.mark.slow
-def test_every_cut_step_compiles_for_sm90(tmp_path):
+def compiled(code: str, tmp_path, timeout: int) -> int:
+    # code run in a fresh process without the interpreter; the count it prints last
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # (Triton 3.9 warns unless it is set)
-    out = subprocess.run([sys.executable, "-c", COMPILE], env=env, cwd=tmp_path,
-                         capture_output=True, text=True, timeout=1200)
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    return int(out.stdout.split()[-1])
+
+
+@pytest.mark.slow
+def test_every_cut_step_compiles_for_sm90(tmp_path):
+    n = compiled(COMPILE, tmp_path, 1200)
     # 8 configurations x (9 steps with top-p and min-p, 9 with top-p alone, 3 with min-p alone)
     # less STATS in the 4 with log-probs, and min-p alone with the filter kernel's row max:
     # 4 x SAMPLE, FINAL
-    assert int(out.stdout.split()[-1]) == 8 * (9 + 9 + 3) - 4 * 3 + 8
+    assert n == 8 * (9 + 9 + 3) - 4 * 3 + 8
 
 
-LOGITS = r'''
-import inspect
-import itertools
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from tpsample import replay
+LOGITS = PRELUDE + r'''
 from tpsample.kernels import filter_fallback as K
 
-runtime, _ = replay._signature(K.fallback_logits_kernel)
-DEFAULTS = {n: q.default for n, q in
-            inspect.signature(K.fallback_logits_kernel.fn).parameters.items()
-            if q.default is not inspect.Parameter.empty and "constexpr" in str(q.annotation)}
 done = 0
 for dtype, has_mask, fanout in itertools.product(("bf16", "fp16", "fp32"), (False, True),
                                                  (False, True)):
@@ -114,12 +115,8 @@ for dtype, has_mask, fanout in itertools.product(("bf16", "fp16", "fp32"), (Fals
                     peer_ptrs_ptr="*i64", calls_ptr="*i32", side_ptr="*fp32")
     c = dict(HAS_BIAS=True, BLOCK_V=128, BLOCK_D=64, BLOCK_F=256, HAS_MASK=has_mask, PDL=True,
              FANOUT=fanout, FROM_SIDE=False, F32_DOT=dtype == "fp32")
-    sig = {n: pointers.get(n, "i32") for n in runtime} | {k: "constexpr" for k in DEFAULTS | c}
-    try:
-        triton.compile(ASTSource(K.fallback_logits_kernel, sig, DEFAULTS | c, {}),
-                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-    except Exception as e:
-        raise SystemExit(f"{dtype} HAS_MASK {has_mask} FANOUT {fanout}: {str(e)[-1500:]}")
+    compile_sm90(K.fallback_logits_kernel, pointers, c, 4,
+                 f"{dtype} HAS_MASK {has_mask} FANOUT {fanout}")
     done += 1
 print(done)
 '''
@@ -130,9 +127,4 @@ def test_the_recomputed_logits_compile_for_sm90(tmp_path):
     """kernels/filter_fallback.py's logits kernel where it recomputes rows by tl.dot (the
     interpreter's dot is numpy's): bfloat16, float16 and float32 inputs, with and without the
     mask and the tensor-parallel fan-out."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    out = subprocess.run([sys.executable, "-c", LOGITS], env=env, cwd=tmp_path,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
-    assert int(out.stdout.split()[-1]) == 12
+    assert compiled(LOGITS, tmp_path, 600) == 12

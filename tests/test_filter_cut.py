@@ -43,6 +43,19 @@ def flat_rows(V=3000, B=6, seed=2):
     return torch.randn(B, 16, generator=g) * 0.15, torch.randn(V, 16, generator=g)
 
 
+def side_outputs(monkeypatch) -> list:
+    """A list that gains, per stage-1 launch through launchers.stage1 (recorded calls, not
+    replays), whether it wrote the side output."""
+    seen = []
+    stage1 = launchers.stage1
+
+    def spy(*args, side=None, **kw):
+        seen.append(side is not None)
+        return stage1(*args, side=side, **kw)
+    monkeypatch.setattr(launchers, "stage1", spy)
+    return seen
+
+
 SLOW = pytest.mark.slow
 # (NT, SHORT, MID, CAP) and the sort tier every top-p row must reach: as shipped at small B,
 # the passes end once a bracket provably fits MID slots (100-300 keys); with 16 thresholds a
@@ -107,13 +120,7 @@ def test_fast_path_without_the_side_output_matches_reference(logprobs, monkeypat
     from tpsample.fallback_choice import FallbackChoice
     monkeypatch.setattr(FallbackChoice, "side_output", lambda self, h, c: False)
     monkeypatch.setattr(launchers, "fallback_programs", lambda t: 5)
-    sides = []
-    stage1 = launchers.stage1
-
-    def spy(*args, side=None, **kw):
-        sides.append(side is not None)
-        return stage1(*args, side=side, **kw)
-    monkeypatch.setattr(launchers, "stage1", spy)
+    sides = side_outputs(monkeypatch)
     h, w = flat_rows()
     kw = dict(FLAT, seed=torch.arange(6) * 13 + 1)
     pipe = _pipeline("triton", h.device)
@@ -511,13 +518,7 @@ def test_stage1_writes_the_side_output_only_for_the_fast_path(filters, writes, m
     """The B·V·4-byte side output costs stage 1 a few percent: only calls whose flagged rows
     all take the fast path (top-p / min-p, no top-k, top log-probs or distinct samples) ask
     for it."""
-    seen = []
-    real = launchers.stage1
-
-    def spy(*args, side=None, **kw):
-        seen.append(side is not None)
-        return real(*args, side=side, **kw)
-    monkeypatch.setattr(launchers, "stage1", spy)
+    seen = side_outputs(monkeypatch)
     h, w = flat_rows(V=600, B=2)
     tpsample.sample(h, w, seed=1, backend="triton", **filters)
     assert seen == [writes]

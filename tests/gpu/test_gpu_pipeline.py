@@ -222,6 +222,16 @@ def test_repeated_filtered_calls_through_their_graph_equal_reissued_launches(kw,
             assert (x is None and y is None) or torch.equal(x, y), (i, f)
 
 
+def alternating_states(B: int):
+    """(W, ten batches of B states): flat rows (top-p 0.9 flags every row), peaked ones (it
+    flags none) and peaked ones with one flat row, in turn."""
+    w, hs = head_and_states(9, B, 4, flat=False)
+    scale = torch.ones(B, 1, device="cuda", dtype=torch.bfloat16)
+    scale[3] = 0.02
+    kinds = [0.02, 8.0, scale * 8.0, 8.0, 0.02, 0.02, scale * 8.0, 8.0, 8.0, 0.02]
+    return w, [hs[i % len(hs)] * k for i, k in enumerate(kinds)]
+
+
 @pytest.mark.parametrize("logprobs", [False, True], ids=["tokens", "logprobs"])
 def test_a_graph_skips_its_fallback_only_where_no_row_is_flagged(logprobs, monkeypatch):
     """A one-GPU top-p call's graph holds its fallback's launches in a conditional node
@@ -237,11 +247,7 @@ def test_a_graph_skips_its_fallback_only_where_no_row_is_flagged(logprobs, monke
     monkeypatch.setattr(fallback_gate.Node, "enter", lambda node: (entered.append(1),
                                                                     enter(node))[1])
     B = 24
-    w, hs = head_and_states(9, B, 4, flat=False)
-    scale = torch.ones(B, 1, device="cuda", dtype=torch.bfloat16)
-    scale[3] = 0.02
-    kinds = [0.02, 8.0, scale * 8.0, 8.0, 0.02, 0.02, scale * 8.0, 8.0, 8.0, 0.02]
-    states = [hs[i % len(hs)] * k for i, k in enumerate(kinds)]
+    w, states = alternating_states(B)
 
     def run(graphs: bool, gate: bool):
         monkeypatch.setattr(knobs, "FALLBACK_GATE", gate)
@@ -275,24 +281,15 @@ def test_a_graph_without_the_side_output_recomputes_its_flagged_rows(logprobs, m
     flagged rows recomputed from W by the logits kernel give the tokens of re-issued
     launches that read the side output (log-probs and log Z within fp32 rounding: the
     recomputed logits are summed in another order); no side output is allocated."""
-    from tpsample import knobs, launchers
+    from tpsample import knobs
     from tpsample.fallback_choice import FallbackChoice
+    from test_filter_cut import side_outputs
     B = 24
-    w, hs = head_and_states(9, B, 4, flat=False)
-    scale = torch.ones(B, 1, device="cuda", dtype=torch.bfloat16)
-    scale[3] = 0.02
-    kinds = [0.02, 8.0, scale * 8.0, 8.0, 0.02, 0.02, scale * 8.0, 8.0, 8.0, 0.02]
-    states = [hs[i % len(hs)] * k for i, k in enumerate(kinds)]
+    w, states = alternating_states(B)
     monkeypatch.setattr(knobs, "FALLBACK_GATE", True)
     want, plain = _calls(monkeypatch, False, states, w, offset=2, top_p=0.9,
                          return_logprobs=logprobs)
-    sides = []
-    stage1 = launchers.stage1
-
-    def spy(*args, side=None, **kw):
-        sides.append(side is not None)
-        return stage1(*args, side=side, **kw)
-    monkeypatch.setattr(launchers, "stage1", spy)
+    sides = side_outputs(monkeypatch)
     monkeypatch.setattr(FallbackChoice, "side_output", lambda self, h, c: False)
     got, pipe = _calls(monkeypatch, True, states, w, offset=2, top_p=0.9,
                        return_logprobs=logprobs)
