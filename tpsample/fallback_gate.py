@@ -2,9 +2,10 @@
 
 A filtered call whose fallback runs on the device launches the fallback's kernels in every
 call, flagged rows or not (the logits kernel of kernels/filter_fallback.py where the rows'
-logits are recomputed, kernels/filter_cut.py's steps, up to nine, then the rows kernel): where
-no row is flagged, each program of each launch only scans the flags. Where the candidates certify every row (kept sets of a few hundred tokens, the
-usual case) those launches are all the fallback costs. In the call's own CUDA graph
+logits are recomputed, kernels/filter_cut.py's steps, up to nine, then the rows kernel):
+where no row is flagged, each program of each launch only scans the flags. Where the
+candidates certify every row (kept sets of a few hundred tokens, the usual case) those
+launches are all the fallback costs. In the call's own CUDA graph
 (tpsample/call_graphs.py) they are captured into the body of a conditional IF node instead
 (CUDA >= 12.4), which runs only when the call's gate is set.
 
