@@ -97,9 +97,9 @@ class FallbackChoice:
             self._seen = None
             if int(copy.item()) > before:
                 self.host_mode = True
-                self.flagged()
+                self._flagged()
 
-    def flagged(self) -> None:
+    def _flagged(self) -> None:
         """A call flagged rows: the side output from the next call on (see side_output)."""
         if not self.side:
             self.lazy_after = min(2 * self.lazy_after, SIDE_LAZY_AFTER_MAX)
