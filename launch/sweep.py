@@ -20,6 +20,12 @@ and nucleus sizes at T. Writes OUT/sweep.json after every cell row (a cut-off ru
 the summary line gives the worst cell per batch range next to the typical one (a = 1.6,
 T = 1). --warm N first compiles every kernel of the run in N processes at once (a fresh
 machine otherwise compiles each (B, filter set) in turn, minutes per row).
+
+Every tpsample cell starts from a fresh fallback choice (tpsample/fallback_choice.py), so
+it is timed in its own steady state: a process that kept flagging rows writes the side
+output, one whose calls flag none stops writing it after a few dozen calls (within the
+timing's warm-up). Without the reset, the cells timed after flat rows would inherit their
+choice.
 """
 from __future__ import annotations
 
@@ -236,6 +242,14 @@ def warm(args, calls=None) -> None:
     log(f"[warm] {len(tasks)} calls in {time.perf_counter() - t0:.0f} s")
 
 
+def fresh_fallback_choice() -> None:
+    """Forget what earlier calls taught the process's pipelines about flagged rows (the side
+    output's choice, the host-path switch): the next cell is timed in its own steady state."""
+    from tpsample.api import _PIPELINES
+    for pipe in _PIPELINES.values():
+        pipe.fallback.forget()
+
+
 def run(args) -> dict:
     device = torch.device("cuda" if args.cuda else "cpu")
     dtype = DTYPES[args.dtype]
@@ -256,11 +270,13 @@ def run(args) -> dict:
             # proportions
             seed = row_seeds(B, device)
             stats_ = row_stats((h[:1].float() @ w.float().T)[0] / T) if head != "mixed" else {}
+            fresh_fallback_choice()
             ms = {"plain": time_fn(lambda: tpsample.sample(h, w, temperature=T, seed=seed,
                                                            offset=next(step)), args.cuda),
                   "mm": time_fn(lambda: h @ w.T, args.cuda),
                   "sort_p0.9": time_fn(lambda: sort_top_p(h, w, T), args.cuda)}
             for name, kw in FILTERS.items():
+                fresh_fallback_choice()
                 ms[name] = time_fn(lambda kw=kw: tpsample.sample(
                     h, w, temperature=T, seed=seed, offset=next(step), **kw), args.cuda)
             for name, fn in flashinfer_variants(h, w, T).items():

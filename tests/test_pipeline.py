@@ -170,6 +170,39 @@ def test_side_output_goes_after_clean_calls_and_comes_back_on_a_flagged_row(monk
         types.SimpleNamespace(is_cuda=False), False)
 
 
+def test_a_forgotten_choice_starts_over_on_the_same_count(monkeypatch):
+    """forget() (the sweep's reset between cells): the device path, the side output and the
+    first wait again, while the count that captured graphs add to stays the same tensor and
+    a growth before the reset is not taken for one after it."""
+    monkeypatch.setattr(FC.torch.cuda, "Event", _Event)
+    monkeypatch.setattr(knobs, "LAZY_SIDE", True)
+    monkeypatch.setattr(FC, "SIDE_LAZY_AFTER", 2)
+    monkeypatch.setattr(FC, "LOCAL_READ_EVERY", 1)
+    hidden = types.SimpleNamespace(is_cuda=True)
+    for deterministic in (False, True):
+        choice = FC.FallbackChoice(torch.device("cpu"), deterministic=deterministic)
+        counter = choice.counter()
+        for _ in range(3):
+            choice.side_output(hidden, False)
+            choice.watch()
+        counter += 1
+        choice.watch()  # (a copy of the growth still unread)
+        for _ in range((FC.FALLBACK_READ_LAG + 2) * FC.FALLBACK_READ_EVERY):
+            choice.device_now(hidden, False)
+            choice.watch()
+        assert choice.host_mode
+        choice.forget()
+        assert choice.counter() is counter and not choice.host_mode
+        assert choice.lazy_after == 2 and choice.clean_calls == 0
+        paths = []
+        for _ in range((FC.FALLBACK_READ_LAG + 2) * FC.FALLBACK_READ_EVERY):
+            paths.append((choice.device_now(hidden, False), choice.side_output(hidden, False)))
+            choice.watch()
+        assert all(device for device, _ in paths)
+        if not deterministic:
+            assert [side for _, side in paths[:4]] == [True, True, False, False]
+
+
 def test_host_fallback_redoes_exactly_the_flagged_rows():
     """redo_rows_on_host rewrites the flagged rows with the full-row semantics and leaves the
     others as stage 2 wrote them."""

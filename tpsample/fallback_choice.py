@@ -33,6 +33,20 @@ class FallbackChoice:
         self.clean_calls = 0
         self.lazy_after = SIDE_LAZY_AFTER
 
+    def forget(self) -> None:
+        """Start over as a new pipeline's choice would (the device path, the side output,
+        SIDE_LAZY_AFTER), keeping the device count that captured graphs add to. Under TP
+        every rank must call it at the same call."""
+        if self._seen is not None:  # (a copy still in flight would land after the reset)
+            self._seen[0].synchronize()
+            self._seen = None
+        self.host_mode = False
+        self.side = True
+        self.clean_calls = 0
+        self.lazy_after = SIDE_LAZY_AFTER
+        if self.deterministic:  # (the copies in flight read as old news)
+            self.reads.drain()
+
     def counter(self) -> torch.Tensor:
         """The device count the fallback kernels add their rows to."""
         if self.device_rows is None:
