@@ -418,7 +418,7 @@ def test_stage1_gets_the_peers_of_the_grown_buffer(kw, monkeypatch):
     """A call larger than the exchange buffer grows it (new peer addresses): stage 1 must
     store through the grown buffer's fanout, so the slots are taken before the fanout is
     read (plain and filtered calls)."""
-    from tpsample import pipeline as PL
+    from tpsample import filtered_calls as FCALLS, pipeline as PL
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
     class Growing(LocalTransport):  # a persistent buffer whose peers move when it grows
@@ -447,6 +447,7 @@ def test_stage1_gets_the_peers_of_the_grown_buffer(kw, monkeypatch):
         seen.append(fanout[0])
         raise Stop
     monkeypatch.setattr(PL, "stage1_constrained", spy)
+    monkeypatch.setattr(FCALLS, "stage1_constrained", spy)
     t = Growing()
     h, w = torch.randn(2, 16), torch.randn(260, 16)
     with pytest.raises(Stop):

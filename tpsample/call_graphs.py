@@ -61,6 +61,14 @@ SINKS = {"out": "tokens"}  # per-call tensors the graph's output of that name go
 MAX_GRAPHS = 16  # per pipeline; all are dropped when full (keys change only with shapes)
 OUTPUT_SLOTS = 2  # per graph captured without the caller's out: see the module docstring
 RETURNABLE = ("tokens", "logprobs", "logz", "top_tokens", "top_logprobs")
+RETURNED = {False: ("tokens",), True: ("tokens", "logprobs", "logz")}  # (by return_logprobs)
+
+
+def with_sink(per_call: dict, tokens_out) -> dict:
+    """A graph call's named tensors: with the caller's tokens tensor as "out" where given
+    (SINKS: the graph writes the tokens there, or copies them there when it was captured
+    with another)."""
+    return per_call if tokens_out is None else dict(per_call, out=tokens_out)
 _use_count = getattr(torch._C, "_storage_Use_Count", None)  # (None: never reused)
 
 

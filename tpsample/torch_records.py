@@ -165,3 +165,10 @@ def records_torch(hidden: torch.Tensor, weight: torch.Tensor, *, bias, inv_temp,
             n_real=n_real, vocab_start=vocab_start, candidates=candidates,
             replacement=replacement, raw_mass=raw_mass)
     return out
+
+
+def merge_records(recs: torch.Tensor, params, merge_name: str):
+    """Stage 2 in torch (tpsample/merge.py): records [slots, S, B, T, 4] and the call's
+    RowParams → tokens, logprobs, logz."""
+    return merge.reduce_records(recs, params.seed, params.offset, params.inv_temp == 0,
+                                merge_name)
