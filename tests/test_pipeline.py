@@ -89,6 +89,24 @@ def test_deterministic_reads_switch_every_rank_at_the_same_call(monkeypatch):
     assert choice.device_now(hidden, in_capture=True)  # capture: always the device path
 
 
+def test_deterministic_copies_are_read_even_when_no_call_asks_for_the_path(monkeypatch):
+    """Under TP, calls on the cut's fast path (top-p / min-p) watch the count but never ask
+    device_now: watch reads the copies itself, so they do not pile up, and a growth it read
+    still sends the next call that asks to the host path."""
+    monkeypatch.setattr(FC.torch.cuda, "Event", _Event)
+    choice = FC.FallbackChoice(torch.device("cpu"), deterministic=True)
+    counter = choice.counter()
+    hidden = types.SimpleNamespace(is_cuda=True)
+    every, lag = FC.FALLBACK_READ_EVERY, FC.FALLBACK_READ_LAG
+    for call in range(50 * every):
+        if call == every:
+            counter += 1
+        choice.watch()
+        assert len(choice.reads.pending) <= lag
+    assert len(choice.reads.spare) <= lag + 1  # (the copies and events are reused)
+    assert not choice.device_now(hidden, False)
+
+
 def test_local_choice_goes_to_the_host_once_the_count_grew(monkeypatch):
     monkeypatch.setattr(FC.torch.cuda, "Event", _Event)
     monkeypatch.setattr(FC, "LOCAL_READ_EVERY", 1)

@@ -28,6 +28,7 @@ class FallbackChoice:
         self._copy = None
         self.reads = DeterministicReads(FALLBACK_READ_LAG, FALLBACK_READ_EVERY) \
             if deterministic else None
+        self._grew = False  # (deterministic: a growth that watch() read, for device_now)
         self.watched = 0  # calls watch() saw (see watch)
         self.side = True  # see side_output
         self.clean_calls = 0
@@ -46,6 +47,7 @@ class FallbackChoice:
         self.lazy_after = SIDE_LAZY_AFTER
         if self.deterministic:  # (the copies in flight read as old news)
             self.reads.drain()
+            self._grew = False
 
     def counter(self) -> torch.Tensor:
         """The device count the fallback kernels add their rows to."""
@@ -72,7 +74,8 @@ class FallbackChoice:
         if self.deterministic:  # every rank must decide alike
             if self.host_mode:
                 return False
-            if self.reads.grew():
+            if self._grew or self.reads.grew():
+                self._grew = False
                 self.host_mode = True
                 self.reads.drain()
             return not self.host_mode
@@ -124,8 +127,9 @@ class FallbackChoice:
         """Copy the device fallback count back without blocking (read by the next calls;
         eager CUDA calls only): every LOCAL_READ_EVERY-th call at most (a copy and its event
         cost ~25 µs of host time), so a growth is seen within about that many calls."""
-        if self.deterministic:
-            self.reads.push(self.device_rows)
+        if self.deterministic:  # (read here too: calls on the cut's fast path never ask
+            self.reads.push(self.device_rows)  # device_now, and unread copies would pile up)
+            self._grew |= self.reads.grew()
             return
         self.watched += 1
         if self._seen is not None or self.watched % LOCAL_READ_EVERY:
