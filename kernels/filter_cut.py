@@ -418,7 +418,7 @@ def _winner_outputs(tokens_ptr, logprobs_ptr, logz_ptr, count_ptr, b, best, x, p
     tl.store(tokens_ptr + b64, tok)
     tl.store(logprobs_ptr + b64, lp)
     tl.store(logz_ptr + b, lz)
-    tl.atomic_add(count_ptr, 1)
+    tl.atomic_add(count_ptr + 1, 1)  # (count[1]: the rows this path redid)
     if SPLIT:
         _send_one(l_ptr, b64, stride_lb, slot_stride, peer_ptrs_ptr, rank, split, tok, lp, lz)
 
@@ -447,7 +447,8 @@ def cut_step_kernel(
     win[win_at + 3B] (tpsample/filters.py scratch_words), its count zeroed by STATS or, in
     calls without STATS (XMAX_KNOWN), by the filter kernel; chunk g of a row is
     columns [g·C, (g+1)·C) (HIST and COMPACT: [g·CH, (g+1)·CH)), C and CH multiples of BLOCK.
-    Outputs as fallback_rows_kernel's ([B, S], [B]); count[0] += the rows done (FINAL). The
+    Outputs as fallback_rows_kernel's ([B, S], [B]); count[1] += the rows done (FINAL:
+    count int32 [2], whose [0] counts the rows of fallback_rows_kernel's own path). The
     programs take the items (rows × chunks, or rows for FINISH / FINAL) in turn; a call without
     a flagged row costs each program one scan of the flags. WINNER (S = 1, merge "max"): the
     rows whose winner (key at win[win_at + b], the filter kernel's) is kept take it, and skip
@@ -796,7 +797,7 @@ def cut_step_kernel(
                     if RAW:
                         lz = logz_raw
                     tl.store(logz_ptr + b, lz)
-                    tl.atomic_add(count_ptr, 1)
+                    tl.atomic_add(count_ptr + 1, 1)
                     if SPLIT:
                         send_outputs(l_ptr, b64, stride_lb, slot_stride, peer_ptrs_ptr, rank,
                                      split, 2 * S, lz)

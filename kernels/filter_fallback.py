@@ -265,7 +265,9 @@ def fallback_rows_kernel(
 ):
     """Rows b with flag[b] != 0: logits l [B, N] (fallback_logits_kernel) → their tokens,
     log-probs and log Z [B, S] / [B] when the row is filtered, and their top-n [B, n_top]
-    (the outputs of filter_records_kernel, overwritten); count[0] += the rows done. PDL: a
+    (the outputs of filter_records_kernel, overwritten); count int32 [2]: count[0] += the
+    rows done here, count[1] += the split rows copied (kernels/filter_cut.py counts the rows
+    it redoes there, so a pipeline can tell the two paths' rows apart). PDL: a
     programmatic dependent of the kernel before it (fallback_logits or listed_fallback).
     SLOTTED (tensor parallel): l is [world, B, slot_n], every rank's shard of the rows
     (stride_lb = slot_n, slot_stride = B * slot_n; shard r's first global id starts[r]),
@@ -306,7 +308,7 @@ def fallback_rows_kernel(
             if fast & (b % world != rank):
                 split_outputs(l_ptr, b, stride_lb, slot_stride, b % world, tokens_ptr,
                               logprobs_ptr, logz_ptr, S)
-                tl.atomic_add(count_ptr, 1)
+                tl.atomic_add(count_ptr + 1, 1)  # (count[1]: filter_cut.py's rows)
     if flagged:
         tl.atomic_add(count_ptr, 1)
         row = l_ptr + b.to(tl.int64) * stride_lb

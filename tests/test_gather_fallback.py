@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tpsample
-from tpsample import launchers, params as P, records
+from tpsample import filters as F, launchers, params as P, records
 from tpsample.reference import reference_sample
 from tpsample.transport import SymmMemTransport
 
@@ -65,11 +65,11 @@ def test_two_ranks_uneven_shards_in_swapped_order_equal_one_device(extra):
     B, n_top = h.shape[0], filters.top_n
     flags = torch.tensor([1, 0, 1, 1, 0, 1, 0, 1], dtype=torch.int32)
     want = fresh_out(B, S, n_top, flags)
-    count = torch.zeros(1, dtype=torch.int32)
+    count = torch.zeros(2, dtype=torch.int32)
     T1 = records.num_tiles(V)
     launchers.fallback_on_device(h, w, None, row, filters, want,
                                  torch.empty(B, T1 * records.TILE), count, n_real=V)
-    assert count.item() == 5
+    assert count.sum().item() == 5
 
     starts = [2600, 0]
     shards = [w[2600:], w[:2600]]
@@ -86,13 +86,13 @@ def test_two_ranks_uneven_shards_in_swapped_order_equal_one_device(extra):
 
     with pytest.raises(Stop):  # rank 1 stores its shard everywhere, then waits (stopped here)
         launchers.fallback_on_device(h, shards[1], None, row, filters, fresh_out(B, S, n_top, flags),
-                                     None, torch.zeros(1, dtype=torch.int32), n_real=2600,
+                                     None, torch.zeros(2, dtype=torch.int32), n_real=2600,
                                      vocab_start=0, gather=gather(1, stop))
     got = fresh_out(B, S, n_top, flags)
-    count = torch.zeros(1, dtype=torch.int32)
+    count = torch.zeros(2, dtype=torch.int32)
     launchers.fallback_on_device(h, shards[0], None, row, filters, got, None, count,
                                  n_real=1496, vocab_start=2600, gather=gather(0, lambda f: None))
-    assert count.item() == 5
+    assert count.sum().item() == 5
     for b in bufs:  # flagged rows hold both shards (padding -inf), other rows are untouched
         assert (b[:, flags == 0] == 7.0).all()
         assert torch.isinf(b[0, flags == 1, 1496:]).all() and torch.isinf(b[1, flags == 1, 2600:]).all()
@@ -102,6 +102,29 @@ def test_two_ranks_uneven_shards_in_swapped_order_equal_one_device(extra):
     for a, b in ((got.logprobs, want.logprobs), (got.logz, want.logz),
                  (got.top_logprobs, want.top_logprobs)):
         assert torch.allclose(a, b, atol=1e-5, equal_nan=True)
+
+
+def test_the_two_paths_count_their_rows_apart():
+    """count[0] gains the rows of the one-program-per-row path, count[1] those of the cut's
+    fast path (filters.cut_path_rows): a pipeline can tell a top-k row past the candidates
+    (slow on the device, what the host path is for) from a top-p row of the same call."""
+    h, w = flat_case()
+    B = h.shape[0]
+    row = P.row_params(h, MIXED["temperature"], torch.arange(B) * 5 + 2, 0)
+    filters = P.filter_params(h, MIXED["top_k"], MIXED["top_p"], MIXED["min_p"], 0, 1, True,
+                              "processed", V)
+    flags = (row.inv_temp != 0).to(torch.int32)
+    logits = ((h @ w.T) * torch.where(row.inv_temp == 0, 1.0, row.inv_temp)[:, None])
+    count = torch.zeros(2, dtype=torch.int32)
+    launchers.fallback_on_device(h, w, None, row, filters, fresh_out(B, 1, 0, flags), None,
+                                 count, n_real=V, side=logits.contiguous())
+    fast = F.cut_path_rows(filters, row.inv_temp) & (flags != 0)
+    assert 0 < int(fast.sum()) < int(flags.sum())
+    assert count.tolist() == [int(flags.sum() - fast.sum()), int(fast.sum())]
+    with pytest.raises(ValueError, match="count must be int32 \\[2\\]"):
+        launchers.fallback_on_device(h, w, None, row, filters, fresh_out(B, 1, 0, flags), None,
+                                     torch.zeros(1, dtype=torch.int32), n_real=V,
+                                     side=logits.contiguous())
 
 
 def test_a_rank_whose_exchange_failed_stores_nothing_and_gives_degenerate_rows():
@@ -114,10 +137,10 @@ def test_a_rank_whose_exchange_failed_stores_nothing_and_gives_degenerate_rows()
     buf = torch.full((1, B, n), 7.0)
     gather = launchers.FallbackGather(buf, buf[0], torch.tensor([buf.data_ptr()]),
                                       torch.tensor([-3]), torch.tensor([0]), lambda f: None, 0)
-    count = torch.zeros(1, dtype=torch.int32)
+    count = torch.zeros(2, dtype=torch.int32)
     launchers.fallback_on_device(h, w, None, row, filters, out, None, count, n_real=V,
                                  gather=gather)
-    assert (buf == 7.0).all() and count.item() == 0
+    assert (buf == 7.0).all() and count.sum().item() == 0
     lost = flags == 1
     assert (out.tokens[lost] == -1).all() and torch.isnan(out.logprobs[lost]).all()
     assert torch.isnan(out.logz[lost]).all() and torch.isnan(out.top_logprobs[lost]).all()
@@ -163,7 +186,7 @@ def one_rank_call(rank, world, h, w, kws, vocab=V, logprobs=True):
     for hh, kw in zip(h, kws):
         outs.append(sampler(hh, return_logprobs=logprobs, **kw))
         exchanges.append(int(sampler.transport.calls.item()))
-        device_rows.append(int(pipe.fallback.device_rows.item()))
+        device_rows.append(int(pipe.fallback.device_rows.sum().item()))
         t = sampler.transport
         stored_before_signal.append(torch.equal(t.at_exchange, t.gather_buf))
     return dict(outs=outs, exchanges=exchanges, device_rows=device_rows,
@@ -254,7 +277,7 @@ def test_side_rows_are_gathered_to_their_owner_or_to_every_rank(B, S):
     with pytest.raises(Stop):  # (stopped at the exchange, after the stores)
         launchers.fallback_on_device(h, torch.zeros(n, 8), None, row, filters,
                                      fresh_out(B, S, 0, flags), None,
-                                     torch.zeros(1, dtype=torch.int32), n_real=n,
+                                     torch.zeros(2, dtype=torch.int32), n_real=n,
                                      vocab_start=n, gather=gather, side=side)
     for q, b in enumerate(bufs):
         mine = (flags == 1) & ((torch.arange(B) % world == q) | (not split))
@@ -293,10 +316,10 @@ def test_split_rows_on_two_processes_equal_one_device(S):
     flags = (row.inv_temp != 0).to(torch.int32)  # (row 4, greedy, is never flagged)
     logits = (h @ w.T) * row.inv_temp[:, None]
     want = fresh_out(B, S, 0, flags)
-    count = torch.zeros(1, dtype=torch.int32)
+    count = torch.zeros(2, dtype=torch.int32)
     launchers.fallback_on_device(h, w, None, row, filters, want, None, count, n_real=V,
                                  side=logits.contiguous())
-    assert count.item() == int(flags.sum())
+    assert count.sum().item() == int(flags.sum())
 
     n = records.num_tiles(2600) * records.TILE
     sides, starts, reals = [], [2600, 0], [V - 2600, 2600]
@@ -306,7 +329,7 @@ def test_split_rows_on_two_processes_equal_one_device(S):
         sides.append(part)
     bufs = [torch.full((2, B, n), 7.0).share_memory_() for _ in range(2)]
     calls = [torch.zeros(1, dtype=torch.int64).share_memory_() for _ in range(2)]
-    counts = [torch.zeros(1, dtype=torch.int32).share_memory_() for _ in range(2)]
+    counts = [torch.zeros(2, dtype=torch.int32).share_memory_() for _ in range(2)]
     outs = [launchers.filtered_outputs(B, S, 0, torch.device("cpu")) for _ in range(2)]
     for o in outs:
         for t in o:
@@ -323,7 +346,7 @@ def test_split_rows_on_two_processes_equal_one_device(S):
         p.join(900)
         assert p.exitcode == 0
     for r in range(2):
-        assert counts[r].item() == int(flags.sum())
+        assert counts[r].sum().item() == int(flags.sum())
         got = outs[r]
         assert torch.equal(got.tokens, want.tokens), (r, got.tokens, want.tokens)
         assert torch.allclose(got.logprobs, want.logprobs, atol=1e-5, equal_nan=True)
@@ -402,7 +425,7 @@ def _pool_rank(rank, world, port, pools, results, h, w, calls):
         exchanges.append(int(sampler.transport.calls.item()))
     pipe = sampler.pipeline
     torch.save(dict(outs=outs, exchanges=exchanges, host_rows=pipe.host_fallback_rows,
-                    device_rows=int(pipe.fallback.device_rows.item())),
+                    device_rows=int(pipe.fallback.device_rows.sum().item())),
                os.path.join(results, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()

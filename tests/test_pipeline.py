@@ -188,6 +188,33 @@ def test_side_output_goes_after_clean_calls_and_comes_back_on_a_flagged_row(monk
         types.SimpleNamespace(is_cuda=False), False)
 
 
+def test_the_cut_path_rows_bring_the_side_output_back_but_not_the_host_path(monkeypatch):
+    """One device: the per-row path's count (counter()[0]) sends the next calls that ask to
+    the host; the cut's count ([1]) only brings the side output back."""
+    monkeypatch.setattr(FC.torch.cuda, "Event", _Event)
+    monkeypatch.setattr(knobs, "LAZY_SIDE", True)
+    monkeypatch.setattr(FC, "SIDE_LAZY_AFTER", 2)
+    monkeypatch.setattr(FC, "LOCAL_READ_EVERY", 1)
+    hidden = types.SimpleNamespace(is_cuda=True)
+    choice = FC.FallbackChoice(torch.device("cpu"), deterministic=False)
+    counter = choice.counter()
+    assert counter.shape == (2,) and counter.dtype == torch.int32
+
+    def call(grow=None):
+        side = choice.side_output(hidden, False)
+        device = choice.device_now(hidden, False)
+        if grow is not None:
+            counter[grow] += 1
+        choice.watch()
+        return side, device
+    assert [call() for _ in range(4)][-1] == (False, True)  # (lazy after 2 clean calls)
+    call(grow=1)
+    assert call() == (True, True) and not choice.host_mode  # the cut's rows: side output
+    call(grow=0)
+    call()
+    assert choice.host_mode and choice.side  # the per-row path's rows: the host
+
+
 def test_a_forgotten_choice_starts_over_on_the_same_count(monkeypatch):
     """forget() (the sweep's reset between cells): the device path, the side output and the
     first wait again, while the count that captured graphs add to stays the same tensor and
@@ -240,6 +267,26 @@ def test_host_fallback_redoes_exactly_the_flagged_rows():
     rows = flags.bool()
     assert torch.equal(tokens[rows], ref.tokens[rows]) and (tokens[~rows] == -7).all()
     assert torch.allclose(logz[rows].double(), ref.logz[rows], atol=1e-4)
+
+
+@pytest.mark.parametrize("top_k, stays", [(3, False), (200, True)])
+def test_the_host_path_ends_once_no_row_needs_the_per_row_path(top_k, stays):
+    """A call in host mode hands the device path back once none of its flagged rows would
+    take the one-program-per-row kernels (the reason for the host path): flat top-p rows
+    without a top-k (the cut's fast path) do not keep it on the host; a top-k row past the
+    candidates does."""
+    torch.manual_seed(3)
+    B, D, V = 4, 16, 300
+    h, w = torch.randn(B, D) * 0.01, torch.randn(V, D)  # (near-flat rows: top-p flags them)
+    k = torch.tensor([0, 0, top_k, 0])
+    spec = spec_of(h, V, top_k=k, top_p=0.5, seed=torch.arange(B))
+    fast = F.cut_path_rows(spec.filters, spec.row.inv_temp)
+    assert fast.tolist() == [True, True, False, True]
+    pipe = Pipeline("torch", h.device)
+    pipe.fallback.host_mode = True
+    pipe.run(h, w, None, spec, n_real=V, need_mass=True)
+    assert pipe.host_fallback_rows == (4 if stays else 3)  # (every flat top-p row, and the
+    assert pipe.fallback.host_mode == stays  # top-k 200 row past the 12 candidates)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

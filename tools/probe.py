@@ -438,7 +438,7 @@ def filter_stage(D, V, B) -> dict:
     known = (x > x.reshape(B, -1, records.CANDIDATES)[..., -1].amax(-1, keepdim=True)).sum(-1)
     out = launchers.filtered_outputs(B, 1, 0, "cuda")
     logits = torch.empty(B, T * records.TILE, dtype=torch.float32, device="cuda")
-    count = torch.zeros(1, dtype=torch.int32, device="cuda")
+    count = torch.zeros(2, dtype=torch.int32, device="cuda")
     r = dict(B=B, strategy=plan.strategy, known_median=known.float().median().item(),
              known_max=known.max().item(), warps=launchers.filter_warps(B),
              merge=graph(lambda: launchers.stage2(plan, recs[:, :1], p, out=out[:3])))

@@ -23,7 +23,8 @@ class FallbackChoice:
         self.device = device
         self.deterministic = deterministic
         self.host_mode = False  # see device_now
-        self.device_rows = None  # int32 [1]: rows the device fallback took (lazily)
+        self.device_rows = None  # int32 [2]: rows the device fallback took (lazily): [0]
+        # one program per row (filter_fallback.py), [1] the cut's fast path (filter_cut.py)
         self._seen = None
         self._copy = None
         self.reads = DeterministicReads(FALLBACK_READ_LAG, FALLBACK_READ_EVERY) \
@@ -50,9 +51,10 @@ class FallbackChoice:
             self._grew = False
 
     def counter(self) -> torch.Tensor:
-        """The device count the fallback kernels add their rows to."""
+        """The device counts the fallback kernels add their rows to (launchers.
+        fallback_on_device): int32 [2], the one-program-per-row path's rows, then the cut's."""
         if self.device_rows is None:
-            self.device_rows = torch.zeros(1, dtype=torch.int32, device=self.device)
+            self.device_rows = torch.zeros(2, dtype=torch.int32, device=self.device)
         return self.device_rows
 
     def device_now(self, hidden, in_capture: bool) -> bool:
@@ -60,10 +62,13 @@ class FallbackChoice:
 
         The device fallback (kernels/filter_fallback.py) costs two near-empty launches when no
         row falls back, but a flagged row takes one program per row (~5 ms at V = 151936):
-        rows that keep falling back (top-p alone on heavy tails) are far faster through the
-        host (cuBLAS and a sort over the whole GPU). So: the device path, until a device
-        fallback is seen (its count is copied back without blocking and read once ready);
-        then the host path, which counts exactly, until a call has no fallback row. During
+        rows that keep falling back (top-k past the candidates, top log-probs, samples without
+        replacement) are far faster through the host (cuBLAS and a sort over the whole GPU).
+        So: the device path, until such a row is seen (the count of the per-row path's rows,
+        copied back without blocking and read once ready; the cut's fast path, kernels/
+        filter_cut.py, counts its rows apart: they are fast on the device, so a top-p row
+        of a call with a per-row top-k tensor does not send it to the host); then the host
+        path, which counts exactly, until a call has no flagged row for the per-row path. During
         CUDA-graph capture always the device path. Both are exact; their tokens agree up to
         fp32 near-ties (the logits are computed differently). Under TP (a transport that
         gathers rows on the device) every rank must take the same path, so the count is read
@@ -92,7 +97,7 @@ class FallbackChoice:
         Rows are flagged only where the candidates cannot certify the kept set (large
         nuclei: flat rows), so the side output is dropped once SIDE_LAZY_AFTER calls in a
         row (counted here) saw no flagged row, and written again from the call after one is
-        seen (the device count, read back without blocking as device_now reads it): a
+        seen (the cut's count, read back without blocking as device_now reads its own): a
         call that drops it and then flags a row pays the recompute. Each such miss doubles
         the calls to wait the next time (up to SIDE_LAZY_AFTER_MAX), so a mix of flat and
         peaked batches settles on the side output. Always written inside the caller's
@@ -112,8 +117,10 @@ class FallbackChoice:
         if self._seen is not None and self._seen[0].query():
             event, copy, before = self._seen
             self._seen = None
-            if int(copy.item()) > before:
+            rows, cut_rows = copy.tolist()
+            if rows > before[0]:  # (the per-row path's: the host is faster)
                 self.host_mode = True
+            if cut_rows > before[1]:  # (the cut's fast path's: they read the side output)
                 self._flagged()
 
     def _flagged(self) -> None:
@@ -128,16 +135,17 @@ class FallbackChoice:
         eager CUDA calls only): every LOCAL_READ_EVERY-th call at most (a copy and its event
         cost ~25 µs of host time), so a growth is seen within about that many calls."""
         if self.deterministic:  # (read here too: calls on the cut's fast path never ask
-            self.reads.push(self.device_rows)  # device_now, and unread copies would pile up)
+            self.reads.push(self.device_rows[:1])  # device_now, and unread copies would pile
+            # up; the per-row path's count only: under TP the side output is always written)
             self._grew |= self.reads.grew()
             return
         self.watched += 1
         if self._seen is not None or self.watched % LOCAL_READ_EVERY:
             return
         if self._copy is None:
-            self._copy = torch.zeros(1, dtype=torch.int32,
+            self._copy = torch.zeros(2, dtype=torch.int32,
                                      pin_memory=self.device.type == "cuda")
-        before = int(self._copy.item())  # the last value read back (ready)
+        before = self._copy.tolist()  # the last values read back (ready)
         self._copy.copy_(self.device_rows, non_blocking=True)
         event = torch.cuda.Event()
         event.record()

@@ -63,8 +63,9 @@ class FilteredCalls:
             S, constraints, side)
         self.candidate_rows += B
         self.host_fallback_rows += redone
-        if redone == 0:
-            self.fallback.host_mode = False
+        if self.fallback.host_mode and (redone == 0 or not bool(  # (synchronised already)
+                ((out.fallback != 0) & ~F.cut_path_rows(filters, params.inv_temp)).any())):
+            self.fallback.host_mode = False  # (no row for the per-row path: the device's)
         return tokens, logprobs, logz, top
 
     def _filtered_torch(self, hidden, weight, bias, params: RowParams, merge: str, S: int,

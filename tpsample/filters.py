@@ -99,6 +99,25 @@ def cut_list(scratch: torch.Tensor, B: int) -> torch.Tensor:
     return scratch[B * (KNOWN_CAP + 3):].view(torch.int32)[:B + 1]
 
 
+def cut_path_rows(filters: Filters, inv_temp: torch.Tensor) -> torch.Tensor:
+    """bool [B]: the rows that the device fallback redoes, when flagged, on kernels/
+    filter_cut.py's fast path (filter_fallback.fast_row within a call whose launchers take
+    that path: samples with replacement, no top log-probs, not a top-k on every row); the
+    other flagged rows take one program per row (~5 ms at V = 151,936), which is what the
+    host path is for (tpsample/fallback_choice.py)."""
+    if (not filters.replacement or filters.top_n or filters.top_k_every_row
+            or (filters.top_p is None and filters.min_p is None)):
+        return torch.zeros(inv_temp.shape, dtype=torch.bool, device=inv_temp.device)
+    on = torch.zeros(inv_temp.shape, dtype=torch.bool, device=inv_temp.device)
+    if filters.top_p is not None:
+        on = on | (filters.top_p < 1)
+    if filters.min_p is not None:
+        on = on | (filters.min_p > 0)
+    if filters.top_k is not None:
+        on = on & (filters.top_k <= 0)
+    return on & (inv_temp != 0)
+
+
 def row_is_filtered(filters: Filters, inv_temp: torch.Tensor) -> torch.Tensor:
     """bool [B]: rows with top_k > 0, top_p < 1 or min_p > 0 that are not greedy (the one
     definition of a filtered row)."""

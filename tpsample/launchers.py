@@ -600,8 +600,9 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
                        parity_stride: int = 0, gate: torch.Tensor | None = None) -> None:
     """The exact fallback of one device's call, after stage2_filtered and with no host
     synchronisation (kernels/filter_fallback.py, kernels/filter_cut.py): the rows flagged in
-    out.fallback get their outputs redone in `out` from their logits; count (int32 [1])
-    gains the number of such rows. side: fp32 [B, tiles * TILE], the transformed logits this
+    out.fallback get their outputs redone in `out` from their logits; count (int32 [2])
+    gains the number of such rows: [0] those of the one-program-per-row path
+    (filter_fallback.fallback_rows_kernel), [1] those of the cut's fast path (filter_cut.py). side: fp32 [B, tiles * TILE], the transformed logits this
     call's stage 1 wrote (then W is not read again; one device: they are the rows' logits),
     else they are recomputed into `logits` (fp32 [B, tiles * TILE], scratch). pdl: its launches are
     programmatic dependents (plan.pdl: stage2_filtered's are too). constraints
@@ -624,6 +625,9 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
     tpsample/fallback_gate.py: the gate stage2_filtered set): in a call's CUDA graph these
     launches run only when it is set; the rows kernel clears it."""
     B, D = hidden.shape
+    if count.numel() != 2 or count.dtype != torch.int32:
+        raise ValueError(f"count must be int32 [2] (the two paths' rows), got "
+                         f"{count.dtype} {list(count.shape)}")
     if gather is not None:
         logits = gather.own
     elif side is not None:

@@ -94,7 +94,7 @@ class Pipeline(FilteredCalls):
     def fallback_rows(self) -> int:
         """Rows that took the exact fallback so far (reading it synchronises with the device)."""
         rows = self.fallback.device_rows
-        dev = 0 if rows is None else int(rows.item())
+        dev = 0 if rows is None else int(rows.sum().item())
         return self.host_fallback_rows + dev
 
     def _graph_call(self, key, per_call: dict, returned: tuple, stage1, stage2, sizes):
