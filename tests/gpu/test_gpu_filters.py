@@ -319,6 +319,27 @@ def test_top_p_alone_on_heavy_tails_stays_on_the_device_fast_path():
     assert torch.equal(captured.tokens, out.tokens)
 
 
+def test_top_p_rows_of_a_call_with_a_per_row_top_k_stay_on_the_device():
+    """A serving batch with a per-row top_k tensor (half its rows without a top-k): their
+    flat top-p rows fall back on the cut's fast path in every call, and its count (the
+    fallback's second) does not send the calls to the host path; tokens as the reference's."""
+    from tpsample import api
+    from tpsample.reference import reference_sample
+    B = 16
+    h, w = typical_head(4096, 151936, B, torch.bfloat16, "cuda", slope=1.1)
+    api._PIPELINES.clear()
+    k = torch.tensor([0, 20] * (B // 2), device="cuda")
+    for step in range(24):  # (the count is read back every few calls)
+        out = tpsample.sample(h, w, seed=step, top_p=0.9, top_k=k)
+        torch.cuda.synchronize()
+    (pipe,) = api._PIPELINES.values()
+    assert not pipe.fallback.host_mode and pipe.host_fallback_rows == 0
+    rows, cut_rows = pipe.fallback.device_rows.tolist()
+    assert cut_rows >= 24 * B // 4 and rows == 0
+    ref = reference_sample(h, w, seed=23, top_p=0.9, top_k=k).tokens[:, 0]
+    assert (out == ref).float().mean() >= 0.9
+
+
 def test_rows_that_keep_falling_back_move_to_the_host_fallback_and_back():
     """top_k 3000 + top_p 0.9 on a heavy tail falls back on every row (k > the known prefix),
     through the one-program bisection kernel: once the device fallback's count is seen the
