@@ -220,6 +220,26 @@ def test_a_fast_path_hit_follows_the_side_output_choice(kept, cpu_memo):
     assert sig in cpu_memo.entries
 
 
+@pytest.mark.parametrize("kept", ["device side", "device lazy"])
+def test_a_hit_with_rows_for_both_paths_asks_both_choices(kept, cpu_memo):
+    """A call with a per-row top_k tensor and top-p may flag rows for the cut's fast path
+    (side output or not) and others (the device fallback or the host's): its graph is
+    replayed only while both choices are the ones it was captured under."""
+    sig, pipe, _, _ = stored(cpu_memo, filtered=True, asks=kept,
+                             top_k=torch.tensor([0, 5, 0]), top_p=0.9)
+    asked = []
+    lazy = [kept.endswith("lazy")]
+    pipe.lazy_side = lambda hidden, in_capture: (asked.append(in_capture), lazy[0])[1]
+    assert cpu_memo.call(sig, torch.ones(B, D), None, 5) is not None
+    assert asked == [False] and pipe.fallback.asked == 1 and cpu_memo.hits == 1
+    lazy[0] = not lazy[0]
+    assert cpu_memo.call(sig, torch.ones(B, D), None, 6) is None
+    lazy[0] = not lazy[0]
+    pipe.fallback.on_device = False
+    assert cpu_memo.call(sig, torch.ones(B, D), None, 7) is None
+    assert pipe.fallback.asked == 3 and cpu_memo.hits == 1 and sig in cpu_memo.entries
+
+
 @pytest.mark.parametrize("case", ["constrained", "converted bias", "seed copied", "no graph",
                                   "memo off", "drawn seed bound"])
 def test_calls_that_are_not_kept(case, cpu_memo, monkeypatch):

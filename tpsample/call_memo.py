@@ -102,11 +102,13 @@ class CallMemo:
                 or pipe.transport.key() != e.transport_key):
             self.entries.pop(sig, None)
             return None
-        if e.fallback == "device":
-            if not pipe.fallback.device_now(hidden, False):
+        if e.fallback is not None:
+            if e.fallback.startswith("device") and not pipe.fallback.device_now(hidden, False):
                 return None  # (its fallback moved to the host: the full path takes it there)
-        elif e.fallback is not None and pipe.lazy_side(hidden, False) != (e.fallback == "lazy"):
-            return None  # (the side output comes or goes: the full path takes the other graph)
+            if (e.fallback != "device"
+                    and pipe.lazy_side(hidden, False) != e.fallback.endswith("lazy")):
+                return None  # (the side output comes or goes: the full path takes the other
+                # graph)
         tensors = dict(e.tensors)
         tensors["hidden"] = hidden
         values = None
@@ -156,7 +158,9 @@ class CallMemo:
         e = Entry()
         e.pipeline, e.gkey, e.returned, e.filtered = pipeline, gkey, returned, filtered
         e.fallback = fallback  # None, "device" (asks FallbackChoice.device_now), "side" or
-        # "lazy" (a call on the cut's fast path with or without the side output)
+        # "lazy" (a call on the cut's fast path with or without the side output: asks
+        # lazy_side), "device side" / "device lazy" (a call that may have rows for the fast
+        # path and others: asks both)
         e.graph = weakref.ref(graph)
         e.tensors = {n: t for n, t in tensors.items() if n != "hidden"}
         e.device = pipeline.device

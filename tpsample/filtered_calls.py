@@ -116,12 +116,12 @@ class FilteredCalls:
         tile_major = fanout is not None  # (one device: row-major, docs/design.md)
         per_call = self._call_tensors(hidden, weight, bias, params, constraints, vocab_start)
         # stage 1 also writes the transformed logits (B·V·4 bytes, `side`) in calls whose
-        # rows fall back on heavy tails (top-p / min-p without top-k), while recent such
-        # calls flagged rows (lazy_side): the exact fallback then reads them instead of W.
-        # Other filtered calls rarely fall back and skip the write (it cost top_k 50 3-5 %
-        # at B <= 64, docs/design.md).
+        # rows may fall back on heavy tails (top-p / min-p rows without a top-k), while
+        # recent such calls flagged rows (lazy_side): the exact fallback then reads them
+        # instead of W. Other filtered calls rarely fall back and skip the write (it cost
+        # top_k 50 3-5 % at B <= 64, docs/design.md).
         fast = fast_fallback(filters)
-        side_out = fast and not self.lazy_side(hidden, in_capture)
+        side_out = cut_rows_possible(filters) and not self.lazy_side(hidden, in_capture)
         key = stage2s = stream = plan = log1 = None
         on_device = None
         if hidden.is_cuda and replay.Replay.usable():
@@ -268,8 +268,9 @@ class FilteredCalls:
                 and (fast or self.fallback.device_now(hidden, in_capture)))
 
     def lazy_side(self, hidden, in_capture) -> bool:
-        """Whether a one-device call on the cut's fast path skips the side output
-        (FallbackChoice.side_output decides; counted per call)."""
+        """Whether a one-device call whose rows may take the cut's fast path
+        (cut_rows_possible) skips the side output (FallbackChoice.side_output decides;
+        counted per call)."""
         return (self.transport.world == 1 and self.backend != "torch"
                 and not self.fallback.side_output(hidden, in_capture))
 
@@ -340,9 +341,10 @@ class FilteredCalls:
         out = self.graphs.replay(gkey, graph, named, returned)
         if out is None:
             return None
-        fast = fast_fallback(filters)
+        side = ("side" if side_out else "lazy") if cut_rows_possible(filters) else None
         self.last_graph = (gkey, graph, named, returned, True,
-                           ("side" if side_out else "lazy") if fast else "device")
+                           side if fast_fallback(filters) else
+                           "device" if side is None else "device " + side)
         return F.FilteredOutput(*(out.get(f) for f in OUT_NAMES))
 
 OUT_NAMES = F.FilteredOutput._fields
@@ -354,6 +356,15 @@ def fast_fallback(filters: Filters) -> bool:
     min-p without top-k, top log-probs or samples without replacement): such calls always
     take the device fallback where there is one."""
     return (filters.replacement and not filters.top_n and filters.top_k is None
+            and (filters.top_p is not None or filters.min_p is not None))
+
+
+def cut_rows_possible(filters: Filters) -> bool:
+    """Whether some row such a call flags may take kernels/filter_cut.py's fast path (top-p /
+    min-p rows without a top-k: a per-row top_k tensor may leave rows without one; as
+    launchers.fallback_on_device's `fast`): such calls write the side output
+    (FallbackChoice.side_output), which spares their flagged rows a pass over W."""
+    return (filters.replacement and not filters.top_n and not filters.top_k_every_row
             and (filters.top_p is not None or filters.min_p is not None))
 
 

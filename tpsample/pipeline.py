@@ -86,8 +86,8 @@ class Pipeline(FilteredCalls):
         self.gates = fallback_gate.Gates(device)  # (one device's filtered calls)
         # (graph key, graph, the tensors it read, returned names, filtered, what its fallback
         # depends on: None, "device" (FallbackChoice.device_now), "side" / "lazy" (the side
-        # output written or not: lazy_side)) of the last run() that went through a graph,
-        # else None: what tpsample/call_memo.py keeps
+        # output written or not: lazy_side), or "device side" / "device lazy" (both)) of the
+        # last run() that went through a graph, else None: what tpsample/call_memo.py keeps
         self.last_graph = None
 
     @property
