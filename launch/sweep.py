@@ -54,9 +54,25 @@ FILTERS = {"k50": dict(top_k=50), "p0.9": dict(top_p=0.9), "p0.95": dict(top_p=0
            "p0.99": dict(top_p=0.99), "m0.02": dict(min_p=0.02), "m0.1": dict(min_p=0.1),
            "k50p0.95": dict(top_k=50, top_p=0.95),
            "k50p0.95m0.05": dict(top_k=50, top_p=0.95, min_p=0.05),
-           "p0.9+lp": dict(top_p=0.9, return_logprobs=True)}  # (log Z needs every row's cut)
+           "p0.9+lp": dict(top_p=0.9, return_logprobs=True),  # (log Z needs every row's cut)
+           "k50/2p0.9": dict(top_k=50, top_p=0.9, every_other="top_k")}
+# every_other: that filter on every other row only, as a per-row tensor (the others off): a
+# serving batch whose requests use it or not (call_kwargs)
 TYPICAL = ("zipf1.6", 1.0)
-FI_FILTERS = [f for f in FILTERS if f not in ("k50p0.95m0.05", "p0.9+lp")]  # FlashInfer has these
+FI_FILTERS = [f for f in FILTERS if f not in ("k50p0.95m0.05", "p0.9+lp", "k50/2p0.9")]  # FlashInfer has these
+_OFF = {"top_k": 0, "top_p": 1.0, "min_p": 0.0}
+
+
+def call_kwargs(kw: dict, B: int, device) -> dict:
+    """A FILTERS entry as tpsample.sample's keywords for B rows (every_other: that filter as
+    a per-row tensor, on the even rows only)."""
+    kw = dict(kw)
+    name = kw.pop("every_other", None)
+    if name is not None:
+        on = torch.arange(B, device=device) % 2 == 0
+        kw[name] = torch.where(on, torch.tensor(kw[name], device=device),
+                               torch.tensor(_OFF[name], device=device))
+    return kw
 
 
 def profiles(V: int) -> torch.Tensor:
@@ -107,11 +123,14 @@ def kept_sizes(l: torch.Tensor) -> dict:
     xs = l.double().sort(descending=True).values[None]
     logz = torch.logsumexp(xs, -1)
     out = {}
-    for name, kw in FILTERS.items():
-        k, p, m = (torch.tensor([v]) for v in (kw.get("top_k", 0), kw.get("top_p", 1.0),
-                                               kw.get("min_p", 0.0)))
-        kept, _ = kept_prefix(xs, torch.ones_like(xs, dtype=torch.bool), k, p, m, logz)
-        out[name] = int(kept.sum())
+    for name, kw in FILTERS.items():  # (every_other: the larger of its two kinds of rows)
+        kinds = [kw] + ([dict(kw, **{kw["every_other"]: _OFF[kw["every_other"]]})]
+                        if "every_other" in kw else [])
+        for one in kinds:
+            k, p, m = (torch.tensor([v]) for v in (one.get("top_k", 0), one.get("top_p", 1.0),
+                                                   one.get("min_p", 0.0)))
+            kept, _ = kept_prefix(xs, torch.ones_like(xs, dtype=torch.bool), k, p, m, logz)
+            out[name] = max(out.get(name, 0), int(kept.sum()))
     return out
 
 
@@ -200,7 +219,8 @@ def _warm_one(task) -> str:
             for fn in flashinfer_variants(h, w, 1.0).values():
                 fn()
         else:
-            tpsample.sample(h, w, seed=1, **({} if name == "plain" else FILTERS[name]))
+            tpsample.sample(h, w, seed=1, **({} if name == "plain" else
+                                             call_kwargs(FILTERS[name], B, device)))
         if cuda:
             torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001 - the timed call compiles (or fails) itself
@@ -277,6 +297,7 @@ def run(args) -> dict:
                   "sort_p0.9": time_fn(lambda: sort_top_p(h, w, T), args.cuda)}
             for name, kw in FILTERS.items():
                 fresh_fallback_choice()
+                kw = call_kwargs(kw, B, device)
                 ms[name] = time_fn(lambda kw=kw: tpsample.sample(
                     h, w, temperature=T, seed=seed, offset=next(step), **kw), args.cuda)
             for name, fn in flashinfer_variants(h, w, T).items():
@@ -291,7 +312,8 @@ def run(args) -> dict:
 
 
 def worst(rows: list, pick) -> tuple[float, dict, str] | None:
-    cells = [(r["ms"][f] / r["ms"]["plain"], r, f) for r in rows if pick(r) for f in FILTERS]
+    cells = [(r["ms"][f] / r["ms"]["plain"], r, f) for r in rows if pick(r) for f in FILTERS
+             if f in r["ms"]]  # (a report of an older run may lack a set)
     return max(cells, key=lambda c: c[0]) if cells else None
 
 
@@ -302,7 +324,7 @@ def small_cells(rows: list, V: int, limit: int = 256) -> list:
     for r in rows:
         kept = r.get("kept") or cache.setdefault((r["head"], r["T"]),
                                                  head_kept(r["head"], r["T"], V))
-        cells += [(r, f) for f in FILTERS if kept[f] <= limit]
+        cells += [(r, f) for f in FILTERS if f in r["ms"] and kept.get(f, limit + 1) <= limit]
     return cells
 
 
@@ -346,7 +368,9 @@ def markdown(meta: dict, doc: str, label: str) -> str:
     lines = [f"`{meta['command']}` — {meta['device']}, torch {meta['torch']}, Triton "
              f"{meta['triton']}, {meta['date']}; median ms of the plain call, cost of each "
              "filter set as a ratio to it (same run); H = entropy (nats) of a row at T, n90 = "
-             "tokens in its 0.9 nucleus; sort = matmul + torch sort + top-p 0.9 + multinomial.",
+             "tokens in its 0.9 nucleus; sort = matmul + torch sort + top-p 0.9 + multinomial; "
+             "k50/2p0.9 = top-p 0.9 on every row and top-k 50 on every other row (a per-row "
+             "tensor).",
              ""] + [f"- {s}" for s in summary(meta)] + [""]
     names = list(FILTERS)
     for res in meta["shapes"]:
@@ -360,7 +384,8 @@ def markdown(meta: dict, doc: str, label: str) -> str:
                          f"| {r['head']} | {r['T']} | {r['B']} | – | – | ")
             lines[-1] += (f"{ms['plain']:.3f} | {ms['mm'] / ms['plain']:.2f} | "
                           f"{ms['sort_p0.9'] / ms['plain']:.2f} | "
-                          + " | ".join(f"{ms[n] / ms['plain']:.2f}" for n in names) + " |")
+                          + " | ".join(f"{ms[n] / ms['plain']:.2f}" if n in ms else "–"
+                                       for n in names) + " |")
         lines += fi_table(res)
         img = plot(res, doc, label)
         if img:
@@ -407,7 +432,7 @@ def plot(res: dict, doc: str, label: str) -> str | None:
         panels.append((axes[0][1], fi, "fi_", "matmul + FlashInfer, the same filter sets"))
     colors = {f: f"C{i}" for i, f in enumerate(FILTERS)}
     for ax, names, prefix, title in panels:
-        for f in names:
+        for f in (f for f in names if all(prefix + f in r["ms"] for r in rows)):
             ax.plot([r["entropy"] for r in rows],
                     [r["ms"][prefix + f] / r["ms"]["plain"] for r in rows], marker="o",
                     color=colors[f], label=prefix + f)

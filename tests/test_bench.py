@@ -307,3 +307,21 @@ def test_sweep_flashinfer_columns_summary_table_and_plot(tmp_path):
     assert "| gauss1 | 1.0 | 64 | " + " | ".join(
         "0.80" if f == "m0.1" else "1.79" for f in sweep.FI_FILTERS) + " |" in text
     assert (tmp_path / "img" / "gpu_sweep_64x4096.png").exists()
+    for r in rows:  # a report of a run from before a filter set existed: "–" there
+        del r["ms"]["k50/2p0.9"]
+    assert "| – |" in sweep.markdown(meta, str(tmp_path / "perf.md"), "GPU sweep")
+    assert "k50/2p0.9" not in sweep.summary(meta)[0]
+
+
+def test_sweep_every_other_row_set_is_a_per_row_tensor():
+    """k50/2p0.9: top-p 0.9 on every row and top-k 50 on the even rows only, as one per-row
+    top_k tensor (a serving batch's mix), and its kept size the larger of its two kinds of
+    rows (the rows without the top-k)."""
+    import torch
+    from tpsample.launch import sweep
+    kw = sweep.call_kwargs(sweep.FILTERS["k50/2p0.9"], 5, torch.device("cpu"))
+    assert kw["top_k"].tolist() == [50, 0, 50, 0, 50] and kw["top_p"] == 0.9
+    assert "every_other" not in kw
+    l = -1.0 * torch.log(torch.arange(1, 4097, dtype=torch.float64))  # (a flat Zipf head)
+    kept = sweep.kept_sizes(l)
+    assert kept["k50/2p0.9"] == kept["p0.9"] > 50 == kept["k50"]
