@@ -2,9 +2,10 @@
 
 The device fallback (kernels/filter_fallback.py, kernels/filter_cut.py) needs no host
 synchronisation; the host's (tpsample/host_fallback.py) is faster for rows that keep
-falling back without the side output. FallbackChoice keeps the device's count of fallback
-rows, reads it back without blocking, and decides per call (see device_now), and whether a
-call on the cut's fast path has its stage 1 write the side output (see side_output)."""
+falling back on the one-program-per-row path. FallbackChoice keeps the device's counts of
+fallback rows (that path's, and the cut's fast path's), reads them back without blocking,
+and decides per call whether the fallback runs on the device (see device_now) and whether
+stage 1 writes the side output the cut reads (see side_output)."""
 from __future__ import annotations
 
 import collections

@@ -52,8 +52,8 @@ ignore the filters.
    programs per row), the others kernels/filter_fallback.py (bisections on the order key,
    one program per row: while such rows keep falling back the pipeline takes the host
    path below instead, fallback_choice.FallbackChoice.device_now). Under TP over
-   symmetric memory the same, with the flagged rows' logit shards gathered into every rank on the device (the flags agree on
-   every rank; transport.SymmMemTransport.rows_gather). Under TP over NCCL or gloo (the
+   symmetric memory the same, with the flagged rows' logit shards gathered into every rank
+   on the device (the flags agree on every rank; transport.SymmMemTransport.rows_gather). Under TP over NCCL or gloo (the
    rows' logits are split over the ranks) and on the torch path: the pipeline reads the
    flags back (one host synchronisation), gathers the flagged rows' logit shards and runs
    filtered_rows on them.

@@ -56,10 +56,10 @@ KNOBS = (
          "inside a conditional node, skipped when the call flags no row (needs cuda.bindings; "
          "tpsample/fallback_gate.py); 0: they run in every replay"),
     Knob("TPSAMPLE_LAZY_SIDE", "1", ("0", "1"),
-         "1: a one-GPU call with top-p / min-p rows without a top-k writes its rows' fp32 logits for "
-         "the exact fallback only while recent calls flagged rows, and otherwise recomputes "
-         "a flagged row's logits (tpsample/fallback_choice.py side_output); 0: it always "
-         "writes them"),
+         "1: a one-GPU call with top-p / min-p rows without a top-k writes its rows' fp32 "
+         "logits for the exact fallback only while recent calls flagged rows, and otherwise "
+         "recomputes a flagged row's logits (tpsample/fallback_choice.py side_output); 0: it "
+         "always writes them"),
     Knob("TPSAMPLE_GLUON", "1", ("0", "1"),
          "0: never the Hopper Gluon kernels (ws, pp); the cuBLAS + records-pass path runs "
          "where the plan would take them"),

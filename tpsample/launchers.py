@@ -602,13 +602,14 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
     synchronisation (kernels/filter_fallback.py, kernels/filter_cut.py): the rows flagged in
     out.fallback get their outputs redone in `out` from their logits; count (int32 [2])
     gains the number of such rows: [0] those of the one-program-per-row path
-    (filter_fallback.fallback_rows_kernel), [1] those of the cut's fast path (filter_cut.py). side: fp32 [B, tiles * TILE], the transformed logits this
-    call's stage 1 wrote (then W is not read again; one device: they are the rows' logits),
-    else they are recomputed into `logits` (fp32 [B, tiles * TILE], scratch). pdl: its launches are
-    programmatic dependents (plan.pdl: stage2_filtered's are too). constraints
-    (tpsample/constraints.py): the rows' logits take the mask (listed.eff: the tile pass's,
-    when the call lists tokens) and then the listed tokens' adjusted logits (from
-    listed.held and listed.dots, what this call's stage 1 and listed_prep kept). gather
+    (filter_fallback.fallback_rows_kernel), [1] those of the cut's fast path (filter_cut.py).
+    side: fp32 [B, tiles * TILE], the transformed logits this call's stage 1 wrote (then W is
+    not read again; one device: they are the rows' logits), else they are recomputed into
+    `logits` (fp32 [B, tiles * TILE], scratch). pdl: its launches are programmatic
+    dependents (plan.pdl: stage2_filtered's are too). constraints (tpsample/constraints.py):
+    the rows' logits take the mask (listed.eff: the tile pass's, when the call lists tokens)
+    and then the listed tokens' adjusted logits (from listed.held and listed.dots, what this
+    call's stage 1 and listed_prep kept). gather
     (tensor parallel): the rows' logit shards go to every rank (gather.own in each rank's
     buffer; the listed tokens' after the rest, in stream order) and, after gather.exchange,
     every rank redoes the rows from all shards. winner: the call's filter kernel stored each
