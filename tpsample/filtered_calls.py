@@ -2,7 +2,7 @@
 
 The filtered half of tpsample/pipeline.py's Pipeline (a base class of it: the same object,
 its transport, replays, graphs and fallback choice): stage 1 with candidate planes (and,
-on the cut's fast path, the rows' fp32 logits as a side output), the exchange, the
+where rows may take the cut's fast path, their fp32 logits as a side output), the exchange, the
 candidate reduce (tpsample/filters.py), then the exact fallback of the rows it could not
 certify: on the device (launchers.fallback_on_device; one device or a transport that
 gathers rows) or from the host (tpsample/host_fallback.py), as
@@ -19,7 +19,7 @@ from . import constraints as C
 from . import filters as F
 from . import knobs, launchers, records, replay
 from .call_graphs import RETURNED, with_sink
-from .constrained_stage1 import (constraint_key, listed_scratch, stage1_constrained)
+from .constrained_stage1 import constraint_key, listed_scratch, stage1_constrained
 from .host_fallback import redo_rows_on_host
 from .params import Filters, RowParams
 from .plan import Plan
