@@ -56,11 +56,13 @@ FILTERS = {"k50": dict(top_k=50), "p0.9": dict(top_p=0.9), "p0.95": dict(top_p=0
            "k50p0.95": dict(top_k=50, top_p=0.95),
            "k50p0.95m0.05": dict(top_k=50, top_p=0.95, min_p=0.05),
            "p0.9+lp": dict(top_p=0.9, return_logprobs=True),  # (log Z needs every row's cut)
-           "k50/2p0.9": dict(top_k=50, top_p=0.9, every_other="top_k")}
+           "k50/2p0.9": dict(top_k=50, top_p=0.9, every_other="top_k"),
+           "p0.9+t5": dict(top_p=0.9, top_logprobs=5)}  # (an API's logprobs: top 5 too)
 # every_other: that filter on every other row only, as a per-row tensor (the others off): a
 # serving batch whose requests use it or not (call_kwargs)
 TYPICAL = ("zipf1.6", 1.0)
-FI_FILTERS = [f for f in FILTERS if f not in ("k50p0.95m0.05", "p0.9+lp", "k50/2p0.9")]  # FlashInfer has these
+FI_FILTERS = [f for f in FILTERS if f not in ("k50p0.95m0.05", "p0.9+lp", "k50/2p0.9",
+                                              "p0.9+t5")]  # FlashInfer has these
 _OFF = {"top_k": 0, "top_p": 1.0, "min_p": 0.0}
 
 
@@ -373,7 +375,8 @@ def markdown(meta: dict, doc: str, label: str) -> str:
              "filter set as a ratio to it (same run); H = entropy (nats) of a row at T, n90 = "
              "tokens in its 0.9 nucleus; sort = matmul + torch sort + top-p 0.9 + multinomial; "
              "k50/2p0.9 = top-p 0.9 on every row and top-k 50 on every other row (a per-row "
-             "tensor; timed with TPSAMPLE_CHECK_TENSORS=0, as its range check synchronises).",
+             "tensor; timed with TPSAMPLE_CHECK_TENSORS=0, as its range check synchronises); "
+             "p0.9+t5 = top-p 0.9 with the top 5 log-probs.",
              ""] + [f"- {s}" for s in summary(meta)] + [""]
     names = list(FILTERS)
     for res in meta["shapes"]:
@@ -433,7 +436,7 @@ def plot(res: dict, doc: str, label: str) -> str | None:
     panels = [(axes[0][0], list(FILTERS), "", f"tpsample: D={res['D']} V={res['V']} B={B} T=1")]
     if fi:
         panels.append((axes[0][1], fi, "fi_", "matmul + FlashInfer, the same filter sets"))
-    colors = {f: f"C{i}" for i, f in enumerate(FILTERS)}
+    colors = {f: plt.get_cmap("tab20")(i) for i, f in enumerate(FILTERS)}  # (> 10 sets)
     for ax, names, prefix, title in panels:
         for f in (f for f in names if all(prefix + f in r["ms"] for r in rows)):
             ax.plot([r["entropy"] for r in rows],
