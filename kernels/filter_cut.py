@@ -397,12 +397,29 @@ def _send_one(l_ptr, b64, stride_lb, slot_stride, peer_ptrs_ptr, rank, world, to
 
 
 @triton.jit
+def _top_logprobs(top_tok_ptr, top_lp_ptr, b64, n_top, cut, m, xmax, lz,
+                  BLOCK_N: tl.constexpr):
+    """FINAL's top n of a row (n_top > 0, processed log-probs): the filter kernel wrote the
+    row's first n tokens and, since it flagged the row, their logits where the log-probs go
+    (kernels/filter_records.py); a kept token ({key >= cut} and min-p) gets x - log Z, the
+    others -inf, as fallback_rows_kernel writes them."""
+    q = tl.arange(0, BLOCK_N)
+    at = b64 * n_top + q
+    x = tl.load(top_lp_ptr + at, mask=q < n_top, other=NEG_INF)
+    tok = tl.load(top_tok_ptr + at, mask=q < n_top, other=0)
+    kept = (order_key(x, tok.to(tl.float32)) >= cut) & (tl.exp(x - xmax) >= m)
+    tl.store(top_lp_ptr + at, tl.where(kept, x - lz, NEG_INF), mask=q < n_top)
+
+
+@triton.jit
 def _winner_outputs(tokens_ptr, logprobs_ptr, logz_ptr, count_ptr, b, best, x, parts, G, W,
                     xmax, inv_temp_ptr, l_ptr, stride_lb, slot_stride, peer_ptrs_ptr, rank,
-                    split, LOGPROBS: tl.constexpr, RAW: tl.constexpr, SPLIT: tl.constexpr,
-                    BLOCK_G: tl.constexpr):
+                    split, top_tok_ptr, top_lp_ptr, n_top, cut, m, LOGPROBS: tl.constexpr,
+                    RAW: tl.constexpr, SPLIT: tl.constexpr, BLOCK_G: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
     """FINAL of a WINNER row: the token of order key `best` (-1: none), whose logit is x;
-    LOGPROBS: its log-prob and the row's log Z from SAMPLE's sums at `parts`, else NaN."""
+    LOGPROBS: its log-prob and the row's log Z from SAMPLE's sums at `parts`, else NaN, and
+    the top n (_top_logprobs; cut: FINISH's, 0 without top-p)."""
     b64 = tl.cast(b, tl.int64)
     tok = tl.where(best >= 0, ID_MASK - (best & ID_MASK), -1)
     lp = tl.cast(float("nan"), tl.float32)
@@ -415,6 +432,9 @@ def _winner_outputs(tokens_ptr, logprobs_ptr, logz_ptr, count_ptr, b, best, x, p
         else:
             lp = x - lz
         lp = tl.where(best >= 0, lp, NEG_INF)
+        if not RAW:  # (raw top log-probs need no kept set: the filter kernel's stand)
+            if n_top > 0:
+                _top_logprobs(top_tok_ptr, top_lp_ptr, b64, n_top, cut, m, xmax, lz, BLOCK_N)
     tl.store(tokens_ptr + b64, tok)
     tl.store(logprobs_ptr + b64, lp)
     tl.store(logz_ptr + b, lz)
@@ -429,7 +449,8 @@ def cut_step_kernel(
     top_p_ptr, min_p_ptr, tokens_ptr, logprobs_ptr, logz_ptr, flag_ptr, count_ptr, part_ptr,
     keys_ptr, win_ptr, win_at, rec_ptr, st_slot, st_b, st_t, T_rec, N_rec, parity_ptr,
     parity_stride, B, G, C, W, S, starts_ptr, slot_n, slot_stride, calls_ptr, peer_ptrs_ptr,
-    rank, split, hist_ptr, GH, CH, STEP: tl.constexpr, HAS_K: tl.constexpr,
+    rank, split, hist_ptr, GH, CH, top_tok_ptr, top_lp_ptr, n_top, STEP: tl.constexpr,
+    HAS_K: tl.constexpr,
     HAS_P: tl.constexpr, HAS_M: tl.constexpr,
     RAW: tl.constexpr, ALIGNED4: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -437,7 +458,7 @@ def cut_step_kernel(
     WINNER: tl.constexpr = False, USE_PARITY: tl.constexpr = False,
     BLOCK_R: tl.constexpr = 16, BLOCK_TC: tl.constexpr = 16, SPLIT: tl.constexpr = False,
     BLOCK_GH: tl.constexpr = 16, LOGPROBS: tl.constexpr = False,
-    XMAX_KNOWN: tl.constexpr = False, EARLY: tl.constexpr = 0,
+    XMAX_KNOWN: tl.constexpr = False, EARLY: tl.constexpr = 0, BLOCK_N: tl.constexpr = 16,
 ):
     """One STEP (module docstring) for the rows fast_row takes. l [B, N] fp32 logits (row stride
     stride_lb; SLOTTED: [world, B, slot_n] as filter_fallback.fallback_rows_kernel reads them);
@@ -603,7 +624,8 @@ def cut_step_kernel(
                                         decode_key(w_key),
                                         part_ptr + (b64 + SAMPLE * B) * G * W, G, W, xmax,
                                         inv_temp_ptr, l_ptr, stride_lb, slot_stride,
-                                        peer_ptrs_ptr, rank, split, LOGPROBS, RAW, SPLIT, BLOCK_G)
+                                        peer_ptrs_ptr, rank, split, top_tok_ptr, top_lp_ptr,
+                                        n_top, cut, m, LOGPROBS, RAW, SPLIT, BLOCK_G, BLOCK_N)
                 elif STEP <= PASSES:  # HIST
                     lo, hi, a_hi, bmin, bmax, live = _bracket(hist_ptr, b, B, GH, W, STEP - 1,
                                                               target, z, N, xmax, xmin, NT,
@@ -765,7 +787,8 @@ def cut_step_kernel(
                                                             other=NEG_INF), NEG_INF))
                     _winner_outputs(tokens_ptr, logprobs_ptr, logz_ptr, count_ptr, b, best, x,
                                     parts, G, W, xmax, inv_temp_ptr, l_ptr, stride_lb, slot_stride,
-                                    peer_ptrs_ptr, rank, split, LOGPROBS, RAW, SPLIT, BLOCK_G)
+                                    peer_ptrs_ptr, rank, split, top_tok_ptr, top_lp_ptr, n_top,
+                                    cut, m, LOGPROBS, RAW, SPLIT, BLOCK_G, BLOCK_N)
                 else:  # FINAL
                     gs = tl.arange(0, BLOCK_G)
                     parts = part_ptr + ((b64 + SAMPLE * B) * G + gs) * W
@@ -794,6 +817,13 @@ def cut_step_kernel(
                                          split, s, tok.to(tl.int32).to(tl.float32, bitcast=True))
                             send_outputs(l_ptr, b64, stride_lb, slot_stride, peer_ptrs_ptr, rank,
                                          split, S + s, lp)
+                    if not RAW:
+                        if n_top > 0:
+                            cut = tl.cast(0, tl.int64)
+                            if p < 1.0:
+                                cut = tl.load(keys + CAP + 1)
+                            _top_logprobs(top_tok_ptr, top_lp_ptr, b64, n_top, cut, m, xmax, lz,
+                                          BLOCK_N)
                     if RAW:
                         lz = logz_raw
                     tl.store(logz_ptr + b, lz)

@@ -169,11 +169,12 @@ def _recomputed_logits(h_ptr, w_ptr, bias_ptr, inv_temp_ptr, rows, keep, offs_v,
 def fast_row(b, flag_ptr, inv_temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, calls_ptr,
              HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_M: tl.constexpr,
              SLOTTED: tl.constexpr):
-    """Whether flagged row b takes kernels/filter_cut.py's path: filtered by top-p and/or
-    min-p, no top-k (and, tensor parallel, its gather did not fail). Also returns (p, min_p)."""
+    """Whether flagged row b takes kernels/filter_cut.py's path: flagged 1 (not 2: its top n
+    log-probs need this module's path), filtered by top-p and/or min-p, no top-k (and,
+    tensor parallel, its gather did not fail). Also returns (p, min_p)."""
     k, p, m = row_filters(b, top_k_ptr, top_p_ptr, min_p_ptr, HAS_K, HAS_P, HAS_M)
     inv = tl.load(inv_temp_ptr + b)
-    ok = (tl.load(flag_ptr + b) != 0) & (k <= 0) & ((p < 1.0) | (m > 0.0)) & (inv != 0.0)
+    ok = (tl.load(flag_ptr + b) == 1) & (k <= 0) & ((p < 1.0) | (m > 0.0)) & (inv != 0.0)
     if SLOTTED:
         ok = ok & (tl.load(calls_ptr) >= 0)
     return ok, p, m

@@ -115,7 +115,9 @@ def filter_records_kernel(
     WINNER_CERT: tl.constexpr = False, GATE: tl.constexpr = False,
 ):
     """records [slots, planes, B, T, 4] by strides (st_*: elements); outputs [B, S], [B],
-    [B, n_top], flag int32 [B] (1: the row needs the exact fallback). USE_PARITY: the
+    [B, n_top], flag int32 [B] (1: the row needs the exact fallback; 2: on the
+    one-program-per-row path, its top n tokens not all known; a row flagged 1 with top n
+    has their logits in its top log-prob plane, for the fallback to finish). USE_PARITY: the
     fan-out's two buffers. The known prefix is sorted in SORT_A, SORT_B or CAP slots, the
     fewest that hold it (SORT_A <= SORT_B <= CAP, powers of 2). GATE: gate (bool [1]) is
     set when a row is flagged (tpsample/fallback_gate.py; the fallback's rows kernel clears
@@ -350,18 +352,23 @@ def known_prefix(b, row_ptr, scratch, M, bound, xm, logz, logz_raw, finite_row, 
         tl.store(tokens_ptr + at_out, tl.where(finite_row, tok_out, -1))
         tl.store(logprobs_ptr + at_out, tl.where(finite_row, lp, float("nan")))
 
-    # the top-n log-probs: the first n of the sorted known prefix
+    fallback = finite_row & ((filtered & (cert == 0) & (won == 0)) | (n_top > M))
+    # the top-n log-probs: the first n of the sorted known prefix (a flagged row's top n are
+    # known when n <= M, but not its kept set: its logits wait there for the cut's FINAL,
+    # kernels/filter_cut.py, which makes them log-probs; raw ones need no kept set)
     if RAW:
         top_lp = xs * to_raw - logz_raw
     else:
         top_lp = tl.where((keep == 0) & filtered, NEG_INF, xs - lz)
+        top_lp = tl.where(fallback, xs, top_lp)
     at_top = b.to(tl.int64) * n_top + q
     tl.store(top_tok_ptr + at_top, tl.where(finite_row, tl.where(valid, ids, 0), -1), mask=q < n_top)
     tl.store(top_lp_ptr + at_top, tl.where(finite_row, top_lp, float("nan")), mask=q < n_top)
     if RAW:
         lz = logz_raw
     tl.store(logz_ptr + b, tl.where(won, float("nan"), lz))
-    fallback = finite_row & ((filtered & (cert == 0) & (won == 0)) | (n_top > M))
-    tl.store(flag_ptr + b, fallback.to(tl.int32))
+    # flag 1: redo the row; 2: redo it on the one-program-per-row path (fallback_rows_kernel),
+    # which finds top n tokens the known prefix does not hold
+    tl.store(flag_ptr + b, tl.where(fallback, tl.where(n_top > M, 2, 1), 0).to(tl.int32))
     if GATE:
         tl.store(gate_ptr, fallback, mask=fallback)

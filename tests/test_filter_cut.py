@@ -512,16 +512,41 @@ def test_tp_winner_certificate_equals_one_device(backend):
 
 @pytest.mark.parametrize("filters,writes", [
     (dict(top_p=0.9), True), (dict(min_p=0.1), True), (dict(top_k=50), False),
-    (dict(top_k=50, top_p=0.9), False), (dict(top_p=0.9, top_logprobs=2), False),
+    (dict(top_k=50, top_p=0.9), False), (dict(top_p=0.9, top_logprobs=2), True),
+    (dict(top_p=0.9, num_samples=2, replacement=False), False),
     (dict(top_k=torch.tensor([50, 0]), top_p=0.9), True)])
 def test_stage1_writes_the_side_output_only_for_the_fast_path(filters, writes, monkeypatch):
     """The B·V·4-byte side output costs stage 1 a few percent: only calls whose flagged rows
     may take the fast path (top-p / min-p rows without a top-k: a per-row top_k tensor may
-    leave rows without one; no top log-probs or distinct samples) ask for it."""
+    leave rows without one; with top log-probs too; not distinct samples) ask for it."""
     seen = side_outputs(monkeypatch)
     h, w = flat_rows(V=600, B=2)
     tpsample.sample(h, w, seed=1, backend="triton", **filters)
     assert seen == [writes]
+
+
+@pytest.mark.parametrize("n_top,path,extra", [(5, "cut", {}), (32, "per-row", {}),
+                                              (5, "cut", dict(num_samples=2)),
+                                              (5, "cut", dict(merge="logmass"))])
+def test_top_logprobs_of_flat_rows(n_top, path, extra):
+    """Top log-probs with top-p / min-p on flat rows: a flagged row whose top n the filter
+    kernel knows (n <= its known prefix) is redone on the cut's fast path, whose FINAL turns
+    the n logits the filter kernel left into log-probs; one whose known prefix is shorter
+    (12 tiles' candidates here hold fewer than 32 tokens) is flagged 2 and takes the
+    one-program-per-row path. Either way the reference's outputs, top n included."""
+    h, w = flat_rows(V=1500, B=4)
+    kw = dict(top_p=torch.tensor([0.9, 0.5, 0.95, 1.0]), min_p=torch.tensor([0.0, 0.0, 0.0, 0.2]),
+              seed=torch.arange(4) * 11 + 3, top_logprobs=n_top, **extra)
+    pipe = _pipeline("triton", h.device)
+    before = pipe.fallback.counter().clone()
+    out = tpsample.sample(h, w, backend="triton", return_logprobs=True, **kw)
+    rows, cut_rows = (pipe.fallback.counter() - before).tolist()
+    assert (rows, cut_rows) == ((0, 4) if path == "cut" else (4, 0))  # (the FINAL of
+    # a one-sample "max" call checks its winner; the others sample the kept set)
+    assert_matches_reference(out, reference_sample(h, w, **kw))
+    raw = tpsample.sample(h, w, backend="triton", return_logprobs=True,
+                          logprobs_mode="raw", **kw)
+    assert_matches_reference(raw, reference_sample(h, w, logprobs_mode="raw", **kw))
 
 
 def test_a_call_whose_every_row_has_a_top_k_launches_no_fast_path_step(monkeypatch):

@@ -64,7 +64,8 @@ class FilteredCalls:
         self.candidate_rows += B
         self.host_fallback_rows += redone
         if self.fallback.host_mode and (redone == 0 or not bool(  # (synchronised already)
-                ((out.fallback != 0) & ~F.cut_path_rows(filters, params.inv_temp)).any())):
+                ((out.fallback == 2) | ((out.fallback != 0)
+                                        & ~F.cut_path_rows(filters, params.inv_temp))).any())):
             self.fallback.host_mode = False  # (no row for the per-row path: the device's)
         return tokens, logprobs, logz, top
 
@@ -353,18 +354,20 @@ TOP = ("top_tokens", "top_logprobs")
 
 def fast_fallback(filters: Filters) -> bool:
     """Whether every row such a call flags takes kernels/filter_cut.py's fast path (top-p /
-    min-p without top-k, top log-probs or samples without replacement): such calls always
-    take the device fallback where there is one."""
+    min-p without top-k, top log-probs (a row whose top n the known prefix lacks takes the
+    per-row path) or samples without replacement): such calls always take the device
+    fallback where there is one."""
     return (filters.replacement and not filters.top_n and filters.top_k is None
             and (filters.top_p is not None or filters.min_p is not None))
 
 
 def cut_rows_possible(filters: Filters) -> bool:
     """Whether some row such a call flags may take kernels/filter_cut.py's fast path (top-p /
-    min-p rows without a top-k: a per-row top_k tensor may leave rows without one; as
-    launchers.fallback_on_device's `fast`): such calls write the side output
-    (FallbackChoice.side_output), which spares their flagged rows a pass over W."""
-    return (filters.replacement and not filters.top_n and not filters.top_k_every_row
+    min-p rows without a top-k: a per-row top_k tensor may leave rows without one; with top
+    log-probs, rows whose top n the filter kernel knows; as launchers.fallback_on_device's
+    `fast`): such calls write the side output (FallbackChoice.side_output), which spares
+    their flagged rows a pass over W."""
+    return (filters.replacement and not filters.top_k_every_row
             and (filters.top_p is not None or filters.min_p is not None))
 
 

@@ -100,12 +100,12 @@ def cut_list(scratch: torch.Tensor, B: int) -> torch.Tensor:
 
 
 def cut_path_rows(filters: Filters, inv_temp: torch.Tensor) -> torch.Tensor:
-    """bool [B]: the rows that the device fallback redoes, when flagged, on kernels/
+    """bool [B]: the rows that the device fallback redoes, when flagged 1, on kernels/
     filter_cut.py's fast path (filter_fallback.fast_row within a call whose launchers take
-    that path: samples with replacement, no top log-probs, not a top-k on every row); the
-    other flagged rows take one program per row (~5 ms at V = 151,936), which is what the
-    host path is for (tpsample/fallback_choice.py)."""
-    if (not filters.replacement or filters.top_n or filters.top_k_every_row
+    that path: samples with replacement, not a top-k on every row); the other flagged rows
+    (and those flagged 2: top n past the known prefix) take one program per row (~5 ms at
+    V = 151,936), which is what the host path is for (tpsample/fallback_choice.py)."""
+    if (not filters.replacement or filters.top_k_every_row
             or (filters.top_p is None and filters.min_p is None)):
         return torch.zeros(inv_temp.shape, dtype=torch.bool, device=inv_temp.device)
     on = torch.zeros(inv_temp.shape, dtype=torch.bool, device=inv_temp.device)

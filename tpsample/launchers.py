@@ -650,9 +650,10 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
     block_f = min(1024, max(16, 1 << (B - 1).bit_length()))
     # (a call whose every row has a top-k launches none of the fast path's steps: no row of
     # it could take them)
-    fast = (filters.replacement and n == 0 and not filters.top_k_every_row
+    fast = (filters.replacement and not filters.top_k_every_row
             and (filters.top_p is not None or filters.min_p is not None))
     split = (SPLIT_ROWS and gather is not None and side is not None and fast and fan[1] > 1
+             and n == 0  # (the owner's outputs it sends hold no top n)
              and B >= SPLIT_MIN_ROWS * fan[1]
              and filters.top_k is None and (c is None or not c.listed) and 2 * S + 1 <= N)
     workspace = None
@@ -849,4 +850,6 @@ def _cut_steps(hidden, params: RowParams, filters: Filters, out: F.FilteredOutpu
                   SUB=min(block, 512), BLOCK_G=max(2, 1 << (G - 1).bit_length()),
                   BLOCK_F=block_f, PDL="launch_pdl" in launch, SLOTTED=slotted, **owners,
                   SPLIT=split, hist_ptr=hist, GH=GH, CH=CH,
-                  BLOCK_GH=max(2, 1 << (GH - 1).bit_length()))
+                  BLOCK_GH=max(2, 1 << (GH - 1).bit_length()), top_tok_ptr=out.top_tokens,
+                  top_lp_ptr=out.top_logprobs, n_top=out.top_tokens.shape[1],
+                  BLOCK_N=max(16, 1 << max(out.top_tokens.shape[1] - 1, 0).bit_length()))
