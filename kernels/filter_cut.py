@@ -478,7 +478,9 @@ def cut_step_kernel(
     blocks with a tile winner above s* (records [slots, planes, B, T_rec, 4] by strides, N_rec =
     slots · T_rec, BLOCK_TC >= a chunk's tiles; USE_PARITY: the fan-out's two buffers, this
     call's the one the filter kernel's parity flip left); FINAL writes tokens, and log-probs and
-    log Z (NaN without LOGPROBS). XMAX_KNOWN (WINNER, and no top-p in the call or LOGPROBS):
+    log Z (NaN without LOGPROBS). top_tok / top_lp [B, n_top]: a row's first n tokens and
+    (flagged 1, n_top > 0) their logits, which the filter kernel wrote; FINAL makes the
+    logits processed log-probs (not RAW: raw ones are final there). XMAX_KNOWN (WINNER, and no top-p in the call or LOGPROBS):
     x_max and log Z are the filter kernel's (keys at win[win_at + B + b], [win_at + 2B + b]),
     STATS is not launched, and a winner is kept by FINISH's cut. EARLY: a bracket of at
     most EARLY tokens ends the HIST passes (module docstring). The items are the rows b
@@ -593,9 +595,10 @@ def cut_step_kernel(
                 target = p * z
                 w_key = tl.cast(0, tl.int64)
                 won = w_key < 0
+                cut = tl.cast(0, tl.int64)  # (FINAL's top n; the winner's branch below
+                # compiles without WINNER too)
                 if WINNER and not LISTED:  # (SELECT lists only rows whose winner is not kept)
                     w_key = tl.load(win_ptr + win_at + b64)
-                    cut = tl.cast(0, tl.int64)
                     if XMAX_KNOWN and (STEP != SELECT):  # (SAMPLE, FINAL: FINISH's cut)
                         if p < 1.0:
                             cut = tl.load(keys + CAP + 1)

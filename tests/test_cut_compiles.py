@@ -50,7 +50,7 @@ POINTERS = dict(l_ptr="*fp32", inv_temp_ptr="*fp32", seed_ptr="*i64", offset_ptr
                 logprobs_ptr="*fp32", logz_ptr="*fp32", flag_ptr="*i32", count_ptr="*i32",
                 part_ptr="*fp32", keys_ptr="*i64", win_ptr="*i64", rec_ptr="*fp32",
                 parity_ptr="*i32", starts_ptr="*i64", calls_ptr="*i32", peer_ptrs_ptr="*i64",
-                hist_ptr="*fp32")
+                hist_ptr="*fp32", top_tok_ptr="*i64", top_lp_ptr="*fp32")
 STEPS = (K.STATS.value, K.SELECT.value, *range(1, K.PASSES.value + 1), K.COMPACT.value,
          K.FINISH.value, K.SAMPLE.value, K.FINAL.value)
 done = 0

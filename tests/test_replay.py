@@ -230,7 +230,7 @@ def test_run_named_orders_keywords_by_the_signature_and_names_bad_ones(monkeypat
     names = list(R._signature(filter_cut.cut_step_kernel)[0])
     named = {n: i for i, n in enumerate(names)}
     R.run_named(filter_cut.cut_step_kernel, (1,), {}, STEP=3, **dict(reversed(named.items())))
-    assert names[:3] == ["l_ptr", "stride_lb", "N"] and names[-1] == "CH"
+    assert names[:3] == ["l_ptr", "stride_lb", "N"] and names[-1] == "n_top"
     assert calls[-1] == (tuple(range(len(names))), {"STEP": 3})
     with pytest.raises(TypeError, match=r"missing arguments \['keys_ptr'\]"):
         R.run_named(filter_cut.cut_step_kernel, (1,), {},

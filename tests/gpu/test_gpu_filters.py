@@ -340,6 +340,31 @@ def test_top_p_rows_of_a_call_with_a_per_row_top_k_stay_on_the_device():
     assert (out == ref).float().mean() >= 0.9
 
 
+def test_top_logprobs_of_heavy_tails_stay_on_the_device_fast_path():
+    """top_p 0.9 with the top 5 log-probs (an API's logprobs) on a heavy tail: the flagged
+    rows' top 5 are in the candidates, so the cut's fast path redoes them (FINAL turns the
+    filter kernel's top 5 into log-probs), never the host path; the reference's outputs."""
+    from tpsample import api
+    from tpsample.reference import reference_sample
+    B = 16
+    h, w = typical_head(4096, 151936, B, torch.bfloat16, "cuda", slope=1.1)
+    api._PIPELINES.clear()
+    kw = dict(seed=torch.arange(B, device="cuda") * 3, top_p=0.9, top_logprobs=5)
+    for step in range(24):
+        out = tpsample.sample(h, w, **kw)
+        torch.cuda.synchronize()
+    (pipe,) = api._PIPELINES.values()
+    assert not pipe.fallback.host_mode and pipe.host_fallback_rows == 0
+    rows, cut_rows = pipe.fallback.device_rows.tolist()
+    assert rows == 0 and cut_rows >= 24 * B // 2
+    ref = reference_sample(h, w, **kw)
+    assert torch.equal(out.top_tokens, ref.top_tokens)
+    fin = torch.isfinite(ref.top_logprobs)
+    assert torch.equal(fin, torch.isfinite(out.top_logprobs))
+    assert torch.allclose(out.top_logprobs.double()[fin], ref.top_logprobs[fin], atol=2e-3)
+    assert (out.tokens.view(-1) == ref.tokens[:, 0]).float().mean() >= 0.9
+
+
 def test_rows_that_keep_falling_back_move_to_the_host_fallback_and_back():
     """top_k 3000 + top_p 0.9 on a heavy tail falls back on every row (k > the known prefix),
     through the one-program bisection kernel: once the device fallback's count is seen the
