@@ -480,12 +480,12 @@ def cut_step_kernel(
     call's the one the filter kernel's parity flip left); FINAL writes tokens, and log-probs and
     log Z (NaN without LOGPROBS). top_tok / top_lp [B, n_top]: a row's first n tokens and
     (flagged 1, n_top > 0) their logits, which the filter kernel wrote; FINAL makes the
-    logits processed log-probs (not RAW: raw ones are final there). XMAX_KNOWN (WINNER, and no top-p in the call or LOGPROBS):
-    x_max and log Z are the filter kernel's (keys at win[win_at + B + b], [win_at + 2B + b]),
-    STATS is not launched, and a winner is kept by FINISH's cut. EARLY: a bracket of at
-    most EARLY tokens ends the HIST passes (module docstring). The items are the rows b
-    = rank + k · split (one device: rank 0, split 1). SPLIT (tensor parallel, SLOTTED): split =
-    world, each rank redoes the rows it owns (filter_fallback.fallback_logits_kernel gathered
+    logits processed log-probs (not RAW: raw ones are final there). XMAX_KNOWN (WINNER, and
+    no top-p in the call or LOGPROBS): x_max and log Z are the filter kernel's (keys at
+    win[win_at + B + b], [win_at + 2B + b]), STATS is not launched, and a winner is kept by
+    FINISH's cut. EARLY: a bracket of at most EARLY tokens ends the HIST passes (module
+    docstring). The items are the rows b = rank + k · split (one device: rank 0, split 1).
+    SPLIT (tensor parallel, SLOTTED): split = world, each rank redoes the rows it owns (filter_fallback.fallback_logits_kernel gathered
     each row to its owner only) and FINAL also sends their outputs to the other ranks
     (peer_ptrs: int64 [world], this rank's slot in each rank's buffer;
     filter_fallback.send_outputs)."""

@@ -53,10 +53,10 @@ ignore the filters.
    one program per row: while such rows keep falling back the pipeline takes the host
    path below instead, fallback_choice.FallbackChoice.device_now). Under TP over
    symmetric memory the same, with the flagged rows' logit shards gathered into every rank
-   on the device (the flags agree on every rank; transport.SymmMemTransport.rows_gather). Under TP over NCCL or gloo (the
-   rows' logits are split over the ranks) and on the torch path: the pipeline reads the
-   flags back (one host synchronisation), gathers the flagged rows' logit shards and runs
-   filtered_rows on them.
+   on the device (the flags agree on every rank; transport.SymmMemTransport.rows_gather).
+   Under TP over NCCL or gloo (the rows' logits are split over the ranks) and on the torch
+   path: the pipeline reads the flags back (one host synchronisation), gathers the flagged
+   rows' logit shards and runs filtered_rows on them.
 
 Log-probs (SampleOutput): "processed" = x - log Z_kept for filtered rows (log Z over the kept
 set; -inf outside it), x - log Z otherwise; "raw" = x_raw - log Z_raw at T = 1 (x_raw = x * T,
