@@ -90,7 +90,7 @@ class FallbackChoice:
 
     def side_output(self, hidden, in_capture: bool) -> bool:
         """Whether this call, whose rows may take the cut's fast path (top-p / min-p rows
-        without a top-k, one device: filtered_calls.cut_rows_possible), has its stage 1
+        without a top-k, one device: filters.cut_rows_possible), has its stage 1
         write the side output, the rows' fp32 logits (B·V·4 bytes: ~7 % of the call at
         B = 64), which its flagged rows are redone from; without it they are
         recomputed from W (kernels/filter_fallback.py: one tensor-core pass over W for all

@@ -19,6 +19,7 @@ from . import constraints as C
 from . import filters as F
 from . import knobs, launchers, records, replay
 from .call_graphs import RETURNED, with_sink
+from .filters import cut_rows_possible
 from .constrained_stage1 import constraint_key, listed_scratch, stage1_constrained
 from .host_fallback import redo_rows_on_host
 from .params import Filters, RowParams
@@ -358,16 +359,6 @@ def fast_fallback(filters: Filters) -> bool:
     per-row path) or samples without replacement): such calls always take the device
     fallback where there is one."""
     return (filters.replacement and not filters.top_n and filters.top_k is None
-            and (filters.top_p is not None or filters.min_p is not None))
-
-
-def cut_rows_possible(filters: Filters) -> bool:
-    """Whether some row such a call flags may take kernels/filter_cut.py's fast path (top-p /
-    min-p rows without a top-k: a per-row top_k tensor may leave rows without one; with top
-    log-probs, rows whose top n the filter kernel knows; as launchers.fallback_on_device's
-    `fast`): such calls write the side output (FallbackChoice.side_output), which spares
-    their flagged rows a pass over W."""
-    return (filters.replacement and not filters.top_k_every_row
             and (filters.top_p is not None or filters.min_p is not None))
 
 

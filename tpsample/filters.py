@@ -99,14 +99,23 @@ def cut_list(scratch: torch.Tensor, B: int) -> torch.Tensor:
     return scratch[B * (KNOWN_CAP + 3):].view(torch.int32)[:B + 1]
 
 
+def cut_rows_possible(filters: Filters) -> bool:
+    """Whether some row such a call flags may take kernels/filter_cut.py's fast path: top-p /
+    min-p rows without a top-k (a per-row top_k tensor may leave rows without one), samples
+    with replacement (top log-probs too: rows whose top n the filter kernel knows). Such calls
+    launch the fast path's steps and write the side output (FallbackChoice.side_output),
+    which spares their flagged rows a pass over W."""
+    return (filters.replacement and not filters.top_k_every_row
+            and (filters.top_p is not None or filters.min_p is not None))
+
+
 def cut_path_rows(filters: Filters, inv_temp: torch.Tensor) -> torch.Tensor:
     """bool [B]: the rows that the device fallback redoes, when flagged 1, on kernels/
     filter_cut.py's fast path (filter_fallback.fast_row within a call whose launchers take
     that path: samples with replacement, not a top-k on every row); the other flagged rows
     (and those flagged 2: top n past the known prefix) take one program per row (~5 ms at
     V = 151,936), which is what the host path is for (tpsample/fallback_choice.py)."""
-    if (not filters.replacement or filters.top_k_every_row
-            or (filters.top_p is None and filters.min_p is None)):
+    if not cut_rows_possible(filters):
         return torch.zeros(inv_temp.shape, dtype=torch.bool, device=inv_temp.device)
     on = torch.zeros(inv_temp.shape, dtype=torch.bool, device=inv_temp.device)
     if filters.top_p is not None:

@@ -650,8 +650,7 @@ def fallback_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias, params:
     block_f = min(1024, max(16, 1 << (B - 1).bit_length()))
     # (a call whose every row has a top-k launches none of the fast path's steps: no row of
     # it could take them)
-    fast = (filters.replacement and not filters.top_k_every_row
-            and (filters.top_p is not None or filters.min_p is not None))
+    fast = F.cut_rows_possible(filters)
     split = (SPLIT_ROWS and gather is not None and side is not None and fast and fan[1] > 1
              and n == 0  # (the owner's outputs it sends hold no top n)
              and B >= SPLIT_MIN_ROWS * fan[1]
